@@ -1,0 +1,68 @@
+"""milepost: checkpoints for JAX from a single controller, Ray worker hosts, or every process.
+
+>>> import milepost as mp
+>>> mp.save("/ckpt/100", state)
+>>> restored = mp.load("/ckpt/100", abstract_state)
+"""
+
+from milepost._api import (
+    load,
+    load_checkpointables,
+    metadata,
+    save,
+    save_async,
+    save_checkpointables,
+    save_checkpointables_async,
+)
+from milepost._checkpoint import CheckpointMetadata, SaveHandle
+from milepost._errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    HostError,
+    InvalidKeyError,
+    StructureMismatchError,
+    UnsupportedLeafError,
+)
+from milepost._handlers import (
+    CheckpointableHandler,
+    JsonHandler,
+    PyTreeHandler,
+    StatefulCheckpointable,
+    register_handler,
+)
+from milepost._options import AsyncOptions, Context, LoadOptions, SaveOptions
+from milepost._pytree import LeafMetadata
+from milepost._tree import PLACEHOLDER
+from milepost.workers import ShardingSpec
+
+__all__ = [
+    "PLACEHOLDER",
+    "AsyncOptions",
+    "CheckpointExistsError",
+    "CheckpointMetadata",
+    "CheckpointNotFoundError",
+    "CheckpointableHandler",
+    "Context",
+    "CorruptCheckpointError",
+    "HostError",
+    "InvalidKeyError",
+    "JsonHandler",
+    "LeafMetadata",
+    "LoadOptions",
+    "PyTreeHandler",
+    "SaveHandle",
+    "SaveOptions",
+    "ShardingSpec",
+    "StatefulCheckpointable",
+    "StructureMismatchError",
+    "UnsupportedLeafError",
+    "load",
+    "load_checkpointables",
+    "metadata",
+    "register_handler",
+    "save",
+    "save_async",
+    "save_checkpointables",
+    "save_checkpointables_async",
+]

@@ -1,0 +1,85 @@
+"""The public functions: save, load, metadata, and their checkpointable variants."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from milepost import _checkpoint
+from milepost._checkpoint import CheckpointMetadata, SaveHandle
+
+PathLike = str | os.PathLike[str]
+STATE = "state"
+
+
+def save(path: PathLike, state: Any, *, overwrite: bool = False, custom_metadata: Mapping[str, Any] | None = None) -> Path:
+    """Save a tree of arrays, scalars and strings to ``path``; returns once it is committed."""
+    return save_checkpointables(path, {STATE: state}, overwrite=overwrite, custom_metadata=custom_metadata)
+
+
+def save_async(
+    path: PathLike, state: Any, *, overwrite: bool = False, custom_metadata: Mapping[str, Any] | None = None
+) -> SaveHandle:
+    """Like :func:`save`, but returns as soon as every array is copied to host memory.
+
+    After it returns you may delete, donate or overwrite your arrays; the checkpoint holds their
+    values from the time of the call. ``handle.result()`` waits for the commit and re-raises a
+    failure of the background part.
+    """
+    return save_checkpointables_async(path, {STATE: state}, overwrite=overwrite, custom_metadata=custom_metadata)
+
+
+def save_checkpointables(
+    path: PathLike,
+    checkpointables: Mapping[str, Any],
+    *,
+    overwrite: bool = False,
+    custom_metadata: Mapping[str, Any] | None = None,
+    metrics: Mapping[str, Any] | None = None,
+) -> Path:
+    """Save several separable checkpointables, each in its own folder of one checkpoint."""
+    return _checkpoint.start_save(
+        path, checkpointables, overwrite=overwrite, custom_metadata=custom_metadata, metrics=metrics, asynchronous=False
+    ).result()
+
+
+def save_checkpointables_async(
+    path: PathLike,
+    checkpointables: Mapping[str, Any],
+    *,
+    overwrite: bool = False,
+    custom_metadata: Mapping[str, Any] | None = None,
+    metrics: Mapping[str, Any] | None = None,
+) -> SaveHandle:
+    return _checkpoint.start_save(
+        path, checkpointables, overwrite=overwrite, custom_metadata=custom_metadata, metrics=metrics, asynchronous=True
+    )
+
+
+def load(path: PathLike, abstract_state: Any = None, *, partial: bool = False) -> Any:
+    """Load the tree saved at ``path``.
+
+    ``abstract_state`` (optional) gives the structure and, per leaf, the target shape, dtype and
+    sharding (``jax.ShapeDtypeStruct``, a concrete array, ...); loading reshards and casts to it.
+    ``PLACEHOLDER`` leaves are skipped. ``partial=True`` loads only the leaves the abstract tree
+    names. Without an abstract tree the saved shardings are used (their devices must exist).
+    """
+    root = Path(path).absolute()
+    meta = _checkpoint.read_checkpoint_metadata(root)
+    name = _checkpoint.default_pytree_name(root, meta)
+    return _checkpoint.load_checkpointables(root, {name: abstract_state}, partial=partial)[name]
+
+
+def load_checkpointables(
+    path: PathLike, checkpointables: Mapping[str, Any] | None = None, *, partial: bool = False
+) -> dict[str, Any]:
+    """Load the named checkpointables (all when None); the others are not read."""
+    return _checkpoint.load_checkpointables(path, checkpointables, partial=partial)
+
+
+def metadata(path: PathLike) -> CheckpointMetadata:
+    """Shapes, dtypes, shardings and chunking of every array, and the checkpoint's custom
+    metadata and timestamps, without reading array data."""
+    return _checkpoint.metadata(path)

@@ -1,0 +1,283 @@
+"""Save, load and inspect whole checkpoints: temporary directory, handlers, finalize, commit."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from milepost import _dispatch, _handlers, _options, _tree
+from milepost import _format as fmt
+from milepost._errors import CheckpointExistsError, CheckpointNotFoundError, InvalidKeyError
+
+_in_flight: set[Path] = set()
+_in_flight_lock = threading.Lock()
+
+
+class SaveHandle:
+    """The background part of a save. ``result()`` re-raises its failure, once, on your thread."""
+
+    def __init__(self, path: Path, future: futures.Future[Path]) -> None:
+        self.path = path
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> Path:
+        try:
+            return self._future.result(timeout)
+        except futures.TimeoutError as e:
+            raise TimeoutError(f"the save to {self.path} did not finish within {timeout}s; it is still running") from e
+
+
+def _check_name(name: str) -> None:
+    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name or name.startswith("_"):
+        raise InvalidKeyError(
+            f"checkpointable name {name!r} is not a valid folder name (non-empty, no '/', not starting with '_'); rename it"
+        )
+
+
+def _all_leaves(objs: Mapping[str, Any]) -> list[Any]:
+    out: list[Any] = []
+    for obj in objs.values():
+        if isinstance(obj, _handlers.StatefulCheckpointable):
+            continue
+        out.extend(jax.tree_util.tree_leaves(obj, is_leaf=lambda x: x is None or hasattr(x, "__milepost_host_group__")))
+    return out
+
+
+def start_save(
+    path: str | os.PathLike[str],
+    objs: Mapping[str, Any],
+    *,
+    overwrite: bool,
+    custom_metadata: Mapping[str, Any] | None,
+    metrics: Mapping[str, Any] | None = None,
+    asynchronous: bool,
+) -> SaveHandle:
+    options = _options.current()
+    final = Path(path).absolute()
+    if not objs:
+        raise ValueError("nothing to save: pass at least one checkpointable")
+    for name in objs:
+        _check_name(name)
+    try:
+        custom_json = json.dumps(dict(custom_metadata or {}))
+        metrics_json = json.loads(json.dumps(dict(metrics or {})))
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"custom_metadata and metrics must be JSON-serializable: {e}") from e
+    handlers = {name: _handlers.resolve_for_save(name, obj, options.handlers) for name, obj in objs.items()}
+    group = _dispatch.host_group_for(_all_leaves(objs))
+    timeout = options.async_.timeout_secs
+    primary = group.is_primary()
+
+    exists = group.broadcast(f"exists:{final}", final.exists() if primary else None, timeout)
+    if exists:
+        if not overwrite:
+            raise CheckpointExistsError(
+                f"a checkpoint already exists at {final}; pass overwrite=True to replace it, or choose another path"
+            )
+        if primary and not fmt.is_checkpoint(final):
+            raise CheckpointExistsError(
+                f"{final} exists and is not a committed checkpoint; milepost will not overwrite it. Remove it or choose another path"
+            )
+    tmp = final.with_name(final.name + fmt.TMP_SUFFIX)
+    with _in_flight_lock:
+        if final in _in_flight:
+            raise CheckpointExistsError(f"another save to {final} is still in flight; wait for it (handle.result()) first")
+        _in_flight.add(final)
+    try:
+        if primary:
+            if final.parent.exists() and not final.parent.is_dir():
+                raise NotADirectoryError(f"{final.parent} is a file; a checkpoint's parent must be a directory")
+            if tmp.exists():
+                shutil.rmtree(tmp)  # left by a save that died: it was never committed
+            tmp.mkdir(parents=True)
+            for name in objs:
+                (tmp / name).mkdir()
+        group.barrier(f"tmp-created:{final}", timeout)
+        init_ns = time.time_ns()
+        call = _handlers.SaveCall(options=options, group=group, copy=asynchronous)
+        finishers: list[Callable[[], None]] = []
+        for name, obj in objs.items():
+            finish = handlers[name].save(tmp / name, obj, call)
+            if finish is not None:
+                finishers.append(finish)
+    except BaseException:
+        with _in_flight_lock:
+            _in_flight.discard(final)
+        if primary:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+    def finalize() -> Path:
+        try:
+            for finish in finishers:
+                finish()
+            if primary:
+                _commit(tmp, final, handlers, init_ns, custom_json, metrics_json, overwrite)
+            group.barrier(f"committed:{final}", timeout)
+            return final
+        except BaseException:
+            if primary:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        finally:
+            with _in_flight_lock:
+                _in_flight.discard(final)
+
+    future: futures.Future[Path]
+    if asynchronous:
+        future = futures.Future()
+
+        def run() -> None:
+            try:
+                future.set_result(finalize())
+            except BaseException as e:
+                future.set_exception(e)
+
+        threading.Thread(target=run, name=f"milepost-save:{final.name}", daemon=True).start()
+    else:
+        future = futures.Future()
+        future.set_result(finalize())
+    return SaveHandle(final, future)
+
+
+def _commit(
+    tmp: Path,
+    final: Path,
+    handlers: Mapping[str, Any],
+    init_ns: int,
+    custom_json: str,
+    metrics: Any,
+    overwrite: bool,
+) -> None:
+    fmt.write_file(tmp / fmt.ORBAX_MARKER, b"")
+    fmt.write_json(
+        tmp / fmt.CHECKPOINT_METADATA,
+        {
+            "item_handlers": {name: h.typestr for name, h in handlers.items()},
+            "metrics": metrics,
+            "performance_metrics": {},
+            "init_timestamp_nsecs": init_ns,
+            "commit_timestamp_nsecs": time.time_ns(),
+            "custom_metadata": json.loads(custom_json),
+        },
+    )
+    fmt.write_file(tmp / fmt.COMMIT_MARKER, f"Checkpoint commit was successful to {final}")
+    fmt.fsync_tree(tmp)
+    old = None
+    if overwrite and final.exists():
+        old = final.with_name(f"{final.name}.milepost-replaced-{os.getpid()}-{time.time_ns()}")
+        os.rename(final, old)
+    os.rename(tmp, final)
+    fmt.fsync_dir(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------
+
+
+def read_checkpoint_metadata(path: Path) -> dict[str, Any]:
+    fmt.require_checkpoint(path)
+    meta = fmt.read_json(path / fmt.CHECKPOINT_METADATA, "checkpoint metadata")
+    if not isinstance(meta, dict):
+        raise CheckpointNotFoundError(f"{path / fmt.CHECKPOINT_METADATA} is not a JSON object; the checkpoint is damaged")
+    if not fmt.is_checkpoint(path):
+        raise CheckpointNotFoundError(
+            f"{path} has no commit marker ({fmt.COMMIT_MARKER}): the save that wrote it did not finish. Load another checkpoint."
+        )
+    return meta
+
+
+def _item_names(path: Path, meta: dict[str, Any]) -> dict[str, str | None]:
+    items = dict(meta.get("item_handlers") or {})
+    if not items:  # very old layouts: every folder is a checkpointable
+        items = {p.name: None for p in path.iterdir() if p.is_dir()}
+    return items
+
+
+def load_checkpointables(
+    path: str | os.PathLike[str], abstracts: Mapping[str, Any] | None, *, partial: bool = False
+) -> dict[str, Any]:
+    options = _options.current()
+    root = Path(path).absolute()
+    meta = read_checkpoint_metadata(root)
+    items = _item_names(root, meta)
+    wanted = dict(abstracts) if abstracts is not None else {n: None for n in items}
+    unknown = [n for n in wanted if n not in items]
+    if unknown:
+        raise KeyError(f"checkpoint {root} has no checkpointable(s) {unknown}; it has {sorted(items)}")
+    leaves: list[Any] = []
+    for a in wanted.values():
+        if a is not None and not isinstance(a, _handlers.StatefulCheckpointable):
+            leaves.extend(jax.tree_util.tree_leaves(a, is_leaf=lambda x: hasattr(x, "__milepost_host_group__")))
+    group = _dispatch.host_group_for_abstract(leaves)
+    call = _handlers.LoadCall(options=options, group=group, partial=partial)
+    out = {}
+    for name, abstract in wanted.items():
+        handler = _handlers.resolve_for_load(name, items[name], abstract, options.handlers)
+        out[name] = handler.load(root / name, abstract, call)
+    return out
+
+
+def default_pytree_name(path: Path, meta: dict[str, Any]) -> str:
+    items = _item_names(path, meta)
+    if "state" in items:
+        return "state"
+    trees = [n for n, t in items.items() if t is None or str(t).endswith("PyTreeHandler")]
+    if len(trees) == 1:
+        return trees[0]
+    raise CheckpointNotFoundError(
+        f"checkpoint {path} has no 'state' checkpointable (it has {sorted(items)}); use load_checkpointables"
+    )
+
+
+class CheckpointMetadata:
+    """What ``milepost.metadata`` returns: the tree and the checkpoint-level facts."""
+
+    def __init__(self, path: Path, meta: dict[str, Any], checkpointables: dict[str, Any], tree_name: str | None) -> None:
+        self.path = path
+        self.checkpointables = checkpointables
+        self.tree = checkpointables.get(tree_name) if tree_name else None
+        self.custom_metadata: dict[str, Any] = meta.get("custom_metadata") or {}
+        self.metrics: dict[str, Any] = meta.get("metrics") or {}
+        self.init_timestamp_nsecs: int | None = meta.get("init_timestamp_nsecs")
+        self.commit_timestamp_nsecs: int | None = meta.get("commit_timestamp_nsecs")
+        self.item_handlers: dict[str, str] = meta.get("item_handlers") or {}
+
+    def __repr__(self) -> str:
+        return (
+            f"CheckpointMetadata(path={str(self.path)!r}, checkpointables={sorted(self.checkpointables)}, "
+            f"custom_metadata={self.custom_metadata}, commit_timestamp_nsecs={self.commit_timestamp_nsecs})"
+        )
+
+
+def metadata(path: str | os.PathLike[str]) -> CheckpointMetadata:
+    options = _options.current()
+    root = Path(path).absolute()
+    meta = read_checkpoint_metadata(root)
+    items = _item_names(root, meta)
+    parts = {}
+    for name, typestr in items.items():
+        handler = _handlers.resolve_for_load(name, typestr, None, options.handlers)
+        parts[name] = handler.metadata(root / name)
+    try:
+        tree_name: str | None = default_pytree_name(root, meta)
+    except CheckpointNotFoundError:
+        tree_name = None
+    return CheckpointMetadata(root, meta, parts, tree_name)
+
+
+__all__ = ["PLACEHOLDER"]
+PLACEHOLDER = _tree.PLACEHOLDER

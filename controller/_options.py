@@ -1,0 +1,104 @@
+"""Options, one frozen keyword-only dataclass per concern, and the ``Context`` that applies them.
+
+Every public call takes a snapshot of the current context when it starts, so changing the
+context while a save is in flight does not affect it.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveOptions:
+    use_ocdbt: bool = True
+    """Write each host's data into an OCDBT database and merge them (Orbax's default layout).
+    False writes one plain zarr3 folder per array."""
+    compression: str | None = None
+    """None (fastest; training state rarely compresses) or 'zstd' (Orbax's default)."""
+    chunk_byte_size: int | None = None
+    """Cut each written shard into inner chunks of at most this many bytes, so a resharded or
+    partial load reads only what it needs. None: one chunk per written shard."""
+    replica_parallel: bool = True
+    """Split a replicated shard among its replicas so that every replica writes a part."""
+
+    def __post_init__(self) -> None:
+        if self.compression not in (None, "zstd"):
+            raise ValueError(f"SaveOptions.compression must be None or 'zstd', got {self.compression!r}")
+        if self.chunk_byte_size is not None and self.chunk_byte_size <= 0:
+            raise ValueError(f"SaveOptions.chunk_byte_size must be positive, got {self.chunk_byte_size}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadOptions:
+    memory_budget_bytes: int | None = None
+    """At most this many bytes of read buffers in flight on each host (None: no cap)."""
+
+    def __post_init__(self) -> None:
+        if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
+            raise ValueError(f"LoadOptions.memory_budget_bytes must be positive, got {self.memory_budget_bytes}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AsyncOptions:
+    timeout_secs: float = 600.0
+    """How long to wait for hosts (staging, writing, reading) before failing with a clear error."""
+
+    def __post_init__(self) -> None:
+        if self.timeout_secs <= 0:
+            raise ValueError(f"AsyncOptions.timeout_secs must be positive, got {self.timeout_secs}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Options:
+    """A snapshot of everything a call needs from the context."""
+
+    saving: SaveOptions = field(default_factory=SaveOptions)
+    loading: LoadOptions = field(default_factory=LoadOptions)
+    async_: AsyncOptions = field(default_factory=AsyncOptions)
+    handlers: tuple[Any, ...] = ()
+
+
+_CURRENT: contextvars.ContextVar[Options] = contextvars.ContextVar("milepost_options", default=Options())  # noqa: B039 (frozen)
+
+
+def current() -> Options:
+    return _CURRENT.get()
+
+
+class Context:
+    """Apply options (and extra checkpointable handlers) to the calls made inside ``with``.
+
+    >>> with milepost.Context(saving=milepost.SaveOptions(compression="zstd")):
+    ...     milepost.save(path, state)
+
+    Contexts nest: unspecified options are inherited from the enclosing context.
+    """
+
+    def __init__(
+        self,
+        *,
+        saving: SaveOptions | None = None,
+        loading: LoadOptions | None = None,
+        async_: AsyncOptions | None = None,
+        handlers: Sequence[Any] = (),
+    ) -> None:
+        for name, value, cls in (("saving", saving, SaveOptions), ("loading", loading, LoadOptions), ("async_", async_, AsyncOptions)):
+            if value is not None and not isinstance(value, cls):
+                raise TypeError(f"Context({name}=...) takes a {cls.__name__}, got {type(value).__name__}")
+        self._changes = {k: v for k, v in (("saving", saving), ("loading", loading), ("async_", async_)) if v is not None}
+        self._handlers = tuple(handlers)
+        self._tokens: list[contextvars.Token[Options]] = []
+
+    def __enter__(self) -> Options:
+        outer = _CURRENT.get()
+        options = dataclasses.replace(outer, **self._changes, handlers=self._handlers + outer.handlers)
+        self._tokens.append(_CURRENT.set(options))
+        return options
+
+    def __exit__(self, *exc: object) -> None:
+        _CURRENT.reset(self._tokens.pop())

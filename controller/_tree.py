@@ -1,0 +1,129 @@
+"""Flattening trees into named leaves, and the checks that keep names safe on disk."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+from milepost._errors import InvalidKeyError
+
+PLACEHOLDER = ...
+"""A leaf of an abstract tree that is skipped on load (it comes back as ``...``)."""
+
+KEY_SEQUENCE = 1
+KEY_DICT = 2
+
+
+def is_empty_node(x: Any) -> bool:
+    return x is None or (isinstance(x, dict | list | tuple) and len(x) == 0)
+
+
+def empty_value_type(x: Any) -> str:
+    if x is None:
+        return "None"
+    if isinstance(x, dict):
+        return "Dict"
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return "NamedTuple"
+    if isinstance(x, tuple):
+        return "Tuple"
+    return "List"
+
+
+def empty_from_value_type(value_type: str) -> Any:
+    return {"None": None, "Dict": {}, "List": [], "Tuple": (), "NamedTuple": ()}[value_type]
+
+
+def _is_leaf(x: Any) -> bool:
+    return is_empty_node(x) or x is PLACEHOLDER
+
+
+@dataclass(frozen=True)
+class Leaf:
+    name: str
+    """Storage name: key path parts joined by '.'."""
+    keys: tuple[tuple[str, int], ...]
+    """(key, key_type) per level, as in Orbax's ``key_metadata``."""
+    value: Any
+
+    @property
+    def tuple_key(self) -> str:
+        """The key of this leaf in Orbax's ``tree_metadata``: ``str`` of the tuple of parts."""
+        return str(tuple(k for k, _ in self.keys))
+
+
+def _key_part(entry: Any) -> tuple[str, int]:
+    if isinstance(entry, jax.tree_util.DictKey):
+        return str(entry.key), KEY_DICT
+    if isinstance(entry, jax.tree_util.GetAttrKey):
+        return str(entry.name), KEY_DICT
+    if isinstance(entry, jax.tree_util.SequenceKey):
+        return str(entry.idx), KEY_SEQUENCE
+    if isinstance(entry, jax.tree_util.FlattenedIndexKey):
+        return str(entry.key), KEY_SEQUENCE
+    return str(entry), KEY_DICT
+
+
+def _check_part(part: str, path: tuple[str, ...]) -> None:
+    where = "/".join(path) or "<root>"
+    if part == "":
+        raise InvalidKeyError(f"tree key at {where!r} is empty; empty keys cannot name a stored array. Rename the key.")
+    if part in (".", "..") or "/" in part or "\\" in part or "\x00" in part:
+        raise InvalidKeyError(
+            f"tree key {part!r} at {where!r} is not safe as a storage name (it contains a path separator, NUL, or is "
+            "'.'/'..'); rename the key, e.g. replace '/' with '_'."
+        )
+
+
+def flatten(tree: Any) -> tuple[list[Leaf], Any]:
+    """Leaves with their storage names, and the treedef (None and empty containers are leaves)."""
+    pairs, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_leaf)
+    leaves: list[Leaf] = []
+    seen: dict[str, str] = {}
+    for path, value in pairs:
+        keys = tuple(_key_part(e) for e in path)
+        parts = tuple(k for k, _ in keys)
+        for i, part in enumerate(parts):
+            _check_part(part, parts[:i])
+        name = ".".join(parts) if parts else "_root"
+        if name in seen:
+            raise InvalidKeyError(
+                f"tree keys {seen[name]!r} and {parts!r} both map to the storage name {name!r} (parts are joined by '.'); "
+                "rename one of them."
+            )
+        seen[name] = str(parts)
+        leaves.append(Leaf(name=name, keys=keys, value=value))
+    return leaves, treedef
+
+
+def unflatten(treedef: Any, values: list[Any]) -> Any:
+    return jax.tree_util.tree_unflatten(treedef, values)
+
+
+def build_nested(entries: list[tuple[tuple[tuple[str, int], ...], Any]]) -> Any:
+    """Rebuild a tree of dicts and lists from ``(key_metadata, value)`` pairs (no abstract tree)."""
+    if len(entries) == 1 and not entries[0][0]:
+        return entries[0][1]
+    root: dict[str, Any] = {}
+    kinds: dict[int, int] = {}
+    for keys, value in entries:
+        node = root
+        for i, (key, key_type) in enumerate(keys):
+            kinds[id(node)] = key_type
+            if i == len(keys) - 1:
+                node[key] = value
+            else:
+                node = node.setdefault(key, {})
+    return _listify(root, kinds)
+
+
+def _listify(node: Any, kinds: dict[int, int]) -> Any:
+    if not isinstance(node, dict):
+        return node
+    kind = kinds.get(id(node), KEY_DICT)
+    children = {k: _listify(v, kinds) for k, v in node.items()}
+    if kind == KEY_SEQUENCE:
+        return [children[k] for k in sorted(children, key=int)]
+    return children

@@ -1,0 +1,18 @@
+"""Test set-up: 8 fake CPU devices before JAX starts."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+import pytest
+
+jax.config.update("jax_enable_x64", False)
+
+
+@pytest.fixture(scope="session")
+def mesh24() -> jax.sharding.Mesh:
+    return jax.make_mesh((2, 4), ("data", "model"))

@@ -1,0 +1,239 @@
+"""The per-host engine: stage shards to host memory, write them with TensorStore, read and place.
+
+A host runs this for the arrays it can address; it never sees the controller's objects. The same
+functions serve the in-process host, a Ray actor and every process of a multi-controller job.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+
+from milepost.workers import _tensorstore as tsu
+from milepost.workers._messages import (
+    ArraySpec,
+    LoadPlan,
+    LoadTask,
+    SaveAck,
+    SavePlan,
+)
+from milepost.workers._sharding import ShardingSpec
+
+
+class PendingSave:
+    """Writes issued by :func:`start_save`; :meth:`wait` blocks until they are durable."""
+
+    def __init__(self, plan: SavePlan, futures: list[Any], nbytes: int) -> None:
+        self._plan = plan
+        self._futures: list[Any] | None = futures
+        self._nbytes = nbytes
+        self._lock = threading.Lock()
+        self._ack: SaveAck | None = None
+
+    def wait(self, timeout: float | None = None) -> SaveAck:
+        with self._lock:
+            if self._ack is None:
+                futures = self._futures or []
+                for f in futures:
+                    f.commit.result(timeout=timeout)
+                self._futures = None  # drop the staged buffers as soon as they are on disk
+                arrays = tuple(
+                    (t.spec.name, t.spec.write_shape, t.spec.chunk_shape)
+                    for t in self._plan.tasks
+                    if t.regions or t.create
+                )
+                self._ack = SaveAck(
+                    process_index=self._plan.process_index, bytes_written=self._nbytes, arrays=arrays
+                )
+            return self._ack
+
+
+def start_save(plan: SavePlan, sources: Sequence[Any]) -> PendingSave:
+    """Open every array of ``plan``, issue its writes and return once the data is staged.
+
+    With ``plan.copy`` the return means every region's bytes have been copied into host buffers
+    owned by TensorStore, so the caller may delete, donate or overwrite its arrays. Without it
+    TensorStore references the sources until :meth:`PendingSave.wait` returns.
+    """
+    context = tsu.new_context()
+    kvstore = tsu.write_kvstore(plan.store, plan.process_index)
+    tasks = [t for t in plan.tasks if t.regions or t.create]
+    opens = [ts.open(tsu.create_spec(kvstore, t.spec), create=True, open=True, context=context) for t in tasks]
+    _start_device_to_host(plan, sources)
+    futures: list[Any] = []
+    nbytes = 0
+    for task, opening in zip(tasks, opens, strict=True):
+        store = opening.result()
+        source = sources[task.source]
+        shards = _shards_by_device(source)
+        for region in task.regions:
+            data = _region_data(source, shards, region.device_id, region.index, task.spec)
+            nbytes += data.nbytes
+            futures.append(
+                store[tsu.box_to_slices(region.index)].write(
+                    data, can_reference_source_data_indefinitely=not plan.copy
+                )
+            )
+    if plan.copy:
+        for f in futures:
+            f.copy.result()
+    return PendingSave(plan, futures, nbytes)
+
+
+def _start_device_to_host(plan: SavePlan, sources: Sequence[Any]) -> None:
+    """Start the device-to-host transfers of every shard we will write, so they overlap."""
+    for task in plan.tasks:
+        source = sources[task.source]
+        if not task.regions or isinstance(source, np.ndarray | np.generic):
+            continue
+        wanted = {r.device_id for r in task.regions}
+        for shard in source.addressable_shards:
+            if shard.device.id in wanted and shard.device.platform != "cpu":
+                shard.data.copy_to_host_async()
+
+
+def _shards_by_device(source: Any) -> dict[int, Any]:
+    if isinstance(source, np.ndarray | np.generic):
+        return {}
+    return {s.device.id: s for s in source.addressable_shards}
+
+
+def _region_data(
+    source: Any, shards: dict[int, Any], device_id: int, box: tuple[tuple[int, int], ...], spec: ArraySpec
+) -> np.ndarray:
+    if device_id < 0:
+        data = np.asarray(source)[tsu.box_to_slices(box)]
+    else:
+        shard = shards.get(device_id)
+        if shard is None:
+            raise ValueError(
+                f"array {spec.name!r}: the plan asks this host to write the shard on device {device_id}, "
+                f"which is not addressable here (addressable: {sorted(shards)})"
+            )
+        data = np.asarray(shard.data)
+        offsets = [s.start or 0 for s in shard.index] if shard.index else []
+        local = tuple(slice(a - o, b - o) for (a, b), o in zip(box, offsets, strict=True))
+        if any(sl.start != 0 or sl.stop != n for sl, n in zip(local, data.shape, strict=True)):
+            data = data[local]
+    if data.dtype != np.dtype(spec.dtype):
+        raise TypeError(f"array {spec.name!r}: planned dtype {spec.dtype} but the data is {data.dtype}")
+    return data
+
+
+# ------------------------------------------------------------------------------------------
+# Load
+# ------------------------------------------------------------------------------------------
+
+
+def load(plan: LoadPlan) -> list[Any]:
+    """Read what this host's devices need of every task, place it, assemble global arrays.
+
+    Returns one entry per task: a ``jax.Array`` (its addressable shards filled) or, for tasks
+    without a sharding, a NumPy array.
+    """
+    context = tsu.new_context()
+    kvstore = tsu.read_kvstore(plan.store)
+    opens = [ts.open(tsu.open_spec(kvstore, t.name), open=True, read=True, context=context) for t in plan.tasks]
+    stores = []
+    for task, opening in zip(plan.tasks, opens, strict=True):
+        try:
+            store = opening.result()
+        except Exception as e:  # TensorStore raises ValueError with a long status string
+            raise FileNotFoundError(
+                f"array {task.name!r} could not be opened in {plan.store.directory}: {e}. "
+                "The checkpoint is incomplete or not a milepost/Orbax checkpoint."
+            ) from e
+        if tuple(store.shape) != tuple(task.shape):
+            raise ValueError(f"array {task.name!r} is stored with shape {tuple(store.shape)}, the plan expects {task.shape}")
+        stores.append(store)
+    reader = _BudgetedReader(plan.memory_budget_bytes)
+    results: list[Any] = [None] * len(plan.tasks)
+    assemblers: list[_Assembler] = []
+    for i, (task, store) in enumerate(zip(plan.tasks, stores, strict=True)):
+        if task.sharding is None:
+            asm = _Assembler(task, None, results, i, [((), (tuple((0, n) for n in task.shape)))])
+        else:
+            sharding = task.sharding.to_jax() if isinstance(task.sharding, ShardingSpec) else task.sharding
+            index_map = sharding.addressable_devices_indices_map(task.shape)
+            by_box: dict[tuple[tuple[int, int], ...], list[Any]] = collections.defaultdict(list)
+            for device, index in index_map.items():
+                by_box[_slices_to_box(index, task.shape)].append(device)
+            asm = _Assembler(task, sharding, results, i, [(tuple(d), box) for box, d in by_box.items()])
+        assemblers.append(asm)
+        for devices, box in asm.pieces:
+            reader.read(store, box, asm, devices)
+    reader.drain()
+    for asm in assemblers:
+        asm.finish()
+    return results
+
+
+def _slices_to_box(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    return tuple(
+        (s.start or 0, n if s.stop is None else s.stop) for s, n in zip(index, shape, strict=True)
+    ) if index else tuple((0, n) for n in shape)
+
+
+class _Assembler:
+    """Collects the pieces of one array as they are read and builds the result."""
+
+    def __init__(self, task: LoadTask, sharding: Any, results: list[Any], slot: int, pieces: list[Any]) -> None:
+        self.task = task
+        self.sharding = sharding
+        self.results = results
+        self.slot = slot
+        self.pieces = pieces
+        self.placed: list[Any] = []
+
+    def take(self, devices: tuple[Any, ...], data: np.ndarray) -> None:
+        if data.dtype != np.dtype(self.task.dtype):
+            data = data.astype(self.task.dtype)
+        if self.sharding is None:
+            self.results[self.slot] = data
+            return
+        import jax
+
+        self.placed.extend(jax.device_put([data] * len(devices), list(devices)))
+
+    def finish(self) -> None:
+        if self.sharding is None:
+            return
+        import jax
+
+        self.results[self.slot] = jax.make_array_from_single_device_arrays(
+            self.task.shape, self.sharding, self.placed
+        )
+        self.placed = []
+
+
+class _BudgetedReader:
+    """Issues reads, keeping at most ``budget`` bytes of read buffers in flight."""
+
+    def __init__(self, budget: int | None) -> None:
+        self.budget = budget
+        self.inflight: collections.deque[tuple[Any, _Assembler, tuple[Any, ...], int]] = collections.deque()
+        self.inflight_bytes = 0
+
+    def read(self, store: Any, box: tuple[tuple[int, int], ...], asm: _Assembler, devices: tuple[Any, ...]) -> None:
+        nbytes = math.prod(b - a for a, b in box) * store.dtype.numpy_dtype.itemsize
+        if self.budget is not None:
+            while self.inflight and self.inflight_bytes + nbytes > self.budget:
+                self._complete_one()
+        future = store[tsu.box_to_slices(box)].read() if box else store.read()
+        self.inflight.append((future, asm, devices, nbytes))
+        self.inflight_bytes += nbytes
+
+    def _complete_one(self) -> None:
+        future, asm, devices, nbytes = self.inflight.popleft()
+        asm.take(devices, future.result())
+        self.inflight_bytes -= nbytes
+
+    def drain(self) -> None:
+        while self.inflight:
+            self._complete_one()

@@ -1,0 +1,99 @@
+"""Plans and acknowledgements exchanged between a controller and its hosts.
+
+Everything here is a small frozen dataclass that pickles to a few hundred bytes per array: a plan
+names arrays, regions and storage locations, never array bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from milepost.workers._sharding import ShardingSpec
+
+Index = tuple[tuple[int, int], ...]
+"""A box in an array: one half-open ``(start, stop)`` pair per dimension."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreSpec:
+    """Where a checkpointable's arrays live.
+
+    ``directory`` is the checkpointable folder (``<ckpt>/state``). With OCDBT a host writes into
+    its own ``ocdbt.process_<i>`` sub-store and reads through the merged root view.
+    """
+
+    directory: str
+    use_ocdbt: bool = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class ArraySpec:
+    """How one array is laid out on disk (zarr3, sharding_indexed codec)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    write_shape: tuple[int, ...]
+    chunk_shape: tuple[int, ...]
+    compression: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Region:
+    """One box of an array that one device's shard provides (``device_id`` -1: host memory)."""
+
+    device_id: int
+    index: Index
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveTask:
+    """One array for one host: which source, and which regions this host writes."""
+
+    source: int
+    spec: ArraySpec
+    regions: tuple[Region, ...]
+    create: bool = False
+    """Create the array's metadata even if this host writes no region (zero-size arrays)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SavePlan:
+    store: StoreSpec
+    process_index: int
+    tasks: tuple[SaveTask, ...]
+    copy: bool = True
+    """Copy the data to host memory before returning from staging (False: the caller promises
+    not to touch its arrays until the write is committed)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveAck:
+    process_index: int
+    bytes_written: int
+    arrays: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...]
+    """``(name, write_shape, chunk_shape)`` of every array this host wrote."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadTask:
+    """One array to read and place: ``sharding`` None means a host NumPy array."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    sharding: ShardingSpec | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadPlan:
+    store: StoreSpec
+    tasks: tuple[LoadTask, ...]
+    memory_budget_bytes: int | None = None
+    """At most this many bytes of read buffers in flight on a host (None: no cap)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadAck:
+    process_index: int
+    bytes_read: int

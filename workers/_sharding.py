@@ -1,0 +1,214 @@
+"""A picklable, device-free description of a sharding, and its index arithmetic.
+
+The controller of a slice owns no devices, so it describes shardings by global device ids
+(``ShardingSpec``) and hosts turn them into real ``jax.sharding`` objects. Device ids are not
+contiguous across processes: everything maps by id, never by position.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+AxisEntry = str | tuple[str, ...] | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardingSpec:
+    """``kind`` 'named': a mesh of global device ids with axis names and a PartitionSpec;
+    'single': one device."""
+
+    kind: str
+    mesh_shape: tuple[int, ...] = ()
+    axis_names: tuple[str, ...] = ()
+    device_ids: tuple[int, ...] = ()
+    """Mesh device ids in row-major order of ``mesh_shape``; for 'single', one id."""
+    spec: tuple[AxisEntry, ...] = ()
+    axis_types: tuple[str, ...] = ()
+    """'Auto', 'Explicit' or 'Manual' per mesh axis (empty: JAX's default)."""
+
+    # ---- construction -------------------------------------------------------------------
+    @staticmethod
+    def named(
+        mesh_shape: tuple[int, ...],
+        axis_names: tuple[str, ...],
+        device_ids: tuple[int, ...],
+        spec: tuple[AxisEntry, ...],
+        axis_types: tuple[str, ...] = (),
+    ) -> ShardingSpec:
+        if math.prod(mesh_shape) != len(device_ids):
+            raise ValueError(f"mesh of shape {mesh_shape} needs {math.prod(mesh_shape)} device ids, got {len(device_ids)}")
+        if len(set(device_ids)) != len(device_ids):
+            raise ValueError(f"mesh device ids must be distinct, got {device_ids}")
+        norm: list[AxisEntry] = []
+        for entry in spec:
+            names = _axes(entry)
+            for n in names:
+                if n not in axis_names:
+                    raise ValueError(f"PartitionSpec names mesh axis {n!r}, but the mesh has axes {axis_names}")
+            norm.append(None if not names else names[0] if len(names) == 1 and isinstance(entry, str) else tuple(names))
+        return ShardingSpec(
+            kind="named",
+            mesh_shape=tuple(mesh_shape),
+            axis_names=tuple(axis_names),
+            device_ids=tuple(int(d) for d in device_ids),
+            spec=tuple(norm),
+            axis_types=tuple(str(t).rsplit(".", 1)[-1] for t in axis_types),
+        )
+
+    @staticmethod
+    def single(device_id: int) -> ShardingSpec:
+        return ShardingSpec(kind="single", device_ids=(int(device_id),))
+
+    @staticmethod
+    def from_jax(sharding: Any) -> ShardingSpec:
+        import jax
+
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            mesh = sharding.mesh
+            ids = tuple(int(d.id) for d in mesh.devices.flat)
+            types = tuple(str(t) for t in getattr(mesh, "axis_types", ()))
+            return ShardingSpec.named(tuple(mesh.devices.shape), tuple(mesh.axis_names), ids, tuple(sharding.spec), types)
+        if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+            (device,) = sharding.device_set
+            return ShardingSpec.single(device.id)
+        raise TypeError(
+            f"milepost saves jax.Arrays with NamedSharding or SingleDeviceSharding, got {type(sharding).__name__}; "
+            "reshard the array onto a NamedSharding (jax.device_put(x, NamedSharding(mesh, spec))) before saving"
+        )
+
+    # ---- jax ----------------------------------------------------------------------------
+    def to_jax(self) -> Any:
+        return _to_jax(self)
+
+    # ---- arithmetic ---------------------------------------------------------------------
+    def partitions(self, ndim: int) -> tuple[int, ...]:
+        """How many blocks each array dimension is cut into."""
+        if self.kind == "single":
+            return (1,) * ndim
+        if len(self.spec) > ndim:
+            raise ValueError(f"PartitionSpec {self.spec} has more entries than the array has dimensions ({ndim})")
+        sizes = dict(zip(self.axis_names, self.mesh_shape, strict=True))
+        out = []
+        for d in range(ndim):
+            entry = self.spec[d] if d < len(self.spec) else None
+            out.append(math.prod(sizes[a] for a in _axes(entry)))
+        return tuple(out)
+
+    def shard_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        parts = self.partitions(len(shape))
+        for dim, p in zip(shape, parts, strict=True):
+            if dim % p:
+                raise ValueError(f"sharding {self.describe()} cuts a dimension of size {dim} into {p} parts, which does not divide it")
+        return tuple(dim // p for dim, p in zip(shape, parts, strict=True))
+
+    def device_indices(self, shape: tuple[int, ...]) -> dict[int, tuple[tuple[int, int], ...]]:
+        """Global device id -> the box of the array that device holds."""
+        if self.kind == "single":
+            return {self.device_ids[0]: tuple((0, n) for n in shape)}
+        shard = self.shard_shape(shape)
+        sizes = dict(zip(self.axis_names, self.mesh_shape, strict=True))
+        out: dict[int, tuple[tuple[int, int], ...]] = {}
+        for flat, dev in enumerate(self.device_ids):
+            coords = dict(zip(self.axis_names, _unravel(flat, self.mesh_shape), strict=True))
+            box = []
+            for d in range(len(shape)):
+                entry = self.spec[d] if d < len(self.spec) else None
+                block = 0
+                for a in _axes(entry):
+                    block = block * sizes[a] + coords[a]
+                box.append((block * shard[d], (block + 1) * shard[d]))
+            out[dev] = tuple(box)
+        return out
+
+    def describe(self) -> str:
+        if self.kind == "single":
+            return f"SingleDevice(id={self.device_ids[0]})"
+        return f"Named(mesh={dict(zip(self.axis_names, self.mesh_shape, strict=True))}, spec={self.spec})"
+
+    # ---- Orbax ``_sharding`` JSON -------------------------------------------------------
+    def to_orbax_json(self, platform: str = "cpu") -> str:
+        if self.kind == "single":
+            return json.dumps({"sharding_type": "SingleDeviceSharding", "device_str": f"{platform}:{self.device_ids[0]}"})
+        nested: Any = [{"id": i} for i in self.device_ids]
+        for size in reversed(self.mesh_shape[1:]):
+            nested = [nested[i : i + size] for i in range(0, len(nested), size)]
+        spec = [list(e) if isinstance(e, tuple) else e for e in self.spec]
+        return json.dumps(
+            {
+                "sharding_type": "NamedSharding",
+                "shape": list(self.mesh_shape),
+                "axis_names": list(self.axis_names),
+                "axis_types": [f"AxisType.{t}" for t in self.axis_types],
+                "partition_spec": spec,
+                "device_mesh": {"mesh": nested},
+            }
+        )
+
+    @staticmethod
+    def from_orbax_json(text: str) -> ShardingSpec:
+        d: Mapping[str, Any] = json.loads(text)
+        kind = d.get("sharding_type")
+        if kind == "SingleDeviceSharding":
+            return ShardingSpec.single(int(str(d["device_str"]).rsplit(":", 1)[-1]))
+        if kind == "NamedSharding":
+            ids: list[int] = []
+            _flatten_ids(d["device_mesh"]["mesh"], ids)
+            spec = tuple(tuple(e) if isinstance(e, list) else e for e in d.get("partition_spec", []))
+            types = tuple(d.get("axis_types") or ())
+            return ShardingSpec.named(tuple(d["shape"]), tuple(d["axis_names"]), tuple(ids), spec, types)
+        raise ValueError(f"unsupported saved sharding type {kind!r}")
+
+
+def _axes(entry: AxisEntry | Any) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    if isinstance(entry, str):
+        return (entry,)
+    if isinstance(entry, tuple | list):
+        return tuple(entry)
+    return ()  # PartitionSpec.UNCONSTRAINED and friends: treat as replicated
+
+
+def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    coords = []
+    for size in reversed(shape):
+        coords.append(flat % size)
+        flat //= size
+    return tuple(reversed(coords))
+
+
+def _flatten_ids(node: Any, out: list[int]) -> None:
+    if isinstance(node, dict):
+        out.append(int(node["id"]))
+    else:
+        for child in node:
+            _flatten_ids(child, out)
+
+
+@functools.lru_cache(maxsize=1024)
+def _to_jax(spec: ShardingSpec) -> Any:
+    import jax
+    import numpy as np
+
+    by_id = {d.id: d for d in jax.devices()}
+    missing = [i for i in spec.device_ids if i not in by_id]
+    if missing:
+        raise ValueError(
+            f"the sharding {spec.describe()} uses devices {missing[:8]} that this JAX runtime does not have "
+            f"(it has ids {sorted(by_id)[:8]}{'...' if len(by_id) > 8 else ''}); "
+            "pass an abstract tree with shardings over the devices you have to load resharded"
+        )
+    if spec.kind == "single":
+        return jax.sharding.SingleDeviceSharding(by_id[spec.device_ids[0]])
+    devices = np.array([by_id[i] for i in spec.device_ids], dtype=object).reshape(spec.mesh_shape)
+    if spec.axis_types:
+        types = tuple(getattr(jax.sharding.AxisType, t) for t in spec.axis_types)
+        mesh = jax.sharding.Mesh(devices, spec.axis_names, axis_types=types)
+    else:
+        mesh = jax.sharding.Mesh(devices, spec.axis_names)
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec.spec))
