@@ -18,8 +18,10 @@ def _imports(path: Path) -> list[str]:
         if isinstance(node, ast.Import):
             names.extend(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.append(node.module)
-            names.extend(f"{node.module}.{a.name}" for a in node.names)
+            if node.module == "milepost":  # `from milepost import workers` imports milepost.workers
+                names.extend(f"milepost.{a.name}" for a in node.names)
+            else:
+                names.append(node.module)
     return names
 
 
