@@ -1,0 +1,1 @@
+"""milepost.training: a Checkpointer for a sequence of training steps."""
