@@ -161,10 +161,10 @@ def load(plan: LoadPlan) -> list[Any]:
         else:
             sharding = task.sharding.to_jax() if isinstance(task.sharding, ShardingSpec) else task.sharding
             index_map = sharding.addressable_devices_indices_map(task.shape)
-            by_box: dict[tuple[tuple[int, int], ...], list[Any]] = collections.defaultdict(list)
-            for device, index in index_map.items():
-                by_box[_slices_to_box(index, task.shape)].append(device)
-            asm = _Assembler(task, sharding, results, i, [(tuple(d), box) for box, d in by_box.items()])
+            # One read per device, each into its own buffer that the device array adopts;
+            # replicas of a box are read again (from the page cache) rather than copied here.
+            pieces = [((device,), _slices_to_box(index, task.shape)) for device, index in index_map.items()]
+            asm = _Assembler(task, sharding, results, i, pieces)
         assemblers.append(asm)
         for devices, box in asm.pieces:
             reader.read(store, box, asm, devices)
@@ -180,6 +180,18 @@ def _slices_to_box(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tu
     ) if index else tuple((0, n) for n in shape)
 
 
+def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, alignment: int = 64) -> np.ndarray:
+    """An uninitialized array whose data is ``alignment``-byte aligned.
+
+    XLA's CPU client adopts such buffers without a copy on ``device_put``, so a loaded shard is
+    read from disk straight into the memory the device array will own.
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + alignment, dtype=np.uint8)
+    offset = (-raw.ctypes.data) % alignment
+    return raw[offset : offset + nbytes].view(dtype).reshape(shape)
+
+
 class _Assembler:
     """Collects the pieces of one array as they are read and builds the result."""
 
@@ -192,14 +204,19 @@ class _Assembler:
         self.placed: list[Any] = []
 
     def take(self, devices: tuple[Any, ...], data: np.ndarray) -> None:
-        if data.dtype != np.dtype(self.task.dtype):
-            data = data.astype(self.task.dtype)
+        target = np.dtype(self.task.dtype)
+        if data.dtype != target:
+            cast = aligned_empty(data.shape, target)
+            np.copyto(cast, data, casting="unsafe")
+            data = cast
         if self.sharding is None:
             self.results[self.slot] = data
             return
         import jax
 
-        self.placed.extend(jax.device_put([data] * len(devices), list(devices)))
+        # The device array adopts the aligned buffer (no copy on CPU); every device has its own.
+        (device,) = devices
+        self.placed.append(jax.device_put(data, device))
 
     def finish(self) -> None:
         if self.sharding is None:
@@ -217,21 +234,25 @@ class _BudgetedReader:
 
     def __init__(self, budget: int | None) -> None:
         self.budget = budget
-        self.inflight: collections.deque[tuple[Any, _Assembler, tuple[Any, ...], int]] = collections.deque()
+        self.inflight: collections.deque[tuple[Any, np.ndarray, _Assembler, tuple[Any, ...], int]] = collections.deque()
         self.inflight_bytes = 0
 
     def read(self, store: Any, box: tuple[tuple[int, int], ...], asm: _Assembler, devices: tuple[Any, ...]) -> None:
-        nbytes = math.prod(b - a for a, b in box) * store.dtype.numpy_dtype.itemsize
+        dtype = store.dtype.numpy_dtype
+        nbytes = math.prod(b - a for a, b in box) * dtype.itemsize
         if self.budget is not None:
             while self.inflight and self.inflight_bytes + nbytes > self.budget:
                 self._complete_one()
-        future = store[tsu.box_to_slices(box)].read() if box else store.read()
-        self.inflight.append((future, asm, devices, nbytes))
+        out = aligned_empty(tuple(b - a for a, b in box), dtype)
+        source = store[tsu.box_to_slices(box)] if box else store
+        future = ts.array(out).write(source)
+        self.inflight.append((future, out, asm, devices, nbytes))
         self.inflight_bytes += nbytes
 
     def _complete_one(self) -> None:
-        future, asm, devices, nbytes = self.inflight.popleft()
-        asm.take(devices, future.result())
+        future, out, asm, devices, nbytes = self.inflight.popleft()
+        future.result()
+        asm.take(devices, out)
         self.inflight_bytes -= nbytes
 
     def drain(self) -> None:
