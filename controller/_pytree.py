@@ -314,7 +314,11 @@ def read_array_headers(saved: _Saved, names: list[str]) -> dict[str, dict[str, A
     """zarr.json of each named array (small reads through the root view)."""
     if not names:
         return {}
-    kv = ts.KvStore.open(workers.read_kvstore(saved.store)).result()
+    spec = workers.read_kvstore(saved.store)
+    if spec["driver"] == "file":
+        kv = ts.KvStore.open({"driver": "file", "path": str(saved.directory) + "/"}).result()
+    else:
+        kv = ts.KvStore.open(spec).result()
     reads = {n: kv.read(f"{n}/zarr.json") for n in names}
     out = {}
     for n, r in reads.items():

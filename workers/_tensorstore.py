@@ -51,6 +51,13 @@ def merge_kvstore(store: StoreSpec) -> dict[str, Any]:
     return {"driver": "ocdbt", "base": _file(store.directory), "config": OCDBT_CONFIG}
 
 
+def _array_kvstore(kvstore: dict[str, Any], name: str) -> dict[str, Any]:
+    """The kvstore of one array: a key prefix inside OCDBT, a sub-folder of a plain folder."""
+    if kvstore["driver"] == "file":
+        return {**kvstore, "path": kvstore["path"] + name + "/"}
+    return {**kvstore, "path": name + "/"}
+
+
 def zarr_dtype(dtype: np.dtype | str) -> str:
     name = np.dtype(dtype).name
     return "bool" if name == "bool" else name
@@ -64,7 +71,7 @@ def create_spec(kvstore: dict[str, Any], spec: ArraySpec) -> dict[str, Any]:
         raise ValueError(f"unknown compression {spec.compression!r}; use None or 'zstd'")
     return {
         "driver": "zarr3",
-        "kvstore": {**kvstore, "path": spec.name + "/"},
+        "kvstore": _array_kvstore(kvstore, spec.name),
         # Orbax reads with fill_missing_data_reads=False: every chunk must exist, zeros included.
         "store_data_equal_to_fill_value": True,
         "metadata": {
@@ -92,7 +99,7 @@ def create_spec(kvstore: dict[str, Any], spec: ArraySpec) -> dict[str, Any]:
 def open_spec(kvstore: dict[str, Any], name: str) -> dict[str, Any]:
     return {
         "driver": "zarr3",
-        "kvstore": {**kvstore, "path": name + "/"},
+        "kvstore": _array_kvstore(kvstore, name),
         "recheck_cached_data": False,
         "recheck_cached_metadata": False,
     }
