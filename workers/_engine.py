@@ -57,9 +57,9 @@ class PendingSave:
 def start_save(plan: SavePlan, sources: Sequence[Any]) -> PendingSave:
     """Open every array of ``plan``, issue its writes and return once the data is staged.
 
-    With ``plan.copy`` the return means every region's bytes have been copied into host buffers
-    owned by TensorStore, so the caller may delete, donate or overwrite its arrays. Without it
-    TensorStore references the sources until :meth:`PendingSave.wait` returns.
+    With ``plan.copy`` the return means every region's bytes are in host buffers of our own, so
+    the caller may delete, donate or overwrite its arrays. Without it TensorStore references the
+    caller's memory until :meth:`PendingSave.wait` returns.
     """
     context = tsu.new_context()
     kvstore = tsu.write_kvstore(plan.store, plan.process_index)
@@ -74,15 +74,16 @@ def start_save(plan: SavePlan, sources: Sequence[Any]) -> PendingSave:
         shards = _shards_by_device(source)
         for region in task.regions:
             data = _region_data(source, shards, region.device_id, region.index, task.spec)
+            if plan.copy and _may_alias_caller_memory(source, region.device_id):
+                # Our own copy into aligned memory: TensorStore then references it until the
+                # write is durable instead of copying again, and the caller's arrays are free.
+                staged = aligned_empty(data.shape, data.dtype)
+                np.copyto(staged, data)
+                data = staged
             nbytes += data.nbytes
             futures.append(
-                store[tsu.box_to_slices(region.index)].write(
-                    data, can_reference_source_data_indefinitely=not plan.copy
-                )
+                store[tsu.box_to_slices(region.index)].write(data, can_reference_source_data_indefinitely=True)
             )
-    if plan.copy:
-        for f in futures:
-            f.copy.result()
     return PendingSave(plan, futures, nbytes)
 
 
@@ -96,6 +97,14 @@ def _start_device_to_host(plan: SavePlan, sources: Sequence[Any]) -> None:
         for shard in source.addressable_shards:
             if shard.device.id in wanted and shard.device.platform != "cpu":
                 shard.data.copy_to_host_async()
+
+
+def _may_alias_caller_memory(source: Any, device_id: int) -> bool:
+    """Whether the host view of this region is the caller's memory (NumPy, or a CPU device
+    buffer) rather than a fresh device-to-host transfer."""
+    if device_id < 0 or isinstance(source, np.ndarray | np.generic):
+        return True
+    return any(d.platform == "cpu" for d in source.sharding.device_set)
 
 
 def _shards_by_device(source: Any) -> dict[int, Any]:
@@ -161,10 +170,11 @@ def load(plan: LoadPlan) -> list[Any]:
         else:
             sharding = task.sharding.to_jax() if isinstance(task.sharding, ShardingSpec) else task.sharding
             index_map = sharding.addressable_devices_indices_map(task.shape)
-            # One read per device, each into its own buffer that the device array adopts;
-            # replicas of a box are read again (from the page cache) rather than copied here.
-            pieces = [((device,), _slices_to_box(index, task.shape)) for device, index in index_map.items()]
-            asm = _Assembler(task, sharding, results, i, pieces)
+            # Each distinct box is read once; its replicas get copies in memory.
+            by_box: dict[tuple[tuple[int, int], ...], list[Any]] = {}
+            for device, index in index_map.items():
+                by_box.setdefault(_slices_to_box(index, task.shape), []).append(device)
+            asm = _Assembler(task, sharding, results, i, [(tuple(d), box) for box, d in by_box.items()])
         assemblers.append(asm)
         for devices, box in asm.pieces:
             reader.read(store, box, asm, devices)
@@ -214,9 +224,14 @@ class _Assembler:
             return
         import jax
 
-        # The device array adopts the aligned buffer (no copy on CPU); every device has its own.
-        (device,) = devices
-        self.placed.append(jax.device_put(data, device))
+        # A device array adopts an aligned buffer without a copy (CPU), so every device gets
+        # its own: two devices sharing memory would clobber each other on donation.
+        buffers = [data]
+        for _ in devices[1:]:
+            extra = aligned_empty(data.shape, data.dtype)
+            np.copyto(extra, data)
+            buffers.append(extra)
+        self.placed.extend(jax.device_put(buffers, list(devices)))
 
     def finish(self) -> None:
         if self.sharding is None:
