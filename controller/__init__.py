@@ -5,6 +5,7 @@
 >>> restored = mp.load("/ckpt/100", abstract_state)
 """
 
+from milepost import training
 from milepost._api import (
     load,
     load_checkpointables,
@@ -65,4 +66,5 @@ __all__ = [
     "save_async",
     "save_checkpointables",
     "save_checkpointables_async",
+    "training",
 ]
