@@ -35,8 +35,10 @@ class SaveOptions:
 
 @dataclass(frozen=True, kw_only=True)
 class LoadOptions:
-    memory_budget_bytes: int | None = None
-    """At most this many bytes of read buffers in flight on each host (None: no cap)."""
+    memory_budget_bytes: int | None = 128 << 20
+    """At most this many bytes of reads in flight on each host (None: no cap). Each read holds
+    TensorStore's buffer and ours for a moment, so the transient memory of a load stays near
+    twice this, whatever the checkpoint size; a read larger than the budget runs alone."""
 
     def __post_init__(self) -> None:
         if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
