@@ -66,10 +66,9 @@ def load(path: PathLike, abstract_state: Any = None, *, partial: bool = False) -
     ``PLACEHOLDER`` leaves are skipped. ``partial=True`` loads only the leaves the abstract tree
     names. Without an abstract tree the saved shardings are used (their devices must exist).
     """
-    root = Path(path).absolute()
-    meta = _checkpoint.read_checkpoint_metadata(root)
-    name = _checkpoint.default_pytree_name(root, meta)
-    return _checkpoint.load_checkpointables(root, {name: abstract_state}, partial=partial)[name]
+    loaded = _checkpoint.load_checkpointables(path, {None: abstract_state}, partial=partial, default_pytree=True)  # type: ignore[dict-item]
+    (value,) = loaded.values()
+    return value
 
 
 def load_checkpointables(

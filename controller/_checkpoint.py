@@ -208,27 +208,41 @@ def _item_names(path: Path, meta: dict[str, Any]) -> dict[str, str | None]:
 
 
 def load_checkpointables(
-    path: str | os.PathLike[str], abstracts: Mapping[str, Any] | None, *, partial: bool = False
+    path: str | os.PathLike[str],
+    abstracts: Mapping[str, Any] | None,
+    *,
+    partial: bool = False,
+    default_pytree: bool = False,
 ) -> dict[str, Any]:
+    """Load the named checkpointables (all when None). ``default_pytree``: ``abstracts`` holds
+    one entry under the key None, meaning the checkpoint's main pytree."""
     options = _options.current()
     root = Path(path).absolute()
-    meta = read_checkpoint_metadata(root)
-    items = _item_names(root, meta)
+    leaves: list[Any] = []
+    for a in (abstracts or {}).values():
+        if a is not None and not isinstance(a, _handlers.StatefulCheckpointable):
+            leaves.extend(jax.tree_util.tree_leaves(a, is_leaf=lambda x: hasattr(x, "__milepost_host_group__")))
+    group = _dispatch.host_group_for_abstract(leaves)
+    timeout = options.async_.timeout_secs
+    meta, items = _dispatch.shared(group, f"ckpt-meta:{root}", lambda: _read_items(root), timeout)
+    if default_pytree:
+        assert abstracts is not None
+        abstracts = {default_pytree_name(root, meta): abstracts[None]}
     wanted = dict(abstracts) if abstracts is not None else {n: None for n in items}
     unknown = [n for n in wanted if n not in items]
     if unknown:
         raise KeyError(f"checkpoint {root} has no checkpointable(s) {unknown}; it has {sorted(items)}")
-    leaves: list[Any] = []
-    for a in wanted.values():
-        if a is not None and not isinstance(a, _handlers.StatefulCheckpointable):
-            leaves.extend(jax.tree_util.tree_leaves(a, is_leaf=lambda x: hasattr(x, "__milepost_host_group__")))
-    group = _dispatch.host_group_for_abstract(leaves)
     call = _handlers.LoadCall(options=options, group=group, partial=partial)
     out = {}
     for name, abstract in wanted.items():
         handler = _handlers.resolve_for_load(name, items[name], abstract, options.handlers)
         out[name] = handler.load(root / name, abstract, call)
     return out
+
+
+def _read_items(root: Path) -> tuple[dict[str, Any], dict[str, str | None]]:
+    meta = read_checkpoint_metadata(root)
+    return meta, _item_names(root, meta)
 
 
 def default_pytree_name(path: Path, meta: dict[str, Any]) -> str:
@@ -266,17 +280,22 @@ class CheckpointMetadata:
 def metadata(path: str | os.PathLike[str]) -> CheckpointMetadata:
     options = _options.current()
     root = Path(path).absolute()
-    meta = read_checkpoint_metadata(root)
-    items = _item_names(root, meta)
-    parts = {}
-    for name, typestr in items.items():
-        handler = _handlers.resolve_for_load(name, typestr, None, options.handlers)
-        parts[name] = handler.metadata(root / name)
-    try:
-        tree_name: str | None = default_pytree_name(root, meta)
-    except CheckpointNotFoundError:
-        tree_name = None
-    return CheckpointMetadata(root, meta, parts, tree_name)
+    group = _dispatch.host_group_for([])
+
+    def read() -> CheckpointMetadata:
+        meta = read_checkpoint_metadata(root)
+        items = _item_names(root, meta)
+        parts = {}
+        for name, typestr in items.items():
+            handler = _handlers.resolve_for_load(name, typestr, None, options.handlers)
+            parts[name] = handler.metadata(root / name)
+        try:
+            tree_name: str | None = default_pytree_name(root, meta)
+        except CheckpointNotFoundError:
+            tree_name = None
+        return CheckpointMetadata(root, meta, parts, tree_name)
+
+    return _dispatch.shared(group, f"metadata:{root}", read, options.async_.timeout_secs)
 
 
 __all__ = ["PLACEHOLDER"]

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import functools
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import jax
 
-from milepost.colocated import HostGroup, LocalHostGroup
+from milepost.colocated import HostGroup, LocalHostGroup, MultiControllerHostGroup
+
+T = TypeVar("T")
 
 _PROVIDERS: list[Any] = []
 """Callables ``() -> HostGroup | None`` consulted for trees without slice handles (the
@@ -21,6 +24,35 @@ def register_default_group_provider(provider: Any) -> None:
 @functools.cache
 def _local() -> LocalHostGroup:
     return LocalHostGroup(jax.process_index())
+
+
+@functools.cache
+def _multi_controller() -> MultiControllerHostGroup:
+    return MultiControllerHostGroup()
+
+
+def _multi_controller_if_distributed() -> HostGroup | None:
+    return _multi_controller() if jax.process_count() > 1 else None
+
+
+register_default_group_provider(_multi_controller_if_distributed)
+
+
+def shared(group: HostGroup, name: str, fn: Callable[[], T], timeout: float) -> T:
+    """Run ``fn`` on the primary only and give every controller process its result, or its
+    error: listings and metadata reads are done once, not by every process."""
+    if group.is_primary():
+        try:
+            outcome: tuple[bool, Any] = (True, fn())
+        except Exception as e:
+            outcome = (False, e)
+        group.broadcast(name, outcome, timeout)
+    else:
+        outcome = group.broadcast(name, None, timeout)
+    ok, value = outcome
+    if not ok:
+        raise value
+    return value
 
 
 def host_group_for(values: list[Any]) -> HostGroup:

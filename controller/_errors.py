@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from milepost.colocated import _errors as _colocated_errors
+
 
 class CheckpointNotFoundError(FileNotFoundError):
     """The path is not a committed checkpoint (or a part of one is missing)."""
@@ -27,5 +29,5 @@ class InvalidKeyError(ValueError):
     """A tree key cannot be used as a storage name."""
 
 
-class HostError(RuntimeError):
-    """A host process failed or did not answer in time; the message names it."""
+HostError = _colocated_errors.HostError
+"""A host process failed or did not answer in time; the message names it."""

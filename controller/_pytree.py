@@ -15,8 +15,8 @@ import jax
 import numpy as np
 import tensorstore as ts
 
+from milepost import _dispatch, _planning, _tree, workers
 from milepost import _format as fmt
-from milepost import _planning, _tree, workers
 from milepost._errors import CorruptCheckpointError, StructureMismatchError, UnsupportedLeafError
 from milepost._tree import PLACEHOLDER, Leaf
 from milepost.workers import ShardingSpec
@@ -366,7 +366,8 @@ def _is_abstract_array(x: Any) -> bool:
 
 
 def load(directory: Path, abstract: Any, partial: bool, call: Any) -> Any:
-    saved = read_saved(directory)
+    timeout = call.options.async_.timeout_secs
+    saved = _dispatch.shared(call.group, f"pytree-meta:{directory}", lambda: read_saved(directory), timeout)
     if abstract is None:
         targets = [(saved.entries[n]["keys"], n, None) for n in saved.order]
         treedef = None
@@ -391,7 +392,9 @@ def load(directory: Path, abstract: Any, partial: bool, call: Any) -> Any:
         n for _k, n, a in targets
         if a is not PLACEHOLDER and n in saved.entries and saved.entries[n]["value_type"] in ("jax.Array", "np.ndarray", "scalar")
     ]
-    headers = read_array_headers(saved, array_names)
+    headers = _dispatch.shared(
+        call.group, f"pytree-headers:{directory}", lambda: read_array_headers(saved, array_names), timeout
+    )
 
     device_tasks: list[workers.LoadTask] = []
     host_tasks: list[workers.LoadTask] = []
@@ -443,7 +446,6 @@ def load(directory: Path, abstract: Any, partial: bool, call: Any) -> Any:
             slots[name] = ("device", len(device_tasks))
             device_tasks.append(task)
 
-    timeout = call.options.async_.timeout_secs
     budget = call.options.loading.memory_budget_bytes
     with futures.ThreadPoolExecutor(1) as pool:
         host_future = pool.submit(
