@@ -3,5 +3,25 @@
 from milepost.colocated._errors import HostError
 from milepost.colocated._hostgroup import HostGroup, LocalHostGroup, PendingHostSave
 from milepost.colocated._mcjax import MultiControllerHostGroup
+from milepost.colocated._slice import (
+    AbstractArray,
+    RemoteArray,
+    Slice,
+    SliceMesh,
+    SliceOptions,
+    SliceSharding,
+)
 
-__all__ = ["HostError", "HostGroup", "LocalHostGroup", "MultiControllerHostGroup", "PendingHostSave"]
+__all__ = [
+    "AbstractArray",
+    "HostError",
+    "HostGroup",
+    "LocalHostGroup",
+    "MultiControllerHostGroup",
+    "PendingHostSave",
+    "RemoteArray",
+    "Slice",
+    "SliceMesh",
+    "SliceOptions",
+    "SliceSharding",
+]

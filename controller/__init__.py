@@ -35,10 +35,12 @@ from milepost._handlers import (
 from milepost._options import AsyncOptions, Context, LoadOptions, SaveOptions
 from milepost._pytree import LeafMetadata
 from milepost._tree import PLACEHOLDER
+from milepost.colocated import AbstractArray, RemoteArray, Slice, SliceOptions
 from milepost.workers import ShardingSpec
 
 __all__ = [
     "PLACEHOLDER",
+    "AbstractArray",
     "AsyncOptions",
     "CheckpointExistsError",
     "CheckpointMetadata",
@@ -52,9 +54,12 @@ __all__ = [
     "LeafMetadata",
     "LoadOptions",
     "PyTreeHandler",
+    "RemoteArray",
     "SaveHandle",
     "SaveOptions",
     "ShardingSpec",
+    "Slice",
+    "SliceOptions",
     "StatefulCheckpointable",
     "StructureMismatchError",
     "UnsupportedLeafError",

@@ -424,20 +424,18 @@ def load(directory: Path, abstract: Any, partial: bool, call: Any) -> Any:
                 )
             dtype = np.dtype(abst.dtype)
             sharding = getattr(abst, "sharding", None)
-            if sharding is None and not isinstance(abst, jax.ShapeDtypeStruct | jax.Array) and not hasattr(abst, "sharding"):
-                sharding = None
-            elif sharding is None:
+            if sharding is None:  # no target sharding given: the saved one
                 spec = saved.shardings.get(name)
                 if spec is None:
                     raise StructureMismatchError(f"leaf {name!r} has no sharding in the abstract tree and none was saved; give one")
                 call.group.check_devices(spec, name)
                 sharding = spec
+            elif getattr(sharding, "milepost_spec", None) is not None:  # a slice sharding: ids only
+                sharding = sharding.milepost_spec
         elif isinstance(abst, np.ndarray):
             if tuple(abst.shape) != shape:
                 raise StructureMismatchError(f"leaf {name!r}: the abstract array has shape {abst.shape}, the checkpoint {shape}")
             dtype = abst.dtype
-        if vt != "jax.Array" and sharding is None and abst is None:
-            pass
         task = workers.LoadTask(name=name, shape=shape, dtype=np.dtype(dtype).name, sharding=sharding)
         if sharding is None:
             slots[name] = ("host", len(host_tasks))

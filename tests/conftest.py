@@ -16,3 +16,13 @@ jax.config.update("jax_enable_x64", False)
 @pytest.fixture(scope="session")
 def mesh24() -> jax.sharding.Mesh:
     return jax.make_mesh((2, 4), ("data", "model"))
+
+
+@pytest.fixture(scope="session")
+def ray_runtime():  # type: ignore[no-untyped-def]
+    """One local Ray runtime for the whole session (slice tests)."""
+    ray = pytest.importorskip("ray")
+    if not ray.is_initialized():
+        ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, object_store_memory=1 << 30)
+    yield ray
+    ray.shutdown()

@@ -1,8 +1,15 @@
-"""milepost.training: a Checkpointer for a sequence of training steps."""
+"""milepost.training: a Checkpointer for a sequence of training steps in one root directory.
+
+>>> from milepost.training import AnyOf, Checkpointer, FixedInterval, KeepLatest, Preemption
+>>> with Checkpointer("/ckpt", save_policy=AnyOf(FixedInterval(interval=100), Preemption()),
+...                   keep=KeepLatest(n=3)) as ckpt:
+...     ckpt.save(step, state, metrics={"loss": loss})
+"""
 
 from milepost.training._checkpointer import (
     BackgroundSaveError,
     Checkpointer,
+    StepBusyError,
     StepExistsError,
     StepNotFoundError,
 )
@@ -16,6 +23,7 @@ from milepost.training._policies import (
     KeepEvery,
     KeepLatest,
     KeepUnion,
+    Preemption,
     RetentionPolicy,
     SaveContext,
     SavePolicy,
@@ -35,10 +43,12 @@ __all__ = [
     "KeepEvery",
     "KeepLatest",
     "KeepUnion",
+    "Preemption",
     "RetentionPolicy",
     "SaveContext",
     "SavePolicy",
     "SpecificSteps",
+    "StepBusyError",
     "StepExistsError",
     "StepInfo",
     "StepNotFoundError",

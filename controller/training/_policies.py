@@ -1,23 +1,33 @@
-"""Save policies (when to save) and retention policies (what to keep), both composable."""
+"""Save policies (when to save) and retention policies (what to keep), both composable.
+
+Every policy is a small frozen dataclass. A save policy answers ``should_save(ctx)`` from a
+:class:`SaveContext`; a retention policy answers ``keep(steps)`` with the steps it wants kept.
+Compose save policies with :class:`AnyOf` and retention policies with :class:`KeepUnion`.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import signal
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 
 @dataclass(frozen=True, kw_only=True)
 class SaveContext:
-    """What a save policy may look at."""
+    """What a save policy may look at (the primary process's view; every process gets the
+    primary's answer)."""
 
     step: int
     latest_step: int | None
     """The newest committed or in-flight step, if any."""
     last_save_start: float | None
-    """``time.monotonic()`` when the previous save started."""
+    """``time.monotonic()`` when the previous save started (None: no save yet in this run)."""
     save_in_flight: bool
     now: float
+    """``time.monotonic()`` now."""
+    preempted: bool = False
+    """A preemption signal (or :meth:`Checkpointer.preempt`) arrived since the last save."""
 
 
 @runtime_checkable
@@ -25,26 +35,36 @@ class SavePolicy(Protocol):
     def should_save(self, ctx: SaveContext) -> bool: ...
 
 
+def _positive_int(owner: str, name: str, value: Any, why: str = "must be a positive int") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{owner}({name}={value!r}) {why}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class FixedInterval:
-    """Every ``interval`` steps (steps divisible by it)."""
+    """Every ``interval`` steps (the steps divisible by it, step 0 included)."""
 
     interval: int
 
     def __post_init__(self) -> None:
-        if not isinstance(self.interval, int) or self.interval <= 0:
-            raise ValueError(f"FixedInterval(interval=...) must be a positive int, got {self.interval!r}")
+        _positive_int("FixedInterval", "interval", self.interval)
 
     def should_save(self, ctx: SaveContext) -> bool:
         return ctx.step % self.interval == 0
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True)
 class SpecificSteps:
+    """Exactly these steps: ``SpecificSteps(steps=[100, 5000])``."""
+
     steps: frozenset[int]
 
-    def __init__(self, *, steps: Sequence[int] | frozenset[int]) -> None:
-        object.__setattr__(self, "steps", frozenset(int(s) for s in steps))
+    def __init__(self, *, steps: Iterable[int]) -> None:
+        values = list(steps)
+        for s in values:
+            if isinstance(s, bool) or not hasattr(s, "__index__") or int(s) < 0:
+                raise ValueError(f"SpecificSteps(steps=...) takes non-negative ints, got {s!r}")
+        object.__setattr__(self, "steps", frozenset(int(s) for s in values))
 
     def should_save(self, ctx: SaveContext) -> bool:
         return ctx.step in self.steps
@@ -52,7 +72,7 @@ class SpecificSteps:
 
 @dataclass(frozen=True, kw_only=True)
 class InitialStep:
-    """The first step seen when the root has no checkpoint yet."""
+    """The first step asked about while the root holds no checkpoint (and none is in flight)."""
 
     def should_save(self, ctx: SaveContext) -> bool:
         return ctx.latest_step is None
@@ -60,13 +80,14 @@ class InitialStep:
 
 @dataclass(frozen=True, kw_only=True)
 class Continuous:
-    """As soon as the previous save finished, at most once every ``min_interval_secs``."""
+    """As soon as the previous save finished, and at most once every ``min_interval_secs``
+    (measured between the starts of two saves)."""
 
     min_interval_secs: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.min_interval_secs < 0:
-            raise ValueError(f"Continuous(min_interval_secs=...) must be >= 0, got {self.min_interval_secs}")
+        if not isinstance(self.min_interval_secs, int | float) or self.min_interval_secs < 0:
+            raise ValueError(f"Continuous(min_interval_secs={self.min_interval_secs!r}) must be a number >= 0")
 
     def should_save(self, ctx: SaveContext) -> bool:
         if ctx.save_in_flight:
@@ -74,20 +95,55 @@ class Continuous:
         return ctx.last_save_start is None or ctx.now - ctx.last_save_start >= self.min_interval_secs
 
 
+@dataclass(frozen=True, kw_only=True)
+class Preemption:
+    """Save at the next ``should_save`` after one of ``signals`` arrived (SIGTERM by default).
+
+    The Checkpointer installs the handlers while it is open (from the main thread) and restores
+    the previous ones on close. All processes save at the same step: with several controller
+    processes the primary's answer is shared, and SIGTERM is taken from JAX's preemption service,
+    which agrees on one step when any process is told. Call ``should_save`` (or ``save``) every
+    step, and stop when :attr:`Checkpointer.preempted` is true.
+    """
+
+    signals: tuple[int, ...] = (signal.SIGTERM,)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "signals", tuple(signal.Signals(s) for s in self.signals))
+
+    def should_save(self, ctx: SaveContext) -> bool:
+        return ctx.preempted
+
+
 @dataclass(frozen=True)
 class AnyOf:
-    """Save when any of the policies says so."""
+    """Save when any of the policies says so: ``AnyOf(FixedInterval(interval=1000), Preemption())``."""
 
     policies: tuple[SavePolicy, ...]
 
     def __init__(self, *policies: SavePolicy) -> None:
+        if not policies:
+            raise ValueError("AnyOf() of no policies would never save; pass at least one policy")
         for p in policies:
             if not isinstance(p, SavePolicy):
                 raise TypeError(f"{p!r} is not a save policy (it needs should_save(ctx))")
         object.__setattr__(self, "policies", tuple(policies))
 
     def should_save(self, ctx: SaveContext) -> bool:
-        return any(p.should_save(ctx) for p in self.policies)
+        # every policy sees every step (no short-circuit), so stateful custom policies stay in step
+        return any([p.should_save(ctx) for p in self.policies])
+
+
+def preemption_signals(policy: Any) -> tuple[signal.Signals, ...]:
+    """The signals of every :class:`Preemption` inside ``policy`` (through :class:`AnyOf`)."""
+    if isinstance(policy, Preemption):
+        return tuple(policy.signals)
+    if isinstance(policy, AnyOf):
+        out: list[signal.Signals] = []
+        for p in policy.policies:
+            out.extend(s for s in preemption_signals(p) if s not in out)
+        return tuple(out)
+    return ()
 
 
 # ------------------------------------------------------------------------------------------
@@ -95,6 +151,8 @@ class AnyOf:
 
 @dataclass(frozen=True, kw_only=True)
 class StepInfo:
+    """A committed step as a retention policy sees it."""
+
     step: int
     metrics: Mapping[str, Any] = field(default_factory=dict)
 
@@ -102,7 +160,8 @@ class StepInfo:
 @runtime_checkable
 class RetentionPolicy(Protocol):
     def keep(self, steps: Sequence[StepInfo]) -> set[int]:
-        """The steps to keep among the committed ``steps`` (sorted, oldest first)."""
+        """The steps to keep among the committed ``steps`` (sorted, oldest first). The
+        Checkpointer also keeps the latest step and any step being saved or loaded."""
         ...
 
 
@@ -114,11 +173,12 @@ class KeepAll:
 
 @dataclass(frozen=True, kw_only=True)
 class KeepLatest:
+    """The newest ``n`` committed steps."""
+
     n: int
 
     def __post_init__(self) -> None:
-        if not isinstance(self.n, int) or self.n <= 0:
-            raise ValueError(f"KeepLatest(n={self.n!r}) would keep nothing; n must be a positive int")
+        _positive_int("KeepLatest", "n", self.n, "would keep nothing; n must be a positive int")
 
     def keep(self, steps: Sequence[StepInfo]) -> set[int]:
         return {s.step for s in steps[-self.n :]}
@@ -131,8 +191,7 @@ class KeepEvery:
     n: int
 
     def __post_init__(self) -> None:
-        if not isinstance(self.n, int) or self.n <= 0:
-            raise ValueError(f"KeepEvery(n={self.n!r}) must be a positive int")
+        _positive_int("KeepEvery", "n", self.n, "would keep nothing; n must be a positive int")
 
     def keep(self, steps: Sequence[StepInfo]) -> set[int]:
         return {s.step for s in steps if s.step % self.n == 0}
@@ -140,28 +199,35 @@ class KeepEvery:
 
 @dataclass(frozen=True, kw_only=True)
 class KeepBest:
-    """The ``n`` best steps by ``metric`` (saved with ``save(..., metrics={metric: value})``).
-    Steps without the metric are never counted among the best."""
+    """The ``n`` best steps by ``metric`` (saved with ``save(..., metrics={metric: value})``);
+    ``mode='min'`` keeps the smallest values. Steps without a numeric value of the metric are
+    never among the best; of equal values the newer step wins."""
 
     n: int
     metric: str
-    mode: str = "min"
+    mode: Literal["min", "max"] = "min"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.n, int) or self.n <= 0:
-            raise ValueError(f"KeepBest(n={self.n!r}) would keep nothing; n must be a positive int")
+        _positive_int("KeepBest", "n", self.n, "would keep nothing; n must be a positive int")
+        if not isinstance(self.metric, str) or not self.metric:
+            raise ValueError(f"KeepBest(metric={self.metric!r}) must name a metric")
         if self.mode not in ("min", "max"):
             raise ValueError(f"KeepBest(mode={self.mode!r}) must be 'min' or 'max'")
 
     def keep(self, steps: Sequence[StepInfo]) -> set[int]:
-        scored = [s for s in steps if isinstance(s.metrics.get(self.metric), int | float)]
-        scored.sort(key=lambda s: s.metrics[self.metric], reverse=self.mode == "max")
-        return {s.step for s in scored[: self.n]}
+        scored = [
+            (float(v), s.step)
+            for s in steps
+            if isinstance(v := s.metrics.get(self.metric), int | float) and not isinstance(v, bool) and v == v
+        ]
+        sign = 1.0 if self.mode == "min" else -1.0
+        scored.sort(key=lambda vs: (sign * vs[0], -vs[1]))
+        return {step for _, step in scored[: self.n]}
 
 
 @dataclass(frozen=True)
 class KeepUnion:
-    """Keep what any of the policies keeps."""
+    """Keep what any of the policies keeps: ``KeepUnion(KeepLatest(n=3), KeepEvery(n=10_000))``."""
 
     policies: tuple[RetentionPolicy, ...]
 
@@ -176,5 +242,5 @@ class KeepUnion:
     def keep(self, steps: Sequence[StepInfo]) -> set[int]:
         out: set[int] = set()
         for p in self.policies:
-            out |= p.keep(steps)
+            out |= set(p.keep(steps))
         return out

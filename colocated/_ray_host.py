@@ -1,0 +1,147 @@
+"""The host side of a slice: one Ray actor per worker host, running the worker engine.
+
+An actor owns a registry of the global arrays it holds a part of, keyed by ids the controller
+chooses. It receives plans and ids, never array bytes (except when the user explicitly calls
+``Slice.put`` / ``Slice.fetch``), and answers with small acks.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from typing import Any
+
+from milepost import workers
+
+
+class Ref:
+    """Stands for a host-resident array in a message (the controller's RemoteArray)."""
+
+    __slots__ = ("id",)
+
+    def __init__(self, array_id: str) -> None:
+        self.id = array_id
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Ref, (self.id,))
+
+
+class HostActor:
+    """Runs in the worker host's process; imports JAX only after its environment is set."""
+
+    def __init__(self, index: int, count: int, devices_per_host: int) -> None:
+        self.index = index
+        self.count = count
+        self.devices_per_host = devices_per_host
+        self.arrays: dict[str, Any] = {}
+        self.pending: dict[str, workers.PendingSave] = {}
+
+    # -- start-up -------------------------------------------------------------------------
+    def identity(self) -> dict[str, Any]:
+        import ray
+
+        return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address()}
+
+    def free_port(self) -> int:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return int(s.getsockname()[1])
+
+    def initialize(self, coordinator: str, timeout_secs: int) -> list[int]:
+        import jax
+
+        jax.config.update("jax_platforms", "cpu" if os.environ.get("JAX_PLATFORMS") == "cpu" else jax.config.jax_platforms)
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(
+            coordinator, num_processes=self.count, process_id=self.index, initialization_timeout=timeout_secs
+        )
+        return [d.id for d in jax.local_devices()]
+
+    def ping(self) -> int:
+        return self.index
+
+    # -- arrays ---------------------------------------------------------------------------
+    def _resolve(self, tree: Any) -> Any:
+        import jax
+
+        def get(x: Any) -> Any:
+            if isinstance(x, Ref):
+                try:
+                    return self.arrays[x.id]
+                except KeyError:
+                    raise KeyError(f"host {self.index} holds no array {x.id!r}: it was released or never placed") from None
+            return x
+
+        return jax.tree_util.tree_map(get, tree, is_leaf=lambda x: isinstance(x, Ref))
+
+    def _register(self, tree: Any, ids: list[str]) -> Any:
+        import jax
+
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        described = []
+        for leaf, array_id in zip(leaves, ids, strict=True):
+            self.arrays[array_id] = leaf
+            spec = workers.ShardingSpec.from_jax(leaf.sharding)
+            described.append((array_id, tuple(leaf.shape), str(leaf.dtype), spec))
+        return jax.tree_util.tree_unflatten(treedef, described)
+
+    def put(self, array_id: str, value: Any, spec: workers.ShardingSpec) -> str:
+        """Place ``value`` (from the object store); returns the dtype JAX gave it."""
+        import jax
+        import numpy as np
+
+        host = np.asarray(value)
+        array = jax.make_array_from_callback(host.shape, spec.to_jax(), lambda idx: host[idx])
+        self.arrays[array_id] = array
+        return str(array.dtype)
+
+    def fetch(self, array_id: str) -> list[tuple[Any, Any]]:
+        import numpy as np
+
+        array = self.arrays[array_id]
+        return [(s.index, np.asarray(s.data)) for s in array.addressable_shards if s.replica_id == 0]
+
+    def run(self, fn: bytes, args: Any, kwargs: Any, out_ids: list[str]) -> Any:
+        import cloudpickle
+        import jax
+
+        function = cloudpickle.loads(fn)
+        out = jax.jit(function)(*self._resolve(args), **self._resolve(kwargs))
+        leaves = jax.tree_util.tree_leaves(out)
+        if len(leaves) > len(out_ids):
+            raise ValueError(f"the function returned {len(leaves)} arrays, more than the {len(out_ids)} ids allotted")
+        return self._register(out, out_ids[: len(leaves)])
+
+    def release(self, ids: list[str]) -> None:
+        for array_id in ids:
+            self.arrays.pop(array_id, None)
+
+    def held(self) -> int:
+        return len(self.arrays)
+
+    # -- checkpointing --------------------------------------------------------------------
+    def start_save(self, plan: workers.SavePlan, sources: list[Any]) -> str:
+        resolved = [self.arrays[s.id] if isinstance(s, Ref) else s for s in sources]
+        token = uuid.uuid4().hex
+        self.pending[token] = workers.start_save(plan, resolved)
+        return token
+
+    def wait_save(self, token: str, timeout: float) -> workers.SaveAck:
+        pending = self.pending.pop(token)
+        return pending.wait(timeout)
+
+    def load(self, plan: workers.LoadPlan, ids: list[str]) -> list[str]:
+        arrays = workers.load(plan)
+        for array_id, array in zip(ids, arrays, strict=True):
+            self.arrays[array_id] = array
+        return ids
+
+    def shutdown(self) -> None:
+        import jax
+
+        self.arrays.clear()
+        try:
+            jax.distributed.shutdown()
+        except Exception:
+            pass

@@ -1,0 +1,222 @@
+"""Single-controller slices on Ray: handles on the controller, every byte on the hosts."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import psutil
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import milepost as mp
+
+pytestmark = pytest.mark.usefixtures("ray_runtime")
+
+
+def host_values(n_arrays: int, rows: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {f"w{i}": rng.standard_normal((rows, 256), dtype=np.float32) for i in range(n_arrays)}
+
+
+@pytest.fixture(scope="module")
+def slice42() -> Any:
+    with mp.Slice.start(hosts=4, devices_per_host=2) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def saved_from_slice(slice42: mp.Slice, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, np.ndarray]]:
+    mesh = slice42.mesh({"data": 2, "model": 4})
+    values = host_values(4, 64)
+    values["b"] = np.arange(32, dtype=np.float32)
+    shardings = {k: mesh.sharding(P("data", "model")) for k in values}
+    shardings["b"] = mesh.sharding(P())
+    tree = slice42.put(values, shardings)
+    path = tmp_path_factory.mktemp("slice") / "ckpt"
+    mp.save(path, {"params": tree, "step": 5, "note": "slice", "host": np.arange(3)})
+    return path, values
+
+
+def abstract_on(mesh: Any, values: dict[str, np.ndarray], make: Any) -> dict[str, Any]:
+    return {
+        "params": {k: make(v.shape, v.dtype, mesh, P(None, mesh.axis_names[0]) if v.ndim == 2 else P(mesh.axis_names[0]))
+                   for k, v in values.items()},
+        "step": 0,
+        "note": "",
+        "host": np.zeros(3, np.int64),
+    }
+
+
+def test_programming_model_and_handles(slice42: mp.Slice) -> None:
+    ids = slice42.device_ids
+    assert len(ids) == 8 and ids[:2] == [0, 1] and ids[2] != 2  # not contiguous across hosts: mapped by id
+    mesh = slice42.mesh({"data": 2, "model": 4})
+    x = np.arange(32 * 16, dtype=np.float32).reshape(32, 16)
+    tree = slice42.put({"x": x}, {"x": mesh.sharding(P("data", "model"))})
+    assert isinstance(tree["x"], mp.RemoteArray) and tree["x"].shape == (32, 16)
+    out = slice42.run(lambda t, k: {"y": t["x"] * k, "s": t["x"].sum()}, tree, 3.0)
+    assert np.array_equal(slice42.fetch(out["y"]), x * 3) and float(slice42.fetch(out["s"])) == float(x.sum())
+    held = slice42._all("held", doing="counting")
+    del out, tree
+    gc.collect()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and slice42._all("held", doing="counting") != [h - 3 for h in held]:
+        time.sleep(0.1)
+    assert slice42._all("held", doing="counting") == [h - 3 for h in held], "dropped handles are freed on the hosts"
+    with pytest.raises(ValueError, match="has 6 devices but the slice has 8"):
+        slice42.mesh({"a": 6})
+
+
+def test_save_moves_no_array_bytes_through_the_controller(slice42: mp.Slice, tmp_path: Path) -> None:
+    mesh = slice42.mesh({"data": 2, "model": 4})
+    per_array = {}
+    for rows in (64, 4096):  # 64 KiB and 4 MiB arrays: controller traffic must not grow with size
+        values = host_values(8, rows)
+        tree = slice42.put(values, {k: mesh.sharding(P("data", "model")) for k in values})
+        before = slice42.bytes_to_hosts + slice42.bytes_from_hosts
+        mp.save(tmp_path / f"c{rows}", tree)
+        abstract = {k: mp.AbstractArray(v.shape, v.dtype, mesh.sharding(P("model"))) for k, v in values.items()}
+        loaded = mp.load(tmp_path / f"c{rows}", abstract)
+        moved = slice42.bytes_to_hosts + slice42.bytes_from_hosts - before
+        per_array[rows] = moved / len(values)
+        assert np.array_equal(slice42.fetch(loaded["w3"]), values["w3"])
+    assert per_array[4096] <= 4096, f"{per_array[4096]:.0f} bytes per array passed through the controller"
+    assert per_array[4096] <= per_array[64] * 1.1 + 64
+
+
+def test_reshard_across_topologies(saved_from_slice: tuple[Path, dict[str, np.ndarray]], tmp_path: Path) -> None:
+    path, values = saved_from_slice
+
+    def check(loaded: dict[str, Any], fetch: Any) -> None:
+        for k, v in values.items():
+            assert np.array_equal(fetch(loaded["params"][k]), v), k
+        assert loaded["step"] == 5 and loaded["note"] == "slice" and np.array_equal(loaded["host"], np.arange(3))
+
+    # 2 hosts x 4 devices, another mesh and PartitionSpec
+    with mp.Slice.start(hosts=2, devices_per_host=4) as s24:
+        mesh = s24.mesh({"x": 4, "y": 2})
+        loaded = mp.load(path, abstract_on(mesh, values, lambda sh, dt, m, spec: mp.AbstractArray(sh, dt, m.sharding(spec))))
+        assert loaded["params"]["w0"].sharding.milepost_spec.spec == (None, "x")
+        check(loaded, s24.fetch)
+        # and an embedded-mode checkpoint loads onto a slice
+        local_mesh = jax.make_mesh((8,), ("z",))
+        mp.save(tmp_path / "embedded", {"params": {k: jax.device_put(v, NamedSharding(local_mesh, P("z"))) for k, v in values.items()},
+                                         "step": 5, "note": "slice", "host": np.arange(3)})
+        check(mp.load(tmp_path / "embedded", abstract_on(mesh, values, lambda sh, dt, m, spec: mp.AbstractArray(sh, dt, m.sharding(spec)))), s24.fetch)
+    # 8 hosts x 1 device
+    with mp.Slice.start(hosts=8, devices_per_host=1) as s81:
+        mesh = s81.mesh({"x": 8})
+        check(mp.load(path, abstract_on(mesh, values, lambda sh, dt, m, spec: mp.AbstractArray(sh, dt, m.sharding(spec)))), s81.fetch)
+    # the embedded mode on 8 local devices
+    local = jax.make_mesh((4, 2), ("x", "y"))
+    check(mp.load(path, abstract_on(local, values, lambda sh, dt, m, spec: jax.ShapeDtypeStruct(sh, dt, sharding=NamedSharding(m, spec)))), np.asarray)
+    # Orbax v1 in one process
+    ocp = pytest.importorskip("orbax.checkpoint.experimental.v1")
+    check(ocp.load(path, abstract_on(local, values, lambda sh, dt, m, spec: jax.ShapeDtypeStruct(sh, dt, sharding=NamedSharding(m, spec)))), np.asarray)
+
+
+def test_metadata_and_checkpointables_on_a_slice(slice42: mp.Slice, saved_from_slice: tuple[Path, dict[str, np.ndarray]], tmp_path: Path) -> None:
+    path, values = saved_from_slice
+    meta = mp.metadata(path)
+    assert meta.tree["params"]["w0"].shape == values["w0"].shape
+    assert meta.tree["params"]["w0"].sharding.device_ids == tuple(slice42.device_ids)
+    mesh = slice42.mesh({"data": 2, "model": 4})
+    params = slice42.put({"w": values["w0"]}, {"w": mesh.sharding(P("data"))})
+    with mp.training.Checkpointer(tmp_path / "run") as ckpt:
+        ckpt.save_checkpointables(0, {"params": params, "data": {"position": 3}})
+        ckpt.wait()
+        out = ckpt.load_checkpointables(0, {"params": {"w": mp.AbstractArray(values["w0"].shape, np.float32, mesh.sharding(P()))}, "data": None})
+    assert np.array_equal(slice42.fetch(out["params"]["w"]), values["w0"]) and out["data"] == {"position": 3}
+
+
+def test_a_host_killed_mid_save_is_reported_by_name(tmp_path: Path, ray_runtime: Any) -> None:
+    with mp.Slice.start(hosts=2, devices_per_host=1, options=mp.SliceOptions(timeout_secs=30)) as s:
+        mesh = s.mesh({"x": 2})
+        values = host_values(4, 1 << 14)  # 64 MiB
+        tree = s.put(values, {k: mesh.sharding(P("x")) for k in values})
+        handle = mp.save_async(tmp_path / "c", tree)
+        ray_runtime.kill(s._actors[1])
+        t0 = time.monotonic()
+        with pytest.raises(mp.HostError, match=r"host 1 \(node .* pid \d+\) died"):
+            handle.result(120)
+        assert time.monotonic() - t0 < 60
+        assert not (tmp_path / "c").exists() and list(tmp_path.iterdir()) == []
+        assert not s.healthy
+        with pytest.raises(mp.HostError, match="unhealthy"):
+            mp.save(tmp_path / "d", tree)
+    with mp.Slice.start(hosts=2, devices_per_host=1) as fresh:
+        mesh = fresh.mesh({"x": 2})
+        t = fresh.put({"a": np.arange(8.0)}, {"a": mesh.sharding(P("x"))})
+        mp.save(tmp_path / "e", t)
+        assert np.array_equal(fresh.fetch(mp.load(tmp_path / "e", {"a": mp.AbstractArray((8,), np.float32, mesh.sharding(P()))})["a"]), np.arange(8.0))
+
+
+def _controller_rss_growth(s: mp.Slice, path: Path, gib: float) -> tuple[int, int]:
+    mesh = s.mesh({"data": 2, "model": 4})
+    rows = int(gib * 2**30 / 8 / 4 / 4096)
+    # the data is made on the hosts (slice.run), never on the controller
+    tree = {f"w{i}": s.run(lambda i=i: jax.random.normal(jax.random.key(i), (rows, 4096), np.float32)) for i in range(8)}
+    proc = psutil.Process()
+    peak = [proc.memory_info().rss]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], proc.memory_info().rss)
+            time.sleep(0.01)
+
+    base = proc.memory_info().rss
+    t = threading.Thread(target=sample)
+    t.start()
+    mp.save(path, tree)
+    save_peak = peak[0] - base
+    loaded = mp.load(path, {k: mp.AbstractArray(v.shape, v.dtype, mesh.sharding(P("model"))) for k, v in tree.items()})
+    stop.set()
+    t.join()
+    assert set(loaded) == set(tree)
+    return save_peak, peak[0] - base
+
+
+def test_controller_memory_stays_flat(slice42: mp.Slice, tmp_path: Path) -> None:
+    save_growth, total_growth = _controller_rss_growth(slice42, tmp_path / "c", 0.25)
+    assert save_growth < 100 << 20 and total_growth < 100 << 20, (save_growth, total_growth)
+
+
+@pytest.mark.slow
+def test_controller_memory_two_gib(slice42: mp.Slice, tmp_path: Path) -> None:
+    save_growth, total_growth = _controller_rss_growth(slice42, tmp_path / "c", 2.0)
+    assert save_growth < 100 << 20 and total_growth < 100 << 20, (save_growth, total_growth)
+
+
+@pytest.mark.slow
+def test_multi_node_cluster_one_host_per_node(tmp_path: Path) -> None:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    try:
+        for _ in range(2):
+            cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False)
+        with mp.Slice.connect(hosts=3, devices_per_host=2) as s:
+            nodes = {ident["node"] for ident in s._identities}
+            assert len(nodes) == 3, "one host actor per node"
+            mesh = s.mesh({"x": 3, "y": 2})
+            x = np.arange(6 * 8, dtype=np.float32).reshape(6, 8)
+            t = s.put({"x": x}, {"x": mesh.sharding(P("x", "y"))})
+            mp.save(tmp_path / "c", t)
+            out = mp.load(tmp_path / "c", {"x": mp.AbstractArray((6, 8), np.float32, mesh.sharding(P("y")))})
+            assert np.array_equal(s.fetch(out["x"]), x)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, object_store_memory=1 << 30)
