@@ -1,0 +1,66 @@
+"""Shared helpers for the embedded-mode tests: exact tree equality, sharded puts, listings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+def _is_leaf(x: Any) -> bool:
+    return x is None or x is ... or (isinstance(x, dict | list | tuple) and len(x) == 0)
+
+
+def same_bits(a: Any, b: Any) -> bool:
+    """Exact equality of two arrays: same dtype, same shape, same bytes (NaN == NaN, -0 != +0)."""
+    x, y = np.asarray(a), np.asarray(b)
+    if x.dtype != y.dtype or x.shape != y.shape:
+        return False
+    if x.dtype.itemsize == 0 or x.size == 0:
+        return True
+    width = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}.get(x.dtype.itemsize)
+    if width is None or x.dtype.kind == "c":
+        return x.tobytes() == y.tobytes()
+    return bool(np.array_equal(np.ascontiguousarray(x).view(width), np.ascontiguousarray(y).view(width)))
+
+
+def assert_tree_equal(got: Any, want: Any, *, check_sharding: bool = True) -> None:
+    """Same structure, same leaf types, bit-identical values, equivalent shardings."""
+    lg, tg = jax.tree_util.tree_flatten_with_path(got, is_leaf=_is_leaf)
+    lw, tw = jax.tree_util.tree_flatten_with_path(want, is_leaf=_is_leaf)
+    assert tg == tw, f"structures differ:\n got  {tg}\n want {tw}"
+    for (path, g), (_, w) in zip(lg, lw, strict=True):
+        where = jax.tree_util.keystr(path)
+        if isinstance(w, jax.Array):
+            assert isinstance(g, jax.Array), f"{where}: got {type(g).__name__}, want jax.Array"
+            assert same_bits(g, w), f"{where}: values differ\n got  {g}\n want {w}"
+            if check_sharding:
+                assert g.sharding.is_equivalent_to(w.sharding, w.ndim), f"{where}: {g.sharding} vs {w.sharding}"
+        elif isinstance(w, np.ndarray | np.generic):
+            assert type(g) is type(w), f"{where}: got {type(g).__name__}, want {type(w).__name__}"
+            assert same_bits(g, w), f"{where}: values differ: {g!r} vs {w!r}"
+        else:
+            assert type(g) is type(w), f"{where}: got {type(g).__name__} {g!r}, want {type(w).__name__} {w!r}"
+            assert g == w or (g is w), f"{where}: {g!r} != {w!r}"
+
+
+def put(x: Any, mesh: jax.sharding.Mesh, spec: P) -> jax.Array:
+    return jax.device_put(np.asarray(x), NamedSharding(mesh, spec))
+
+
+def abstract_of(tree: Any) -> Any:
+    """The abstract tree of ``tree``: ShapeDtypeStructs (with sharding) for jax.Arrays, the
+    leaves themselves otherwise."""
+    return jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x,
+        tree,
+    )
+
+
+def listing(root: Path) -> list[str]:
+    """Every path below ``root`` (relative), sorted: to show that nothing was written."""
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
