@@ -239,13 +239,21 @@ class Slice:
         if self._closed:
             return
         self._closed = True
+        if not ray.is_initialized():
+            return  # the Ray runtime (and with it every actor) is already gone
         try:
             ray.get([a.shutdown.remote() for a in self._actors], timeout=30)
-        except Exception:
-            pass
+        except Exception as e:  # a dead host, or handles from an earlier Ray session
+            log.info("milepost slice: hosts did not all shut down cleanly: %s", e)
         for a in self._actors:
-            ray.kill(a)
-        remove_placement_group(self._pg)
+            try:
+                ray.kill(a)
+            except Exception as e:
+                log.info("milepost slice: could not kill a host actor: %s", e)
+        try:
+            remove_placement_group(self._pg)
+        except Exception as e:
+            log.info("milepost slice: could not remove the placement group: %s", e)
 
     # -- introspection --------------------------------------------------------------------
     @property
