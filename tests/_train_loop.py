@@ -1,15 +1,19 @@
 """A small deterministic training loop used by the resume and crash tests.
 
-Run as a script: ``python -m tests._train_loop ROOT STEPS [--every N]``; it resumes from the
-latest committed step under ROOT, prints ``saved <step>`` after each save call and ``done`` with
-a digest of the parameters at the end.
+Run as a script: ``python -m tests._train_loop ROOT STEPS [--every N] [--kill-at PHASE:NTH:DELAY]``.
+It resumes from the latest committed step under ROOT, prints ``saved <step>`` after each save
+call and ``done <digest of the final state>`` at the end. ``--kill-at`` makes the process
+SIGKILL itself ``DELAY`` seconds after the NTH time it reaches PHASE (see :data:`PHASES`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import signal
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,9 +24,18 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import milepost.workers
+from milepost import _checkpoint, _pytree
+from milepost import _format as fmt
 from milepost.training import Checkpointer, FixedInterval, KeepLatest
 
 SHAPE = (256, 128)
+
+PHASES = ("d2h", "write", "merge", "commit", "renamed", "gc", "saved")
+"""Where a kill can be aimed: entering the device-to-host copy; the hosts' background writes
+just started; entering the OCDBT merge; entering the commit (metadata, marker, fsync, rename);
+right after the rename that made a step visible; right after retention renamed a step away
+(before removing it); and after ``save`` returned (training on while the step is written)."""
 
 
 class DataIterator:
@@ -38,7 +51,7 @@ class DataIterator:
 
     def save(self, directory: Path) -> Callable[[], None]:
         position = self.position
-        return lambda: (directory / "position.json").write_text(json.dumps({"position": position}))
+        return lambda: fmt.write_json(directory / "position.json", {"position": position})
 
     def load(self, directory: Path) -> None:
         self.position = json.loads((directory / "position.json").read_text())["position"]
@@ -48,24 +61,36 @@ def initial_state(mesh: jax.sharding.Mesh) -> dict[str, Any]:
     s = NamedSharding(mesh, P("data", "model"))
     w = jax.device_put(np.linspace(-1, 1, SHAPE[0] * SHAPE[1], dtype=np.float32).reshape(SHAPE), s)
     return {
-        "params": {"w": w},
-        "opt": {"momentum": jax.device_put(np.zeros(SHAPE, np.float32), s)},
+        "params": {"w": w, "b": jax.device_put(np.zeros(SHAPE[1], np.float32), NamedSharding(mesh, P("model")))},
+        "opt": {
+            "momentum": {
+                "w": jax.device_put(np.zeros(SHAPE, np.float32), s),
+                "b": jax.device_put(np.zeros(SHAPE[1], np.float32), NamedSharding(mesh, P("model"))),
+            }
+        },
         "step": 0,
         "rng": jax.device_put(jax.random.key_data(jax.random.key(0)), NamedSharding(mesh, P())),
     }
 
 
 @jax.jit
-def train_step(state: dict[str, Any], batch: jax.Array) -> dict[str, Any]:
+def _update(state: dict[str, Any], batch: jax.Array) -> dict[str, Any]:
+    """Momentum SGD on a noisy quadratic (written by hand)."""
     key, sub = jax.random.split(jax.random.wrap_key_data(state["rng"]))
-    grad = 0.01 * state["params"]["w"] + batch + 1e-3 * jax.random.normal(sub, SHAPE)
-    momentum = 0.9 * state["opt"]["momentum"] + grad
-    return {
-        "params": {"w": state["params"]["w"] - 0.01 * momentum},
-        "opt": {"momentum": momentum},
-        "step": state["step"] + 1,
-        "rng": jax.random.key_data(key),
+    params, momentum = state["params"], state["opt"]["momentum"]
+    grads = {
+        "w": 0.01 * params["w"] + batch + 1e-3 * jax.random.normal(sub, SHAPE),
+        "b": 0.01 * params["b"] + batch.mean(axis=0),
     }
+    momentum = jax.tree_util.tree_map(lambda m, g: 0.9 * m + g, momentum, grads)
+    params = jax.tree_util.tree_map(lambda p, m: p - 0.01 * m, params, momentum)
+    return {"params": params, "opt": {"momentum": momentum}, "rng": jax.random.key_data(key)}
+
+
+def train_step(state: dict[str, Any], data: DataIterator) -> dict[str, Any]:
+    new = _update({k: v for k, v in state.items() if k != "step"}, jnp.asarray(data.next()))
+    new["step"] = state["step"] + 1
+    return new
 
 
 def digest(state: dict[str, Any]) -> str:
@@ -81,20 +106,27 @@ def abstract_like(state: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def run(root: str, steps: int, every: int = 1, on_save: Callable[[int], None] | None = None) -> dict[str, Any]:
+def run(
+    root: str | Path,
+    steps: int,
+    every: int = 1,
+    on_save: Callable[[int], None] | None = None,
+    interrupt_after: int | None = None,
+) -> dict[str, Any]:
+    """Train to ``steps`` saving every ``every`` steps, resuming from the latest checkpoint.
+    ``interrupt_after=k`` raises KeyboardInterrupt after step k (an interruption)."""
     mesh = jax.make_mesh((2, 4), ("data", "model"))
     state = initial_state(mesh)
     data = DataIterator()
     with Checkpointer(root, save_policy=FixedInterval(interval=every), keep=KeepLatest(n=2)) as ckpt:
         if ckpt.latest is not None:
-            loaded = ckpt.load_checkpointables(None, {"state": abstract_like(state), "data": data})
-            state = loaded["state"]
+            state = ckpt.load_checkpointables(None, {"state": abstract_like(state), "data": data})["state"]
         while state["step"] < steps:
-            state = train_step(state, jnp.asarray(data.next()))
-            state["step"] = int(state["step"])
-            if ckpt.save_checkpointables(state["step"], {"state": state, "data": data}):
-                if on_save:
-                    on_save(state["step"])
+            state = train_step(state, data)
+            if ckpt.save_checkpointables(state["step"], {"state": state, "data": data}) and on_save:
+                on_save(state["step"])
+            if interrupt_after is not None and state["step"] >= interrupt_after:
+                raise KeyboardInterrupt(f"interrupted after step {state['step']}")
     return state
 
 
@@ -104,12 +136,77 @@ def state_at(step: int) -> dict[str, Any]:
     state = initial_state(mesh)
     data = DataIterator()
     while state["step"] < step:
-        state = train_step(state, jnp.asarray(data.next()))
-        state["step"] = int(state["step"])
+        state = train_step(state, data)
     return state
 
 
+# -- kill points -------------------------------------------------------------------------------
+
+
+def _kill(delay: float) -> None:
+    if delay <= 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL))
+    timer.daemon = True
+    timer.start()
+
+
+def arm(phase: str, nth: int, delay: float) -> Callable[[int], None]:
+    """Patch the save path so that the NTH arrival at ``phase`` SIGKILLs this process after
+    ``delay`` seconds; returns the ``on_save`` callback (used by the "saved" phase)."""
+    if phase not in PHASES:
+        raise ValueError(f"unknown phase {phase!r}; one of {PHASES}")
+    seen = {p: 0 for p in PHASES}
+
+    def reached(p: str) -> None:
+        seen[p] += 1
+        if p == phase and seen[p] == nth:
+            _kill(delay)
+
+    real_start, real_merge, real_commit, real_rename = (
+        milepost.workers.start_save, _pytree.merge_ocdbt, _checkpoint._commit, os.rename,
+    )
+
+    def start_save(*a: Any, **k: Any) -> Any:
+        reached("d2h")
+        pending = real_start(*a, **k)
+        reached("write")
+        return pending
+
+    def merge(*a: Any, **k: Any) -> Any:
+        reached("merge")
+        return real_merge(*a, **k)
+
+    def commit(*a: Any, **k: Any) -> Any:
+        reached("commit")
+        return real_commit(*a, **k)
+
+    def rename(src: Any, dst: Any, *a: Any, **k: Any) -> None:
+        real_rename(src, dst, *a, **k)
+        if str(src).endswith(fmt.TMP_SUFFIX):
+            reached("renamed")
+        elif str(dst).endswith(".milepost-deleting"):
+            reached("gc")
+
+    milepost.workers.start_save = start_save  # type: ignore[assignment]
+    _pytree.merge_ocdbt = merge  # type: ignore[assignment]
+    _checkpoint._commit = commit  # type: ignore[assignment]
+    os.rename = rename  # type: ignore[assignment]
+    return lambda step: reached("saved")
+
+
 if __name__ == "__main__":
-    every = int(sys.argv[sys.argv.index("--every") + 1]) if "--every" in sys.argv else 1
-    final = run(sys.argv[1], int(sys.argv[2]), every, on_save=lambda s: print(f"saved {s}", flush=True))
+    argv = sys.argv[1:]
+    every = int(argv[argv.index("--every") + 1]) if "--every" in argv else 1
+    hook: Callable[[int], None] | None = None
+    if "--kill-at" in argv:
+        phase, nth, delay = argv[argv.index("--kill-at") + 1].split(":")
+        hook = arm(phase, int(nth), float(delay))
+
+    def on_save(step: int) -> None:
+        print(f"saved {step}", flush=True)
+        if hook:
+            hook(step)
+
+    final = run(argv[0], int(argv[1]), every, on_save=on_save)
     print(f"done {digest(final)}", flush=True)

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
-import time
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -15,7 +14,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import milepost as mp
-from milepost import _pytree
+from milepost import _dispatch, _pytree
+from milepost.colocated import LocalHostGroup
 from milepost.training import (
     AnyOf,
     BackgroundSaveError,
@@ -28,96 +28,206 @@ from milepost.training import (
     KeepEvery,
     KeepLatest,
     KeepUnion,
+    Preemption,
     SaveContext,
     SpecificSteps,
+    StepBusyError,
     StepExistsError,
     StepInfo,
     StepNotFoundError,
 )
 
 
-def ctx(step: int, **kw: object) -> SaveContext:
-    base = {"latest_step": None, "last_save_start": None, "save_in_flight": False, "now": 100.0}
+def ctx(step: int, **kw: Any) -> SaveContext:
+    base: dict[str, Any] = {"latest_step": None, "last_save_start": None, "save_in_flight": False, "now": 100.0}
     base.update(kw)
-    return SaveContext(step=step, **base)  # type: ignore[arg-type]
+    return SaveContext(step=step, **base)
+
+
+def tree(mesh: jax.sharding.Mesh, value: int) -> dict:
+    w = jax.device_put(np.full((16, 8), value, np.float32), NamedSharding(mesh, P("data", "model")))
+    return {"w": w, "step": value}
+
+
+def names(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir())
+
+
+class Gate:
+    """Holds the OCDBT merge (the background part of a save) of chosen steps until released."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, steps: set[int] | None = None) -> None:
+        self.release = threading.Event()
+        self.entered = threading.Event()
+        self.order: list[str] = []
+        real = _pytree.merge_ocdbt
+
+        def merge(directory: Path) -> None:
+            step = int(directory.parent.name.split(".")[0])
+            self.order.append(f"merge {step}")
+            if steps is None or step in steps:
+                self.entered.set()
+                assert self.release.wait(60), "the test never released the gate"
+            real(directory)
+
+        monkeypatch.setattr(_pytree, "merge_ocdbt", merge)
+
+
+# -- policies -----------------------------------------------------------------------------
 
 
 def test_save_policies() -> None:
     assert [s for s in range(10) if FixedInterval(interval=3).should_save(ctx(s))] == [0, 3, 6, 9]
-    assert SpecificSteps(steps=[5, 7]).should_save(ctx(7)) and not SpecificSteps(steps=[5]).should_save(ctx(6))
+    assert [s for s in range(10) if SpecificSteps(steps=[5, 7]).should_save(ctx(s))] == [5, 7]
     assert InitialStep().should_save(ctx(4)) and not InitialStep().should_save(ctx(4, latest_step=3))
     c = Continuous(min_interval_secs=10)
     assert c.should_save(ctx(1)) and not c.should_save(ctx(1, save_in_flight=True))
-    assert not c.should_save(ctx(1, last_save_start=95.0)) and c.should_save(ctx(1, last_save_start=89.0))
-    both = AnyOf(InitialStep(), FixedInterval(interval=100))
-    assert both.should_save(ctx(7)) and both.should_save(ctx(200, latest_step=7)) and not both.should_save(ctx(201, latest_step=7))
-    with pytest.raises(ValueError, match="positive"):
-        FixedInterval(interval=0)
+    assert not c.should_save(ctx(1, last_save_start=95.0)) and c.should_save(ctx(1, last_save_start=90.0))
+    assert Continuous().should_save(ctx(1, last_save_start=100.0))
+    assert Preemption().should_save(ctx(1, preempted=True)) and not Preemption().should_save(ctx(1))
+    both = AnyOf(InitialStep(), FixedInterval(interval=100), Preemption(signals=(signal.SIGUSR1,)))
+    assert [s for s in (7, 200, 201) if both.should_save(ctx(s, latest_step=7))] == [200]
+    assert both.should_save(ctx(7)) and both.should_save(ctx(201, latest_step=7, preempted=True))
+    for bad in (lambda: FixedInterval(interval=0), lambda: FixedInterval(interval=2.5), lambda: Continuous(min_interval_secs=-1)):
+        with pytest.raises(ValueError):
+            bad()
+    with pytest.raises(ValueError, match="non-negative ints"):
+        SpecificSteps(steps=[3, -1])
     with pytest.raises(TypeError, match="not a save policy"):
         AnyOf(object())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="never save"):
+        AnyOf()
 
 
 def test_retention_policies() -> None:
-    infos = [StepInfo(step=s, metrics={"loss": float(10 - s % 7)}) for s in range(0, 50, 5)]
+    losses = {0: 10.0, 5: 5.0, 10: 7.0, 15: 9.0, 20: 4.0, 25: 6.0, 30: 8.0, 35: 10.0, 40: 5.0, 45: 7.0}
+    infos = [StepInfo(step=s, metrics={"loss": v}) for s, v in losses.items()]
     assert KeepLatest(n=2).keep(infos) == {40, 45}
+    assert KeepLatest(n=20).keep(infos) == set(losses)
     assert KeepEvery(n=20).keep(infos) == {0, 20, 40}
-    # losses: 0->10, 5->5, 10->7, 15->9, 20->4, 25->6, 30->8, 35->10, 40->5, 45->7
-    assert KeepBest(n=2, metric="loss").keep(infos) == {20, 5} or KeepBest(n=2, metric="loss").keep(infos) == {20, 40}
-    assert KeepBest(n=1, metric="loss", mode="max").keep(infos) in ({0}, {35})
+    assert KeepBest(n=2, metric="loss").keep(infos) == {20, 40}  # 5.0 twice: the newer wins
+    assert KeepBest(n=1, metric="loss", mode="max").keep(infos) == {35}
     assert KeepBest(n=3, metric="missing").keep(infos) == set()
-    assert KeepAll().keep(infos) == {i.step for i in infos}
-    assert KeepUnion(KeepLatest(n=1), KeepEvery(n=25)).keep(infos) == {0, 25, 45}
-    for bad in (lambda: KeepLatest(n=0), lambda: KeepBest(n=0, metric="x"), lambda: KeepUnion()):
+    odd = [StepInfo(step=1, metrics={"loss": "n/a"}), StepInfo(step=2, metrics={"loss": float("nan")}), StepInfo(step=3, metrics={"loss": 2})]
+    assert KeepBest(n=2, metric="loss").keep(odd) == {3}
+    assert KeepAll().keep(infos) == set(losses)
+    assert KeepUnion(KeepLatest(n=1), KeepEvery(n=25), KeepBest(n=1, metric="loss")).keep(infos) == {0, 20, 25, 45}
+    assert KeepLatest(n=3).keep([]) == set()
+    for bad in (
+        lambda: KeepLatest(n=0),
+        lambda: KeepEvery(n=0),
+        lambda: KeepBest(n=0, metric="x"),
+        lambda: KeepUnion(),
+        lambda: KeepLatest(n=True),
+    ):
         with pytest.raises(ValueError, match="keep nothing"):
             bad()
+    with pytest.raises(ValueError, match="'min' or 'max'"):
+        KeepBest(n=1, metric="x", mode="best")  # type: ignore[arg-type]
 
 
-def tree(mesh: jax.sharding.Mesh, value: float) -> dict:
-    return {"w": jax.device_put(np.full((16, 8), value, np.float32), NamedSharding(mesh, P("data", "model"))), "step": int(value)}
+# -- saving, listing, loading --------------------------------------------------------------
 
 
-def test_save_load_latest_and_retention(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
-    with Checkpointer(tmp_path / "run", save_policy=FixedInterval(interval=2), keep=KeepLatest(n=2)) as ckpt:
+def test_save_load_latest_delete_and_retention(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
+    root = tmp_path / "run"
+    with Checkpointer(root, save_policy=FixedInterval(interval=2), keep=KeepLatest(n=2)) as ckpt:
         assert ckpt.latest is None and ckpt.steps == []
-        saved = [s for s in range(7) if ckpt.save(s, tree(mesh24, s))]
+        saved = [s for s in range(7) if ckpt.save(s, tree(mesh24, s), metrics={"loss": np.float32(s / 2)})]
         assert saved == [0, 2, 4, 6]
         ckpt.wait()
-        assert ckpt.steps == [4, 6] and ckpt.latest == 6
-        assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["4", "6"]
+        assert ckpt.steps == [4, 6] and ckpt.latest == 6 and names(root) == ["4", "6"]
         out = ckpt.load()
         assert np.array_equal(np.asarray(out["w"]), np.full((16, 8), 6, np.float32)) and out["step"] == 6
+        assert out["w"].sharding == NamedSharding(mesh24, P("data", "model"))
         assert ckpt.load(4)["step"] == 4
-        assert ckpt.metadata().tree["w"].shape == (16, 8)
-        # each step is a plain milepost checkpoint
-        assert mp.load(tmp_path / "run" / "6")["step"] == 6
-        with pytest.raises(StepExistsError, match="already has a committed"):
-            ckpt.save(6, tree(mesh24, 6), force=True)
-        with pytest.raises(StepNotFoundError, match="no committed step 5"):
-            ckpt.load(5)
+        meta = ckpt.metadata()
+        assert meta.tree["w"].shape == (16, 8) and meta.metrics == {"loss": 3.0}
+        assert ckpt.metadata(4).metrics == {"loss": 2.0}
+        # each step is a complete checkpoint on its own
+        assert mp.load(root / "6")["step"] == 6 and ckpt.path(6) == root / "6"
         ckpt.delete(4)
-        assert ckpt.steps == [6]
-    # a new Checkpointer finds what is on disk
-    with Checkpointer(tmp_path / "run") as again:
-        assert again.steps == [6]
+        assert ckpt.steps == [6] and names(root) == ["6"]
+        assert ckpt.save(8, tree(mesh24, 8), custom_metadata={"run": "a"})
+        ckpt.wait()
+        assert ckpt.metadata(8).custom_metadata == {"run": "a"}
+    with Checkpointer(root) as again:  # a new Checkpointer finds what is on disk
+        assert again.steps == [6, 8] and again.latest == 8
 
 
-def test_keep_best_uses_metrics_and_never_drops_latest(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
+def test_orbax_v1_reads_a_single_step(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
+    ocp = pytest.importorskip("orbax.checkpoint.experimental.v1")
+    with Checkpointer(tmp_path / "run") as ckpt:
+        ckpt.save(100, tree(mesh24, 100))
+    restored = ocp.load(tmp_path / "run" / "100")
+    assert np.array_equal(np.asarray(restored["w"]), np.full((16, 8), 100, np.float32)) and int(restored["step"]) == 100
+
+
+def test_keep_best_reads_metrics_back_and_never_drops_latest(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
     losses = {0: 5.0, 1: 1.0, 2: 3.0, 3: 9.0}
     with Checkpointer(tmp_path / "r", keep=KeepBest(n=1, metric="loss")) as ckpt:
         for s, loss in losses.items():
             ckpt.save(s, tree(mesh24, s), metrics={"loss": loss})
         ckpt.wait()
-        assert ckpt.steps == [1, 3]  # best (1) and the latest (3)
+        assert ckpt.steps == [1, 3]  # the best (1) and the latest (3)
     with Checkpointer(tmp_path / "r", keep=KeepBest(n=1, metric="loss")) as again:
-        again.save(4, tree(mesh24, 4), metrics={"loss": 0.5})
+        again.save(4, tree(mesh24, 4), metrics={"loss": 2.0})
         again.wait()
-        assert again.steps == [4]  # metrics of old steps were read back from disk
+        assert again.steps == [1, 4]  # step 1's loss was read back from its _CHECKPOINT_METADATA
 
 
-def test_background_failure_reraised_with_step_and_latest_kept(
+def test_policies_in_a_loop(tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch) -> None:
+    initial = AnyOf(InitialStep(), SpecificSteps(steps=[7]))
+    with Checkpointer(tmp_path / "a", save_policy=initial) as ckpt:
+        assert [s for s in range(3, 9) if ckpt.save(s, tree(mesh24, s))] == [3, 7]
+    with Checkpointer(tmp_path / "a", save_policy=initial) as ckpt:
+        assert not ckpt.should_save(8)  # the root has checkpoints now
+    gate = Gate(monkeypatch)
+    with Checkpointer(tmp_path / "b", save_policy=Continuous()) as ckpt:
+        assert ckpt.save(0, tree(mesh24, 0))
+        assert gate.entered.wait(60)
+        assert not ckpt.save(1, tree(mesh24, 1)) and not ckpt.should_save(2)  # the save of 0 runs
+        gate.release.set()
+        ckpt.wait()
+        assert ckpt.save(3, tree(mesh24, 3))
+    assert Checkpointer(tmp_path / "b").steps == [0, 3]
+
+
+def test_synchronous_mode_commits_before_returning(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
+    with Checkpointer(tmp_path / "r", asynchronous=False, keep=KeepLatest(n=1)) as ckpt:
+        ckpt.save(1, tree(mesh24, 1))
+        assert ckpt.steps == [1] and (tmp_path / "r" / "1" / "commit_success.txt").is_file()
+        ckpt.save(2, tree(mesh24, 2))
+        assert ckpt.steps == [2] and names(tmp_path / "r") == ["2"]
+
+
+def test_at_most_one_save_in_flight(tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = Gate(monkeypatch, steps={0})
+    with Checkpointer(tmp_path / "r") as ckpt:
+        ckpt.save(0, tree(mesh24, 0))
+        assert gate.entered.wait(60)
+        with pytest.raises(StepExistsError, match="already in flight"):
+            ckpt.save(0, tree(mesh24, 0), force=True)
+        with pytest.raises(StepNotFoundError, match="still being saved"):
+            ckpt.load(0)
+        with pytest.raises(StepBusyError, match="being saved"):
+            ckpt.delete(0)
+        second = threading.Thread(target=lambda: ckpt.save(1, tree(mesh24, 1)))
+        second.start()
+        second.join(1.0)
+        assert second.is_alive(), "the second save must wait for the first"
+        gate.order.append("release")
+        gate.release.set()
+        second.join(60)
+        ckpt.wait()
+        assert gate.order == ["merge 0", "release", "merge 1"] and ckpt.steps == [0, 1]
+
+
+def test_background_failure_reraised_with_step_and_only_checkpoint_kept(
     tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    with Checkpointer(tmp_path / "r", keep=KeepLatest(n=1)) as ckpt:
+    root = tmp_path / "r"
+    with Checkpointer(root, keep=KeepLatest(n=1)) as ckpt:
         ckpt.save(0, tree(mesh24, 0))
         ckpt.wait()
 
@@ -126,119 +236,213 @@ def test_background_failure_reraised_with_step_and_latest_kept(
 
         monkeypatch.setattr(_pytree, "merge_ocdbt", broken)
         assert ckpt.save(1, tree(mesh24, 1))
-        with pytest.raises(BackgroundSaveError, match="step 1 failed: OSError: simulated disk failure") as info:
-            ckpt.wait()
+        # the failure surfaces on the next call, whichever it is
+        with pytest.raises(BackgroundSaveError, match=r"step 1 failed: OSError: simulated disk failure") as info:
+            ckpt.save(2, tree(mesh24, 2))
         assert info.value.step == 1 and isinstance(info.value.__cause__, OSError)
+        assert ckpt.steps == [0] and ckpt.latest == 0 and names(root) == ["0"]
+        assert ckpt.save(2, tree(mesh24, 2))  # reported once; the next save runs (and fails too)
+        with pytest.raises(BackgroundSaveError, match="step 2"):
+            ckpt.wait()
+        assert names(root) == ["0"] and ckpt.load()["step"] == 0  # never deleted: the only committed step
         monkeypatch.undo()
-        assert ckpt.steps == [0] and ckpt.latest == 0
-        assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["0"]
-        assert ckpt.load()["step"] == 0
-        ckpt.save(1, tree(mesh24, 1))  # the failure was reported once; saving goes on
+        ckpt.save(3, tree(mesh24, 3))
         ckpt.wait()
-        assert ckpt.steps == [1]
+        assert ckpt.steps == [3] and names(root) == ["3"]
 
 
-def test_at_most_one_save_in_flight(tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch) -> None:
-    gate = threading.Event()
-    real = _pytree.merge_ocdbt
-    started: list[float] = []
+def test_failure_reraised_by_close(tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_pytree, "merge_ocdbt", lambda d: (_ for _ in ()).throw(OSError("disk full")))
+    ckpt = Checkpointer(tmp_path / "r")
+    ckpt.save(5, tree(mesh24, 5))
+    with pytest.raises(BackgroundSaveError, match="step 5 failed: OSError: disk full"):
+        ckpt.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        ckpt.save(6, tree(mesh24, 6))
 
-    def slow(directory: Path) -> None:
-        started.append(time.monotonic())
-        gate.wait(30)
-        real(directory)
 
-    monkeypatch.setattr(_pytree, "merge_ocdbt", slow)
-    with Checkpointer(tmp_path / "r") as ckpt:
+# -- retention never touches what is in use -------------------------------------------------
+
+
+def test_retention_never_deletes_a_step_in_flight(tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = Gate(monkeypatch, steps={0})
+    root = tmp_path / "r"
+    with Checkpointer(root, keep=KeepLatest(n=1), max_in_flight=2) as ckpt:
         ckpt.save(0, tree(mesh24, 0))
-        with pytest.raises(StepExistsError, match="in flight"):
-            ckpt.save(0, tree(mesh24, 0), force=True)
-        second_done = threading.Event()
-
-        def second() -> None:
-            ckpt.save(1, tree(mesh24, 1))
-            second_done.set()
-
-        t = threading.Thread(target=second)
-        t.start()
-        time.sleep(0.5)
-        assert not second_done.is_set(), "the second save must wait for the first"
-        gate.set()
-        t.join(30)
-        assert second_done.is_set()
+        assert gate.entered.wait(60)
+        ckpt.save(1, tree(mesh24, 1))
+        with ckpt._cond:  # step 1 committed and retention ran while step 0 is in flight
+            assert ckpt._cond.wait_for(lambda: 1 in ckpt._steps and not ckpt._gc_active, 60)
+        assert names(root) == ["0.orbax-checkpoint-tmp", "1"]
+        gate.release.set()
         ckpt.wait()
-        assert ckpt.steps == [0, 1]
+        assert ckpt.steps == [1] and names(root) == ["1"]  # 0 committed after 1, then aged out
 
 
-def test_gc_never_deletes_a_step_being_loaded(tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch) -> None:
-    with Checkpointer(tmp_path / "r", keep=KeepLatest(n=1)) as ckpt:
+def test_retention_never_deletes_a_step_being_loaded(tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "r"
+    with Checkpointer(root, keep=KeepLatest(n=1)) as ckpt:
         ckpt.save(0, tree(mesh24, 0))
         ckpt.wait()
-        in_load = threading.Event()
-        release = threading.Event()
+        in_load, release = threading.Event(), threading.Event()
         real_load = mp._api.load
 
-        def slow_load(*a: object, **k: object) -> object:
+        def slow_load(*a: Any, **k: Any) -> Any:
             in_load.set()
-            release.wait(30)
-            return real_load(*a, **k)  # type: ignore[arg-type]
+            assert release.wait(60)
+            return real_load(*a, **k)
 
         monkeypatch.setattr(mp._api, "load", slow_load)
-        result: list[object] = []
-        t = threading.Thread(target=lambda: result.append(ckpt.load(0)))
-        t.start()
-        assert in_load.wait(30)
+        result: list[Any] = []
+        loader = threading.Thread(target=lambda: result.append(ckpt.load(0)))
+        loader.start()
+        assert in_load.wait(60)
         ckpt.save(1, tree(mesh24, 1))
         ckpt.wait()
-        assert (tmp_path / "r" / "0").exists(), "step 0 is being loaded: retention must keep it"
+        assert names(root) == ["0", "1"], "step 0 is being loaded: retention must keep it"
+        with pytest.raises(StepBusyError, match="being loaded"):
+            ckpt.delete(0)
         release.set()
-        t.join(30)
-        assert result and result[0]["step"] == 0  # type: ignore[index]
-        ckpt.save(2, tree(mesh24, 2))
-        ckpt.wait()
-        assert ckpt.steps == [2]
+        loader.join(60)
+        assert result and result[0]["step"] == 0
+        ckpt.wait()  # retention finishes the deferred deletion in the background
+        assert ckpt.steps == [1] and names(root) == ["1"]
 
 
-def test_uncommitted_steps_are_ignored_and_removed(tmp_path: Path, mesh24: jax.sharding.Mesh, caplog: pytest.LogCaptureFixture) -> None:
+def test_retention_keeps_the_latest_even_if_the_policy_does_not(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
+    with Checkpointer(tmp_path / "r", keep=KeepEvery(n=10)) as ckpt:
+        for s in (10, 13, 14, 20, 21):
+            ckpt.save(s, tree(mesh24, s))
+            ckpt.wait()
+            assert ckpt.latest == s and (tmp_path / "r" / str(s)).is_dir()
+        assert ckpt.steps == [10, 20, 21]
+
+
+# -- start-up, bad input, preemption ---------------------------------------------------------
+
+
+def test_uncommitted_steps_are_ignored_and_removed_at_start(
+    tmp_path: Path, mesh24: jax.sharding.Mesh, caplog: pytest.LogCaptureFixture
+) -> None:
     root = tmp_path / "r"
     mp.save(root / "3", tree(mesh24, 3))
     (root / "5").mkdir()
-    (root / "5" / "_CHECKPOINT_METADATA").write_text("{}")
-    (root / "7.orbax-checkpoint-tmp").mkdir()
+    (root / "5" / "_CHECKPOINT_METADATA").write_text("{}")  # no commit marker
+    (root / "7.orbax-checkpoint-tmp" / "state").mkdir(parents=True)
+    (root / "2.milepost-deleting").mkdir()
     (root / "notes.txt").write_text("user file")
-    with caplog.at_level("WARNING"), Checkpointer(root) as ckpt:
+    (root / "logs").mkdir()
+    with caplog.at_level("WARNING", logger="milepost.training"), Checkpointer(root) as ckpt:
         assert ckpt.steps == [3] and ckpt.latest == 3
-    assert sorted(p.name for p in root.iterdir()) == ["3", "notes.txt"]
-    assert "did not commit" in caplog.text
+        with pytest.raises(StepNotFoundError):
+            ckpt.load(5)
+    assert names(root) == ["3", "logs", "notes.txt"]
+    assert caplog.text.count("did not finish") == 3 and "7.orbax-checkpoint-tmp" in caplog.text
+
+
+def test_start_up_leaves_a_save_in_flight_alone(tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = Gate(monkeypatch)
+    root = tmp_path / "r"
+    root.mkdir()
+    handle = mp.save_async(root / "4", tree(mesh24, 4))
+    assert gate.entered.wait(60)
+    with Checkpointer(root) as ckpt:
+        assert ckpt.steps == [] and names(root) == ["4.orbax-checkpoint-tmp"]
+    gate.release.set()
+    handle.result(60)
+    assert Checkpointer(root).steps == [4]
 
 
 def test_bad_input(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
     (tmp_path / "file").write_text("x")
     with pytest.raises(NotADirectoryError, match="is a file"):
         Checkpointer(tmp_path / "file")
-    with Checkpointer(tmp_path / "r") as ckpt:
-        with pytest.raises(ValueError, match="non-negative"):
-            ckpt.save(-1, {"x": 1})
-        with pytest.raises(TypeError, match="non-negative int"):
-            ckpt.save(1.5, {"x": 1})  # type: ignore[arg-type]
-        with pytest.raises(TypeError, match="non-negative int"):
-            ckpt.save(True, {"x": 1})  # type: ignore[arg-type]
-        with pytest.raises(StepNotFoundError, match="nothing to load"):
-            ckpt.load()
-        with pytest.raises(StepNotFoundError):
-            ckpt.delete(3)
-        assert ckpt.save(np.int64(2), {"x": 1})
+    assert (tmp_path / "file").read_text() == "x"
     with pytest.raises(TypeError, match="retention policy"):
         Checkpointer(tmp_path / "r", keep=3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="save policy"):
+        Checkpointer(tmp_path / "r", save_policy=100)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_in_flight"):
+        Checkpointer(tmp_path / "r", max_in_flight=0)
+    root = tmp_path / "r"
+    with Checkpointer(root) as ckpt:
+        with pytest.raises(StepNotFoundError, match="nothing to load"):
+            ckpt.load()
+        with pytest.raises(StepNotFoundError, match="nothing to load"):
+            ckpt.metadata()
+        for step, err, match in ((-1, ValueError, "non-negative"), (1.5, TypeError, "non-negative int"),
+                                 (True, TypeError, "non-negative int"), ("3", TypeError, "non-negative int")):
+            with pytest.raises(err, match=match):
+                ckpt.save(step, {"x": 1})  # type: ignore[arg-type]
+            with pytest.raises(err, match=match):
+                ckpt.should_save(step)  # type: ignore[arg-type]
+        assert ckpt.save(np.int64(2), tree(mesh24, 2))
+        ckpt.wait()
+        with pytest.raises(StepExistsError, match="already has a committed checkpoint") as info:
+            ckpt.save(2, tree(mesh24, 99))
+        assert isinstance(info.value, FileExistsError)
+        with pytest.raises(TypeError, match="JSON"):
+            ckpt.save(3, tree(mesh24, 3), metrics={"loss": object()})
+        with pytest.raises(StepNotFoundError, match="no committed step 3") as missing:
+            ckpt.delete(3)
+        assert isinstance(missing.value, FileNotFoundError)
+        with pytest.raises(StepNotFoundError, match="no committed step 7"):
+            ckpt.load(7)
+        assert ckpt.steps == [2] and names(root) == ["2"]
+        assert ckpt.load(2)["step"] == 2  # nothing on disk was lost
 
 
-def test_preemption_signal_forces_a_save(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
-    previous = signal.getsignal(signal.SIGUSR1)
-    with Checkpointer(tmp_path / "r", save_policy=FixedInterval(interval=1000), preemption_signals=(signal.SIGUSR1,)) as ckpt:
-        assert not ckpt.should_save(3)
-        os.kill(os.getpid(), signal.SIGUSR1)
-        time.sleep(0.05)
-        assert ckpt.should_save(4)
-        assert ckpt.save(4, tree(mesh24, 4))
-        assert not ckpt.should_save(5)  # the request is consumed by the save
-    assert signal.getsignal(signal.SIGUSR1) == previous
+def test_preemption_signal_saves_at_the_next_step(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
+    before_usr1, before_term = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)
+    policy = AnyOf(FixedInterval(interval=1000), Preemption(signals=(signal.SIGUSR1,)))
+    with Checkpointer(tmp_path / "r", save_policy=policy) as ckpt:
+        assert signal.getsignal(signal.SIGTERM) == before_term  # only the signals the policy names
+        assert not ckpt.should_save(3) and not ckpt.preempted
+        signal.raise_signal(signal.SIGUSR1)
+        assert ckpt.should_save(4) and ckpt.should_save(4)  # asked twice: one decision
+        signal.raise_signal(signal.SIGUSR1)  # arrives after the decision: not consumed by it
+        assert ckpt.save(4, tree(mesh24, 4)) and ckpt.preempted
+        assert ckpt.save(5, tree(mesh24, 5))
+        assert not ckpt.should_save(6)  # both requests served
+        ckpt.preempt()
+        assert ckpt.save(7, tree(mesh24, 7))
+        ckpt.wait()
+        assert ckpt.steps == [4, 5, 7]
+    assert signal.getsignal(signal.SIGUSR1) == before_usr1
+    with Checkpointer(tmp_path / "s"):
+        assert signal.getsignal(signal.SIGTERM) == before_term  # no Preemption policy: untouched
+
+
+# -- several controller processes: the primary decides ---------------------------------------
+
+
+class Follower(LocalHostGroup):
+    """A non-primary controller process whose primary answers from a script."""
+
+    def __init__(self, answers: dict[str, Any]) -> None:
+        super().__init__(0)
+        self.answers = answers
+        self.asked: list[str] = []
+
+    def is_primary(self) -> bool:
+        return False
+
+    def broadcast(self, name: str, value: Any, timeout: float) -> Any:
+        assert value is None, "a non-primary process has nothing to publish"
+        what = name.split(":")[1]
+        self.asked.append(what)
+        return self.answers[what]
+
+
+def test_a_non_primary_process_takes_the_primarys_listing_and_decisions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    group = Follower({"open": (True, {5: {"loss": 1.0}, 10: {}}), "should-save": (True, (True, True))})
+    monkeypatch.setattr(_dispatch, "_PROVIDERS", [lambda: group])
+    root = tmp_path / "r"
+    with Checkpointer(root, save_policy=FixedInterval(interval=1000)) as ckpt:
+        assert ckpt.steps == [5, 10] and ckpt.latest == 10
+        assert not root.exists(), "only the primary lists and creates the root"
+        assert ckpt.should_save(11) and ckpt.preempted  # its own policy says no; the primary says yes
+    assert group.asked == ["open", "should-save"]
+    monkeypatch.setattr(group, "answers", {"open": (False, NotADirectoryError(f"checkpoint root {root} is a file"))})
+    with pytest.raises(NotADirectoryError, match="is a file"):  # the primary's error, not a hang
+        Checkpointer(root)

@@ -1,0 +1,129 @@
+"""The Checkpointer in a multi-controller JAX job: ``launch`` starts N processes on localhost,
+each running this module (``python -m tests._training_mc SCENARIO INDEX COUNT PORT ROOT``),
+and returns the JSON line each printed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from tests import _subproc
+from tests._mc import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPE = (16, 32)
+
+
+def launch(scenario: str, root: Path, processes: int = 2, devices: int = 4, timeout: float = 240) -> list[dict]:
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests._training_mc", scenario, str(i), str(processes), str(port), str(root)],
+            cwd=ROOT, env=_subproc.env(devices), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for i in range(processes)
+    ]
+    outs = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        lines = [line for line in out.splitlines() if line.startswith("{")]
+        result = json.loads(lines[-1]) if lines else {}
+        assert p.returncode == 0 and "exception" not in result, f"process failed:\n{result.get('exception')}\n{err[-3000:]}"
+        outs.append(result)
+    return outs
+
+
+def value(step: int) -> Any:
+    import numpy as np
+
+    return (np.arange(SHAPE[0] * SHAPE[1], dtype=np.float32).reshape(SHAPE) + 1000 * step).astype(np.float32)
+
+
+def main(scenario: str, index: int, count: int, port: int, root: str) -> dict:
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=count, process_id=index)
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from milepost.training import AnyOf, Checkpointer, FixedInterval, KeepLatest, Preemption
+
+    mesh = jax.make_mesh((2, len(jax.devices()) // 2), ("data", "model"))
+    sharding = NamedSharding(mesh, P("data", "model"))
+
+    def state(step: int) -> dict:
+        g = value(step)
+        return {"w": jax.make_array_from_callback(SHAPE, sharding, lambda idx: g[idx]), "step": step}
+
+    def exact(tree: dict, step: int) -> int:
+        n = 0
+        for shard in tree["w"].addressable_shards:
+            assert np.array_equal(np.asarray(shard.data), value(step)[shard.index]), (step, shard.index)
+            n += 1
+        assert tree["step"] == step
+        return n
+
+    out: dict[str, Any] = {"process": index}
+    if scenario == "user_signal":
+        # the primary alone gets SIGUSR1 before step 6: every process saves step 6
+        policy = AnyOf(FixedInterval(interval=4), Preemption(signals=(signal.SIGUSR1,)))
+        with Checkpointer(root, save_policy=policy, keep=KeepLatest(n=2)) as ckpt:
+            saved = []
+            for step in range(10):
+                if step == 6 and index == 0:
+                    signal.raise_signal(signal.SIGUSR1)
+                if ckpt.save(step, state(step), metrics={"loss": float(step)}):
+                    saved.append(step)
+            ckpt.wait()
+            out.update(saved=saved, steps=ckpt.steps, preempted=ckpt.preempted)
+        with Checkpointer(root, keep=KeepLatest(n=2)) as again:  # resume
+            out["latest"] = again.latest
+            out["exact"] = exact(again.load(None, {"w": jax.ShapeDtypeStruct(SHAPE, np.float32, sharding=sharding), "step": 0}), again.latest)
+            again.delete(6)
+            out["after_delete"] = again.steps
+        out["on_disk"] = sorted(os.listdir(root))
+    elif scenario == "sigterm":
+        # only the last process is told (SIGTERM): JAX's preemption service makes every process
+        # save at the same step, and stop there
+        policy = AnyOf(FixedInterval(interval=1000), Preemption())
+        with Checkpointer(root, save_policy=policy) as ckpt:
+            saved, stopped = [], None
+            for step in range(1, 3000):
+                if step == 3 and index == count - 1:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                if ckpt.save(step, state(step)):
+                    saved.append(step)
+                if ckpt.preempted:
+                    stopped = step
+                    break
+                time.sleep(0.005)
+            ckpt.wait()
+            out.update(saved=saved, stopped=stopped, steps=ckpt.steps)
+            if ckpt.latest is not None:
+                out["exact"] = exact(ckpt.load(), ckpt.latest)
+    else:
+        raise ValueError(f"unknown scenario {scenario}")
+    return out
+
+
+if __name__ == "__main__":
+    scenario, index, count, port, root = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+    try:
+        result = main(scenario, index, count, port, root)
+    except Exception:
+        result = {"process": index, "exception": traceback.format_exc()}
+    print(json.dumps(result), flush=True)
