@@ -102,12 +102,16 @@ class HostActor:
         array = self.arrays[array_id]
         return [(s.index, np.asarray(s.data)) for s in array.addressable_shards if s.replica_id == 0]
 
-    def run(self, fn: bytes, args: Any, kwargs: Any, out_ids: list[str]) -> Any:
+    def run(self, fn: bytes, args: Any, kwargs: Any, out_ids: list[str], out_shardings: Any = None) -> Any:
         import cloudpickle
         import jax
 
         function = cloudpickle.loads(fn)
-        out = jax.jit(function)(*self._resolve(args), **self._resolve(kwargs))
+        if out_shardings is not None:
+            out_shardings = jax.tree_util.tree_map(
+                lambda s: s.to_jax(), out_shardings, is_leaf=lambda x: isinstance(x, workers.ShardingSpec)
+            )
+        out = jax.jit(function, out_shardings=out_shardings)(*self._resolve(args), **self._resolve(kwargs))
         leaves = jax.tree_util.tree_leaves(out)
         if len(leaves) > len(out_ids):
             raise ValueError(f"the function returned {len(leaves)} arrays, more than the {len(out_ids)} ids allotted")

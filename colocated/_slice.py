@@ -382,8 +382,10 @@ class Slice:
 
         return jax.tree_util.tree_map(one, tree)
 
-    def run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """Run ``jax.jit(fn)`` SPMD on every host over RemoteArrays; returns RemoteArrays."""
+    def run(self, fn: Any, *args: Any, out_shardings: Any = None, **kwargs: Any) -> Any:
+        """Run ``jax.jit(fn, out_shardings=...)`` SPMD on every host over RemoteArrays; returns
+        RemoteArrays. ``out_shardings``: slice shardings (``mesh.sharding(P(...))``), or None to
+        let JAX choose."""
         import jax
 
         def ref(x: Any) -> Any:
@@ -393,7 +395,14 @@ class Slice:
         kwargs_ = jax.tree_util.tree_map(ref, kwargs)
         payload = cloudpickle.dumps(fn)
         ids = [uuid.uuid4().hex for _ in range(256)]
-        described = self._all("run", payload, args_, kwargs_, ids, doing=f"running {getattr(fn, '__name__', 'a function')}")
+        specs = None
+        if out_shardings is not None:
+            specs = jax.tree_util.tree_map(
+                lambda s: s.milepost_spec, out_shardings, is_leaf=lambda x: isinstance(x, SliceSharding)
+            )
+        described = self._all(
+            "run", payload, args_, kwargs_, ids, specs, doing=f"running {getattr(fn, '__name__', 'a function')}"
+        )
         return self._wrap(described[0])
 
     # -- HostGroup protocol ---------------------------------------------------------------

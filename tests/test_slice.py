@@ -63,6 +63,10 @@ def test_programming_model_and_handles(slice42: mp.Slice) -> None:
     assert isinstance(tree["x"], mp.RemoteArray) and tree["x"].shape == (32, 16)
     out = slice42.run(lambda t, k: {"y": t["x"] * k, "s": t["x"].sum()}, tree, 3.0)
     assert np.array_equal(slice42.fetch(out["y"]), x * 3) and float(slice42.fetch(out["s"])) == float(x.sum())
+    col = mesh.sharding(P(None, "model"))
+    moved = slice42.run(lambda a: a + 1, tree["x"], out_shardings=col)
+    assert moved.sharding == col and np.array_equal(slice42.fetch(moved), x + 1)
+    del moved
     held = slice42._all("held", doing="counting")
     del out, tree
     gc.collect()
@@ -162,7 +166,10 @@ def _controller_rss_growth(s: mp.Slice, path: Path, gib: float) -> tuple[int, in
     mesh = s.mesh({"data": 2, "model": 4})
     rows = int(gib * 2**30 / 8 / 4 / 4096)
     # the data is made on the hosts (slice.run), never on the controller
-    tree = {f"w{i}": s.run(lambda i=i: jax.random.normal(jax.random.key(i), (rows, 4096), np.float32)) for i in range(8)}
+    sharding = mesh.sharding(P("data", "model"))
+    tree = {f"w{i}": s.run(lambda i=i: jax.random.normal(jax.random.key(i), (rows, 4096), np.float32), out_shardings=sharding)
+            for i in range(8)}
+    assert tree["w0"].sharding == sharding
     proc = psutil.Process()
     peak = [proc.memory_info().rss]
     stop = threading.Event()

@@ -29,7 +29,7 @@ class ShardingSpec:
     """Mesh device ids in row-major order of ``mesh_shape``; for 'single', one id."""
     spec: tuple[AxisEntry, ...] = ()
     axis_types: tuple[str, ...] = ()
-    """'Auto', 'Explicit' or 'Manual' per mesh axis (empty: JAX's default)."""
+    """'Auto', 'Explicit' or 'Manual' per mesh axis (``named`` fills in JAX's default, Auto)."""
 
     # ---- construction -------------------------------------------------------------------
     @staticmethod
@@ -57,7 +57,8 @@ class ShardingSpec:
             axis_names=tuple(axis_names),
             device_ids=tuple(int(d) for d in device_ids),
             spec=tuple(norm),
-            axis_types=tuple(str(t).rsplit(".", 1)[-1] for t in axis_types),
+            # JAX's Mesh default is Auto for every axis; spell it out so equal shardings compare equal.
+            axis_types=tuple(str(t).rsplit(".", 1)[-1] for t in axis_types) or ("Auto",) * len(axis_names),
         )
 
     @staticmethod
