@@ -17,7 +17,12 @@ import tensorstore as ts
 
 from milepost import _dispatch, _planning, _tree, workers
 from milepost import _format as fmt
-from milepost._errors import CorruptCheckpointError, StructureMismatchError, UnsupportedLeafError
+from milepost._errors import (
+    CorruptCheckpointError,
+    InvalidKeyError,
+    StructureMismatchError,
+    UnsupportedLeafError,
+)
 from milepost._tree import PLACEHOLDER, Leaf
 from milepost.workers import ShardingSpec
 
@@ -84,6 +89,38 @@ def _python_type(value: Any) -> str:
 # ------------------------------------------------------------------------------------------
 
 
+def _named(leaf: Leaf, fn: Callable[..., Any], *args: Any) -> Any:
+    """Run ``fn``; an UnsupportedLeafError it raises names the leaf."""
+    try:
+        return fn(*args)
+    except UnsupportedLeafError as e:
+        if repr(leaf.name) in str(e):
+            raise
+        raise UnsupportedLeafError(f"leaf {leaf.name!r}: {e}") from None
+
+
+def _check_dtype(name: str, dtype: np.dtype) -> None:
+    if np.dtype(dtype).name not in workers.ZARR3_DTYPES:
+        raise UnsupportedLeafError(
+            f"leaf {name!r} has dtype {np.dtype(dtype).name}, which the zarr3 format cannot store "
+            f"(it stores {', '.join(sorted(workers.ZARR3_DTYPES))}); cast the leaf to one of those before saving"
+        )
+
+
+_PLAIN_ZARR3_RESERVED = frozenset({fmt.TREE_METADATA, fmt.SHARDING, fmt.STRINGS, fmt.MILEPOST_INFO, fmt.ARRAY_METADATAS})
+
+
+def _check_plain_zarr3_names(leaves: list[Leaf], kinds: list[str]) -> None:
+    """Plain zarr3 stores each array in a folder named after its leaf: that folder must not be
+    one of the checkpointable's metadata files."""
+    for leaf, kind in zip(leaves, kinds, strict=True):
+        if kind in ("jax.Array", "np.ndarray", "scalar") and leaf.name in _PLAIN_ZARR3_RESERVED:
+            raise InvalidKeyError(
+                f"leaf {leaf.name!r} would be stored in a folder with the name of a metadata file, which plain zarr3 "
+                "(SaveOptions(use_ocdbt=False)) cannot do; rename the key, or save with use_ocdbt=True (the default)"
+            )
+
+
 class PyTreeSave:
     """A planned save of one tree: ``stage`` does the blocking part, ``finish`` the rest."""
 
@@ -92,7 +129,9 @@ class PyTreeSave:
         self.options = call.options.saving
         self.group = call.group
         self.leaves, _ = _tree.flatten(tree)
-        self.kinds = [value_type(leaf.value) for leaf in self.leaves]
+        self.kinds = [_named(leaf, value_type, leaf.value) for leaf in self.leaves]
+        if not self.options.use_ocdbt:
+            _check_plain_zarr3_names(self.leaves, self.kinds)
         self.host_plans: dict[int, list[workers.SaveTask]] = defaultdict(list)
         self.host_sources: list[Any] = []
         self.controller_tasks: list[workers.SaveTask] = []
@@ -102,7 +141,7 @@ class PyTreeSave:
         self.strings: dict[str, str] = {}
         self.python_types: dict[str, str] = {}
         for leaf, kind in zip(self.leaves, self.kinds, strict=True):
-            self._plan_leaf(leaf, kind)
+            _named(leaf, self._plan_leaf, leaf, kind)
 
     def _plan_leaf(self, leaf: Leaf, kind: str) -> None:
         value = leaf.value
@@ -115,6 +154,7 @@ class PyTreeSave:
                     f"leaf {leaf.name!r} is a NumPy array of dtype {array.dtype}, which has no on-disk form; "
                     "save numeric arrays, or strings as str leaves"
                 )
+            _check_dtype(leaf.name, array.dtype)
             if kind == "scalar":
                 self.python_types[leaf.name] = _python_type(value)
             spec = _planning.host_array_spec(leaf.name, array, self.options.compression)
@@ -136,6 +176,7 @@ class PyTreeSave:
         dtype = np.dtype(value.dtype)
         if dtype.kind in "OUS":
             raise UnsupportedLeafError(f"leaf {leaf.name!r} has dtype {dtype}, which has no on-disk form")
+        _check_dtype(leaf.name, dtype)
         spec = _planning.sharding_spec(value.sharding)
         if spec is not None:
             self.shardings[leaf.name] = spec
@@ -287,8 +328,27 @@ class _Saved:
 
 
 def read_saved(directory: Path) -> _Saved:
+    try:
+        return _read_saved(directory)
+    except CorruptCheckpointError:
+        raise
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
+        raise CorruptCheckpointError(
+            f"the metadata files in {directory} ({fmt.TREE_METADATA}, {fmt.SHARDING}, {fmt.STRINGS}) do not have the "
+            f"expected form ({type(e).__name__}: {e}); the checkpoint is damaged. Load an earlier checkpoint."
+        ) from e
+
+
+def _json_object(path: Path, what: str) -> dict[str, Any]:
+    value = fmt.read_json(path, what)
+    if not isinstance(value, dict):
+        raise CorruptCheckpointError(f"{what} {path} is not a JSON object; the checkpoint is damaged. Load an earlier checkpoint.")
+    return value
+
+
+def _read_saved(directory: Path) -> _Saved:
     meta = fmt.read_json(directory / fmt.TREE_METADATA, "tree metadata")
-    if not isinstance(meta, dict) or "tree_metadata" not in meta:
+    if not isinstance(meta, dict) or not isinstance(meta.get("tree_metadata"), dict):
         raise CorruptCheckpointError(f"{directory / fmt.TREE_METADATA} has no 'tree_metadata'; the checkpoint is damaged or not a pytree")
     entries: dict[str, dict[str, Any]] = {}
     order: list[str] = []
@@ -299,13 +359,15 @@ def read_saved(directory: Path) -> _Saved:
         order.append(name)
     shardings: dict[str, ShardingSpec] = {}
     if (directory / fmt.SHARDING).exists():
-        for encoded, text in fmt.read_json(directory / fmt.SHARDING, "sharding metadata").items():
+        for encoded, text in _json_object(directory / fmt.SHARDING, "sharding metadata").items():
+            if not isinstance(text, str):
+                raise TypeError(f"the sharding of {encoded!r} is a {type(text).__name__}, not a JSON string")
             try:
                 shardings[base64.b64decode(encoded).decode()] = ShardingSpec.from_orbax_json(text)
             except (ValueError, KeyError):
                 continue  # a sharding kind we do not know: loading it needs an abstract tree
-    strings = fmt.read_json(directory / fmt.STRINGS, "string leaves") if (directory / fmt.STRINGS).exists() else {}
-    info = fmt.read_json(directory / fmt.MILEPOST_INFO, "milepost info") if (directory / fmt.MILEPOST_INFO).exists() else {}
+    strings = _json_object(directory / fmt.STRINGS, "string leaves") if (directory / fmt.STRINGS).exists() else {}
+    info = _json_object(directory / fmt.MILEPOST_INFO, "milepost info") if (directory / fmt.MILEPOST_INFO).exists() else {}
     use_ocdbt = bool(meta.get("use_ocdbt", True))
     return _Saved(directory, use_ocdbt, entries, order, shardings, strings, info.get("python_types", {}))
 
@@ -470,7 +532,10 @@ def load(directory: Path, abstract: Any, partial: bool, call: Any) -> Any:
             out_values.append((keys, value))
         elif vt == "string":
             if name not in saved.strings:
-                raise StructureMismatchError(f"string leaf {name!r} is missing from {saved.directory / fmt.STRINGS}")
+                raise CorruptCheckpointError(
+                    f"string leaf {name!r} is missing from {saved.directory / fmt.STRINGS}; the checkpoint is damaged. "
+                    "Load an earlier checkpoint."
+                )
             out_values.append((keys, saved.strings[name]))
         else:
             out_values.append((keys, abst if abst is not None else _empty(vt, saved.python_types.get(name))))

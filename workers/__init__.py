@@ -20,6 +20,7 @@ from milepost.workers._messages import (
 from milepost.workers._sharding import ShardingSpec
 from milepost.workers._tensorstore import (
     PROCESS_PREFIX,
+    ZARR3_DTYPES,
     merge_kvstore,
     process_dir_name,
     read_kvstore,
@@ -27,6 +28,7 @@ from milepost.workers._tensorstore import (
 
 __all__ = [
     "PROCESS_PREFIX",
+    "ZARR3_DTYPES",
     "ArraySpec",
     "Index",
     "LoadAck",

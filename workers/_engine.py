@@ -161,7 +161,7 @@ def load(plan: LoadPlan) -> list[Any]:
         if tuple(store.shape) != tuple(task.shape):
             raise ValueError(f"array {task.name!r} is stored with shape {tuple(store.shape)}, the plan expects {task.shape}")
         stores.append(store)
-    reader = _BudgetedReader(plan.memory_budget_bytes)
+    reader = _BudgetedReader(plan.memory_budget_bytes, plan.store.directory)
     results: list[Any] = [None] * len(plan.tasks)
     assemblers: list[_Assembler] = []
     for i, (task, store) in enumerate(zip(plan.tasks, stores, strict=True)):
@@ -247,8 +247,9 @@ class _Assembler:
 class _BudgetedReader:
     """Issues reads, keeping at most ``budget`` bytes of read buffers in flight."""
 
-    def __init__(self, budget: int | None) -> None:
+    def __init__(self, budget: int | None, directory: str = "") -> None:
         self.budget = budget
+        self.directory = directory
         self.inflight: collections.deque[tuple[Any, np.ndarray, _Assembler, tuple[Any, ...], int]] = collections.deque()
         self.inflight_bytes = 0
 
@@ -266,7 +267,13 @@ class _BudgetedReader:
 
     def _complete_one(self) -> None:
         future, out, asm, devices, nbytes = self.inflight.popleft()
-        future.result()
+        try:
+            future.result()
+        except Exception as e:  # TensorStore's ValueError("NOT_FOUND: ..."), a bad checksum...
+            raise ValueError(
+                f"array {asm.task.name!r}: reading a {out.shape} box from {self.directory} failed ({e}); the "
+                "checkpoint's data files are missing or damaged. Load an earlier checkpoint."
+            ) from e
         asm.take(devices, out)
         self.inflight_bytes -= nbytes
 

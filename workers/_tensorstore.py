@@ -58,6 +58,16 @@ def _array_kvstore(kvstore: dict[str, Any], name: str) -> dict[str, Any]:
     return {**kvstore, "path": name + "/"}
 
 
+ZARR3_DTYPES = frozenset(
+    {
+        "bool", "int2", "int4", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+        "float4_e2m1fn", "float8_e3m4", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e4m3b11fnuz", "float8_e5m2",
+        "float8_e5m2fnuz", "float8_e8m0fnu", "float16", "bfloat16", "float32", "float64", "complex64", "complex128",
+    }
+)
+"""NumPy dtype names that TensorStore's zarr3 driver can store."""
+
+
 def zarr_dtype(dtype: np.dtype | str) -> str:
     name = np.dtype(dtype).name
     return "bool" if name == "bool" else name
