@@ -2,7 +2,7 @@
 
 from milepost.colocated._errors import HostError
 from milepost.colocated._hostgroup import HostGroup, LocalHostGroup, PendingHostSave
-from milepost.colocated._mcjax import MultiControllerHostGroup
+from milepost.colocated._mcjax import MultiControllerHostGroup, set_primary_process
 from milepost.colocated._slice import (
     AbstractArray,
     RemoteArray,
@@ -24,4 +24,5 @@ __all__ = [
     "SliceMesh",
     "SliceOptions",
     "SliceSharding",
+    "set_primary_process",
 ]

@@ -1,16 +1,28 @@
-"""The multi-controller host group: every process runs the script and is its own host.
+"""The multi-controller (mcJAX) host group: every process runs the same script and is both a
+controller and the host of its own devices.
 
-Each process runs only its own plan through the worker engine. Coordination (barriers and the
-primary's broadcasts) goes through the ``jax.distributed`` coordination service, always with a
-timeout, and a wait that times out names the processes that did not arrive.
+Each process runs only its own plan (``plans[jax.process_index()]``) through the worker engine.
+The processes agree through the ``jax.distributed`` coordination service, with a timeout on
+every wait:
+
+- a *sync* is a barrier that carries each process's outcome: a process whose part failed posts
+  its error and still arrives, so every process raises the same :class:`HostError`; a process
+  that never arrives (it died or hung) is named, found by the per-process ``arrived`` keys;
+- a *broadcast* is the primary publishing a value that the others read; the last reader deletes
+  it.
+
+Every operation gets an id from its name and how often this group used that name before. Every
+process calls the same named operations in the same order, so the ids match across processes,
+also when saves finish concurrently in background threads (their names hold their paths).
 """
 
 from __future__ import annotations
 
-import base64
-import collections
+import hashlib
 import pickle
 import threading
+import zlib
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -20,6 +32,7 @@ from milepost import workers
 from milepost.colocated._errors import HostError
 
 PREFIX = "milepost"
+_NOT_COMMITTED = "Nothing was committed."
 
 
 def _client() -> Any:
@@ -27,48 +40,114 @@ def _client() -> Any:
 
     client = distributed.global_state.client
     if client is None:
-        raise RuntimeError("jax.distributed is not initialized: call jax.distributed.initialize() in every process first")
+        raise RuntimeError(
+            "jax.distributed is not initialized in this process: call jax.distributed.initialize() in every "
+            "process before using milepost in a multi-process job"
+        )
     return client
 
 
+def _ms(timeout: float) -> int:
+    return max(1, int(timeout * 1000))
+
+
+def _describe(error: BaseException) -> str:
+    text = f"{type(error).__name__}: {error}"
+    return text if len(text) <= 2000 else text[:2000] + "..."
+
+
+def _directory(plans: Mapping[int, Any]) -> str:
+    return next(iter(plans.values())).store.directory if plans else "?"
+
+
+def _settle(pending: workers.PendingSave | None, timeout: float) -> None:
+    """Wait for writes this process issued (their outcome no longer matters)."""
+    if pending is not None:
+        try:
+            pending.wait(timeout)
+        except Exception:
+            pass
+
+
+class _Op:
+    """One coordinated operation: its barrier id and key prefix."""
+
+    def __init__(self, name: str, seq: int) -> None:
+        self.name = name
+        digest = hashlib.sha1(name.encode()).hexdigest()[:20]
+        self.barrier_id = f"{PREFIX}:{digest}:{seq}"
+        self.keys = f"{PREFIX}/{digest}.{seq}"
+
+
 class _Pending:
-    def __init__(self, pending: workers.PendingSave | None) -> None:
+    """This process's writes; ``wait`` makes them durable, then syncs with the other processes."""
+
+    def __init__(self, group: MultiControllerHostGroup, pending: workers.PendingSave | None, directory: str, timeout: float) -> None:
+        self._group = group
         self._pending = pending
+        self._directory = directory
+        self._timeout = timeout
+        self._lock = threading.Lock()
+        self._acks: list[workers.SaveAck] | None = None
 
     def wait(self, timeout: float | None = None) -> list[workers.SaveAck]:
-        return [self._pending.wait(timeout)] if self._pending is not None else []
+        timeout = self._timeout if timeout is None else timeout
+        with self._lock:
+            if self._acks is None:
+                acks: list[workers.SaveAck] = []
+                error: BaseException | None = None
+                try:
+                    if self._pending is not None:
+                        acks.append(self._pending.wait(timeout))
+                except Exception as e:
+                    error = e
+                self._pending = None  # the staged buffers go as soon as they are on disk
+                self._group.sync(
+                    f"written:{self._directory}", timeout, error, doing="writing its shards", consequence=_NOT_COMMITTED
+                )
+                self._acks = acks
+            return self._acks
 
 
 class MultiControllerHostGroup:
     """Every process of a ``jax.distributed`` job is a controller and the host of its devices.
 
-    ``primary`` (process 0 by default) alone creates directories, writes metadata and commits.
+    ``primary`` (process 0 unless given; see :func:`set_primary_process` for the default group)
+    alone creates directories, reads and writes metadata, and commits; the others get its
+    answers by broadcast. Call every milepost function in every process, in the same order.
     """
 
     name = "mcjax"
 
-    def __init__(self, primary: int = 0) -> None:
+    def __init__(self, primary: int = 0, *, client: Any | None = None) -> None:
+        self._client = client if client is not None else _client()
         self._index = jax.process_index()
         self._count = jax.process_count()
-        if not 0 <= primary < self._count:
-            raise ValueError(f"primary process {primary} does not exist (process_count={self._count})")
-        self._primary = primary
+        if isinstance(primary, bool) or not isinstance(primary, int) or not 0 <= primary < self._count:
+            raise ValueError(f"primary must be a process index in [0, {self._count}), got {primary!r}")
+        self.primary = primary
         self._owner = {d.id: d.process_index for d in jax.devices()}
         self._lock = threading.Lock()
-        self._seq: collections.Counter[str] = collections.Counter()
+        self._uses: Counter[str] = Counter()
+
+    def __repr__(self) -> str:
+        return f"MultiControllerHostGroup(process={self._index} of {self._count}, primary={self.primary})"
 
     # -- topology -------------------------------------------------------------------------
     def process_of_device(self, device_id: int) -> int:
         try:
             return self._owner[device_id]
         except KeyError:
-            raise ValueError(f"device {device_id} is not part of this jax.distributed job") from None
+            raise ValueError(
+                f"device {device_id} is not part of this jax.distributed job (its devices: "
+                f"{sorted(self._owner)[:8]}{'...' if len(self._owner) > 8 else ''})"
+            ) from None
 
     def processes(self) -> Sequence[int]:
-        return range(self._count)
+        return tuple(range(self._count))
 
     def is_primary(self) -> bool:
-        return self._index == self._primary
+        return self._index == self.primary
 
     def check_devices(self, spec: workers.ShardingSpec, name: str) -> None:
         try:
@@ -76,55 +155,187 @@ class MultiControllerHostGroup:
         except ValueError as e:
             raise ValueError(f"cannot load {name!r} with its saved sharding: {e}") from None
 
-    # -- work -----------------------------------------------------------------------------
+    # -- work: each process runs its own plan ---------------------------------------------
     def start_save(self, plans: Mapping[int, workers.SavePlan], sources: Sequence[Any], timeout: float) -> _Pending:
+        """Stage this process's shards; return once every process staged (or raise everywhere)."""
+        directory = _directory(plans)
         plan = plans.get(self._index)
-        return _Pending(workers.start_save(plan, sources) if plan is not None else None)
+        pending = None
+        error: BaseException | None = None
+        try:
+            if plan is not None:
+                pending = workers.start_save(plan, sources)
+        except Exception as e:
+            error = e
+        doing, op = "staging its shards (device-to-host copy)", self._op(f"staged:{directory}")
+        try:
+            failed = self._arrive(op, timeout, error, _NOT_COMMITTED)
+        except HostError:
+            _settle(pending, timeout)
+            raise
+        if failed:
+            # Every process arrived: let each finish the writes it issued before the primary
+            # removes the temporary directory, so none lands there afterwards.
+            _settle(pending, timeout)
+            self._arrive(self._op(f"abandoned:{directory}"), timeout, None, _NOT_COMMITTED)
+            raise self._failed(failed, doing, _NOT_COMMITTED) from error
+        return _Pending(self, pending, directory, timeout)
 
     def load(self, plans: Mapping[int, workers.LoadPlan], timeout: float) -> list[Any]:
-        return workers.load(plans[self._index])
+        """Read and place this process's shards; every process returns, or all raise."""
+        plan = plans.get(self._index)
+        results: list[Any] = []
+        error: BaseException | None = None
+        try:
+            if plan is None:
+                raise ValueError(f"the load plan has no part for process {self._index} (it has {sorted(plans)})")
+            results = workers.load(plan)
+        except Exception as e:
+            error = e
+        directory = plan.store.directory if plan is not None else _directory(plans)
+        self.sync(f"loaded:{directory}", timeout, error, doing="reading its shards")
+        return results
 
     # -- coordination ---------------------------------------------------------------------
-    def _key(self, name: str) -> str:
-        """A key unique to this call: the name and how often this process used it before
-        (every process calls the same named operations in the same order)."""
+    def _op(self, name: str) -> _Op:
         with self._lock:
-            self._seq[name] += 1
-            n = self._seq[name]
-        digest = base64.urlsafe_b64encode(name.encode()).decode().rstrip("=")
-        return f"{PREFIX}/{digest}/{n}"
+            seq = self._uses[name]
+            self._uses[name] = seq + 1
+        return _Op(name, seq)
 
     def barrier(self, name: str, timeout: float) -> None:
-        key = self._key(name)
-        client = _client()
-        client.key_value_set(f"{key}/arrived/{self._index}", "1")
-        try:
-            client.wait_at_barrier(key.replace("/", ":"), int(timeout * 1000))
-        except Exception as e:
-            missing = self._missing(f"{key}/arrived/")
-            raise HostError(
-                f"processes {missing or '(unknown)'} did not reach the barrier {name!r} within {timeout}s "
-                f"(this is process {self._index} of {self._count}); they died or hung. Nothing was committed. ({e})"
-            ) from None
+        self.sync(name, timeout)
 
-    def _missing(self, prefix: str) -> list[int]:
+    def sync(
+        self,
+        name: str,
+        timeout: float,
+        error: BaseException | None = None,
+        *,
+        doing: str = "",
+        consequence: str = "",
+    ) -> None:
+        """Arrive at the barrier ``name`` with this process's outcome (``error``: its part failed).
+
+        Raises :class:`HostError` in every process if any process failed, and names the
+        processes that did not arrive within ``timeout``.
+        """
+        self._sync(self._op(name), timeout, error, doing, consequence)
+
+    def _sync(self, op: _Op, timeout: float, error: BaseException | None, doing: str, consequence: str) -> None:
+        failed = self._arrive(op, timeout, error, consequence)
+        if failed:
+            raise self._failed(failed, doing, consequence) from error
+
+    def _arrive(self, op: _Op, timeout: float, error: BaseException | None, consequence: str) -> list[tuple[int, str]]:
+        """Post this process's outcome and wait for every process; the failures they posted.
+        Raises :class:`HostError` naming the processes that did not arrive in time."""
+        client = self._client
+        if error is not None:
+            client.key_value_set(f"{op.keys}/failed/{self._index}", _describe(error), allow_overwrite=True)
+        client.key_value_set(f"{op.keys}/arrived/{self._index}", "1", allow_overwrite=True)
         try:
-            arrived = {int(k.rsplit("/", 1)[-1]) for k, _ in _client().key_value_dir_get(prefix)}
+            client.wait_at_barrier(op.barrier_id, _ms(timeout))
+        except Exception as e:
+            raise self._not_arrived(op, timeout, e, consequence) from (error if error is not None else e)
+        failed = self._failures(op)
+        client.key_value_delete(f"{op.keys}/arrived/{self._index}")
+        return failed
+
+    @staticmethod
+    def _failed(failed: list[tuple[int, str]], doing: str, consequence: str) -> HostError:
+        what = f" {doing}" if doing else ""
+        parts = "; ".join(f"process {p} failed{what}: {msg}" for p, msg in failed[:4])
+        more = f" (and {len(failed) - 4} more)" if len(failed) > 4 else ""
+        return HostError(f"{parts}{more}. {consequence}".rstrip())
+
+    def _failures(self, op: _Op) -> list[tuple[int, str]]:
+        try:
+            entries = self._client.key_value_dir_get(f"{op.keys}/failed/")
         except Exception:
             return []
-        return [p for p in range(self._count) if p not in arrived]
+        return sorted((int(k.rsplit("/", 1)[-1]), v) for k, v in entries)
+
+    def _not_arrived(self, op: _Op, timeout: float, cause: BaseException, consequence: str) -> HostError:
+        failed = self._failures(op)
+        try:
+            arrived = {int(k.rsplit("/", 1)[-1]) for k, _ in self._client.key_value_dir_get(f"{op.keys}/arrived/")}
+        except Exception:
+            arrived = set()
+        missing = [p for p in range(self._count) if p not in arrived]
+        me = f"(this is process {self._index} of {self._count})"
+        extra = "".join(f" Process {p} reported: {msg}." for p, msg in failed[:4])
+        if missing:
+            shown = ", ".join(map(str, missing[:16])) + (", ..." if len(missing) > 16 else "")
+            noun = "process" if len(missing) == 1 else "processes"
+            return HostError(
+                f"{noun} {shown} did not reach {op.name!r} within {timeout:g}s {me}: they died, hung, or raised "
+                f"an error before it; check their logs.{extra} {consequence}".rstrip()
+            )
+        return HostError(f"the barrier {op.name!r} failed {me}: {cause}.{extra} {consequence}".rstrip())
 
     def broadcast(self, name: str, value: Any, timeout: float) -> Any:
-        key = self._key(name)
-        client = _client()
+        """The primary's ``value`` in every process (the others pass anything, e.g. None).
+
+        The primary publishes and returns at once; each other process reads, and the last
+        reader deletes the key.
+        """
+        op = self._op(f"broadcast:{name}")
+        key = f"{op.keys}/value"
+        client = self._client
         if self.is_primary():
-            client.key_value_set(key, base64.b64encode(pickle.dumps(value)).decode())
+            try:
+                payload = b"V" + zlib.compress(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL), 1)
+            except Exception as e:
+                client.key_value_set_bytes(key, b"E" + _describe(e).encode(), allow_overwrite=True)
+                raise HostError(f"the primary could not send {name!r} to the other processes: {_describe(e)}") from e
+            client.key_value_set_bytes(key, payload, allow_overwrite=True)
             return value
         try:
-            raw = client.blocking_key_value_get(key, int(timeout * 1000))
+            payload = client.blocking_key_value_get_bytes(key, _ms(timeout))
         except Exception as e:
             raise HostError(
-                f"the primary process {self._primary} did not publish {name!r} within {timeout}s "
-                f"(this is process {self._index}); it died or hung. ({e})"
-            ) from None
-        return pickle.loads(base64.b64decode(raw))
+                f"the primary process {self.primary} did not publish {name!r} within {timeout:g}s (this is process "
+                f"{self._index} of {self._count}): it died, hung, or raised an error before it; check its logs"
+            ) from e
+        if client.key_value_increment(f"{op.keys}/read", 1) == self._count - 1:
+            client.key_value_delete(key)
+            client.key_value_delete(f"{op.keys}/read")
+        if payload[:1] == b"E":
+            raise HostError(f"the primary could not send {name!r} to the other processes: {payload[1:].decode()}")
+        return pickle.loads(zlib.decompress(payload[1:]))
+
+
+# ------------------------------------------------------------------------------------------
+# The default group of this process's jax.distributed runtime
+# ------------------------------------------------------------------------------------------
+
+_default_lock = threading.Lock()
+_default: MultiControllerHostGroup | None = None
+_default_primary = 0
+
+
+def set_primary_process(index: int) -> None:
+    """Choose the process that writes metadata and commits in multi-controller jobs (default 0).
+
+    Call it in every process with the same index, before the saves and loads it should apply to.
+    """
+    global _default_primary
+    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+        raise ValueError(f"the primary process must be a non-negative int, got {index!r}")
+    with _default_lock:
+        _default_primary = index
+
+
+def default_group() -> MultiControllerHostGroup | None:
+    """The multi-controller group of this process's ``jax.distributed`` runtime, or None when
+    the job has a single process. One group per runtime: re-initializing gives a new one."""
+    if jax.process_count() <= 1:
+        return None
+    global _default
+    client = _client()
+    with _default_lock:
+        group = _default
+        if group is None or group._client is not client or group.primary != _default_primary:
+            group = _default = MultiControllerHostGroup(_default_primary, client=client)
+        return group

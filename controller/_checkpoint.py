@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -80,31 +81,38 @@ def start_save(
     timeout = options.async_.timeout_secs
     primary = group.is_primary()
 
-    exists = group.broadcast(f"exists:{final}", final.exists() if primary else None, timeout)
-    if exists:
-        if not overwrite:
-            raise CheckpointExistsError(
-                f"a checkpoint already exists at {final}; pass overwrite=True to replace it, or choose another path"
-            )
-        if primary and not fmt.is_checkpoint(final):
-            raise CheckpointExistsError(
-                f"{final} exists and is not a committed checkpoint; milepost will not overwrite it. Remove it or choose another path"
-            )
     tmp = final.with_name(final.name + fmt.TMP_SUFFIX)
     with _in_flight_lock:
         if final in _in_flight:
             raise CheckpointExistsError(f"another save to {final} is still in flight; wait for it (handle.result()) first")
         _in_flight.add(final)
+    created = False
+
+    def prepare() -> None:
+        nonlocal created
+        if final.exists():
+            if not overwrite:
+                raise CheckpointExistsError(
+                    f"a checkpoint already exists at {final}; pass overwrite=True to replace it, or choose another path"
+                )
+            if not fmt.is_checkpoint(final):
+                raise CheckpointExistsError(
+                    f"{final} exists and is not a committed checkpoint; milepost will not overwrite it. Remove it or choose another path"
+                )
+        if final.parent.exists() and not final.parent.is_dir():
+            raise NotADirectoryError(f"{final.parent} is a file; a checkpoint's parent must be a directory")
+        created = True
+        if tmp.exists():
+            shutil.rmtree(tmp)  # left by a save that died: it was never committed
+        tmp.mkdir(parents=True)
+        for name in objs:
+            (tmp / name).mkdir()
+
     try:
-        if primary:
-            if final.parent.exists() and not final.parent.is_dir():
-                raise NotADirectoryError(f"{final.parent} is a file; a checkpoint's parent must be a directory")
-            if tmp.exists():
-                shutil.rmtree(tmp)  # left by a save that died: it was never committed
-            tmp.mkdir(parents=True)
-            for name in objs:
-                (tmp / name).mkdir()
-        group.barrier(f"tmp-created:{final}", timeout)
+        # The primary checks for an existing checkpoint, then creates the temporary directory;
+        # the other controller processes wait for its outcome, so none writes before the
+        # directory exists, and all raise the same error.
+        _dispatch.shared(group, f"prepare:{final}", prepare, timeout)
         init_ns = time.time_ns()
         call = _handlers.SaveCall(options=options, group=group, copy=asynchronous)
         finishers: list[Callable[[], None]] = []
@@ -115,17 +123,35 @@ def start_save(
     except BaseException:
         with _in_flight_lock:
             _in_flight.discard(final)
-        if primary:
+        if primary and created:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
 
     def finalize() -> Path:
         try:
-            for finish in finishers:
-                finish()
-            if primary:
+            failure: Exception | None = None
+            try:
+                for finish in finishers:
+                    finish()
+            except Exception as e:
+                failure = e
+
+            def commit() -> None:
+                if failure is not None:
+                    raise failure
                 _commit(tmp, final, handlers, init_ns, custom_json, metrics_json, overwrite)
-            group.barrier(f"committed:{final}", timeout)
+
+            if failure is not None and not primary:
+                # The primary has this failure too (a failed sync), or it failed or died: take
+                # its outcome if it is there at once (keeping every process's calls in step),
+                # else report our own without waiting for a primary that may be gone.
+                with contextlib.suppress(Exception):
+                    group.broadcast(f"commit:{final}", None, min(timeout, 1.0))
+                raise failure
+            # The primary commits, or reports why not; every process gets the same outcome.
+            _dispatch.shared(group, f"commit:{final}", commit, timeout)
+            if failure is not None:
+                raise failure
             return final
         except BaseException:
             if primary:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import functools
+import pickle
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jax
 
-from milepost.colocated import HostGroup, LocalHostGroup, MultiControllerHostGroup
+from milepost.colocated import HostGroup, LocalHostGroup
+from milepost.colocated._mcjax import default_group as _multi_controller_group
 
 T = TypeVar("T")
 
@@ -26,13 +28,10 @@ def _local() -> LocalHostGroup:
     return LocalHostGroup(jax.process_index())
 
 
-@functools.cache
-def _multi_controller() -> MultiControllerHostGroup:
-    return MultiControllerHostGroup()
-
-
 def _multi_controller_if_distributed() -> HostGroup | None:
-    return _multi_controller() if jax.process_count() > 1 else None
+    """Every process of a multi-process jax.distributed job is a controller (mcJAX): one group
+    per distributed runtime."""
+    return _multi_controller_group() if jax.process_count() > 1 else None
 
 
 register_default_group_provider(_multi_controller_if_distributed)
@@ -43,16 +42,26 @@ def shared(group: HostGroup, name: str, fn: Callable[[], T], timeout: float) -> 
     error: listings and metadata reads are done once, not by every process."""
     if group.is_primary():
         try:
-            outcome: tuple[bool, Any] = (True, fn())
+            value = fn()
         except Exception as e:
-            outcome = (False, e)
-        group.broadcast(name, outcome, timeout)
-    else:
-        outcome = group.broadcast(name, None, timeout)
-    ok, value = outcome
+            group.broadcast(name, (False, _portable(e)), timeout)
+            raise
+        group.broadcast(name, (True, value), timeout)
+        return value
+    ok, value = group.broadcast(name, None, timeout)
     if not ok:
         raise value
     return value
+
+
+def _portable(error: Exception) -> Exception:
+    """``error`` if it survives pickling (to reach the other processes), else a RuntimeError
+    with its type and message."""
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
+    return error
 
 
 def host_group_for(values: list[Any]) -> HostGroup:

@@ -1,4 +1,10 @@
-"""One process of a multi-controller test job (see tests/_mc.py). Prints one JSON line."""
+"""One process of a multi-controller test job (see tests/_mc.py). Prints one JSON line.
+
+    python -m tests._mc_worker <scenario> <index> <count> <port> <root> [args...]
+
+Several checks share one job because starting a jax.distributed job is the slow part. Every
+check records its outcome in the printed dict, so the test can compare processes.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,8 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -21,6 +29,8 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import milepost as mp  # noqa: E402
+from milepost import _checkpoint, workers  # noqa: E402
+from milepost.colocated import MultiControllerHostGroup, set_primary_process  # noqa: E402
 from tests._mc import SHAPES, global_value  # noqa: E402
 
 
@@ -53,6 +63,14 @@ def check(tree: dict, expect_sharding: dict | None = None) -> int:
     return n
 
 
+def mesh_a() -> jax.sharding.Mesh:
+    return jax.make_mesh((2, len(jax.devices()) // 2), ("data", "model"))
+
+
+def mesh_b() -> jax.sharding.Mesh:
+    return jax.make_mesh((len(jax.devices()) // 2, 2), ("x", "y"))
+
+
 def resharded_abstract(mesh: jax.sharding.Mesh) -> dict:
     specs = {"w": P(None, mesh.axis_names[0]), "b": P(mesh.axis_names[-1]), "r": P(mesh.axis_names[0])}
     out: dict = {k: jax.ShapeDtypeStruct(shape, np.dtype(dtype), sharding=NamedSharding(mesh, specs[k]))
@@ -61,66 +79,142 @@ def resharded_abstract(mesh: jax.sharding.Mesh) -> dict:
     return out
 
 
+def outcome(fn: Callable[[], Any]) -> dict:
+    """Run ``fn``; its error type and message (or None), and how long it took."""
+    t0 = time.monotonic()
+    try:
+        fn()
+        error = None
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    return {"error": error, "seconds": round(time.monotonic() - t0, 2)}
+
+
+def inject(obj: Any, attr: str, when: Callable[..., bool], exc: BaseException) -> Callable[[], None]:
+    """Make ``obj.attr`` raise ``exc`` when ``when(*args)`` holds; returns the undo."""
+    real = getattr(obj, attr)
+
+    def patched(*args: Any, **kwargs: Any) -> Any:
+        if when(*args, **kwargs):
+            raise exc
+        return real(*args, **kwargs)
+
+    setattr(obj, attr, patched)
+    return lambda: setattr(obj, attr, real)
+
+
+def load_each(out: dict, paths: list[str]) -> None:
+    for path in paths:
+        out[f"checked_{os.path.basename(path)}"] = check(mp.load(path, resharded_abstract(mesh_b())))
+
+
+def two_save(root: str, embedded: str) -> dict:
+    """2 processes: save (async) and load resharded; Orbax v1 saves, milepost loads; plain zarr3."""
+    import orbax.checkpoint.experimental.v1 as ocp
+
+    out: dict = {}
+    tree = make_tree(mesh_a())
+    mp.save_async(os.path.join(root, "c"), tree).result(120)
+    out["checked_c"] = check(mp.load(os.path.join(root, "c"), resharded_abstract(mesh_b())))
+    ocp.save_pytree(os.path.join(root, "orbax"), tree)
+    out["checked_orbax"] = check(mp.load(os.path.join(root, "orbax"), resharded_abstract(mesh_b())))
+    with mp.Context(saving=mp.SaveOptions(use_ocdbt=False)):
+        mp.save(os.path.join(root, "plain"), tree)
+    out["checked_plain"] = check(mp.load(os.path.join(root, "plain"), resharded_abstract(mesh_b())))
+    load_each(out, [embedded])
+    return out
+
+
+def four(root: str, embedded: str, *others: str) -> dict:
+    """4 processes: save and load resharded, load what others saved, and agree on every error."""
+    out: dict = {}
+    tree = make_tree(mesh_a())
+    a, b = os.path.join(root, "a"), os.path.join(root, "b")
+    mp.save(a, tree, custom_metadata={"procs": COUNT})
+    mp.save_async(b, tree).result(120)
+    out["meta_procs"] = mp.metadata(a).custom_metadata["procs"]
+    out["meta_shape"] = list(mp.metadata(a).tree["w"].shape)
+    out["checked_same"] = check(mp.load(a), {k: tree[k].sharding for k in SHAPES})
+    out["checked_resharded"] = check(mp.load(b, resharded_abstract(mesh_b())))
+    load_each(out, [embedded, *others])
+
+    # two saves in flight at once, then consecutive saves to one path: their barriers stay apart
+    handles = [mp.save_async(os.path.join(root, f"concurrent{i}"), tree) for i in range(2)]
+    out["concurrent"] = [str(h.result(120)) == os.path.join(root, f"concurrent{i}") for i, h in enumerate(handles)]
+    for _ in range(2):
+        mp.save(os.path.join(root, "again"), tree, overwrite=True)
+    out["checked_again"] = check(mp.load(os.path.join(root, "again"), resharded_abstract(mesh_b())))
+    with mp.training.Checkpointer(os.path.join(root, "run")) as ckpt:
+        for step in range(3):
+            ckpt.save(step, tree)
+        ckpt.wait()
+        out["ckpt_steps"] = ckpt.steps
+
+    # every process gets the same error, and nothing is committed
+    out["exists"] = outcome(lambda: mp.save(a, tree))
+    os.makedirs(os.path.join(root, "not_a_ckpt"), exist_ok=True)
+    out["not_a_ckpt"] = outcome(lambda: mp.save(os.path.join(root, "not_a_ckpt"), tree, overwrite=True))
+    out["missing"] = outcome(lambda: mp.load(os.path.join(root, "nowhere")))
+    out["missing_meta"] = outcome(lambda: mp.metadata(os.path.join(root, "nowhere")))
+    out["mismatch"] = outcome(lambda: mp.load(a, {"w": jax.ShapeDtypeStruct((3, 3), np.float32)}))
+    failing = os.path.join(root, "stage_fails")
+    undo = inject(workers, "start_save", lambda plan, *_: INDEX == 2 and plan.store.directory.startswith(failing),
+                  RuntimeError("injected staging failure"))
+    out["stage_fails"] = outcome(lambda: mp.save(failing, tree))
+    undo()
+    failing = os.path.join(root, "commit_fails")
+    undo = inject(_checkpoint, "_commit", lambda tmp, final, *_: str(final) == failing, OSError("injected commit failure"))
+    out["commit_fails"] = outcome(lambda: mp.save(failing, tree))
+    undo()
+    undo = inject(workers, "load", lambda plan: INDEX == 3 and any(t.name == "w" for t in plan.tasks),
+                  ValueError("injected read failure"))
+    out["load_fails"] = outcome(lambda: mp.load(a, resharded_abstract(mesh_b())))
+    undo()
+    out["committed"] = sorted(p for p in os.listdir(root) if not p.startswith("."))
+    out["after_failures"] = check(mp.load(b, resharded_abstract(mesh_b())))  # the job still works
+
+    # another primary: the last process writes metadata and commits
+    set_primary_process(COUNT - 1)
+    group = mp._dispatch.host_group_for([])
+    assert isinstance(group, MultiControllerHostGroup)
+    out["is_primary"] = group.is_primary()
+    mp.save(os.path.join(root, "last_primary"), tree)
+    out["checked_last_primary"] = check(mp.load(os.path.join(root, "last_primary"), resharded_abstract(mesh_b())))
+    set_primary_process(0)
+    return out
+
+
+def die(root: str, victim: str, primary: str, timeout: str) -> dict:
+    """Process ``victim`` is killed while its shards are being written; the others must fail."""
+    set_primary_process(int(primary))
+    tree = make_tree(mesh_a())
+    if INDEX == int(victim):
+        def wait_then_die(self: Any, timeout: float | None = None) -> Any:
+            print(json.dumps({"process": INDEX, "died": True}), flush=True)
+            os.kill(os.getpid(), 9)
+
+        workers.PendingSave.wait = wait_then_die  # type: ignore[method-assign]
+    with mp.Context(async_=mp.AsyncOptions(timeout_secs=float(timeout))):
+        out = outcome(lambda: mp.save(os.path.join(root, "dead"), tree))
+    out["committed"] = os.path.exists(os.path.join(root, "dead"))
+    print(json.dumps(out), flush=True)
+    os._exit(0)  # the job is broken: skip jax.distributed's shutdown barrier
+
+
+SCENARIOS: dict[str, Callable[..., dict]] = {
+    "two_save": two_save, "four": four, "load": lambda root, *paths: _load(paths), "die": die,
+}
+
+
+def _load(paths: tuple[str, ...]) -> dict:
+    out: dict = {}
+    load_each(out, list(paths))
+    return out
+
+
 def main() -> dict:
-    root = ARGS[0]
-    devices = jax.devices()
-    out: dict = {"process": INDEX, "global_devices": len(devices), "device_ids": [d.id for d in jax.local_devices()]}
-    if SCENARIO == "save_and_reshard":
-        mesh = jax.make_mesh((2, len(devices) // 2), ("data", "model"))
-        tree = make_tree(mesh)
-        mp.save(os.path.join(root, "a"), tree, custom_metadata={"procs": COUNT})
-        h = mp.save_async(os.path.join(root, "b"), tree)
-        h.result(120)
-        out["meta_procs"] = mp.metadata(os.path.join(root, "a")).custom_metadata["procs"]
-        out["checked_same"] = check(mp.load(os.path.join(root, "a")), {k: tree[k].sharding for k in SHAPES})
-        other = jax.make_mesh((len(devices) // 2, 2), ("x", "y"))
-        abstract = resharded_abstract(other)
-        out["checked_resharded"] = check(mp.load(os.path.join(root, "b"), abstract))
-        with mp.training.Checkpointer(os.path.join(root, "run")) as ckpt:
-            for step in range(3):
-                ckpt.save(step, tree)
-            ckpt.wait()
-            out["ckpt_steps"] = ckpt.steps
-        try:
-            mp.save(os.path.join(root, "a"), tree)
-        except FileExistsError as e:
-            out["exists_error"] = type(e).__name__
-    elif SCENARIO == "load_elsewhere":
-        mesh = jax.make_mesh((len(devices) // 2, 2), ("x", "y"))
-        for name in ARGS[1:]:
-            out[f"checked_{os.path.basename(name)}"] = check(mp.load(name, resharded_abstract(mesh)))
-    elif SCENARIO == "orbax_save":
-        import orbax.checkpoint.experimental.v1 as ocp
-
-        mesh = jax.make_mesh((2, len(devices) // 2), ("data", "model"))
-        tree = make_tree(mesh)
-        ocp.save(os.path.join(root, "orbax"), tree)
-        out["checked_orbax"] = check(mp.load(os.path.join(root, "orbax"), resharded_abstract(jax.make_mesh((len(devices) // 2, 2), ("x", "y")))))
-    elif SCENARIO == "die_mid_save":
-        mesh = jax.make_mesh((2, len(devices) // 2), ("data", "model"))
-        tree = make_tree(mesh)
-        from milepost import _pytree
-
-        if INDEX == 1:  # this process dies after staging, before the other arrives at the commit barrier
-            real = _pytree.PyTreeSave.stage
-
-            def stage_then_die(self, directory, copy):  # type: ignore[no-untyped-def]
-                real(self, directory, copy)
-                print(json.dumps({"process": INDEX, "died": True}), flush=True)
-                os._exit(17)
-
-            _pytree.PyTreeSave.stage = stage_then_die  # type: ignore[method-assign]
-        t0 = time.monotonic()
-        try:
-            with mp.Context(async_=mp.AsyncOptions(timeout_secs=float(ARGS[1]))):
-                mp.save(os.path.join(root, "dead"), tree)
-            out["error"] = None
-        except Exception as e:
-            out["error"] = f"{type(e).__name__}: {e}"
-        out["seconds"] = time.monotonic() - t0
-        out["committed"] = os.path.exists(os.path.join(root, "dead"))
-        print(json.dumps(out), flush=True)
-        os._exit(0)  # the job is broken: skip jax.distributed's shutdown barrier
+    out: dict = {"process": INDEX, "global_devices": len(jax.devices()), "device_ids": [d.id for d in jax.local_devices()]}
+    out.update(SCENARIOS[SCENARIO](*ARGS))
     return out
 
 

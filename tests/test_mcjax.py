@@ -1,7 +1,14 @@
-"""Multi-controller JAX: every process runs the script; real multi-process jobs on localhost."""
+"""Multi-controller JAX: every process runs the script; real multi-process jobs on localhost.
+
+Three jobs share one module fixture (starting a jax.distributed job is the slow part):
+2 processes x 4 devices save, 4 processes x 2 devices save and load what the 2-process job and
+the embedded mode saved, then 2 processes load what the 4 saved. Checkpoints therefore cross
+2 <-> 4 processes <-> the embedded mode (8 local devices) in every direction.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax
@@ -17,7 +24,17 @@ from tests import _mc
 def ok(results: list[_mc.Result]) -> list[dict]:
     for r in results:
         assert r.returncode == 0 and "exception" not in r.out, f"process failed:\n{r.out.get('exception')}\n{r.stderr}"
+    assert [r.out["process"] for r in results] == list(range(len(results)))
     return [r.out for r in results]
+
+
+def embedded_tree() -> dict:
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    specs = {"w": P("data", "model"), "b": P("model"), "r": P()}
+    tree: dict = {k: jax.device_put(_mc.global_value(k, shape, dtype), NamedSharding(mesh, specs[k]))
+                  for k, (shape, dtype) in _mc.SHAPES.items()}
+    tree.update(step=7, note="mc", host=np.arange(5))
+    return tree
 
 
 def check_embedded(path: Path) -> None:
@@ -27,56 +44,114 @@ def check_embedded(path: Path) -> None:
     abstract.update(step=0, note="", host=np.zeros(5, np.int64))
     out = mp.load(path, abstract)
     for k, (shape, dtype) in _mc.SHAPES.items():
+        assert out[k].sharding == abstract[k].sharding
         assert np.array_equal(np.asarray(out[k]), _mc.global_value(k, shape, dtype)), k
-    assert out["step"] == 7 and out["note"] == "mc"
+    assert out["step"] == 7 and out["note"] == "mc" and np.array_equal(out["host"], np.arange(5))
+
+
+@dataclass
+class Runs:
+    root: Path
+    two: list[dict]
+    four: list[dict]
+    back: list[dict]
 
 
 @pytest.fixture(scope="module")
-def four_process_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("mc4")
-    outs = ok(_mc.launch("save_and_reshard", 4, 2, str(root)))
-    assert [o["process"] for o in outs] == [0, 1, 2, 3]
-    assert all(o["global_devices"] == 8 for o in outs)
-    assert outs[1]["device_ids"][0] != 2  # device ids are not contiguous across processes
-    for o in outs:
-        assert o["meta_procs"] == 4 and o["checked_same"] == 6 and o["checked_resharded"] == 6
-        assert o["ckpt_steps"] == [0, 1, 2] and o["exists_error"] == "CheckpointExistsError"
-    state = root / "a" / "state"
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    root = tmp_path_factory.mktemp("mc")
+    mp.save(root / "embedded", embedded_tree())
+    two = ok(_mc.launch("two_save", 2, 4, str(root / "two"), str(root / "embedded")))
+    four = ok(_mc.launch("four", 4, 2, str(root / "four"), str(root / "embedded"),
+                         *(str(root / "two" / n) for n in ("c", "orbax", "plain"))))
+    back = ok(_mc.launch("load", 2, 4, str(root), str(root / "four" / "a"), str(root / "four" / "b")))
+    return Runs(root, two, four, back)
+
+
+# 2 processes x 4 devices: 4 addressable shards of each of the 3 arrays; 4 x 2: 2 of each.
+TWO, FOUR = 12, 6
+
+
+def test_two_processes_save_and_load_resharded(runs: Runs) -> None:
+    for o in runs.two:
+        assert o["global_devices"] == 8
+        assert o["checked_c"] == o["checked_plain"] == TWO
+    state = runs.root / "two" / "c" / "state"
+    assert sorted(p.name for p in state.glob("ocdbt.process_*")) == [
+        "ocdbt.process_0", "ocdbt.process_1", "ocdbt.process_controller"
+    ]
+
+
+def test_four_processes_save_and_load_resharded(runs: Runs) -> None:
+    assert runs.four[1]["device_ids"][0] != 2  # device ids are not contiguous across processes
+    for o in runs.four:
+        assert o["global_devices"] == 8
+        assert o["meta_procs"] == 4 and o["meta_shape"] == [16, 32]
+        assert o["checked_same"] == o["checked_resharded"] == o["checked_again"] == FOUR
+        assert o["concurrent"] == [True, True]
+        assert o["ckpt_steps"] == [0, 1, 2]
+    state = runs.root / "four" / "a" / "state"
     assert sorted(p.name for p in state.glob("ocdbt.process_*")) == [
         "ocdbt.process_0", "ocdbt.process_1", "ocdbt.process_2", "ocdbt.process_3", "ocdbt.process_controller"
     ]
     assert sorted(p.name for p in (state / "array_metadatas").iterdir()) == [f"process_{i}" for i in range(4)]
-    return root
 
 
-def test_four_processes_save_and_load_resharded(four_process_checkpoints: Path) -> None:
-    check_embedded(four_process_checkpoints / "a")  # and the embedded mode reads it too
+def test_checkpoints_cross_two_four_processes_and_embedded(runs: Runs) -> None:
+    for o in runs.two:
+        assert o["checked_embedded"] == TWO  # embedded -> 2
+    for o in runs.four:
+        assert o["checked_embedded"] == o["checked_c"] == o["checked_plain"] == FOUR  # embedded, 2 -> 4
+    for o in runs.back:
+        assert o["checked_a"] == o["checked_b"] == TWO  # 4 -> 2
+    for path in ("four/a", "four/b", "two/c", "two/plain"):  # 4, 2 -> embedded
+        check_embedded(runs.root / path)
 
 
-def test_two_processes_load_what_four_saved_and_what_embedded_saved(four_process_checkpoints: Path, tmp_path: Path) -> None:
-    mesh = jax.make_mesh((2, 4), ("data", "model"))
-    specs = {"w": P("data", "model"), "b": P("model"), "r": P()}
-    tree: dict = {k: jax.device_put(_mc.global_value(k, shape, dtype), NamedSharding(mesh, specs[k]))
-                  for k, (shape, dtype) in _mc.SHAPES.items()}
-    tree.update(step=7, note="mc", host=np.arange(5))
-    mp.save(tmp_path / "embedded", tree)
-    outs = ok(_mc.launch("load_elsewhere", 2, 4, str(tmp_path), str(four_process_checkpoints / "a"),
-                         str(four_process_checkpoints / "b"), str(tmp_path / "embedded")))
-    for o in outs:
-        assert o["checked_a"] == o["checked_b"] == o["checked_embedded"] == 12
+def test_orbax_two_process_checkpoint_loads(runs: Runs) -> None:
+    assert all(o["checked_orbax"] == TWO for o in runs.two)
+    assert all(o["checked_orbax"] == FOUR for o in runs.four)
+    check_embedded(runs.root / "two" / "orbax")
 
 
-def test_orbax_two_process_checkpoint_loads(tmp_path: Path) -> None:
-    outs = ok(_mc.launch("orbax_save", 2, 4, str(tmp_path)))
-    assert all(o["checked_orbax"] == 12 for o in outs)
-    check_embedded(tmp_path / "orbax")
+def test_every_process_gets_the_same_error_and_nothing_is_committed(runs: Runs) -> None:
+    expected = {
+        "exists": "CheckpointExistsError: a checkpoint already exists",
+        "not_a_ckpt": "CheckpointExistsError:",
+        "missing": "CheckpointNotFoundError:",
+        "missing_meta": "CheckpointNotFoundError:",
+        "mismatch": "StructureMismatchError:",
+        "stage_fails": "HostError: process 2 failed staging its shards (device-to-host copy): RuntimeError: injected staging failure",
+        "commit_fails": "OSError: injected commit failure",
+        "load_fails": "HostError: process 3 failed reading its shards: ValueError: injected read failure",
+    }
+    for key, start in expected.items():
+        errors = {o[key]["error"] for o in runs.four}
+        assert len(errors) == 1, (key, errors)
+        (error,) = errors
+        assert error is not None and error.startswith(start), (key, error)
+        assert all(o[key]["seconds"] < 30 for o in runs.four), key  # reported, not timed out
+    assert "Nothing was committed" in runs.four[0]["stage_fails"]["error"]
+    committed = runs.four[0]["committed"]
+    assert "stage_fails" not in committed and "commit_fails" not in committed
+    assert not any(".orbax-checkpoint-tmp" in name for name in committed)
+    assert all(o["after_failures"] == FOUR for o in runs.four)
 
 
-def test_a_process_dying_mid_save_fails_the_others_cleanly(tmp_path: Path) -> None:
-    results = _mc.launch("die_mid_save", 2, 4, str(tmp_path), "6")
+def test_the_primary_is_configurable(runs: Runs) -> None:
+    assert [o["is_primary"] for o in runs.four] == [False, False, False, True]
+    assert all(o["checked_last_primary"] == FOUR for o in runs.four)
+    check_embedded(runs.root / "four" / "last_primary")
+
+
+@pytest.mark.parametrize("primary", [0, 1], ids=["non-primary-dies", "primary-dies"])
+def test_a_process_killed_mid_save_fails_the_others_cleanly(tmp_path: Path, primary: int) -> None:
+    timeout = 6
+    results = _mc.launch("die", 2, 4, str(tmp_path), "1", str(primary), str(timeout))
     survivor, dead = results[0].out, results[1]
-    assert dead.returncode == 17 and dead.out.get("died")
-    assert survivor["error"] and survivor["error"].startswith("HostError: processes [1] did not reach")
-    assert survivor["seconds"] < 60
+    assert dead.returncode == -9 and dead.out.get("died")
+    assert survivor["error"] is not None and survivor["error"].startswith("HostError: process 1 did not reach 'written:"), survivor
+    assert "Nothing was committed" in survivor["error"]
+    assert timeout <= survivor["seconds"] < timeout + 30
     assert survivor["committed"] is False
-    assert not (tmp_path / "dead").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) in ([], ["dead.orbax-checkpoint-tmp"])
