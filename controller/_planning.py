@@ -87,7 +87,9 @@ def _smallest_factor(n: int) -> int:
     return n
 
 
-def host_array_spec(name: str, value: np.ndarray, compression: str | None) -> workers.ArraySpec:
+def host_array_spec(
+    name: str, value: np.ndarray, compression: str | None, chunk_byte_size: int | None = None
+) -> workers.ArraySpec:
     shape = tuple(value.shape)
     write_shape = tuple(max(1, n) for n in shape)
     return workers.ArraySpec(
@@ -95,6 +97,6 @@ def host_array_spec(name: str, value: np.ndarray, compression: str | None) -> wo
         shape=shape,
         dtype=value.dtype.name,
         write_shape=write_shape,
-        chunk_shape=write_shape,
+        chunk_shape=inner_chunk_shape(write_shape, value.dtype.itemsize, chunk_byte_size),
         compression=compression,
     )

@@ -157,7 +157,7 @@ class PyTreeSave:
             _check_dtype(leaf.name, array.dtype)
             if kind == "scalar":
                 self.python_types[leaf.name] = _python_type(value)
-            spec = _planning.host_array_spec(leaf.name, array, self.options.compression)
+            spec = _planning.host_array_spec(leaf.name, array, self.options.compression, self.options.chunk_byte_size)
             box = tuple((0, n) for n in array.shape)
             regions = (workers.Region(device_id=-1, index=box),) if array.size else ()
             self.controller_tasks.append(

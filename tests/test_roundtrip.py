@@ -445,8 +445,8 @@ def test_save_options(tmp_path: Path, mesh24: jax.sharding.Mesh, saving: mp.Save
     recorded = {e["array_metadata"]["param_name"]: e["array_metadata"] for e in array_meta["array_metadatas"]}
     assert tuple(recorded["w"]["write_shape"]) == meta["w"].write_shape
 
-    # Chunk shape: divides the write shape and fits chunk_byte_size.
-    for name in ("w", "rep", "half", "odd"):
+    # Chunk shape: divides the write shape and fits chunk_byte_size (host NumPy leaves too).
+    for name in ("w", "rep", "half", "odd", "n"):
         ws, cs = meta[name].write_shape, meta[name].chunk_shape
         assert all(w % c == 0 for w, c in zip(ws, cs, strict=True)), (name, ws, cs)
         if saving.chunk_byte_size:
