@@ -155,3 +155,23 @@ def test_a_process_killed_mid_save_fails_the_others_cleanly(tmp_path: Path, prim
     assert timeout <= survivor["seconds"] < timeout + 30
     assert survivor["committed"] is False
     assert sorted(p.name for p in tmp_path.iterdir()) in ([], ["dead.orbax-checkpoint-tmp"])
+
+
+@pytest.mark.slow
+def test_four_process_checkpoint_loads_on_a_ray_slice_and_back(runs: Runs, ray_runtime: object, tmp_path: Path) -> None:
+    def abstract(mesh: mp.colocated.SliceMesh) -> dict:
+        out: dict = {k: mp.AbstractArray(shape, np.dtype(dtype), mesh.sharding(P("x") if len(shape) == 1 else P(None, "x")))
+                     for k, (shape, dtype) in _mc.SHAPES.items()}
+        out.update(step=0, note="", host=np.zeros(5, np.int64))
+        return out
+
+    with mp.Slice.start(hosts=2, devices_per_host=4) as s:
+        mesh = s.mesh({"x": 4, "y": 2})
+        loaded = mp.load(runs.root / "four" / "a", abstract(mesh))  # 4 processes -> slice
+        for k, (shape, dtype) in _mc.SHAPES.items():
+            assert isinstance(loaded[k], mp.RemoteArray)
+            assert np.array_equal(s.fetch(loaded[k]), _mc.global_value(k, shape, dtype)), k
+        assert loaded["step"] == 7 and loaded["note"] == "mc"
+        mp.save(tmp_path / "from_slice", loaded)  # slice -> 4 processes
+    outs = ok(_mc.launch("load", 4, 2, str(tmp_path), str(tmp_path / "from_slice")))
+    assert all(o["checked_from_slice"] == FOUR for o in outs)
