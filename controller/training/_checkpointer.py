@@ -558,6 +558,7 @@ class Checkpointer:
     def metadata(self, step: int | None = None) -> _checkpoint.CheckpointMetadata:
         """Shapes, dtypes, shardings, metrics and custom metadata of ``step`` (default: the
         latest), without reading array data."""
+        self._raise_failure()
         s = self._protect(step)
         try:
             return _api.metadata(self.root / str(s))

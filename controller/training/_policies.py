@@ -100,10 +100,13 @@ class Preemption:
     """Save at the next ``should_save`` after one of ``signals`` arrived (SIGTERM by default).
 
     The Checkpointer installs the handlers while it is open (from the main thread) and restores
-    the previous ones on close. All processes save at the same step: with several controller
-    processes the primary's answer is shared, and SIGTERM is taken from JAX's preemption service,
-    which agrees on one step when any process is told. Call ``should_save`` (or ``save``) every
-    step, and stop when :attr:`Checkpointer.preempted` is true.
+    the previous ones on close; a handled SIGTERM no longer ends the process, so stop training
+    when :attr:`Checkpointer.preempted` is true. Call ``should_save`` (or ``save``) every step.
+
+    All processes save at the same step. With several controller processes (mcJAX) the primary's
+    answer is shared: a signal counts when the primary gets it, except SIGTERM, which comes from
+    JAX's preemption service (``jax.distributed``), which agrees on one step when any process
+    is told.
     """
 
     signals: tuple[int, ...] = (signal.SIGTERM,)
