@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from milepost import _dispatch, _pytree
 from milepost import _format as fmt
-from milepost import _pytree
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,12 @@ class JsonHandler:
         return finish
 
     def load(self, directory: Path, abstract: Any, call: LoadCall) -> Any:
+        if call.group is not None:  # read once, on the primary, for every controller process
+            timeout = call.options.async_.timeout_secs
+            return _dispatch.shared(call.group, f"json:{directory}", lambda: self._read(directory), timeout)
+        return self._read(directory)
+
+    def _read(self, directory: Path) -> Any:
         for name in (self.filename, "metadata"):
             if (directory / name).exists():
                 return fmt.read_json(directory / name, "JSON checkpointable")

@@ -138,6 +138,15 @@ def four(root: str, embedded: str, *others: str) -> dict:
     out["checked_resharded"] = check(mp.load(b, resharded_abstract(mesh_b())))
     load_each(out, [embedded, *others])
 
+    # several checkpointables: a JSON one (read once, on the primary) and a zero-size array
+    multi = os.path.join(root, "multi")
+    empty = jax.make_array_from_callback((0, 4), NamedSharding(mesh_a(), P()), lambda idx: np.zeros((0, 4), np.float32))
+    mp.save_checkpointables(multi, {"state": tree, "config": {"lr": 0.5, "name": "mc"}, "empty": {"z": empty}})
+    loaded = mp.load_checkpointables(multi)
+    out["json"] = loaded["config"]
+    out["empty_shape"] = list(loaded["empty"]["z"].shape)
+    out["checked_multi"] = check(loaded["state"], {k: tree[k].sharding for k in SHAPES})
+
     # two saves in flight at once, then consecutive saves to one path: their barriers stay apart
     handles = [mp.save_async(os.path.join(root, f"concurrent{i}"), tree) for i in range(2)]
     out["concurrent"] = [str(h.result(120)) == os.path.join(root, f"concurrent{i}") for i, h in enumerate(handles)]

@@ -89,6 +89,7 @@ def test_four_processes_save_and_load_resharded(runs: Runs) -> None:
         assert o["meta_procs"] == 4 and o["meta_shape"] == [16, 32]
         assert o["checked_same"] == o["checked_resharded"] == o["checked_again"] == FOUR
         assert o["concurrent"] == [True, True]
+        assert o["json"] == {"lr": 0.5, "name": "mc"} and o["empty_shape"] == [0, 4] and o["checked_multi"] == FOUR
         assert o["ckpt_steps"] == [0, 1, 2]
     state = runs.root / "four" / "a" / "state"
     assert sorted(p.name for p in state.glob("ocdbt.process_*")) == [
