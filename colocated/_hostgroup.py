@@ -66,6 +66,10 @@ class _LocalPending:
     def wait(self, timeout: float | None = None) -> list[workers.SaveAck]:
         return [self._pending.wait(timeout)]
 
+    def settle(self, timeout: float | None = None) -> None:
+        """After a failure elsewhere: wait for these writes to land, ignoring their outcome."""
+        self._pending.settle(timeout)
+
 
 class LocalHostGroup:
     """The embedded default: this process is the controller and the only host."""

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import json
 import os
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -17,7 +20,12 @@ import jax
 
 from milepost import _dispatch, _handlers, _options, _tree
 from milepost import _format as fmt
-from milepost._errors import CheckpointExistsError, CheckpointNotFoundError, InvalidKeyError
+from milepost._errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    InvalidKeyError,
+)
 
 _in_flight: set[Path] = set()
 _in_flight_lock = threading.Lock()
@@ -67,6 +75,11 @@ def start_save(
 ) -> SaveHandle:
     options = _options.current()
     final = Path(path).absolute()
+    if final.name.endswith(fmt.TMP_SUFFIX):
+        raise ValueError(
+            f"cannot save to {final}: names ending in {fmt.TMP_SUFFIX!r} are temporary directories and are never "
+            "loaded as checkpoints; choose another name"
+        )
     if not objs:
         raise ValueError("nothing to save: pass at least one checkpointable")
     for name in objs:
@@ -87,6 +100,7 @@ def start_save(
             raise CheckpointExistsError(f"another save to {final} is still in flight; wait for it (handle.result()) first")
         _in_flight.add(final)
     created = False
+    finishers: list[Callable[[], None]] = []
 
     def prepare() -> None:
         nonlocal created
@@ -115,12 +129,12 @@ def start_save(
         _dispatch.shared(group, f"prepare:{final}", prepare, timeout)
         init_ns = time.time_ns()
         call = _handlers.SaveCall(options=options, group=group, copy=asynchronous)
-        finishers: list[Callable[[], None]] = []
         for name, obj in objs.items():
             finish = handlers[name].save(tmp / name, obj, call)
             if finish is not None:
                 finishers.append(finish)
     except BaseException:
+        _settle(finishers)
         with _in_flight_lock:
             _in_flight.discard(final)
         if primary and created:
@@ -130,11 +144,16 @@ def start_save(
     def finalize() -> Path:
         try:
             failure: Exception | None = None
+            done = 0
             try:
                 for finish in finishers:
                     finish()
+                    done += 1
             except Exception as e:
                 failure = e
+                # Writes of the handlers not finished are still in flight: let them land before
+                # the temporary directory is removed, or they would recreate it.
+                _settle(finishers[done:])
 
             def commit() -> None:
                 if failure is not None:
@@ -178,6 +197,34 @@ def start_save(
     return SaveHandle(final, future)
 
 
+def _settle(finishers: list[Callable[[], None]]) -> None:
+    """After a failure: wait (locally, errors ignored) for the writes each finisher's handler
+    issued, so that none lands in the temporary directory after it is removed."""
+    for finish in finishers:
+        settle = getattr(finish, "settle", None)
+        if settle is not None:
+            with contextlib.suppress(Exception):
+                settle()
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two directories atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False where the
+    system or the file system cannot."""
+    if sys.platform != "linux":
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
 def _commit(
     tmp: Path,
     final: Path,
@@ -201,11 +248,22 @@ def _commit(
     )
     fmt.write_file(tmp / fmt.COMMIT_MARKER, f"Checkpoint commit was successful to {final}")
     fmt.fsync_tree(tmp)
+    if overwrite and final.exists() and _exchange(tmp, final):
+        # One atomic step: the final path holds the old checkpoint or the new one, never
+        # nothing; the old one, now at the temporary path, is never loaded and is removed.
+        fmt.fsync_dir(final.parent)
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
     old = None
     if overwrite and final.exists():
         old = final.with_name(f"{final.name}.milepost-replaced-{os.getpid()}-{time.time_ns()}")
         os.rename(final, old)
-    os.rename(tmp, final)
+    try:
+        os.rename(tmp, final)
+    except BaseException:
+        if old is not None:
+            os.rename(old, final)  # put the previous checkpoint back
+        raise
     fmt.fsync_dir(final.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
@@ -227,7 +285,13 @@ def read_checkpoint_metadata(path: Path) -> dict[str, Any]:
 
 
 def _item_names(path: Path, meta: dict[str, Any]) -> dict[str, str | None]:
-    items = dict(meta.get("item_handlers") or {})
+    raw = meta.get("item_handlers") or {}
+    if not isinstance(raw, dict) or not all(isinstance(k, str) for k in raw):
+        raise CorruptCheckpointError(
+            f"'item_handlers' in {path / fmt.CHECKPOINT_METADATA} is not a mapping of checkpointable names to "
+            f"handlers (got {type(raw).__name__}); the checkpoint is damaged or of an unsupported layout"
+        )
+    items = dict(raw)
     if not items:  # very old layouts: every folder is a checkpointable
         items = {p.name: None for p in path.iterdir() if p.is_dir()}
     return items

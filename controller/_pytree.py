@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 from collections import defaultdict
 from collections.abc import Callable, Mapping
@@ -218,20 +219,38 @@ class PyTreeSave:
             }
             pending_hosts = self.group.start_save(plans, self.host_sources, timeout)
         pending_local = None
-        if self.controller_tasks and self.group.is_primary():
-            plan = workers.SavePlan(store=store, process_index=CONTROLLER, tasks=tuple(self.controller_tasks), copy=copy)  # type: ignore[arg-type]
-            pending_local = workers.start_save(plan, self.controller_sources)
+
+        def settle() -> None:
+            """After a failure: wait for the writes issued here (outcome ignored), so that none
+            lands after the temporary directory is removed. Local only: no host coordination."""
+            for pending in (pending_hosts, pending_local):
+                if getattr(pending, "settle", None) is not None:
+                    with contextlib.suppress(Exception):
+                        pending.settle(timeout)  # type: ignore[union-attr]
+
+        try:
+            if self.controller_tasks and self.group.is_primary():
+                plan = workers.SavePlan(store=store, process_index=CONTROLLER, tasks=tuple(self.controller_tasks), copy=copy)  # type: ignore[arg-type]
+                pending_local = workers.start_save(plan, self.controller_sources)
+        except BaseException:
+            settle()
+            raise
         self.controller_sources = []
 
         def finish() -> None:
-            if pending_hosts is not None:
-                pending_hosts.wait(timeout)
-            if pending_local is not None:
-                pending_local.wait(timeout)
+            try:
+                if pending_hosts is not None:
+                    pending_hosts.wait(timeout)
+                if pending_local is not None:
+                    pending_local.wait(timeout)
+            except BaseException:
+                settle()
+                raise
             self.group.barrier(f"pytree-written:{directory}", timeout)
             if self.group.is_primary():
                 self._write_metadata(directory, store)
 
+        finish.settle = settle  # type: ignore[attr-defined]
         return finish
 
     def _write_metadata(self, directory: Path, store: workers.StoreSpec) -> None:

@@ -227,3 +227,32 @@ def test_concurrent_saves_to_different_paths(tmp_path: Path, mesh24: jax.shardin
         assert h.result(timeout=120) == (tmp_path / str(i)).absolute()
     for i, s in enumerate(states):
         assert_tree_equal(mp.load(tmp_path / str(i)), s)
+
+
+class FailingFinish:
+    """A StatefulCheckpointable whose background part fails."""
+
+    def save(self, directory: Path) -> Callable[[], None]:
+        def finish() -> None:
+            raise OSError(122, "Disk quota exceeded (injected)")
+
+        return finish
+
+    def load(self, directory: Path) -> None:
+        raise AssertionError("never loaded")
+
+
+def test_failure_leaves_no_temporary_directory_behind_in_flight_writes(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
+    """Found by this test: when one checkpointable failed, the writes another had already issued
+    were still in flight when the temporary directory was removed, and recreated it."""
+    # The failure comes first (the background part of 'data'), while 'state' is still writing.
+    handle = mp.save_checkpointables_async(tmp_path / "bg", {"data": FailingFinish(), "state": big_state(mesh24, mib=64)})
+    with pytest.raises(OSError, match="quota"):
+        handle.result(timeout=300)
+    assert listing(tmp_path) == []
+    # The failure comes in the blocking part, after 'state' has issued its writes.
+    with pytest.raises(mp.UnsupportedLeafError, match="'bad'"):
+        mp.save_checkpointables(tmp_path / "fg", {"state": big_state(mesh24, mib=64), "extra": {"bad": object()}})
+    assert listing(tmp_path) == []
+    mp.save(tmp_path / "ok", {"x": np.arange(3)})  # some time later, still nothing stray
+    assert listing(tmp_path) == sorted(["ok", *(f"ok/{p}" for p in listing(tmp_path / "ok"))])

@@ -107,6 +107,8 @@ def test_missing_metadata_files(saved: Path, file: str) -> None:
     ("file", "content"),
     [
         ("_CHECKPOINT_METADATA", "[]"),
+        ("_CHECKPOINT_METADATA", '{"item_handlers": ["state"]}'),
+        ("_CHECKPOINT_METADATA", '{"item_handlers": 5}'),
         ("state/_METADATA", "[]"),
         ("state/_METADATA", '{"tree_metadata": []}'),
         ("state/_METADATA", '{"tree_metadata": {"(\'w\',)": {}}}'),
@@ -256,6 +258,9 @@ def test_bad_checkpointable_names(tmp_path: Path, name: str) -> None:
 
 
 def test_bad_paths_and_arguments_write_nothing(tmp_path: Path) -> None:
+    # Found by this test: such a save committed a checkpoint that could never be loaded.
+    with pytest.raises(ValueError, match="orbax-checkpoint-tmp"):
+        mp.save(tmp_path / "step.orbax-checkpoint-tmp", {"x": 1})
     (tmp_path / "file").write_text("x")
     with pytest.raises((NotADirectoryError, FileExistsError)):
         mp.save(tmp_path / "file" / "ckpt", {"x": 1})

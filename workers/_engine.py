@@ -40,8 +40,12 @@ class PendingSave:
         with self._lock:
             if self._ack is None:
                 futures = self._futures or []
-                for f in futures:
-                    f.commit.result(timeout=timeout)
+                try:
+                    for f in futures:
+                        f.commit.result(timeout=timeout)
+                except BaseException:
+                    _settle(futures, timeout)  # no write may land after the caller cleans up
+                    raise
                 self._futures = None  # drop the staged buffers as soon as they are on disk
                 arrays = tuple(
                     (t.spec.name, t.spec.write_shape, t.spec.chunk_shape)
@@ -52,6 +56,19 @@ class PendingSave:
                     process_index=self._plan.process_index, bytes_written=self._nbytes, arrays=arrays
                 )
             return self._ack
+
+    def settle(self, timeout: float | None = None) -> None:
+        """Wait for every issued write to finish, ignoring failures (the save is abandoned)."""
+        with self._lock:
+            _settle(self._futures or [], timeout)
+
+
+def _settle(futures: list[Any], timeout: float | None) -> None:
+    for f in futures:
+        try:
+            f.commit.result(timeout=timeout)
+        except Exception:
+            pass
 
 
 def start_save(plan: SavePlan, sources: Sequence[Any]) -> PendingSave:
@@ -67,6 +84,16 @@ def start_save(plan: SavePlan, sources: Sequence[Any]) -> PendingSave:
     opens = [ts.open(tsu.create_spec(kvstore, t.spec), create=True, open=True, context=context) for t in tasks]
     _start_device_to_host(plan, sources)
     futures: list[Any] = []
+    nbytes = 0
+    try:
+        nbytes = _issue_writes(plan, sources, tasks, opens, futures)
+    except BaseException:
+        _settle(futures, None)  # writes already issued must land before the caller cleans up
+        raise
+    return PendingSave(plan, futures, nbytes)
+
+
+def _issue_writes(plan: SavePlan, sources: Sequence[Any], tasks: list[Any], opens: list[Any], futures: list[Any]) -> int:
     nbytes = 0
     for task, opening in zip(tasks, opens, strict=True):
         store = opening.result()
@@ -84,7 +111,7 @@ def start_save(plan: SavePlan, sources: Sequence[Any]) -> PendingSave:
             futures.append(
                 store[tsu.box_to_slices(region.index)].write(data, can_reference_source_data_indefinitely=True)
             )
-    return PendingSave(plan, futures, nbytes)
+    return nbytes
 
 
 def _start_device_to_host(plan: SavePlan, sources: Sequence[Any]) -> None:

@@ -1,0 +1,264 @@
+"""Atomic commit: a save killed (SIGKILL) at any point leaves nothing at its final path (or, when
+overwriting, the previous checkpoint), other checkpoints untouched, and the path usable again;
+overwrite rules."""
+
+from __future__ import annotations
+
+import hashlib
+import signal
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import milepost as mp
+from tests import _subproc
+from tests._helpers import assert_tree_equal, listing, put, same_bits
+
+# A saver in a fresh process with 8 fake devices. It holds (sleeps) at the named point of the
+# save after printing it, so the kill lands exactly there; 'staged' and 'ready' need no hook.
+SAVER = r"""
+import os, sys, time
+import jax, numpy as np
+import milepost as mp
+from milepost import _checkpoint, _format, _pytree
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+path, point, mode, overwrite = ARGS
+
+def hold(tag):
+    print(tag, flush=True)
+    time.sleep(600)
+
+if point == "writing":  # the shards are staged, the writes issued, nothing waited for yet
+    def wait(self, timeout=None):
+        hold("writing")
+    mp.workers.PendingSave.wait = wait
+elif point == "metadata":  # every byte written, no tree metadata yet
+    def write_metadata(self, directory, store):
+        hold("metadata")
+    _pytree.PyTreeSave._write_metadata = write_metadata
+elif point == "merged":  # tree metadata written and the OCDBT stores merged
+    real_merge = _pytree.merge_ocdbt
+    def merge(directory):
+        real_merge(directory)
+        hold("merged")
+    _pytree.merge_ocdbt = merge
+elif point == "commit-marker":  # the commit marker is durable in the temporary directory
+    real_fsync_tree = _format.fsync_tree
+    def fsync_tree(root):
+        real_fsync_tree(root)
+        hold("commit-marker")
+    _format.fsync_tree = fsync_tree
+elif point == "swapped":  # overwrite: the new checkpoint is in place, the old not yet removed
+    real_exchange, real_rename = _checkpoint._exchange, os.rename
+    def exchange(a, b):
+        ok = real_exchange(a, b)
+        if ok:
+            hold("swapped")
+        return ok
+    def rename(a, b):
+        real_rename(a, b)
+        if ".milepost-replaced-" in str(b):
+            hold("swapped")
+    _checkpoint._exchange = exchange
+    os.rename = rename
+
+mesh = jax.make_mesh((2, 4), ("data", "model"))
+rng = np.random.default_rng(0)
+tree = {f"layer{i}": {"w": jax.device_put(rng.standard_normal((2048, 2048), dtype=np.float32),
+                                          NamedSharding(mesh, P("data", "model"))),
+                      "b": jax.device_put(rng.standard_normal((2048,), dtype=np.float32), NamedSharding(mesh, P()))}
+        for i in range(16)}  # 16 x 16 MiB = 256 MiB
+tree["step"] = 7
+tree["host"] = rng.standard_normal((1 << 20,))  # 8 MiB of NumPy
+print("ready", flush=True)
+if mode == "async":
+    handle = mp.save_async(path, tree, overwrite=overwrite)
+    print("staged", flush=True)
+    handle.result()
+else:
+    mp.save(path, tree, overwrite=overwrite)
+print("committed", flush=True)
+"""
+
+
+def run_and_kill(path: Path, point: str, mode: str, overwrite: bool) -> str:
+    """Start the saver, SIGKILL it when it prints ``point``; returns what it printed."""
+    proc = _subproc.popen(SAVER.replace("ARGS", repr((str(path), point, mode, overwrite))))
+    assert proc.stdout is not None and proc.stderr is not None
+    seen: list[str] = []
+    try:
+        for line in proc.stdout:
+            seen.append(line.strip())
+            if seen[-1] == point:
+                proc.send_signal(signal.SIGKILL)
+                break
+        else:
+            pytest.fail(f"the saver exited before {point!r} (printed {seen}): {proc.stderr.read()[-3000:]}")
+        seen.extend(line.strip() for line in proc.stdout)
+    finally:
+        proc.kill()
+        proc.wait(60)
+    assert proc.returncode == -signal.SIGKILL
+    assert "committed" not in seen, seen
+    return "\n".join(seen)
+
+
+def fingerprint(root: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+        for p in sorted(root.rglob("*"))
+    }
+
+
+@pytest.fixture
+def bystander(tmp_path: Path) -> tuple[Path, dict[str, Any], dict[str, str]]:
+    """A committed checkpoint at another path that no kill may touch."""
+    mesh = jax.make_mesh((8,), ("x",))
+    state = {"v": put(np.arange(64.0, dtype=np.float32), mesh, P("x")), "note": "keep"}
+    path = mp.save(tmp_path / "other", state)
+    return path, state, fingerprint(path)
+
+
+def check_bystander(bystander: tuple[Path, dict[str, Any], dict[str, str]]) -> None:
+    path, state, prints = bystander
+    assert fingerprint(path) == prints
+    assert_tree_equal(mp.load(path), state)
+
+
+KILL_POINTS = [
+    ("ready", "async"),  # before the save starts (nothing at all may appear)
+    ("staged", "async"),  # save_async returned; writes in flight
+    ("writing", "sync"),  # a blocking save, writes issued
+    ("metadata", "async"),
+    ("merged", "sync"),
+    ("commit-marker", "async"),  # everything durable except the rename
+]
+SLOW_POINTS = {"ready"}
+
+
+@pytest.mark.parametrize(
+    ("point", "mode"),
+    [pytest.param(p, m, marks=[pytest.mark.slow] if p in SLOW_POINTS else [], id=f"{p}-{m}") for p, m in KILL_POINTS],
+)
+def test_sigkill_mid_save_leaves_nothing_at_the_final_path(
+    tmp_path: Path, bystander: tuple[Path, dict[str, Any], dict[str, str]], point: str, mode: str
+) -> None:
+    target = tmp_path / "target"
+    run_and_kill(target, point, mode, overwrite=False)
+    assert not target.exists(), "a killed save must leave nothing at the final path"
+    with pytest.raises(mp.CheckpointNotFoundError):
+        mp.load(target)
+    check_bystander(bystander)
+    # A later save to the same path succeeds and removes the stale temporary directory.
+    state = {"x": np.arange(3), "s": "fresh"}
+    mp.save(target, state)
+    assert_tree_equal(mp.load(target), state)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "target"]
+
+
+@pytest.mark.parametrize(
+    "point",
+    ["staged", "commit-marker", "swapped", pytest.param("metadata", marks=pytest.mark.slow)],
+)
+def test_sigkill_during_overwrite_keeps_old_or_new(
+    tmp_path: Path, bystander: tuple[Path, dict[str, Any], dict[str, str]], point: str
+) -> None:
+    target = tmp_path / "target"
+    old = {"x": np.full((4, 4), 3.0), "s": "old"}
+    mp.save(target, old)
+    run_and_kill(target, point, "async", overwrite=True)
+    # The final path holds a complete checkpoint: the old one, or (once swapped) the new one.
+    restored = mp.load(target)
+    if point == "swapped":
+        assert restored["step"] == 7 and restored["layer3"]["w"].shape == (2048, 2048)
+    else:
+        assert_tree_equal(restored, old)
+    check_bystander(bystander)
+    mp.save(target, {"y": 1}, overwrite=True)
+    assert mp.load(target) == {"y": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "target"]
+
+
+# ------------------------------------------------------------------------------------------
+# Overwrite rules (in process)
+# ------------------------------------------------------------------------------------------
+
+
+def test_overwrite_false_raises_and_writes_nothing(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
+    state = {"w": put(np.arange(32, dtype=np.float32).reshape(4, 8), mesh24, P("data", "model")), "step": 1}
+    ckpt = mp.save(tmp_path / "c", state, custom_metadata={"v": 1})
+    prints = fingerprint(tmp_path)
+    for call in (
+        lambda: mp.save(ckpt, {"x": 2}),
+        lambda: mp.save_async(ckpt, {"x": 2}),
+        lambda: mp.save_checkpointables(ckpt, {"state": {"x": 2}, "other": {"y": 1}}),
+    ):
+        with pytest.raises(mp.CheckpointExistsError, match=r"(?s)already exists.*overwrite=True") as info:
+            call()
+        assert str(ckpt) in str(info.value) and isinstance(info.value, FileExistsError)
+        assert fingerprint(tmp_path) == prints
+    assert_tree_equal(mp.load(ckpt), state)
+
+
+def test_overwrite_true_replaces(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
+    ckpt = mp.save(tmp_path / "c", {"w": put(np.ones((8, 8), np.float32), mesh24, P("data")), "old_only": 1})
+    new = {"w": put(np.full((8, 8), 2.0, np.float32), mesh24, P(None, "model")), "new_only": "yes"}
+    handle = mp.save_async(ckpt, new, overwrite=True, custom_metadata={"v": 2})
+    assert_tree_equal(mp.load(ckpt)["w"], put(np.ones((8, 8), np.float32), mesh24, P("data")))  # old until committed
+    handle.result(timeout=120)
+    assert_tree_equal(mp.load(ckpt), new)
+    assert mp.metadata(ckpt).custom_metadata == {"v": 2}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]  # no leftovers of the old one
+    assert not any("old_only" in p for p in listing(ckpt))
+
+
+def test_overwrite_refuses_what_is_not_a_committed_checkpoint(tmp_path: Path) -> None:
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "data.txt").write_text("keep me")
+    uncommitted = mp.save(tmp_path / "uncommitted", {"x": 1})
+    (uncommitted / "commit_success.txt").unlink()
+    (uncommitted / "orbax.checkpoint").unlink()
+    prints = fingerprint(tmp_path)
+    for path in (precious, uncommitted):
+        with pytest.raises(mp.CheckpointExistsError, match="not a committed checkpoint"):
+            mp.save(path, {"x": 1}, overwrite=True)
+    assert fingerprint(tmp_path) == prints
+
+
+def test_stale_temporary_directory_is_replaced(tmp_path: Path) -> None:
+    stale = tmp_path / "c.orbax-checkpoint-tmp"
+    (stale / "state" / "ocdbt.process_0").mkdir(parents=True)
+    (stale / "state" / "junk").write_bytes(b"\0" * 1000)
+    (stale / "_CHECKPOINT_METADATA").write_text("{}")
+    mp.save(tmp_path / "c", {"x": np.arange(5)})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
+    assert "state/junk" not in listing(tmp_path / "c")
+    assert same_bits(mp.load(tmp_path / "c")["x"], np.arange(5))
+
+
+def test_commit_rename_failure_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """If the final rename fails, an overwritten checkpoint is put back (without an atomic swap
+    the old one is first moved aside)."""
+    from milepost import _checkpoint
+
+    ckpt = mp.save(tmp_path / "c", {"x": np.arange(4)})
+    monkeypatch.setattr(_checkpoint, "_exchange", lambda a, b: False)  # no renameat2
+    real_rename = _checkpoint.os.rename
+
+    def rename(a: Any, b: Any) -> None:
+        if str(a).endswith(".orbax-checkpoint-tmp"):
+            raise OSError(16, "Device or resource busy (injected)")
+        real_rename(a, b)
+
+    monkeypatch.setattr(_checkpoint.os, "rename", rename)
+    with pytest.raises(OSError, match="busy"):
+        mp.save(ckpt, {"x": np.arange(9)}, overwrite=True)
+    monkeypatch.undo()
+    assert same_bits(mp.load(ckpt)["x"], np.arange(4))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
