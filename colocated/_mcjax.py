@@ -90,6 +90,11 @@ class _Pending:
         self._lock = threading.Lock()
         self._acks: list[workers.SaveAck] | None = None
 
+    def settle(self, timeout: float | None = None) -> None:
+        """After a failure elsewhere: wait for this process's writes to land, ignoring their
+        outcome (local only: no other process is waited for)."""
+        _settle(self._pending, self._timeout if timeout is None else timeout)
+
     def wait(self, timeout: float | None = None) -> list[workers.SaveAck]:
         timeout = self._timeout if timeout is None else timeout
         with self._lock:
