@@ -340,6 +340,10 @@ class _Saved:
     shardings: dict[str, ShardingSpec]
     strings: dict[str, str]
     python_types: dict[str, str]
+    fill_missing: bool = False
+    """True for checkpoints written without every chunk (``store_array_data_equal_to_fill_value``
+    false): a missing chunk then means zeros. Milepost and Orbax 0.12 write every chunk, so a
+    missing one is lost data and reading it fails."""
 
     @property
     def store(self) -> workers.StoreSpec:
@@ -388,7 +392,8 @@ def _read_saved(directory: Path) -> _Saved:
     strings = _json_object(directory / fmt.STRINGS, "string leaves") if (directory / fmt.STRINGS).exists() else {}
     info = _json_object(directory / fmt.MILEPOST_INFO, "milepost info") if (directory / fmt.MILEPOST_INFO).exists() else {}
     use_ocdbt = bool(meta.get("use_ocdbt", True))
-    return _Saved(directory, use_ocdbt, entries, order, shardings, strings, info.get("python_types", {}))
+    fill_missing = not meta.get("store_array_data_equal_to_fill_value", False)
+    return _Saved(directory, use_ocdbt, entries, order, shardings, strings, info.get("python_types", {}), fill_missing)
 
 
 def read_array_headers(saved: _Saved, names: list[str]) -> dict[str, dict[str, Any]]:
@@ -528,11 +533,16 @@ def load(directory: Path, abstract: Any, partial: bool, call: Any) -> Any:
     budget = call.options.loading.memory_budget_bytes
     with futures.ThreadPoolExecutor(1) as pool:
         host_future = pool.submit(
-            workers.load, workers.LoadPlan(store=saved.store, tasks=tuple(host_tasks), memory_budget_bytes=budget)
+            workers.load,
+            workers.LoadPlan(
+                store=saved.store, tasks=tuple(host_tasks), memory_budget_bytes=budget, fill_missing=saved.fill_missing
+            ),
         ) if host_tasks else None
         device_values: list[Any] = []
         if device_tasks:
-            plan = workers.LoadPlan(store=saved.store, tasks=tuple(device_tasks), memory_budget_bytes=budget)
+            plan = workers.LoadPlan(
+                store=saved.store, tasks=tuple(device_tasks), memory_budget_bytes=budget, fill_missing=saved.fill_missing
+            )
             device_values = call.group.load({p: plan for p in call.group.processes()}, timeout)
         host_values = host_future.result(timeout) if host_future is not None else []
 

@@ -142,6 +142,20 @@ def test_missing_array_data_names_the_array(saved: Path) -> None:
     assert "state" in str(info.value)
 
 
+def test_missing_chunk_is_an_error_not_zeros(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
+    """Found by these tests: a plain-zarr3 checkpoint with a chunk file deleted loaded that
+    shard as zeros. Every chunk is written (store_array_data_equal_to_fill_value), so a missing
+    one is lost data, as Orbax also treats it."""
+    w = np.arange(1, 33, dtype=np.float32).reshape(4, 8)
+    with mp.Context(saving=mp.SaveOptions(use_ocdbt=False)):
+        ckpt = mp.save(tmp_path / "c", {"w": put(w, mesh24, P("data", "model")), "n": np.arange(1, 5)})
+    (ckpt / "state" / "w" / "c" / "1" / "3").unlink()
+    with pytest.raises(ValueError, match=r"(?s)array 'w'.*missing or damaged"):
+        mp.load(ckpt)
+    part = mp.load(ckpt, {"n": np.zeros(4, np.int64)}, partial=True)  # the rest is still readable
+    assert same_bits(part["n"], np.arange(1, 5))
+
+
 # ------------------------------------------------------------------------------------------
 # Abstract trees that do not match
 # ------------------------------------------------------------------------------------------

@@ -175,7 +175,10 @@ def load(plan: LoadPlan) -> list[Any]:
     """
     context = tsu.new_context()
     kvstore = tsu.read_kvstore(plan.store)
-    opens = [ts.open(tsu.open_spec(kvstore, t.name), open=True, read=True, context=context) for t in plan.tasks]
+    opens = [
+        ts.open(tsu.open_spec(kvstore, t.name, plan.fill_missing), open=True, read=True, context=context)
+        for t in plan.tasks
+    ]
     stores = []
     for task, opening in zip(plan.tasks, opens, strict=True):
         try:

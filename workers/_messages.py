@@ -91,6 +91,9 @@ class LoadPlan:
     tasks: tuple[LoadTask, ...]
     memory_budget_bytes: int | None = None
     """At most this many bytes of read buffers in flight on a host (None: no cap)."""
+    fill_missing: bool = False
+    """Read a missing chunk as the fill value (zeros) instead of failing. Only for checkpoints
+    written without ``store_array_data_equal_to_fill_value``; otherwise a missing chunk is lost data."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -106,12 +106,13 @@ def create_spec(kvstore: dict[str, Any], spec: ArraySpec) -> dict[str, Any]:
     }
 
 
-def open_spec(kvstore: dict[str, Any], name: str) -> dict[str, Any]:
+def open_spec(kvstore: dict[str, Any], name: str, fill_missing: bool = False) -> dict[str, Any]:
     return {
         "driver": "zarr3",
         "kvstore": _array_kvstore(kvstore, name),
         "recheck_cached_data": False,
         "recheck_cached_metadata": False,
+        "fill_missing_data_reads": fill_missing,
     }
 
 
