@@ -78,7 +78,7 @@ def on_slice(directory: str, gib: float, hosts: int, per_host: int) -> dict:
         abstract = {k: mp.AbstractArray(v.shape, v.dtype, mesh.sharding(P("model"))) for k, v in tree.items()}
         path = os.path.join(directory, "slice")
         out: dict = {"bytes": sum(x.nbytes for x in tree.values())}
-        b0 = s.bytes_to_hosts + s.bytes_from_hosts
+        b0 = s.traffic()
         with PeakRss() as rss:
             t0 = time.perf_counter()
             h = mp.save_async(path, tree)
@@ -86,15 +86,15 @@ def on_slice(directory: str, gib: float, hosts: int, per_host: int) -> dict:
             h.result()
             out["save_total"] = time.perf_counter() - t0
         out["save_rss_growth"] = rss.growth
-        out["save_controller_bytes"] = s.bytes_to_hosts + s.bytes_from_hosts - b0
+        out["save_controller_bytes"] = (s.traffic() - b0).total_bytes
         evict(path)
-        b0 = s.bytes_to_hosts + s.bytes_from_hosts
+        b0 = s.traffic()
         with PeakRss() as rss:
             t0 = time.perf_counter()
             loaded = mp.load(path, abstract)
             out["load"] = time.perf_counter() - t0
         out["load_rss_growth"] = rss.growth
-        out["load_controller_bytes"] = s.bytes_to_hosts + s.bytes_from_hosts - b0
+        out["load_controller_bytes"] = (s.traffic() - b0).total_bytes
         out["arrays"] = len(loaded)
         shutil.rmtree(path)
     ray.shutdown()

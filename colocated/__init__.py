@@ -1,16 +1,11 @@
 """milepost.colocated: host groups that run the controller's plans where the data lives."""
 
 from milepost.colocated._errors import HostError
+from milepost.colocated._handles import AbstractArray, RemoteArray, SliceMesh, SliceSharding
 from milepost.colocated._hostgroup import HostGroup, LocalHostGroup, PendingHostSave
 from milepost.colocated._mcjax import MultiControllerHostGroup, set_primary_process
-from milepost.colocated._slice import (
-    AbstractArray,
-    RemoteArray,
-    Slice,
-    SliceMesh,
-    SliceOptions,
-    SliceSharding,
-)
+from milepost.colocated._ray_group import RayHostGroup, Traffic
+from milepost.colocated._slice import Slice, SliceOptions
 
 __all__ = [
     "AbstractArray",
@@ -19,10 +14,12 @@ __all__ = [
     "LocalHostGroup",
     "MultiControllerHostGroup",
     "PendingHostSave",
+    "RayHostGroup",
     "RemoteArray",
     "Slice",
     "SliceMesh",
     "SliceOptions",
     "SliceSharding",
+    "Traffic",
     "set_primary_process",
 ]

@@ -61,6 +61,12 @@ class HostActor:
     def ping(self) -> int:
         return self.index
 
+    def device_map(self) -> dict[int, int]:
+        """Every global device id -> the process that owns it (as this host sees the cluster)."""
+        import jax
+
+        return {d.id: d.process_index for d in jax.devices()}
+
     # -- arrays ---------------------------------------------------------------------------
     def _resolve(self, tree: Any) -> Any:
         import jax
@@ -75,34 +81,42 @@ class HostActor:
 
         return jax.tree_util.tree_map(get, tree, is_leaf=lambda x: isinstance(x, Ref))
 
-    def _register(self, tree: Any, ids: list[str]) -> Any:
+    def _register(self, tree: Any, prefix: str) -> Any:
         import jax
 
         leaves, treedef = jax.tree_util.tree_flatten(tree)
         described = []
-        for leaf, array_id in zip(leaves, ids, strict=True):
+        for k, leaf in enumerate(leaves):
+            array_id = f"{prefix}.{k}"
             self.arrays[array_id] = leaf
             spec = workers.ShardingSpec.from_jax(leaf.sharding)
             described.append((array_id, tuple(leaf.shape), str(leaf.dtype), spec))
         return jax.tree_util.tree_unflatten(treedef, described)
 
-    def put(self, array_id: str, value: Any, spec: workers.ShardingSpec) -> str:
-        """Place ``value`` (from the object store); returns the dtype JAX gave it."""
+    def put(self, ids: list[str], values: list[Any], specs: list[workers.ShardingSpec]) -> list[str]:
+        """Place controller data (object-store refs) on the slice; returns the dtypes JAX gave."""
         import jax
         import numpy as np
+        import ray
 
-        host = np.asarray(value)
-        array = jax.make_array_from_callback(host.shape, spec.to_jax(), lambda idx: host[idx])
-        self.arrays[array_id] = array
-        return str(array.dtype)
+        dtypes = []
+        for array_id, value, spec in zip(ids, ray.get(list(values)), specs, strict=True):
+            host = np.asarray(value)
+            array = jax.make_array_from_callback(host.shape, spec.to_jax(), lambda idx, host=host: host[idx])
+            self.arrays[array_id] = array
+            dtypes.append(str(array.dtype))
+        return dtypes
 
-    def fetch(self, array_id: str) -> list[tuple[Any, Any]]:
+    def fetch(self, ids: list[str]) -> list[list[tuple[Any, Any]]]:
+        """This host's replica-0 shards of each array: ``(index, data)`` pairs."""
         import numpy as np
 
-        array = self.arrays[array_id]
-        return [(s.index, np.asarray(s.data)) for s in array.addressable_shards if s.replica_id == 0]
+        arrays = self._resolve([Ref(i) for i in ids])
+        return [[(s.index, np.asarray(s.data)) for s in a.addressable_shards if s.replica_id == 0] for a in arrays]
 
-    def run(self, fn: bytes, args: Any, kwargs: Any, out_ids: list[str], out_shardings: Any = None) -> Any:
+    def run(self, fn: bytes, args: Any, kwargs: Any, prefix: str, out_shardings: Any = None) -> Any:
+        """``jax.jit(fn)`` on this process's part of the global arrays (every host runs the same
+        call: SPMD); registers the outputs as ``<prefix>.<k>`` and describes them."""
         import cloudpickle
         import jax
 
@@ -112,10 +126,7 @@ class HostActor:
                 lambda s: s.to_jax(), out_shardings, is_leaf=lambda x: isinstance(x, workers.ShardingSpec)
             )
         out = jax.jit(function, out_shardings=out_shardings)(*self._resolve(args), **self._resolve(kwargs))
-        leaves = jax.tree_util.tree_leaves(out)
-        if len(leaves) > len(out_ids):
-            raise ValueError(f"the function returned {len(leaves)} arrays, more than the {len(out_ids)} ids allotted")
-        return self._register(out, out_ids[: len(leaves)])
+        return self._register(out, prefix)
 
     def release(self, ids: list[str]) -> None:
         for array_id in ids:
@@ -126,20 +137,29 @@ class HostActor:
 
     # -- checkpointing --------------------------------------------------------------------
     def start_save(self, plan: workers.SavePlan, sources: list[Any]) -> str:
-        resolved = [self.arrays[s.id] if isinstance(s, Ref) else s for s in sources]
+        """Stage this host's shards (the blocking part of a save); returns a token for the
+        background writes."""
         token = uuid.uuid4().hex
-        self.pending[token] = workers.start_save(plan, resolved)
+        self.pending[token] = workers.start_save(plan, self._resolve(sources))
         return token
 
     def wait_save(self, token: str, timeout: float) -> workers.SaveAck:
-        pending = self.pending.pop(token)
-        return pending.wait(timeout)
+        """Runs in the actor's wait group: other calls are served while the writes land."""
+        return self.pending.pop(token).wait(timeout)
 
-    def load(self, plan: workers.LoadPlan, ids: list[str]) -> list[str]:
+    def settle_save(self, token: str, timeout: float) -> None:
+        """An abandoned save: let its writes land, ignoring their outcome."""
+        pending = self.pending.pop(token, None)
+        if pending is not None:
+            pending.settle(timeout)
+
+    def load(self, plan: workers.LoadPlan, prefix: str) -> int:
+        """Read exactly the ranges this host's devices need; register the arrays as
+        ``<prefix>.<k>``. Answers with a count, never data."""
         arrays = workers.load(plan)
-        for array_id, array in zip(ids, arrays, strict=True):
-            self.arrays[array_id] = array
-        return ids
+        for k, array in enumerate(arrays):
+            self.arrays[f"{prefix}.{k}"] = array
+        return len(arrays)
 
     def shutdown(self) -> None:
         import jax

@@ -9,7 +9,6 @@ import pytest
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "single_controller.ipynb"
 
 
-@pytest.mark.slow
 def test_single_controller_notebook_executes(tmp_path: Path) -> None:
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
@@ -19,3 +18,4 @@ def test_single_controller_notebook_executes(tmp_path: Path) -> None:
     outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     assert "identical: True" in outputs
     assert "bytes through the controller" in outputs
+    assert "Traceback" not in outputs

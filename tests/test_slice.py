@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import cloudpickle
 import jax
 import numpy as np
 import psutil
@@ -67,13 +68,13 @@ def test_programming_model_and_handles(slice42: mp.Slice) -> None:
     moved = slice42.run(lambda a: a + 1, tree["x"], out_shardings=col)
     assert moved.sharding == col and np.array_equal(slice42.fetch(moved), x + 1)
     del moved
-    held = slice42._all("held", doing="counting")
+    held = slice42.group.all("held", doing="counting")
     del out, tree
     gc.collect()
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and slice42._all("held", doing="counting") != [h - 3 for h in held]:
+    while time.monotonic() < deadline and slice42.group.all("held", doing="counting") != [h - 3 for h in held]:
         time.sleep(0.1)
-    assert slice42._all("held", doing="counting") == [h - 3 for h in held], "dropped handles are freed on the hosts"
+    assert slice42.group.all("held", doing="counting") == [h - 3 for h in held], "dropped handles are freed on the hosts"
     with pytest.raises(ValueError, match="has 6 devices but the slice has 8"):
         slice42.mesh({"a": 6})
 
@@ -84,12 +85,13 @@ def test_save_moves_no_array_bytes_through_the_controller(slice42: mp.Slice, tmp
     for rows in (64, 4096):  # 64 KiB and 4 MiB arrays: controller traffic must not grow with size
         values = host_values(8, rows)
         tree = slice42.put(values, {k: mesh.sharding(P("data", "model")) for k in values})
-        before = slice42.bytes_to_hosts + slice42.bytes_from_hosts
+        before = slice42.traffic()
         mp.save(tmp_path / f"c{rows}", tree)
         abstract = {k: mp.AbstractArray(v.shape, v.dtype, mesh.sharding(P("model"))) for k, v in values.items()}
         loaded = mp.load(tmp_path / f"c{rows}", abstract)
-        moved = slice42.bytes_to_hosts + slice42.bytes_from_hosts - before
-        per_array[rows] = moved / len(values)
+        moved = slice42.traffic() - before
+        assert moved.messages > 0 and moved.bytes_from_hosts > 0  # the counters see both directions
+        per_array[rows] = moved.total_bytes / len(values)
         assert np.array_equal(slice42.fetch(loaded["w3"]), values["w3"])
     assert per_array[4096] <= 4096, f"{per_array[4096]:.0f} bytes per array passed through the controller"
     assert per_array[4096] <= per_array[64] * 1.1 + 64
@@ -146,7 +148,7 @@ def test_a_host_killed_mid_save_is_reported_by_name(tmp_path: Path, ray_runtime:
         values = host_values(4, 1 << 14)  # 64 MiB
         tree = s.put(values, {k: mesh.sharding(P("x")) for k in values})
         handle = mp.save_async(tmp_path / "c", tree)
-        ray_runtime.kill(s._actors[1])
+        ray_runtime.kill(s.group._actors[1])
         t0 = time.monotonic()
         with pytest.raises(mp.HostError, match=r"host 1 \(node .* pid \d+\) died"):
             handle.result(120)
@@ -155,11 +157,23 @@ def test_a_host_killed_mid_save_is_reported_by_name(tmp_path: Path, ray_runtime:
         assert not s.healthy
         with pytest.raises(mp.HostError, match="unhealthy"):
             mp.save(tmp_path / "d", tree)
-    with mp.Slice.start(hosts=2, devices_per_host=1) as fresh:
+    with mp.Slice.start(hosts=2, devices_per_host=1) as fresh:  # a new slice works
         mesh = fresh.mesh({"x": 2})
         t = fresh.put({"a": np.arange(8.0)}, {"a": mesh.sharding(P("x"))})
         mp.save(tmp_path / "e", t)
         assert np.array_equal(fresh.fetch(mp.load(tmp_path / "e", {"a": mp.AbstractArray((8,), np.float32, mesh.sharding(P()))})["a"]), np.arange(8.0))
+        # a host that hangs (busy in a 60 s call) is reported within the configured time
+        def stall() -> Any:
+            time.sleep(60)
+            return jax.numpy.zeros(())
+
+        fresh.group._actors[1].run.remote(cloudpickle.dumps(stall), (), {}, "stall", None)
+        t0 = time.monotonic()
+        with mp.Context(async_=mp.AsyncOptions(timeout_secs=3)), \
+                pytest.raises(mp.HostError, match=r"host 1 \(node .* pid \d+\) did not answer within 3s"):
+            mp.save(tmp_path / "f", t)
+        assert time.monotonic() - t0 < 30
+        assert not fresh.healthy and sorted(p.name for p in tmp_path.iterdir()) == ["e"]
 
 
 def _controller_rss_growth(s: mp.Slice, path: Path, gib: float) -> tuple[int, int]:
@@ -215,7 +229,7 @@ def test_multi_node_cluster_one_host_per_node(tmp_path: Path) -> None:
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, log_to_driver=False)
         with mp.Slice.connect(hosts=3, devices_per_host=2) as s:
-            nodes = {ident["node"] for ident in s._identities}
+            nodes = {ident["node"] for ident in s.host_identities()}
             assert len(nodes) == 3, "one host actor per node"
             mesh = s.mesh({"x": 3, "y": 2})
             x = np.arange(6 * 8, dtype=np.float32).reshape(6, 8)

@@ -1,0 +1,360 @@
+"""The controller side of a Ray slice: a host group whose hosts are Ray actors.
+
+Every message to a host goes through :meth:`RayHostGroup.call` and every answer through
+:meth:`RayHostGroup.gather`, which count their pickled sizes (``traffic()``) so tests can prove
+that checkpointing sends plans and ids, never array bytes. Every wait has a timeout; a host that
+dies, hangs or fails is reported by name (index, node, ip, pid) as a :class:`HostError`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import pickle
+import threading
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import cloudpickle
+
+from milepost import workers
+from milepost.colocated._errors import HostError
+from milepost.colocated._handles import RemoteArray
+from milepost.colocated._ray_host import Ref
+
+log = logging.getLogger("milepost.slice")
+
+WAIT_GROUP = "wait"
+"""The actors' concurrency group for waits on background writes: a host keeps serving
+``run``/``load`` calls (one at a time, in the controller's order) while its writes land."""
+
+
+def pickled_size(value: Any) -> int:
+    """Bytes ``value`` takes on the wire (out-of-band buffers counted, not copied)."""
+    buffers: list[pickle.PickleBuffer] = []
+    head = cloudpickle.dumps(value, protocol=5, buffer_callback=buffers.append)
+    return len(head) + sum(b.raw().nbytes for b in buffers)
+
+
+@dataclasses.dataclass(frozen=True)
+class Traffic:
+    """Controller<->host message counts and pickled bytes since the group started."""
+
+    messages: int = 0
+    bytes_to_hosts: int = 0
+    bytes_from_hosts: int = 0
+
+    @property
+    def total_bytes(self) -> int:
+        return self.bytes_to_hosts + self.bytes_from_hosts
+
+    def __sub__(self, other: Traffic) -> Traffic:
+        return Traffic(
+            self.messages - other.messages,
+            self.bytes_to_hosts - other.bytes_to_hosts,
+            self.bytes_from_hosts - other.bytes_from_hosts,
+        )
+
+
+class _PendingRaySave:
+    """The hosts' background writes of one save (see ``HostGroup.start_save``)."""
+
+    def __init__(self, group: RayHostGroup, tokens: Mapping[int, str]) -> None:
+        self._group = group
+        self._tokens = dict(tokens)
+        self._waits: dict[int, Any] | None = None
+
+    def _issue(self, timeout: float) -> dict[int, Any]:
+        if self._waits is None:
+            self._waits = {
+                i: self._group.call(i, "wait_save", token, timeout, concurrency_group=WAIT_GROUP)
+                for i, token in self._tokens.items()
+            }
+        return self._waits
+
+    def wait(self, timeout: float | None = None) -> list[workers.SaveAck]:
+        t = self._group.timeout_secs if timeout is None else timeout
+        acks = self._group.gather(self._issue(t), t, "writing its checkpoint shards")
+        return [acks[i] for i in sorted(acks)]
+
+    def settle(self, timeout: float | None = None) -> None:
+        """After a failure: let the live hosts' writes land (outcome ignored, bounded)."""
+        t = self._group.timeout_secs if timeout is None else timeout
+        if self._waits is None:
+            self._waits = {
+                i: self._group.call(i, "settle_save", token, t, concurrency_group=WAIT_GROUP)
+                for i, token in self._tokens.items()
+            }
+        self._group.settle(self._waits, t)
+
+
+class RayHostGroup:
+    """H Ray actors forming one ``jax.distributed`` cluster, as a milepost host group."""
+
+    name = "slice"
+
+    def __init__(self, actors: list[Any], identities: list[dict[str, Any]], device_ids: list[list[int]],
+                 timeout_secs: float) -> None:
+        self.timeout_secs = timeout_secs
+        self._actors = actors
+        self._identities = identities
+        self._device_ids = device_ids
+        self._owner = {d: i for i, ids in enumerate(device_ids) for d in ids}
+        self._healthy = True
+        self._closed = False
+        self._counts = [0, 0, 0]  # messages, bytes to hosts, bytes from hosts
+        self._lock = threading.Lock()
+        self._released: collections.deque[str] = collections.deque()
+        """Ids of handles the controller dropped; appended by finalizers (any thread, maybe in
+        the middle of a call), sent to the hosts in one batch by the next call."""
+
+    # -- state ----------------------------------------------------------------------------
+    @property
+    def hosts(self) -> int:
+        return len(self._actors)
+
+    @property
+    def device_ids(self) -> list[int]:
+        return [d for ids in self._device_ids for d in ids]
+
+    @property
+    def healthy(self) -> bool:
+        return self._healthy and not self._closed
+
+    def describe_host(self, i: int) -> str:
+        ident = self._identities[i]
+        return f"host {i} (node {ident['node'][:12]}, ip {ident['ip']}, pid {ident['pid']})"
+
+    def identities(self) -> list[dict[str, Any]]:
+        return [dict(ident) for ident in self._identities]
+
+    def traffic(self) -> Traffic:
+        with self._lock:
+            return Traffic(*self._counts)
+
+    def check_usable(self) -> None:
+        if self._closed:
+            raise HostError("the slice is shut down; start a new one")
+        if not self._healthy:
+            raise HostError("the slice is unhealthy after a host failure; shut it down and start a new one")
+
+    def _count(self, to_hosts: int = 0, from_hosts: int = 0, messages: int = 0) -> None:
+        with self._lock:
+            self._counts[0] += messages
+            self._counts[1] += to_hosts
+            self._counts[2] += from_hosts
+
+    # -- messaging ------------------------------------------------------------------------
+    def call(self, i: int, method: str, *args: Any, concurrency_group: str | None = None, size: int | None = None) -> Any:
+        """Send one message to host ``i``; returns its Ray object ref (see :meth:`gather`).
+        ``size``: the bytes to count when ``args`` hold object-store refs (``Slice.put``)."""
+        self._flush_releases()
+        self._count(to_hosts=pickled_size(args) if size is None else size, messages=1)
+        remote = getattr(self._actors[i], method)
+        if concurrency_group is not None:
+            remote = remote.options(concurrency_group=concurrency_group)
+        return remote.remote(*args)
+
+    def gather(self, calls: Mapping[int, Any], timeout: float, doing: str) -> dict[int, Any]:
+        """The answers of ``calls`` (host -> ref), or a HostError naming every host that died,
+        failed or did not answer within ``timeout`` seconds. Returns at the first failure:
+        the other hosts may be blocked in a collective with the failed one."""
+        import ray
+
+        pending = {ref: i for i, ref in calls.items()}
+        results: dict[int, Any] = {}
+        failures: list[str] = []
+        dead = False
+        deadline = time.monotonic() + timeout
+        while pending and not failures:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=remaining)
+            for ref in ready:
+                i = pending.pop(ref)
+                try:
+                    value = ray.get(ref, timeout=0)
+                except ray.exceptions.RayActorError as e:
+                    dead = True
+                    failures.append(f"{self.describe_host(i)} died while {doing} ({type(e).__name__})")
+                except ray.exceptions.RayTaskError as e:
+                    cause = getattr(e, "cause", None) or e
+                    failures.append(f"{self.describe_host(i)} failed while {doing}: {type(cause).__name__}: {cause}")
+                else:
+                    results[i] = value
+                    self._count(from_hosts=pickled_size(value))
+        if not failures and pending:
+            dead = True
+            failures = [f"{self.describe_host(i)} did not answer within {timeout:g}s while {doing}"
+                        for i in sorted(pending.values())]
+        if dead:
+            # A hung host must not act on these calls later (say, write into a temporary
+            # directory the controller has removed): drop them if they have not started.
+            for ref in pending:
+                try:
+                    ray.cancel(ref)
+                except Exception as e:
+                    log.info("milepost slice: could not cancel a call to a failed slice: %s", e)
+        if failures:
+            if dead:
+                self._healthy = False
+            hint = " The slice is now unhealthy; shut it down and start a new one." if dead else ""
+            raise HostError("; ".join(failures) + "." + hint)
+        return results
+
+    def settle(self, calls: Mapping[int, Any], timeout: float) -> None:
+        """Wait up to ``timeout`` for ``calls`` to finish, ignoring their outcome."""
+        import ray
+
+        refs = list(calls.values())
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=timeout)
+
+    def all(self, method: str, *args: Any, doing: str, timeout: float | None = None) -> list[Any]:
+        """Call ``method`` on every host; their answers in host order."""
+        self.check_usable()
+        t = self.timeout_secs if timeout is None else timeout
+        out = self.gather({i: self.call(i, method, *args) for i in range(self.hosts)}, t, doing)
+        return [out[i] for i in range(self.hosts)]
+
+    def release(self, array_id: str) -> None:
+        """Free a dropped handle's array on the hosts (asynchronously, with the next call)."""
+        self._released.append(array_id)
+
+    def _flush_releases(self) -> None:
+        if not self._released or self._closed or not self._healthy:
+            return
+        ids = []
+        while self._released:
+            try:
+                ids.append(self._released.popleft())
+            except IndexError:
+                break
+        if ids:
+            self._count(to_hosts=pickled_size((ids,)) * self.hosts, messages=self.hosts)
+            for actor in self._actors:
+                actor.release.remote(ids)  # fire and forget: a dead host frees nothing
+
+    # -- HostGroup protocol ---------------------------------------------------------------
+    def process_of_device(self, device_id: int) -> int:
+        try:
+            return self._owner[device_id]
+        except KeyError:
+            raise ValueError(f"device {device_id} is not in this slice (devices {self.device_ids})") from None
+
+    def processes(self) -> Sequence[int]:
+        return range(self.hosts)
+
+    def is_primary(self) -> bool:
+        return True
+
+    def check_devices(self, spec: workers.ShardingSpec, name: str) -> None:
+        missing = [d for d in spec.device_ids if d not in self._owner]
+        if missing:
+            raise ValueError(
+                f"cannot load {name!r} with its saved sharding: devices {missing[:8]} are not in this slice "
+                f"(it has {self.device_ids[:8]}...); pass an abstract tree whose leaves carry shardings over "
+                "slice.mesh(...), e.g. milepost.AbstractArray(shape, dtype, mesh.sharding(PartitionSpec(...)))"
+            )
+
+    def start_save(self, plans: Mapping[int, workers.SavePlan], sources: Sequence[Any], timeout: float) -> _PendingRaySave:
+        """Stage on every host: sources go as ids, which each host resolves in its registry."""
+        self.check_usable()
+        refs = []
+        for k, s in enumerate(sources):
+            group = getattr(s, "__milepost_host_group__", None)
+            if group is not self:
+                raise TypeError(
+                    f"source {k} ({type(s).__name__}) is not an array of this slice; a slice host can only "
+                    "save RemoteArrays of its own slice"
+                )
+            refs.append(Ref(s.id))
+        calls = {i: self.call(i, "start_save", plan, refs) for i, plan in plans.items()}
+        try:
+            tokens = self.gather(calls, timeout, "copying its shards to host memory")
+        except HostError:
+            # Hosts that staged have writes in flight: let them land before the caller removes
+            # the temporary directory (bounded; a dead host has nothing in flight).
+            self._settle_started(calls, timeout)
+            raise
+        return _PendingRaySave(self, tokens)
+
+    def _settle_started(self, calls: Mapping[int, Any], timeout: float) -> None:
+        import ray
+
+        ready, _ = ray.wait(list(calls.values()), num_returns=len(calls), timeout=0)
+        settles = {}
+        for i, ref in calls.items():
+            if ref in ready:
+                try:
+                    token = ray.get(ref, timeout=0)
+                except Exception:
+                    continue
+                settles[i] = self.call(i, "settle_save", token, timeout, concurrency_group=WAIT_GROUP)
+        self.settle(settles, timeout)
+
+    def load(self, plans: Mapping[int, workers.LoadPlan], timeout: float) -> list[RemoteArray]:
+        """Every host reads the ranges its devices need and registers its part of each global
+        array under ``<prefix>.<k>``; the controller gets handles."""
+        self.check_usable()
+        prefix = uuid.uuid4().hex
+        self.gather({i: self.call(i, "load", p, prefix) for i, p in plans.items()}, timeout, "reading its shards")
+        (plan, *_) = plans.values()
+        out = []
+        for k, task in enumerate(plan.tasks):
+            spec = task.sharding
+            if not isinstance(spec, workers.ShardingSpec):
+                spec = workers.ShardingSpec.from_jax(spec)
+            out.append(RemoteArray(self, f"{prefix}.{k}", task.shape, task.dtype, spec))
+        return out
+
+    def wrap(self, described: Any) -> Any:
+        """Handles for a tree of ``(id, shape, dtype, ShardingSpec)`` that hosts registered."""
+        import jax
+
+        return jax.tree_util.tree_map(
+            lambda d: RemoteArray(self, *d),
+            described,
+            is_leaf=lambda x: isinstance(x, tuple) and len(x) == 4 and isinstance(x[3], workers.ShardingSpec),
+        )
+
+    def barrier(self, name: str, timeout: float) -> None:
+        return None
+
+    def broadcast(self, name: str, value: Any, timeout: float) -> Any:
+        return value
+
+    # -- shutdown -------------------------------------------------------------------------
+    def close(self, placement_group: Any) -> None:
+        """End the actors (and their distributed runtime) and free the placement group;
+        tolerates dead hosts and a Ray runtime that is already gone."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        if self._closed:
+            return
+        self._closed = True
+        if not ray.is_initialized():
+            return
+        if self._healthy:
+            try:
+                ray.get([a.shutdown.remote() for a in self._actors], timeout=30)
+            except Exception as e:
+                log.info("milepost slice: hosts did not all shut down cleanly: %s", e)
+        for a in self._actors:
+            try:
+                ray.kill(a)
+            except Exception as e:
+                log.info("milepost slice: could not kill a host actor: %s", e)
+        if placement_group is not None:
+            try:
+                remove_placement_group(placement_group)
+            except Exception as e:
+                log.info("milepost slice: could not remove the placement group: %s", e)
+
+    def __repr__(self) -> str:
+        return f"RayHostGroup(hosts={self.hosts}, healthy={self.healthy})"
