@@ -88,7 +88,7 @@ class _Pending:
         self._directory = directory
         self._timeout = timeout
         self._lock = threading.Lock()
-        self._acks: list[workers.SaveAck] | None = None
+        self._outcome: list[workers.SaveAck] | BaseException | None = None
 
     def settle(self, timeout: float | None = None) -> None:
         """After a failure elsewhere: wait for this process's writes to land, ignoring their
@@ -98,7 +98,7 @@ class _Pending:
     def wait(self, timeout: float | None = None) -> list[workers.SaveAck]:
         timeout = self._timeout if timeout is None else timeout
         with self._lock:
-            if self._acks is None:
+            if self._outcome is None:  # sync once: a second wait must not start another barrier
                 acks: list[workers.SaveAck] = []
                 error: BaseException | None = None
                 try:
@@ -106,12 +106,18 @@ class _Pending:
                         acks.append(self._pending.wait(timeout))
                 except Exception as e:
                     error = e
+                    _settle(self._pending, timeout)  # none of our writes may land after cleanup
                 self._pending = None  # the staged buffers go as soon as they are on disk
-                self._group.sync(
-                    f"written:{self._directory}", timeout, error, doing="writing its shards", consequence=_NOT_COMMITTED
-                )
-                self._acks = acks
-            return self._acks
+                try:
+                    self._group.sync(
+                        f"written:{self._directory}", timeout, error, doing="writing its shards", consequence=_NOT_COMMITTED
+                    )
+                    self._outcome = acks
+                except BaseException as e:
+                    self._outcome = e
+            if isinstance(self._outcome, BaseException):
+                raise self._outcome
+            return self._outcome
 
 
 class MultiControllerHostGroup:

@@ -129,10 +129,16 @@ def start_save(
         _dispatch.shared(group, f"prepare:{final}", prepare, timeout)
         init_ns = time.time_ns()
         call = _handlers.SaveCall(options=options, group=group, copy=asynchronous)
-        for name, obj in objs.items():
-            finish = handlers[name].save(tmp / name, obj, call)
-            if finish is not None:
-                finishers.append(finish)
+        staging_failure: Exception | None = None
+        try:
+            for name, obj in objs.items():
+                finish = handlers[name].save(tmp / name, obj, call)
+                if finish is not None:
+                    finishers.append(finish)
+        except Exception as e:
+            staging_failure = e
+        # The primary may fail alone here (its own leaves, a stateful checkpointable).
+        _agree(group, f"staged:{final}", staging_failure, timeout)
     except BaseException:
         _settle(finishers)
         with _in_flight_lock:
@@ -156,21 +162,10 @@ def start_save(
                 _settle(finishers[done:])
 
             def commit() -> None:
-                if failure is not None:
-                    raise failure
                 _commit(tmp, final, handlers, init_ns, custom_json, metrics_json, overwrite)
 
-            if failure is not None and not primary:
-                # The primary has this failure too (a failed sync), or it failed or died: take
-                # its outcome if it is there at once (keeping every process's calls in step),
-                # else report our own without waiting for a primary that may be gone.
-                with contextlib.suppress(Exception):
-                    group.broadcast(f"commit:{final}", None, min(timeout, 1.0))
-                raise failure
             # The primary commits, or reports why not; every process gets the same outcome.
-            _dispatch.shared(group, f"commit:{final}", commit, timeout)
-            if failure is not None:
-                raise failure
+            _agree(group, f"commit:{final}", failure, timeout, then=commit)
             return final
         except BaseException:
             if primary:
@@ -195,6 +190,30 @@ def start_save(
         future = futures.Future()
         future.set_result(finalize())
     return SaveHandle(final, future)
+
+
+def _agree(group: Any, name: str, failure: Exception | None, timeout: float, then: Callable[[], None] | None = None) -> None:
+    """Leave a step with the primary's outcome in every controller process (one controller:
+    raise ``failure``, else run ``then``).
+
+    The primary raises its ``failure`` or runs ``then``, and publishes the outcome. A process
+    with a failure of its own (a failed sync, which the primary has too, or one the primary
+    cannot know) takes the primary's outcome if it is there at once, so that every process's
+    calls stay in step, and raises its own failure without waiting for a primary that may be
+    gone.
+    """
+    if failure is not None and not group.is_primary():
+        with contextlib.suppress(Exception):
+            group.broadcast(name, None, min(timeout, 1.0))
+        raise failure
+
+    def outcome() -> None:
+        if failure is not None:
+            raise failure
+        if then is not None:
+            then()
+
+    _dispatch.shared(group, name, outcome, timeout)
 
 
 def _settle(finishers: list[Callable[[], None]]) -> None:

@@ -241,13 +241,19 @@ class PyTreeSave:
             try:
                 if pending_hosts is not None:
                     pending_hosts.wait(timeout)
-                if pending_local is not None:
-                    pending_local.wait(timeout)
             except BaseException:
                 settle()
                 raise
             self.group.barrier(f"pytree-written:{directory}", timeout)
             if self.group.is_primary():
+                # The controller's own leaves and the metadata: a failure here is the primary's
+                # alone; it reaches the other controller processes through the commit outcome.
+                try:
+                    if pending_local is not None:
+                        pending_local.wait(timeout)
+                except BaseException:
+                    settle()
+                    raise
                 self._write_metadata(directory, store)
 
         finish.settle = settle  # type: ignore[attr-defined]

@@ -103,6 +103,16 @@ def inject(obj: Any, attr: str, when: Callable[..., bool], exc: BaseException) -
     return lambda: setattr(obj, attr, real)
 
 
+class FailingIterator:
+    """A stateful checkpointable whose save fails (only the primary calls it)."""
+
+    def save(self, directory: Any) -> None:
+        raise ValueError("injected stateful failure")
+
+    def load(self, directory: Any) -> None:
+        pass
+
+
 def load_each(out: dict, paths: list[str]) -> None:
     for path in paths:
         out[f"checked_{os.path.basename(path)}"] = check(mp.load(path, resharded_abstract(mesh_b())))
@@ -175,6 +185,19 @@ def four(root: str, embedded: str, *others: str) -> dict:
     undo = inject(_checkpoint, "_commit", lambda tmp, final, *_: str(final) == failing, OSError("injected commit failure"))
     out["commit_fails"] = outcome(lambda: mp.save(failing, tree))
     undo()
+    # failures of the primary alone reach the others at once
+    failing = os.path.join(root, "controller_stage_fails")
+    undo = inject(workers, "start_save", lambda plan, *_: plan.process_index == "controller" and plan.store.directory.startswith(failing),
+                  RuntimeError("injected controller staging failure"))
+    out["controller_stage_fails"] = outcome(lambda: mp.save(failing, tree))
+    undo()
+    failing = os.path.join(root, "controller_write_fails")
+    undo = inject(workers.PendingSave, "wait",
+                  lambda self, *_, **__: self._plan.process_index == "controller" and self._plan.store.directory.startswith(failing),
+                  OSError("injected controller write failure"))
+    out["controller_write_fails"] = outcome(lambda: mp.save(failing, tree))
+    undo()
+    out["stateful_fails"] = outcome(lambda: mp.save_checkpointables(os.path.join(root, "stateful_fails"), {"state": tree, "it": FailingIterator()}))
     undo = inject(workers, "load", lambda plan: INDEX == 3 and any(t.name == "w" for t in plan.tasks),
                   ValueError("injected read failure"))
     out["load_fails"] = outcome(lambda: mp.load(a, resharded_abstract(mesh_b())))
