@@ -132,6 +132,11 @@ def two_save(root: str, embedded: str) -> dict:
         mp.save(os.path.join(root, "plain"), tree)
     out["checked_plain"] = check(mp.load(os.path.join(root, "plain"), resharded_abstract(mesh_b())))
     load_each(out, [embedded])
+    # every coordination key milepost set is gone (once every process is past its last call)
+    from jax._src import distributed
+
+    distributed.global_state.client.wait_at_barrier("leak-check", 60_000)
+    out["leftover_keys"] = [k for k, _ in distributed.global_state.client.key_value_dir_get("milepost/")]
     return out
 
 

@@ -76,6 +76,7 @@ def test_two_processes_save_and_load_resharded(runs: Runs) -> None:
     for o in runs.two:
         assert o["global_devices"] == 8
         assert o["checked_c"] == o["checked_plain"] == TWO
+        assert o["leftover_keys"] == []  # barriers and broadcasts clean up after themselves
     state = runs.root / "two" / "c" / "state"
     assert sorted(p.name for p in state.glob("ocdbt.process_*")) == [
         "ocdbt.process_0", "ocdbt.process_1", "ocdbt.process_controller"
