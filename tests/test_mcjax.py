@@ -149,16 +149,25 @@ def test_the_primary_is_configurable(runs: Runs) -> None:
     check_embedded(runs.root / "four" / "last_primary")
 
 
-@pytest.mark.parametrize("primary", [0, 1], ids=["non-primary-dies", "primary-dies"])
-def test_a_process_killed_mid_save_fails_the_others_cleanly(tmp_path: Path, primary: int) -> None:
+@pytest.mark.parametrize(
+    ("processes", "victim", "primary"),
+    [(2, 1, 0), (2, 1, 1), pytest.param(4, 2, 0, marks=pytest.mark.slow)],
+    ids=["non-primary-dies", "primary-dies", "one-of-four-dies"],
+)
+def test_a_process_killed_mid_save_fails_the_others_cleanly(tmp_path: Path, processes: int, victim: int, primary: int) -> None:
     timeout = 6
-    results = _mc.launch("die", 2, 4, str(tmp_path), "1", str(primary), str(timeout))
-    survivor, dead = results[0].out, results[1]
+    results = _mc.launch("die", processes, 8 // processes, str(tmp_path), str(victim), str(primary), str(timeout))
+    dead = results[victim]
     assert dead.returncode == -9 and dead.out.get("died")
-    assert survivor["error"] is not None and survivor["error"].startswith("HostError: process 1 did not reach 'written:"), survivor
-    assert "Nothing was committed" in survivor["error"]
-    assert timeout <= survivor["seconds"] < timeout + 30
-    assert survivor["committed"] is False
+    for i, r in enumerate(results):
+        if i == victim:
+            continue
+        survivor = r.out
+        assert survivor["error"] is not None, survivor
+        assert survivor["error"].startswith(f"HostError: process {victim} did not reach 'written:"), survivor
+        assert "Nothing was committed" in survivor["error"]
+        assert timeout <= survivor["seconds"] < timeout + 30
+        assert survivor["committed"] is False
     assert sorted(p.name for p in tmp_path.iterdir()) in ([], ["dead.orbax-checkpoint-tmp"])
 
 
