@@ -176,7 +176,30 @@ def test_a_host_killed_mid_save_is_reported_by_name(tmp_path: Path, ray_runtime:
         assert not fresh.healthy and sorted(p.name for p in tmp_path.iterdir()) == ["e"]
 
 
-def _controller_rss_growth(s: mp.Slice, path: Path, gib: float) -> tuple[int, int]:
+@pytest.mark.slow
+def test_a_host_dead_or_hung_during_load_is_reported_by_name(tmp_path: Path, ray_runtime: Any) -> None:
+    def stall() -> Any:
+        time.sleep(60)
+        return jax.numpy.zeros(())
+
+    for failure, expected in (("kill", r"host 1 \(node .* pid \d+\) died while reading"),
+                              ("hang", r"host 1 \(node .* pid \d+\) did not answer within 3s while reading")):
+        with mp.Slice.start(hosts=2, devices_per_host=1) as s:
+            mesh = s.mesh({"x": 2})
+            mp.save(tmp_path / failure, s.put({"a": np.arange(8.0)}, {"a": mesh.sharding(P("x"))}))
+            if failure == "kill":
+                ray_runtime.kill(s.group._actors[1])
+            else:
+                s.group._actors[1].run.remote(cloudpickle.dumps(stall), (), {}, "stall", None)
+            t0 = time.monotonic()
+            with mp.Context(async_=mp.AsyncOptions(timeout_secs=3)), pytest.raises(mp.HostError, match=expected):
+                mp.load(tmp_path / failure, {"a": mp.AbstractArray((8,), np.float32, mesh.sharding(P()))})
+            assert time.monotonic() - t0 < 30 and not s.healthy
+
+
+def _controller_rss_growth(s: mp.Slice, path: Path, gib: float) -> tuple[int, int, float]:
+    """Save then load ``gib`` GiB made on the hosts; the controller's peak RSS growth during the
+    save and during save+load, and the controller<->host bytes per array."""
     mesh = s.mesh({"data": 2, "model": 4})
     rows = int(gib * 2**30 / 8 / 4 / 4096)
     # the data is made on the hosts (slice.run), never on the controller
@@ -194,6 +217,7 @@ def _controller_rss_growth(s: mp.Slice, path: Path, gib: float) -> tuple[int, in
             time.sleep(0.01)
 
     base = proc.memory_info().rss
+    before = s.traffic()
     t = threading.Thread(target=sample)
     t.start()
     mp.save(path, tree)
@@ -201,19 +225,22 @@ def _controller_rss_growth(s: mp.Slice, path: Path, gib: float) -> tuple[int, in
     loaded = mp.load(path, {k: mp.AbstractArray(v.shape, v.dtype, mesh.sharding(P("model"))) for k, v in tree.items()})
     stop.set()
     t.join()
+    moved = s.traffic() - before
     assert set(loaded) == set(tree)
-    return save_peak, peak[0] - base
+    return save_peak, peak[0] - base, moved.total_bytes / len(tree)
 
 
 def test_controller_memory_stays_flat(slice42: mp.Slice, tmp_path: Path) -> None:
-    save_growth, total_growth = _controller_rss_growth(slice42, tmp_path / "c", 0.25)
+    save_growth, total_growth, per_array = _controller_rss_growth(slice42, tmp_path / "c", 0.25)
     assert save_growth < 100 << 20 and total_growth < 100 << 20, (save_growth, total_growth)
+    assert per_array <= 4096, f"{per_array:.0f} bytes per 32 MiB array passed through the controller"
 
 
 @pytest.mark.slow
 def test_controller_memory_two_gib(slice42: mp.Slice, tmp_path: Path) -> None:
-    save_growth, total_growth = _controller_rss_growth(slice42, tmp_path / "c", 2.0)
+    save_growth, total_growth, per_array = _controller_rss_growth(slice42, tmp_path / "c", 2.0)
     assert save_growth < 100 << 20 and total_growth < 100 << 20, (save_growth, total_growth)
+    assert per_array <= 4096, f"{per_array:.0f} bytes per 256 MiB array passed through the controller"
 
 
 @pytest.mark.slow
