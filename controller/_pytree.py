@@ -173,6 +173,12 @@ class PyTreeSave:
 
     def _plan_device_array(self, leaf: Leaf) -> None:
         value = leaf.value
+        is_deleted = getattr(value, "is_deleted", None)
+        if callable(is_deleted) and is_deleted():
+            raise ValueError(
+                f"leaf {leaf.name!r} is a deleted jax.Array (deleted, or donated to a jitted function); "
+                "save it before donating it, or save the array the computation returned"
+            )
         shape = tuple(value.shape)
         dtype = np.dtype(value.dtype)
         if dtype.kind in "OUS":

@@ -324,3 +324,35 @@ def test_sharding_spec_with_missing_devices_is_a_clear_error() -> None:
         spec.to_jax()
     with pytest.raises(ValueError, match="needs 4 device ids"):
         mp.ShardingSpec.named((2, 2), ("a", "b"), (0, 1, 2), ("a",))
+
+
+def test_deleted_array_is_a_clear_error_and_writes_nothing(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
+    """Found by this test: a deleted (donated) array failed deep in the engine with JAX's
+    RuntimeError, and the TensorStore opens already in flight recreated the removed tmp dir."""
+    x = put(np.arange(8.0, dtype=np.float32), mesh24, P("data"))
+    jax.jit(lambda a: a + 1, donate_argnums=0)(x)
+    with pytest.raises(ValueError, match=r"(?s)'params.x'.*deleted.*donat"):
+        mp.save(tmp_path / "c", {"ok": np.ones(3), "params": {"x": x}})
+    assert listing(tmp_path) == []
+
+
+def test_engine_failure_after_opens_leaves_nothing_in_flight(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
+    """The worker engine itself: if staging fails, the array opens it issued have landed before
+    it raises, so a caller's cleanup is final."""
+    w = mp.workers
+    x = put(np.arange(8.0, dtype=np.float32), mesh24, P())
+    x.delete()
+    tasks = tuple(
+        w.SaveTask(
+            source=0,
+            spec=w.ArraySpec(name=f"a{i}", shape=(8,), dtype="float32", write_shape=(8,), chunk_shape=(8,)),
+            regions=(w.Region(device_id=0, index=((0, 8),)),),
+        )
+        for i in range(64)
+    )
+    plan = w.SavePlan(store=w.StoreSpec(directory=str(tmp_path / "store")), process_index=0, tasks=tasks)
+    with pytest.raises(RuntimeError, match="deleted"):
+        w.start_save(plan, [x])
+    shutil.rmtree(tmp_path / "store", ignore_errors=True)
+    mp.save(tmp_path / "other", {"y": np.arange(1000)})  # some work later: nothing reappeared
+    assert not (tmp_path / "store").exists()

@@ -82,13 +82,20 @@ def start_save(plan: SavePlan, sources: Sequence[Any]) -> PendingSave:
     kvstore = tsu.write_kvstore(plan.store, plan.process_index)
     tasks = [t for t in plan.tasks if t.regions or t.create]
     opens = [ts.open(tsu.create_spec(kvstore, t.spec), create=True, open=True, context=context) for t in tasks]
-    _start_device_to_host(plan, sources)
     futures: list[Any] = []
     nbytes = 0
     try:
+        _start_device_to_host(plan, sources)
         nbytes = _issue_writes(plan, sources, tasks, opens, futures)
     except BaseException:
-        _settle(futures, None)  # writes already issued must land before the caller cleans up
+        # Opens (they create zarr.json) and writes already issued must land before the caller
+        # removes the directory, or they recreate it.
+        for opening in opens:
+            try:
+                opening.result()
+            except Exception:
+                pass
+        _settle(futures, None)
         raise
     return PendingSave(plan, futures, nbytes)
 
