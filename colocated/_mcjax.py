@@ -14,6 +14,11 @@ every wait:
 Every operation gets an id from its name and how often this group used that name before. Every
 process calls the same named operations in the same order, so the ids match across processes,
 also when saves finish concurrently in background threads (their names hold their paths).
+
+JAX's own heartbeat (``jax.distributed.initialize(heartbeat_timeout_seconds=100)``) also notices
+a dead process, and unless ``jax_enable_recoverability`` is set it terminates every other
+process of the job. Keep ``AsyncOptions.timeout_secs`` below it for milepost's error, which names
+the missing process, to come first.
 """
 
 from __future__ import annotations
@@ -280,8 +285,9 @@ class MultiControllerHostGroup:
             shown = ", ".join(map(str, missing[:16])) + (", ..." if len(missing) > 16 else "")
             noun = "process" if len(missing) == 1 else "processes"
             return HostError(
-                f"{noun} {shown} did not reach {op.name!r} within {timeout:g}s {me}: they died, hung, or raised "
-                f"an error before it; check their logs.{extra} {consequence}".rstrip()
+                f"{noun} {shown} did not reach {op.name!r} within {timeout:g}s {me}: they died, hung, raised "
+                "an error before it, or did not make this milepost call (every process of the job must make the "
+                f"same milepost calls, in the same order); check their logs.{extra} {consequence}".rstrip()
             )
         return HostError(f"the barrier {op.name!r} failed {me}: {cause}.{extra} {consequence}".rstrip())
 
@@ -307,7 +313,9 @@ class MultiControllerHostGroup:
         except Exception as e:
             raise HostError(
                 f"the primary process {self.primary} did not publish {name!r} within {timeout:g}s (this is process "
-                f"{self._index} of {self._count}): it died, hung, or raised an error before it; check its logs"
+                f"{self._index} of {self._count}): it died, hung, raised an error before it, or did not make this "
+                "milepost call (every process of the job must make the same milepost calls, in the same order); "
+                "check its logs"
             ) from e
         if client.key_value_increment(f"{op.keys}/read", 1) == self._count - 1:
             client.key_value_delete(key)

@@ -238,8 +238,19 @@ def die(root: str, victim: str, primary: str, timeout: str) -> dict:
     os._exit(0)  # the job is broken: skip jax.distributed's shutdown barrier
 
 
+def absent(root: str, timeout: str) -> dict:
+    """Only process 0 calls save (a common mistake): it must fail, naming the others, in time."""
+    tree = make_tree(mesh_a())
+    out: dict = {}
+    if INDEX == 0:
+        with mp.Context(async_=mp.AsyncOptions(timeout_secs=float(timeout))):
+            out = outcome(lambda: mp.save(os.path.join(root, "lonely"), tree))
+        out["committed"] = os.path.exists(os.path.join(root, "lonely"))
+    return out
+
+
 SCENARIOS: dict[str, Callable[..., dict]] = {
-    "two_save": two_save, "four": four, "load": lambda root, *paths: _load(paths), "die": die,
+    "two_save": two_save, "four": four, "load": lambda root, *paths: _load(paths), "die": die, "absent": absent,
 }
 
 

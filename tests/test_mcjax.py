@@ -171,6 +171,16 @@ def test_a_process_killed_mid_save_fails_the_others_cleanly(tmp_path: Path, proc
     assert sorted(p.name for p in tmp_path.iterdir()) in ([], ["dead.orbax-checkpoint-tmp"])
 
 
+def test_a_process_that_never_arrives_is_named(tmp_path: Path) -> None:
+    timeout = 4
+    first, second = ok(_mc.launch("absent", 2, 4, str(tmp_path), str(timeout)))
+    assert first["error"].startswith("HostError: process 1 did not reach 'staged:"), first
+    assert "did not make this milepost call" in first["error"] and "Nothing was committed" in first["error"]
+    assert timeout <= first["seconds"] < timeout + 30
+    assert first["committed"] is False and not (tmp_path / "lonely").exists()
+    assert "error" not in second
+
+
 @pytest.mark.slow
 def test_four_process_checkpoint_loads_on_a_ray_slice_and_back(runs: Runs, ray_runtime: object, tmp_path: Path) -> None:
     def abstract(mesh: mp.colocated.SliceMesh) -> dict:
