@@ -24,6 +24,7 @@ the missing process, to come first.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import pickle
 import threading
 import zlib
@@ -37,6 +38,7 @@ from milepost import workers
 from milepost.colocated._errors import HostError
 
 PREFIX = "milepost"
+_generations = itertools.count()
 _NOT_COMMITTED = "Nothing was committed."
 
 
@@ -77,11 +79,11 @@ def _settle(pending: workers.PendingSave | None, timeout: float) -> None:
 class _Op:
     """One coordinated operation: its barrier id and key prefix."""
 
-    def __init__(self, name: str, seq: int) -> None:
+    def __init__(self, generation: int, name: str, seq: int) -> None:
         self.name = name
         digest = hashlib.sha1(name.encode()).hexdigest()[:20]
-        self.barrier_id = f"{PREFIX}:{digest}:{seq}"
-        self.keys = f"{PREFIX}/{digest}.{seq}"
+        self.barrier_id = f"{PREFIX}:{generation}:{digest}:{seq}"
+        self.keys = f"{PREFIX}/{generation}/{digest}.{seq}"
 
 
 class _Pending:
@@ -145,6 +147,9 @@ class MultiControllerHostGroup:
         self._owner = {d.id: d.process_index for d in jax.devices()}
         self._lock = threading.Lock()
         self._uses: Counter[str] = Counter()
+        # Groups are made at the same point of the script in every process, so this number is
+        # the same everywhere; it keeps a new group's ids apart from an earlier group's.
+        self._generation = next(_generations)
 
     def __repr__(self) -> str:
         return f"MultiControllerHostGroup(process={self._index} of {self._count}, primary={self.primary})"
@@ -217,7 +222,7 @@ class MultiControllerHostGroup:
         with self._lock:
             seq = self._uses[name]
             self._uses[name] = seq + 1
-        return _Op(name, seq)
+        return _Op(self._generation, name, seq)
 
     def barrier(self, name: str, timeout: float) -> None:
         self.sync(name, timeout)
