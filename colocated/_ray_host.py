@@ -51,8 +51,7 @@ class HostActor:
     def initialize(self, coordinator: str, timeout_secs: int) -> list[int]:
         import jax
 
-        jax.config.update("jax_platforms", "cpu" if os.environ.get("JAX_PLATFORMS") == "cpu" else jax.config.jax_platforms)
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives across processes
         jax.distributed.initialize(
             coordinator, num_processes=self.count, process_id=self.index, initialization_timeout=timeout_secs
         )

@@ -133,6 +133,11 @@ class Slice:
                 [a.initialize.remote(coordinator, int(options.start_timeout_secs)) for a in actors],
                 timeout=options.start_timeout_secs,
             )
+            # Every host must see the same global devices, owned by the hosts that reported them.
+            owner = {d: i for i, ids in enumerate(device_ids) for d in ids}
+            views = ray.get([a.device_map.remote() for a in actors], timeout=options.start_timeout_secs)
+            if any(view != owner for view in views):
+                raise RuntimeError(f"the hosts disagree on the global devices: {views} vs {owner}")
         except Exception as e:
             for a in actors:
                 ray.kill(a)
