@@ -92,16 +92,22 @@ class HostActor:
             described.append((array_id, tuple(leaf.shape), str(leaf.dtype), spec))
         return jax.tree_util.tree_unflatten(treedef, described)
 
-    def put(self, ids: list[str], values: list[Any], specs: list[workers.ShardingSpec]) -> list[str]:
-        """Place controller data (object-store refs) on the slice; returns the dtypes JAX gave."""
+    def put(self, ids: list[str], shapes: list[tuple[int, ...]], specs: list[workers.ShardingSpec],
+            parts: list[list[tuple[Any, Any]]]) -> list[str]:
+        """Place controller data: per array, the ``(box, object ref)`` shards this host's devices
+        need. Returns the dtypes JAX gave the arrays."""
         import jax
         import numpy as np
         import ray
 
         dtypes = []
-        for array_id, value, spec in zip(ids, ray.get(list(values)), specs, strict=True):
-            host = np.asarray(value)
-            array = jax.make_array_from_callback(host.shape, spec.to_jax(), lambda idx, host=host: host[idx])
+        for array_id, shape, spec, mine in zip(ids, shapes, specs, parts, strict=True):
+            pieces = dict(zip([box for box, _ in mine], ray.get([ref for _, ref in mine]), strict=True))
+
+            def piece(index: tuple[slice, ...], shape: tuple[int, ...] = tuple(shape), pieces: dict = pieces) -> Any:
+                return np.asarray(pieces[tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))])
+
+            array = jax.make_array_from_callback(tuple(shape), spec.to_jax(), piece)
             self.arrays[array_id] = array
             dtypes.append(str(array.dtype))
         return dtypes

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -192,7 +193,8 @@ class Slice:
     # -- the programming model -------------------------------------------------------------
     def put(self, tree: Any, shardings: Any) -> Any:
         """Place controller NumPy data on the slice (this sends the bytes: only when you ask).
-        ``shardings``: one SliceSharding, or a tree of them matching ``tree``."""
+        ``shardings``: one SliceSharding, or a tree of them matching ``tree``. Each distinct
+        shard goes into the object store once, and each host fetches only its devices' shards."""
         import jax
         import ray
 
@@ -204,15 +206,30 @@ class Slice:
             sh_leaves = treedef.flatten_up_to(shardings)
         for sh in sh_leaves:
             self._own(sh, "put")
-        hosts_data = [np.asarray(leaf) for leaf in leaves]
+        data = [np.asarray(leaf) for leaf in leaves]
+        specs = [sh.milepost_spec for sh in sh_leaves]
         prefix = uuid.uuid4().hex
         ids = [f"{prefix}.{k}" for k in range(len(leaves))]
-        refs = [ray.put(h) for h in hosts_data]
-        specs = [sh.milepost_spec for sh in sh_leaves]
-        size = pickled_size((ids, specs)) + sum(h.nbytes for h in hosts_data)
-        calls = {i: self.group.call(i, "put", ids, refs, specs, size=size) for i in range(self.hosts)}
+        parts: list[list[list[tuple[Any, Any]]]] = [[] for _ in range(self.hosts)]  # host -> leaf -> (box, ref)
+        sizes = [0] * self.hosts
+        for array, spec in zip(data, specs, strict=True):
+            boxes = spec.device_indices(array.shape)  # ValueError if the sharding does not divide the shape
+            refs: dict[Any, Any] = {}
+            mine: list[dict[Any, Any]] = [{} for _ in range(self.hosts)]
+            for device, box in boxes.items():
+                if box not in refs:
+                    refs[box] = ray.put(np.array(array[tuple(slice(a, b) for a, b in box)], order="C"))
+                mine[self.group.process_of_device(device)][box] = refs[box]
+            for i in range(self.hosts):
+                parts[i].append(list(mine[i].items()))
+                sizes[i] += sum(math.prod(b - a for a, b in box) for box in mine[i]) * array.itemsize
+        head = pickled_size((ids, [a.shape for a in data], specs))
+        calls = {
+            i: self.group.call(i, "put", ids, [a.shape for a in data], specs, parts[i], size=head + sizes[i])
+            for i in range(self.hosts)
+        }
         dtypes = self.group.gather(calls, self.options.timeout_secs, "placing data")[0]
-        out = [RemoteArray(self.group, *a) for a in zip(ids, [h.shape for h in hosts_data], dtypes, specs, strict=True)]
+        out = [RemoteArray(self.group, *a) for a in zip(ids, [a.shape for a in data], dtypes, specs, strict=True)]
         return jax.tree_util.tree_unflatten(treedef, out)
 
     def fetch(self, tree: Any) -> Any:

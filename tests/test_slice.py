@@ -77,6 +77,19 @@ def test_programming_model_and_handles(slice42: mp.Slice) -> None:
     assert slice42.group.all("held", doing="counting") == [h - 3 for h in held], "dropped handles are freed on the hosts"
     with pytest.raises(ValueError, match="has 6 devices but the slice has 8"):
         slice42.mesh({"a": 6})
+    # put sends each host only its devices' shards; replicated data reaches every host
+    big = np.arange(256 * 256, dtype=np.int32).reshape(256, 256)
+    before = slice42.traffic()
+    sharded = slice42.put(big, mesh.sharding(P("data", "model")))
+    sent = (slice42.traffic() - before).bytes_to_hosts
+    assert big.nbytes <= sent <= big.nbytes + 8192, sent
+    before = slice42.traffic()
+    replicated = slice42.put({"b": big, "s": np.float32(2.5)}, mesh.sharding(P()))
+    assert (slice42.traffic() - before).bytes_to_hosts >= 4 * big.nbytes
+    assert np.array_equal(slice42.fetch(sharded), big) and np.array_equal(slice42.fetch(replicated["b"]), big)
+    assert slice42.fetch(replicated["s"]) == np.float32(2.5) and replicated["s"].shape == ()
+    with pytest.raises(ValueError, match="cuts a dimension of size 6 into 4 parts"):
+        slice42.put(np.arange(6.0, dtype=np.float32), mesh.sharding(P("model")))
 
 
 def test_save_moves_no_array_bytes_through_the_controller(slice42: mp.Slice, tmp_path: Path) -> None:
