@@ -498,3 +498,20 @@ def test_load_reads_only_the_state_checkpointable(tmp_path: Path, mesh24: jax.sh
     ckpt = mp.save_checkpointables(tmp_path / "c", {"state": state, "extra": {"y": np.arange(3)}})
     shutil.rmtree(ckpt / "extra")
     assert_tree_equal(mp.load(ckpt), state)
+
+
+def test_64_bit_arrays_need_x64_on_load(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
+    """Found by this test: without x64, int64/float64 device arrays loaded silently truncated to
+    32 bits (2**40 + 1 came back as 1). Now: a clear error, or an explicit cast."""
+    big = np.arange(8, dtype=np.int64) + 2**40
+    with jax.enable_x64(True):
+        mp.save(tmp_path / "c", {"i": put(big, mesh24, P("data")), "f": put(np.full(8, 1 + 2**-40), mesh24, P()), "n": big})
+    with pytest.raises(ValueError, match=r"(?s)array '(i|f)'.*(int64|float64).*x64"):
+        mp.load(tmp_path / "c")
+    # Host NumPy leaves are not affected; an explicit 32-bit dtype is a cast; x64 loads exactly.
+    s = NamedSharding(mesh24, P())
+    out = mp.load(tmp_path / "c", {"i": jax.ShapeDtypeStruct((8,), np.int32, sharding=s), "f": mp.PLACEHOLDER, "n": big})
+    assert same_bits(out["i"], big.astype(np.int32)) and same_bits(out["n"], big)
+    with jax.enable_x64(True):
+        exact = mp.load(tmp_path / "c")
+        assert same_bits(exact["i"], big) and same_bits(exact["f"], np.full(8, 1 + 2**-40))

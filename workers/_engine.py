@@ -180,6 +180,7 @@ def load(plan: LoadPlan) -> list[Any]:
     Returns one entry per task: a ``jax.Array`` (its addressable shards filled) or, for tasks
     without a sharding, a NumPy array.
     """
+    _check_device_dtypes(plan.tasks)
     context = tsu.new_context()
     kvstore = tsu.read_kvstore(plan.store)
     opens = [
@@ -219,6 +220,24 @@ def load(plan: LoadPlan) -> list[Any]:
     for asm in assemblers:
         asm.finish()
     return results
+
+
+def _check_device_dtypes(tasks: Sequence[LoadTask]) -> None:
+    """A 64-bit array placed on devices while JAX runs without x64 would silently lose its upper
+    32 bits (int64 -> int32, float64 -> float32): refuse, and say how to get what was saved."""
+    import jax
+
+    for task in tasks:
+        if task.sharding is None:
+            continue
+        dtype = np.dtype(task.dtype)
+        if np.dtype(jax.dtypes.canonicalize_dtype(dtype)) != dtype:
+            raise ValueError(
+                f"array {task.name!r} would be loaded as {dtype} onto devices, but JAX runs without 64-bit types "
+                f"(it would become {np.dtype(jax.dtypes.canonicalize_dtype(dtype))}, losing values); enable them "
+                "(jax.config.update('jax_enable_x64', True) or `with jax.enable_x64():`), or ask for a 32-bit dtype "
+                "in the abstract tree to cast"
+            )
 
 
 def _slices_to_box(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
