@@ -223,7 +223,8 @@ class RayHostGroup:
 
     def release(self, array_id: str) -> None:
         """Free a dropped handle's array on the hosts (asynchronously, with the next call)."""
-        self._released.append(array_id)
+        if self._healthy and not self._closed:
+            self._released.append(array_id)
 
     def _flush_releases(self) -> None:
         if not self._released or self._closed or not self._healthy:
