@@ -105,6 +105,8 @@ class RayHostGroup:
         self._owner = {d: i for i, ids in enumerate(device_ids) for d in ids}
         self._healthy = True
         self._closed = False
+        self._failed: set[int] = set()
+        """Hosts that died or hung in some call: nothing more is awaited from them."""
         self._counts = [0, 0, 0]  # messages, bytes to hosts, bytes from hosts
         self._lock = threading.Lock()
         self._released: collections.deque[str] = collections.deque()
@@ -180,6 +182,7 @@ class RayHostGroup:
                     value = ray.get(ref, timeout=0)
                 except ray.exceptions.RayActorError as e:
                     dead = True
+                    self._failed.add(i)
                     failures.append(f"{self.describe_host(i)} died while {doing} ({type(e).__name__})")
                 except ray.exceptions.RayTaskError as e:
                     cause = getattr(e, "cause", None) or e
@@ -189,6 +192,7 @@ class RayHostGroup:
                     self._count(from_hosts=pickled_size(value))
         if not failures and pending:
             dead = True
+            self._failed.update(pending.values())
             failures = [f"{self.describe_host(i)} did not answer within {timeout:g}s while {doing}"
                         for i in sorted(pending.values())]
         if dead:
@@ -207,10 +211,11 @@ class RayHostGroup:
         return results
 
     def settle(self, calls: Mapping[int, Any], timeout: float) -> None:
-        """Wait up to ``timeout`` for ``calls`` to finish, ignoring their outcome."""
+        """Wait up to ``timeout`` for ``calls`` to finish, ignoring their outcome (hosts known to
+        have failed are not waited for)."""
         import ray
 
-        refs = list(calls.values())
+        refs = [ref for i, ref in calls.items() if i not in self._failed]
         if refs:
             ray.wait(refs, num_returns=len(refs), timeout=timeout)
 
