@@ -1,198 +1,571 @@
-"""Save and load ~1 GiB of sharded float32 with milepost, Orbax v1 and plain NumPy, in one run.
+"""Save and load ~1 GiB of sharded float32 arrays with milepost, Orbax v1 and plain NumPy.
 
-    python benchmarks/save_load.py [--gib 1.0] [--repeats 3] [--dir /tmp/x] [--only milepost,orbax,numpy,hostcopy]
+    python benchmarks/save_load.py [--gib 1.0] [--repeats 3] [--dir /tmp/x]
+                                   [--only milepost,orbax,numpy,hostcopy] [--layout mixed]
 
-Every variant runs in its own fresh process (clean peak RSS). Loads are cold: the checkpoint's
-files are evicted from the page cache first. Prints a table and the issue's target ratios.
+The data is 8 float32 arrays of (rows, 8192) random values (``gib`` GiB in all), each a jax.Array
+sharded over a (2, 4) mesh of 8 fake CPU devices. In the default ``mixed`` layout some arrays are
+fully sharded and some partially replicated, so the devices hold 2x the checkpoint bytes.
+
+Every measured operation runs in its own fresh process (the script re-invokes itself with
+``--worker OP``), so each peak RSS is clean:
+
+* a save worker builds the data, records its RSS, then saves (fresh directory every repeat);
+* a load worker evicts the checkpoint's files from the page cache, records its RSS, loads them
+  cold into the saved shardings, and only then rebuilds the expected values and checks every array
+  with ``np.array_equal`` (so the data is not in memory while loading);
+* the host-copy workers time ``np.array(shard.data, copy=True)`` over every addressable shard
+  (the reference for save_async's blocking part) and, for comparison, over replica 0 only.
+
+Peak RSS comes from a thread sampling psutil RSS every 5 ms and from the kernel's high-water marks
+(VmHWM and getrusage ru_maxrss, reset through /proc/self/clear_refs when allowed), whichever is
+higher. Prints the medians, the memory figures and the targets with PASS/FAIL.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
+import resource
 import shutil
+import statistics
+import subprocess
 import sys
 import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import PeakRss, evict, median, run_worker, timer
+import numpy as np
+import psutil
 
-LAYOUTS = {
-    # every byte on exactly one device: device memory == checkpoint bytes
+if TYPE_CHECKING:
+    import jax
+
+# Must be set before jax is imported (only the workers import it, and only inside functions).
+_DEVICE_FLAG = "--xla_force_host_platform_device_count=8"
+if _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICE_FLAG}".strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+Result = dict[str, Any]
+
+N_ARRAYS = 8
+COLS = 8192
+MESH_SHAPE = (2, 4)
+MESH_AXES = ("a", "b")
+SpecTuple = tuple[str | tuple[str, ...] | None, ...]
+LAYOUTS: dict[str, list[SpecTuple]] = {
+    # fully sharded, replicated 2x (over 'a'), replicated 4x (over 'b'), fully sharded
+    "mixed": [("a", "b"), ("b", None), (None, "a"), ("b", "a")],
+    # every byte on exactly one device: device bytes == checkpoint bytes
     "sharded": [("a", "b"), ("b", "a"), (("a", "b"), None), (None, ("a", "b"))],
-    # partially and fully replicated arrays too: device memory is 2.25x the checkpoint bytes
-    "mixed": [("a", "b"), ("b", None), (None, "a"), ("a", "b")],
 }
+# Operations of each variant, in the order they run; a variant's "load" reads what its "save" wrote.
+OPS: dict[str, list[str]] = {
+    "milepost": ["save", "save_async", "load"],
+    "orbax": ["save", "load"],
+    "numpy": ["save", "load"],
+    "hostcopy": ["copy", "copy_replica0"],
+}
+MIB = 2**20
 
 
-def build(gib: float, layout: str = "sharded"):  # type: ignore[no-untyped-def]
-    import jax
-    import numpy as np
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
+# ----------------------------------------------------------------------------------------- data
 
-    mesh = jax.make_mesh((2, 4), ("a", "b"))
-    n_arrays = 8
-    rows = max(8, int(gib * 2**30 / n_arrays / 4 / 8192) // 8 * 8)
+
+def array_shape(gib: float) -> tuple[int, int]:
+    rows = max(8, round(gib * 2**30 / N_ARRAYS / 4 / COLS / 8) * 8)  # divisible by every mesh axis
+    return rows, COLS
+
+
+def host_arrays(gib: float) -> Iterator[tuple[str, np.ndarray]]:
+    """The benchmark's values, regenerated identically on every call."""
     rng = np.random.default_rng(0)
-    tree = {}
-    for i in range(n_arrays):
-        specs = LAYOUTS[layout]
-        spec = P(*specs[i % len(specs)])
-        tree[f"layer{i}"] = jax.device_put(rng.standard_normal((rows, 8192), dtype=np.float32), NamedSharding(mesh, spec))
-    jax.block_until_ready(tree)
-    return tree
+    for i in range(N_ARRAYS):
+        yield f"layer{i}", rng.standard_normal(array_shape(gib), dtype=np.float32)
 
 
-def worker(variant: str, directory: str, gib: float, layout: str) -> dict:
-    import hashlib
-
+def shardings(layout: str) -> dict[str, jax.sharding.NamedSharding]:
     import jax
-    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec
 
-    base_rss = PeakRss().process.memory_info().rss
-    tree = build(gib, layout)
-    nbytes = sum(x.nbytes for x in tree.values())
-    abstract = {k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for k, x in tree.items()}
-    digests = {k: hashlib.sha1(np.asarray(x).tobytes()).hexdigest() for k, x in list(tree.items())[:3]}
+    mesh = jax.make_mesh(MESH_SHAPE, MESH_AXES)
+    specs = LAYOUTS[layout]
+    return {f"layer{i}": NamedSharding(mesh, PartitionSpec(*specs[i % len(specs)])) for i in range(N_ARRAYS)}
 
-    def exact(restored: dict) -> bool:
-        return all(hashlib.sha1(np.asarray(restored[k]).tobytes()).hexdigest() == d for k, d in digests.items())
 
-    out: dict = {"bytes": nbytes, "base_rss": base_rss}
-    path = os.path.join(directory, variant)
+def build_tree(gib: float, layout: str) -> dict[str, jax.Array]:
+    import jax
+
+    target = shardings(layout)
+    tree = {name: jax.device_put(values, target[name]) for name, values in host_arrays(gib)}
+    return jax.block_until_ready(tree)
+
+
+def abstract_tree(gib: float, layout: str) -> dict[str, jax.ShapeDtypeStruct]:
+    import jax
+
+    return {
+        name: jax.ShapeDtypeStruct(array_shape(gib), np.dtype(np.float32), sharding=s)
+        for name, s in shardings(layout).items()
+    }
+
+
+def sizes(tree: dict[str, jax.Array]) -> Result:
+    return {
+        "ckpt_bytes": sum(x.nbytes for x in tree.values()),
+        "device_bytes": sum(s.data.nbytes for x in tree.values() for s in x.addressable_shards),
+    }
+
+
+def check(restored: dict[str, jax.Array], abstract: dict[str, jax.ShapeDtypeStruct], gib: float) -> Result:
+    """After timing: every array equals the saved values exactly and has the requested sharding."""
+    exact = sharding_ok = True
+    for name, expected in host_arrays(gib):
+        got = restored[name]
+        sharding_ok &= got.sharding.is_equivalent_to(abstract[name].sharding, got.ndim)
+        exact &= bool(np.array_equal(np.asarray(got), expected))
+    return {"exact": exact, "sharding_ok": sharding_ok}
+
+
+# ------------------------------------------------------------------------------ page cache, RSS
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+_PROT_READ, _MAP_SHARED, _MAP_FAILED = 1, 1, ctypes.c_void_p(-1).value
+
+
+def _resident_bytes(file: str) -> int:
+    """How many bytes of ``file`` are in the page cache (mincore over a read-only mapping)."""
+    size = os.path.getsize(file)
+    if size == 0:
+        return 0
+    page = os.sysconf("SC_PAGE_SIZE")
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        addr = _libc.mmap(None, size, _PROT_READ, _MAP_SHARED, fd, 0)
+        if addr in (None, _MAP_FAILED):
+            raise OSError(ctypes.get_errno(), f"mmap {file}")
+        try:
+            vec = (ctypes.c_ubyte * ((size + page - 1) // page))()
+            if _libc.mincore(addr, size, vec) != 0:
+                raise OSError(ctypes.get_errno(), f"mincore {file}")
+            return int((np.frombuffer(vec, np.uint8) & 1).sum()) * page
+        finally:
+            _libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+
+
+def make_cold(path: str) -> Result:
+    """Evict ``path``'s files from the page cache; report how many of their bytes stay cached."""
+    files = [os.path.join(root, f) for root, _, names in os.walk(path) for f in names]
+    for file in files:
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    try:  # needs root; the fadvise above is what we rely on
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1")
+        dropped = True
+    except OSError:
+        dropped = False
+    return {
+        "files": len(files),
+        "file_bytes": sum(os.path.getsize(f) for f in files),
+        "cached_bytes_after_evict": sum(_resident_bytes(f) for f in files),
+        "drop_caches": dropped,
+    }
+
+
+def _vm_hwm() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class RssMonitor:
+    """Peak RSS of this process during a ``with`` block.
+
+    A daemon thread samples psutil RSS every ``interval`` seconds. On entry the kernel's RSS
+    high-water mark is reset (``5`` into /proc/self/clear_refs) when the kernel allows it, so
+    VmHWM and getrusage's ru_maxrss then cover the block alone and catch spikes between samples.
+    ``peak`` is the highest valid reading; ``baseline`` is the RSS right before the block.
+    """
+
+    def __init__(self, interval: float = 0.005) -> None:
+        self._process = psutil.Process()
+        self._interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self.baseline = self.sampled_peak = self.vm_hwm = self.ru_maxrss = 0
+        self.hwm_reset = False
+
+    def _rss(self) -> int:
+        return int(self._process.memory_info().rss)
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.sampled_peak = max(self.sampled_peak, self._rss())
+            self._stop.wait(self._interval)
+
+    def __enter__(self) -> RssMonitor:
+        self.baseline = self.sampled_peak = self._rss()
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.hwm_reset = True
+        except OSError:
+            self.hwm_reset = False
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sampled_peak = max(self.sampled_peak, self._rss())
+        self.vm_hwm = _vm_hwm()
+        self.ru_maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+    @property
+    def peak(self) -> int:
+        kernel = max(self.vm_hwm, self.ru_maxrss) if self.hwm_reset else 0
+        return max(self.sampled_peak, kernel)
+
+    def report(self) -> Result:
+        return {
+            "rss_baseline": self.baseline,
+            "rss_peak": self.peak,
+            "rss_growth": self.peak - self.baseline,
+            "rss_sampled_peak": self.sampled_peak,
+            "rss_vm_hwm": self.vm_hwm,
+            "rss_ru_maxrss": self.ru_maxrss,
+            "rss_hwm_reset": self.hwm_reset,
+        }
+
+
+# ------------------------------------------------------------------------------------- workers
+
+
+def numpy_save(path: str, tree: dict[str, jax.Array]) -> None:
+    os.makedirs(path)
+    for name, x in tree.items():
+        host = np.asarray(x)
+        with open(os.path.join(path, name), "wb") as f:
+            host.tofile(f)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def worker_save(variant: str, path: str, gib: float, layout: str) -> Result:
     if variant == "milepost":
-        import milepost as mp
-
-        with PeakRss() as rss, timer(out, "save"):
-            mp.save(path, tree)
-        out["save_rss_peak"], out["save_rss_growth"] = rss.peak, rss.growth
-        with PeakRss() as rss, timer(out, "async_total"):
-            with timer(out, "async_block"):
-                handle = mp.save_async(path + "_async", tree)
-            handle.result()
-        out["async_rss_peak"], out["async_rss_growth"] = rss.peak, rss.growth
-        shutil.rmtree(path + "_async")
-        del tree
-        evict(path)
-        with PeakRss() as rss, timer(out, "load"):
-            restored = mp.load(path, abstract)
-            jax.block_until_ready(restored)
-        out["load_rss_peak"], out["load_rss_growth"] = rss.peak, rss.growth
-        out["exact"] = exact(restored)
+        import milepost
     elif variant == "orbax":
         import orbax.checkpoint.experimental.v1 as ocp
+    tree = build_tree(gib, layout)
+    out = sizes(tree)
+    with RssMonitor() as rss:
+        t0 = time.perf_counter()
+        if variant == "milepost":
+            milepost.save(path, tree)
+        elif variant == "orbax":
+            ocp.save_pytree(path, tree)
+        else:
+            numpy_save(path, tree)
+        out["time"] = time.perf_counter() - t0
+    return out | rss.report()
 
-        with PeakRss() as rss, timer(out, "save"):
-            ocp.save(path, tree)
-        out["save_rss_peak"], out["save_rss_growth"] = rss.peak, rss.growth
-        del tree
-        evict(path)
-        with PeakRss() as rss, timer(out, "load"):
-            restored = ocp.load(path, abstract)
-            jax.block_until_ready(restored)
-        out["load_rss_peak"], out["load_rss_growth"] = rss.peak, rss.growth
-        out["exact"] = exact(restored)
-    elif variant == "numpy":
-        os.makedirs(path)
-        with PeakRss() as rss, timer(out, "save"):
-            for k, x in tree.items():
-                host = np.asarray(x)
-                with open(os.path.join(path, k), "wb") as f:
-                    host.tofile(f)
-                    f.flush()
-                    os.fsync(f.fileno())
-        out["save_rss_peak"], out["save_rss_growth"] = rss.peak, rss.growth
-        del tree
-        evict(path)
-        with PeakRss() as rss, timer(out, "load"):
-            arrays = {k: np.fromfile(os.path.join(path, k), dtype=np.float32).reshape(a.shape) for k, a in abstract.items()}
-        out["load_rss_peak"], out["load_rss_growth"] = rss.peak, rss.growth
-        with timer(out, "load_put"):
-            placed = {k: jax.device_put(a, abstract[k].sharding) for k, a in arrays.items()}
-            jax.block_until_ready(placed)
-        out["exact"] = exact(placed)
-    elif variant == "hostcopy":
-        with timer(out, "copy"):
-            copies = [np.array(s.data, copy=True) for x in tree.values() for s in x.addressable_shards if s.replica_id == 0]
-        out["copied"] = sum(c.nbytes for c in copies)
-    shutil.rmtree(path, ignore_errors=True)
-    return out
+
+def worker_save_async(path: str, gib: float, layout: str) -> Result:
+    import milepost
+
+    tree = build_tree(gib, layout)
+    out = sizes(tree)
+    with RssMonitor() as rss:
+        t0 = time.perf_counter()
+        handle = milepost.save_async(path, tree)
+        out["time_block"] = time.perf_counter() - t0
+        handle.result()
+        out["time"] = time.perf_counter() - t0
+    return out | rss.report()
+
+
+def worker_load(variant: str, path: str, gib: float, layout: str) -> Result:
+    import jax
+
+    if variant == "milepost":
+        import milepost
+    elif variant == "orbax":
+        import orbax.checkpoint.experimental.v1 as ocp
+    abstract = abstract_tree(gib, layout)
+    out = make_cold(path)
+    with RssMonitor() as rss:
+        t0 = time.perf_counter()
+        if variant == "milepost":
+            restored = milepost.load(path, abstract)
+        elif variant == "orbax":
+            restored = ocp.load_pytree(path, abstract)
+        else:
+            host = {
+                name: np.fromfile(os.path.join(path, name), dtype=a.dtype).reshape(a.shape)
+                for name, a in abstract.items()
+            }
+            out["time"] = time.perf_counter() - t0  # the reference: a plain cold read
+            restored = {name: jax.device_put(host[name], a.sharding) for name, a in abstract.items()}
+        jax.block_until_ready(restored)
+        out["time_put" if variant == "numpy" else "time"] = time.perf_counter() - t0
+    return out | rss.report() | check(restored, abstract, gib)
+
+
+def worker_hostcopy(gib: float, layout: str, replica0_only: bool) -> Result:
+    """Copy shards to host memory and keep the copies, as a save_async must.
+
+    ``replica0_only`` copies each distinct shard once (the bytes a checkpoint holds) instead of
+    every addressable shard; it runs in its own process so neither run reuses the other's pages.
+    """
+    tree = build_tree(gib, layout)
+    out = sizes(tree)
+    shards = [s for x in tree.values() for s in x.addressable_shards if not replica0_only or s.replica_id == 0]
+    with RssMonitor() as rss:
+        t0 = time.perf_counter()
+        copies = [np.array(s.data, copy=True) for s in shards]
+        out["time"] = time.perf_counter() - t0
+    out["copied_bytes"] = sum(c.nbytes for c in copies)
+    return out | rss.report()
+
+
+def run_worker_op(op: str, path: str, gib: float, layout: str) -> Result:
+    variant, _, action = op.partition("-")
+    if action == "save":
+        return worker_save(variant, path, gib, layout)
+    if action == "save_async":
+        return worker_save_async(path, gib, layout)
+    if action == "load":
+        return worker_load(variant, path, gib, layout)
+    if action in ("copy", "copy_replica0"):
+        return worker_hostcopy(gib, layout, replica0_only=action == "copy_replica0")
+    raise ValueError(f"unknown worker op {op!r}")
+
+
+# -------------------------------------------------------------------------------------- parent
+
+
+def spawn(op: str, path: str, args: argparse.Namespace) -> Result:
+    """Run one operation in a fresh process; its last stdout line is a JSON result."""
+    cmd = [sys.executable, __file__, "--worker", op, "--path", path, "--gib", str(args.gib), "--layout", args.layout]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {args.timeout} s", "traceback": ""}
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode == 0 and lines:
+        return json.loads(lines[-1])
+    tail = proc.stderr.strip().splitlines()
+    return {"error": f"exit code {proc.returncode}: {tail[-1] if tail else ''}", "traceback": proc.stderr[-6000:]}
+
+
+def median(runs: list[Result], key: str) -> float:
+    values = [r[key] for r in runs if key in r]
+    return statistics.median(values) if values else float("nan")
+
+
+def version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def report(results: dict[str, dict[str, list[Result]]], args: argparse.Namespace) -> None:
+    ok = [r for ops in results.values() for rs in ops.values() for r in rs if "ckpt_bytes" in r]
+    if not ok:
+        print("\nno operation succeeded")
+        return
+    ckpt, device = ok[0]["ckpt_bytes"], ok[0]["device_bytes"]
+    shape = array_shape(args.gib)
+
+    def runs(variant: str, op: str) -> list[Result]:
+        return [r for r in results.get(variant, {}).get(op, []) if "error" not in r]
+
+    def med(variant: str, op: str, key: str) -> float:
+        return median(runs(variant, op), key)
+
+    print(
+        f"\n{ckpt / 2**30:.3f} GiB checkpoint: {N_ARRAYS} float32 arrays {shape}, '{args.layout}' layout over a "
+        f"{MESH_SHAPE} mesh of 8 CPU devices (devices hold {device / ckpt:.2f}x the checkpoint bytes)"
+    )
+    print(
+        f"jax {version('jax')}, orbax-checkpoint {version('orbax-checkpoint')}, milepost {version('milepost')}; "
+        f"median of {args.repeats} repeat(s), each operation in a fresh process, loads cold"
+    )
+
+    time_rows = [
+        ("milepost save", "milepost", "save", "time"),
+        ("milepost save_async, until it returns", "milepost", "save_async", "time_block"),
+        ("milepost save_async, until result()", "milepost", "save_async", "time"),
+        ("milepost load (cold)", "milepost", "load", "time"),
+        ("orbax save_pytree", "orbax", "save", "time"),
+        ("orbax load_pytree (cold)", "orbax", "load", "time"),
+        ("numpy asarray + tofile + fsync", "numpy", "save", "time"),
+        ("numpy fromfile (cold)", "numpy", "load", "time"),
+        ("numpy fromfile + device_put (cold)", "numpy", "load", "time_put"),
+        ("host copy, every addressable shard", "hostcopy", "copy", "time"),
+        ("host copy, replica-0 shards only", "hostcopy", "copy_replica0", "time"),
+    ]
+    print(f"\n{'Time':<40} {'median s':>9} {'ckpt GiB/s':>10}   runs (s)")
+    for label, variant, op, key in time_rows:
+        if variant not in results:
+            continue
+        values = [r[key] for r in runs(variant, op) if key in r]
+        if not values:
+            errors = [r["error"] for r in results[variant][op] if "error" in r]
+            print(f"{label:<40} {'FAILED':>9}   {errors[0] if errors else 'no result'}")
+            continue
+        m = statistics.median(values)
+        print(f"{label:<40} {m:>9.3f} {ckpt / 2**30 / m:>10.2f}   " + " ".join(f"{v:.3f}" for v in values))
+
+    print(
+        "\nPeak RSS (median MiB). 'absolute' is the whole process's peak RSS (interpreter, JAX and, for saves,\n"
+        "the live arrays being saved); 'growth' is that peak minus the RSS right before the operation.\n"
+        "Load workers hold no data before loading. Ratios are to the checkpoint bytes."
+    )
+    print(
+        f"{'Operation':<22} {'before':>8} {'absolute':>9} {'growth':>8} {'absolute/ckpt':>14} {'growth/ckpt':>12}"
+        f"   {'sampled':>8} {'VmHWM':>8} {'ru_maxrss':>9}"
+    )
+    for variant, ops in results.items():
+        for op in ops:
+            rs = runs(variant, op)
+            if not rs or "rss_peak" not in rs[0]:
+                continue
+            base, peak, growth = (median(rs, k) for k in ("rss_baseline", "rss_peak", "rss_growth"))
+            print(
+                f"{variant + ' ' + op:<22} {base / MIB:>8.0f} {peak / MIB:>9.0f} {growth / MIB:>8.0f}"
+                f" {peak / ckpt:>13.2f}x {growth / ckpt:>11.2f}x   {median(rs, 'rss_sampled_peak') / MIB:>8.0f}"
+                f" {median(rs, 'rss_vm_hwm') / MIB:>8.0f} {median(rs, 'rss_ru_maxrss') / MIB:>9.0f}"
+            )
+
+    loads = [(v, r) for v, ops in results.items() for r in ops.get("load", []) if "error" not in r]
+    if loads:
+        print("\nLoad checks (all repeats): " + "; ".join(
+            f"{v}: exact={all(r['exact'] for r in rs)} sharding={all(r['sharding_ok'] for r in rs)}"
+            for v in results if (rs := [r for vv, r in loads if vv == v])
+        ))
+        cached = max(r["cached_bytes_after_evict"] for _, r in loads)
+        print(
+            f"Cold loads: at most {cached / MIB:.1f} MiB of a checkpoint stayed in the page cache after eviction "
+            f"(fsync + POSIX_FADV_DONTNEED; drop_caches {'also used' if all(r['drop_caches'] for _, r in loads) else 'not available'})"
+        )
+
+    print("\nTargets")
+
+    def target(name: str, value: float, limit: float) -> None:
+        verdict = "n/a " if value != value else ("PASS" if value <= limit else "FAIL")
+        print(f"  {verdict}  {name:<62} {value:>6.2f}x  (target <= {limit}x)")
+
+    mp = "milepost" in results
+    if not mp:
+        print("  (milepost not run)")
+    if mp and "orbax" in results:
+        target("milepost save / orbax save", med("milepost", "save", "time") / med("orbax", "save", "time"), 0.6)
+    if mp and "numpy" in results:
+        target("milepost save / numpy tofile+fsync", med("milepost", "save", "time") / med("numpy", "save", "time"), 1.2)
+    if mp and "orbax" in results:
+        target("milepost cold load / orbax cold load", med("milepost", "load", "time") / med("orbax", "load", "time"), 0.6)
+    if mp and "numpy" in results:
+        target("milepost cold load / numpy cold fromfile", med("milepost", "load", "time") / med("numpy", "load", "time"), 1.3)
+    if mp and "hostcopy" in results:
+        target(
+            "milepost save_async blocking / host copy of every shard",
+            med("milepost", "save_async", "time_block") / med("hostcopy", "copy", "time"),
+            1.5,
+        )
+    if mp:
+        for op, label, limit in (("save", "save", 2.2), ("save_async", "save_async", 2.2), ("load", "load", 1.3)):
+            target(f"milepost {label} peak RSS, absolute / ckpt bytes", med("milepost", op, "rss_peak") / ckpt, limit)
+            target(f"milepost {label} peak RSS, growth over before / ckpt bytes", med("milepost", op, "rss_growth") / ckpt, limit)
+        if device > ckpt:
+            print(
+                f"  note: in the '{args.layout}' layout the loaded arrays alone take {device / ckpt:.2f}x the checkpoint "
+                "bytes of (host) device memory, and a save's live arrays as much; '--layout sharded' makes it 1.00x"
+            )
+
+    errors = [(v, op, r) for v, ops in results.items() for op, rs in ops.items() for r in rs if "error" in r]
+    if errors:
+        print("\nErrors")
+        for v, op, r in errors:
+            print(f"--- {v} {op}: {r['error']}\n{r['traceback']}")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gib", type=float, default=1.0)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--dir", default=None)
-    parser.add_argument("--only", default="milepost,orbax,numpy,hostcopy")
-    parser.add_argument("--layout", choices=sorted(LAYOUTS), default="sharded")
-    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--gib", type=float, default=1.0, help="checkpoint size in GiB (default 1.0)")
+    parser.add_argument("--repeats", type=int, default=3, help="repeats of every operation (default 3)")
+    parser.add_argument("--dir", default=None, help="where checkpoints go (default: a fresh dir under /tmp)")
+    parser.add_argument("--only", default=",".join(OPS), help="comma-separated variants (default: all)")
+    parser.add_argument("--layout", choices=sorted(LAYOUTS), default="mixed")
+    parser.add_argument("--timeout", type=float, default=1800, help="per-operation timeout in seconds")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--path", help=argparse.SUPPRESS)
     args = parser.parse_args()
+
     if args.worker:
-        print(json.dumps(worker(args.worker, args.dir, args.gib, args.layout)))
+        try:
+            out = run_worker_op(args.worker, args.path, args.gib, args.layout)
+        except Exception as e:
+            out = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        print(json.dumps(out), flush=True)
         return 0
 
-    directory = args.dir or tempfile.mkdtemp(prefix="milepost-bench-")
-    os.makedirs(directory, exist_ok=True)
-    variants = args.only.split(",")
-    runs: dict[str, list[dict]] = {v: [] for v in variants}
+    variants = [v for v in args.only.split(",") if v]
+    unknown = set(variants) - set(OPS)
+    if unknown:
+        parser.error(f"unknown variants {sorted(unknown)}; choose from {list(OPS)}")
+    root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="milepost-bench-", dir="/tmp"))
+    root.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict[str, list[Result]]] = {v: {op: [] for op in OPS[v]} for v in variants}
     try:
-        for r in range(args.repeats):
-            for v in variants:
-                res = run_worker(__file__, ["--worker", v, "--dir", directory, "--gib", str(args.gib), "--layout", args.layout])
-                runs[v].append(res)
-                print(f"  run {r + 1} {v}: " + ", ".join(f"{k}={val:.3f}" if isinstance(val, float) else f"{k}={val}" for k, val in res.items()), flush=True)
+        for rep in range(args.repeats):
+            for variant in variants:
+                work = root / f"{variant}-{rep}"
+                work.mkdir()
+                for op in OPS[variant]:
+                    path = work / ("ckpt_async" if op == "save_async" else "ckpt")
+                    if op == "load" and "error" in results[variant]["save"][-1]:
+                        res: Result = {"error": "skipped: the save failed", "traceback": ""}
+                    else:
+                        os.sync()  # earlier writes must not be flushed during this operation
+                        res = spawn(f"{variant}-{op}", str(path), args)
+                    results[variant][op].append(res)
+                    shown = res["error"] if "error" in res else ", ".join(
+                        f"{k}={v:.3f}" for k, v in res.items() if k.startswith("time")
+                    )
+                    print(f"repeat {rep + 1}/{args.repeats} {variant} {op}: {shown}", flush=True)
+                shutil.rmtree(work, ignore_errors=True)
     finally:
-        if not args.dir:
-            shutil.rmtree(directory, ignore_errors=True)
-
-    def med(v: str, key: str) -> float:
-        return median([r[key] for r in runs[v]]) if v in runs and runs[v] and key in runs[v][0] else float("nan")
-
-    nbytes = runs[variants[0]][0]["bytes"]
-    gib = nbytes / 2**30
-    print(f"\n{gib:.2f} GiB of float32 ({args.layout} layout) over 8 fake CPU devices, median of {args.repeats} runs")
-    print("peak RSS is counted above the process's RSS before the data was built (Python + JAX + libraries),")
-    print("as a multiple of the checkpoint bytes; the save figure includes the live arrays being saved.")
-    print(f"{'variant':<10} {'save s':>8} {'load(cold) s':>13} {'save peak RSS':>14} {'load peak RSS':>14}")
-
-    def rel(v: str, key: str) -> float:
-        return (med(v, key) - med(v, "base_rss")) / nbytes
-
-    for v in ("milepost", "orbax", "numpy"):
-        if v in runs:
-            print(f"{v:<10} {med(v, 'save'):>8.3f} {med(v, 'load'):>13.3f} {rel(v, 'save_rss_peak'):>13.2f}x {rel(v, 'load_rss_peak'):>13.2f}x")
-    if "numpy" in runs:
-        print(f"numpy load + device_put: {med('numpy', 'load_put') + med('numpy', 'load'):.3f}s")
-    if "hostcopy" in runs:
-        print(f"plain host copy of every shard: {med('hostcopy', 'copy'):.3f}s")
-    if "milepost" in runs:
-        print(f"milepost save_async blocking: {med('milepost', 'async_block'):.3f}s")
-
-    def target(name: str, value: float, limit: float) -> None:
-        ok = "PASS" if value <= limit else "FAIL"
-        print(f"  {ok}  {name}: {value:.2f} (target <= {limit})")
-
-    print("\nTargets")
-    if "milepost" in runs:
-        if "orbax" in runs:
-            target("save / Orbax save", med("milepost", "save") / med("orbax", "save"), 0.6)
-            target("cold load / Orbax cold load", med("milepost", "load") / med("orbax", "load"), 0.6)
-        if "numpy" in runs:
-            target("save / NumPy tofile+fsync", med("milepost", "save") / med("numpy", "save"), 1.2)
-            target("cold load / NumPy cold fromfile", med("milepost", "load") / med("numpy", "load"), 1.3)
-        if "hostcopy" in runs:
-            target("save_async blocking / plain host copy", med("milepost", "async_block") / med("hostcopy", "copy"), 1.5)
-        target("save_async peak RSS / checkpoint bytes", rel("milepost", "async_rss_peak"), 2.2)
-        target("load peak RSS / checkpoint bytes", rel("milepost", "load_rss_peak"), 1.3)
-        print(f"  info  growth during save {med('milepost', 'save_rss_growth') / nbytes:.2f}x, "
-              f"during save_async {med('milepost', 'async_rss_growth') / nbytes:.2f}x, "
-              f"during load {med('milepost', 'load_rss_growth') / nbytes:.2f}x of checkpoint bytes; "
-              f"exact round trip: {all(r['exact'] for r in runs['milepost'])}")
-    print("  exact: " + ", ".join(f"{v}={all(r.get('exact', True) for r in runs[v])}" for v in runs))
+        if args.dir:
+            for rep in range(args.repeats):
+                for variant in variants:
+                    shutil.rmtree(root / f"{variant}-{rep}", ignore_errors=True)
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+    report(results, args)
     return 0
 
 
