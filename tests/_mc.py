@@ -38,12 +38,15 @@ class Result:
     stderr: str
 
 
-def launch(scenario: str, processes: int, devices: int, *args: str, timeout: float = 240) -> list[Result]:
-    """Run ``tests/_mc_worker.py scenario`` in ``processes`` processes; each prints a JSON line."""
+def launch(
+    scenario: str, processes: int, devices: int, *args: str, timeout: float = 240, module: str = "tests._mc_worker"
+) -> list[Result]:
+    """Run ``python -m module scenario INDEX COUNT PORT *args`` in ``processes`` processes on
+    localhost; each prints a JSON line last."""
     port = free_port()
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "tests._mc_worker", scenario, str(i), str(processes), str(port), *args],
+            [sys.executable, "-m", module, scenario, str(i), str(processes), str(port), *args],
             cwd=ROOT, env=_subproc.env(devices), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         for i in range(processes)

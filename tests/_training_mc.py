@@ -7,41 +7,23 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
 from typing import Any
 
-from tests import _subproc
-from tests._mc import free_port
+from tests import _mc
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = (16, 32)
 
 
 def launch(scenario: str, root: Path, processes: int = 2, devices: int = 4, timeout: float = 240) -> list[dict]:
-    port = free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "tests._training_mc", scenario, str(i), str(processes), str(port), str(root)],
-            cwd=ROOT, env=_subproc.env(devices), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )
-        for i in range(processes)
-    ]
     outs = []
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        lines = [line for line in out.splitlines() if line.startswith("{")]
-        result = json.loads(lines[-1]) if lines else {}
-        assert p.returncode == 0 and "exception" not in result, f"process failed:\n{result.get('exception')}\n{err[-3000:]}"
-        outs.append(result)
+    for r in _mc.launch(scenario, processes, devices, str(root), timeout=timeout, module="tests._training_mc"):
+        assert r.returncode == 0 and "exception" not in r.out, f"process failed:\n{r.out.get('exception')}\n{r.stderr}"
+        outs.append(r.out)
     return outs
 
 
