@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from milepost import workers
+import milepost.workers as workers
 
 
 class SliceSharding:

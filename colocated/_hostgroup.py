@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from milepost import workers
+import milepost.workers as workers
 
 
 @runtime_checkable

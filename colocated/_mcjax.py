@@ -34,7 +34,7 @@ from typing import Any
 
 import jax
 
-from milepost import workers
+import milepost.workers as workers
 from milepost.colocated._errors import HostError
 
 PREFIX = "milepost"

@@ -20,7 +20,7 @@ from typing import Any
 
 import cloudpickle
 
-from milepost import workers
+import milepost.workers as workers
 from milepost.colocated._errors import HostError
 from milepost.colocated._handles import RemoteArray
 from milepost.colocated._ray_host import Ref

@@ -12,7 +12,7 @@ import socket
 import uuid
 from typing import Any
 
-from milepost import workers
+import milepost.workers as workers
 
 
 class Ref:
