@@ -92,7 +92,6 @@ def start_save(
     handlers = {name: _handlers.resolve_for_save(name, obj, options.handlers) for name, obj in objs.items()}
     group = _dispatch.host_group_for(_all_leaves(objs))
     timeout = options.async_.timeout_secs
-    primary = group.is_primary()
 
     tmp = final.with_name(final.name + fmt.TMP_SUFFIX)
     with _in_flight_lock:
@@ -100,6 +99,7 @@ def start_save(
             raise CheckpointExistsError(f"another save to {final} is still in flight; wait for it (handle.result()) first")
         _in_flight.add(final)
     created = False
+    prepared = False
     finishers: list[Callable[[], None]] = []
 
     def prepare() -> None:
@@ -127,6 +127,7 @@ def start_save(
         # the other controller processes wait for its outcome, so none writes before the
         # directory exists, and all raise the same error.
         _dispatch.shared(group, f"prepare:{final}", prepare, timeout)
+        prepared = True  # in every process: the primary created the temporary directory
         init_ns = time.time_ns()
         call = _handlers.SaveCall(options=options, group=group, copy=asynchronous)
         staging_failure: Exception | None = None
@@ -143,7 +144,9 @@ def start_save(
         _settle(finishers)
         with _in_flight_lock:
             _in_flight.discard(final)
-        if primary and created:
+        if prepared:
+            _abandon(group, f"abandon-staged:{final}", tmp, timeout)
+        elif created:  # the primary failed while creating it
             shutil.rmtree(tmp, ignore_errors=True)
         raise
 
@@ -168,8 +171,7 @@ def start_save(
             _agree(group, f"commit:{final}", failure, timeout, then=commit)
             return final
         except BaseException:
-            if primary:
-                shutil.rmtree(tmp, ignore_errors=True)
+            _abandon(group, f"abandon-commit:{final}", tmp, timeout)
             raise
         finally:
             with _in_flight_lock:
@@ -214,6 +216,16 @@ def _agree(group: Any, name: str, failure: Exception | None, timeout: float, the
             then()
 
     _dispatch.shared(group, name, outcome, timeout)
+
+
+def _abandon(group: Any, name: str, tmp: Path, timeout: float) -> None:
+    """Remove a failed save's temporary directory once every controller process has settled its
+    own writes (a late write elsewhere would recreate it). A process that died is waited for at
+    most ``min(timeout, 10s)``; the caller raises its error either way."""
+    with contextlib.suppress(Exception):
+        group.barrier(name, min(timeout, 10.0))
+    if group.is_primary():
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _settle(finishers: list[Callable[[], None]]) -> None:
