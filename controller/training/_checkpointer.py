@@ -354,15 +354,11 @@ class Checkpointer:
             return False
         with self._cond:
             self._check_free(step)
-            deadline = time.monotonic() + self._timeout
-            while len(self._in_flight) >= self.max_in_flight:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(
-                        f"the saves of steps {sorted(self._in_flight)} did not finish within {self._timeout}s, "
-                        f"so step {step} was not saved"
-                    )
-                self._cond.wait(left)
+            self._wait_while(
+                lambda: len(self._in_flight) >= self.max_in_flight,
+                lambda: f"the saves of steps {sorted(self._in_flight)} did not finish within {self._timeout}s, "
+                f"so step {step} was not saved",
+            )
             self._raise_failure()  # the save we waited for may have failed
             self._check_free(step)
             self._in_flight[step] = None  # reserved
@@ -568,17 +564,22 @@ class Checkpointer:
     # -- lifecycle ----------------------------------------------------------------------
     def wait(self) -> None:
         """Wait for every save in flight and for retention; re-raise a background failure."""
-        deadline = time.monotonic() + self._timeout
         with self._cond:
-            while self._in_flight or self._gc_active:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(
-                        f"the saves of steps {sorted(self._in_flight)} in {self.root} did not finish "
-                        f"within {self._timeout}s"
-                    )
-                self._cond.wait(left)
+            self._wait_while(
+                lambda: bool(self._in_flight or self._gc_active),
+                lambda: f"the saves of steps {sorted(self._in_flight)} in {self.root} did not finish "
+                f"within {self._timeout}s",
+            )
         self._raise_failure()
+
+    def _wait_while(self, busy: Callable[[], bool], message: Callable[[], str]) -> None:
+        """With ``self._cond`` held: wait while ``busy()``, at most the Checkpointer's timeout."""
+        deadline = time.monotonic() + self._timeout
+        while busy():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(message())
+            self._cond.wait(left)
 
     def _check_open(self) -> None:
         if self._closed:
