@@ -36,9 +36,16 @@ class SaveOptions:
 @dataclass(frozen=True, kw_only=True)
 class LoadOptions:
     memory_budget_bytes: int | None = 128 << 20
-    """At most this many bytes of reads in flight on each host (None: no cap). Each read holds
-    TensorStore's buffer and ours for a moment, so the transient memory of a load stays near
-    twice this, whatever the checkpoint size; a read larger than the budget runs alone."""
+    """At most this many bytes of reads in flight on each host (None: no cap). A direct read
+    (see ``direct_reads``) fills the final buffer and holds nothing else; a read through
+    TensorStore holds TensorStore's buffer and ours for a moment. So the transient memory of a
+    load stays at most near twice this, whatever the checkpoint size; a read larger than the
+    budget runs alone."""
+    direct_reads: bool = True
+    """Read uncompressed, unsubchunked shards (milepost's default layout) straight from their
+    files into the memory the device arrays adopt, skipping TensorStore's intermediate buffer.
+    The shard index and its checksum are checked as TensorStore would. Other arrays, and every
+    array when this is False, are read through TensorStore."""
 
     def __post_init__(self) -> None:
         if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:

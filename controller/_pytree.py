@@ -542,18 +542,21 @@ def load(directory: Path, abstract: Any, partial: bool, call: Any) -> Any:
             slots[name] = ("device", len(device_tasks))
             device_tasks.append(task)
 
-    budget = call.options.loading.memory_budget_bytes
+    loading = call.options.loading
+    budget = loading.memory_budget_bytes
     with futures.ThreadPoolExecutor(1) as pool:
         host_future = pool.submit(
             workers.load,
             workers.LoadPlan(
-                store=saved.store, tasks=tuple(host_tasks), memory_budget_bytes=budget, fill_missing=saved.fill_missing
+                store=saved.store, tasks=tuple(host_tasks), memory_budget_bytes=budget, fill_missing=saved.fill_missing,
+                direct_reads=loading.direct_reads,
             ),
         ) if host_tasks else None
         device_values: list[Any] = []
         if device_tasks:
             plan = workers.LoadPlan(
-                store=saved.store, tasks=tuple(device_tasks), memory_budget_bytes=budget, fill_missing=saved.fill_missing
+                store=saved.store, tasks=tuple(device_tasks), memory_budget_bytes=budget, fill_missing=saved.fill_missing,
+                direct_reads=loading.direct_reads,
             )
             device_values = call.group.load({p: plan for p in call.group.processes()}, timeout)
         host_values = host_future.result(timeout) if host_future is not None else []

@@ -7,14 +7,19 @@ functions serve the in-process host, a Ray actor and every process of a multi-co
 from __future__ import annotations
 
 import collections
+import functools
 import math
+import os
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from typing import Any
 
 import numpy as np
 import tensorstore as ts
 
+from milepost.workers import _direct
 from milepost.workers import _tensorstore as tsu
 from milepost.workers._messages import (
     ArraySpec,
@@ -101,7 +106,8 @@ def start_save(plan: SavePlan, sources: Sequence[Any]) -> PendingSave:
 
 
 def _issue_writes(plan: SavePlan, sources: Sequence[Any], tasks: list[Any], opens: list[Any], futures: list[Any]) -> int:
-    nbytes = 0
+    writes: list[tuple[Any, tuple[tuple[int, int], ...], np.ndarray]] = []
+    copies: list[tuple[np.ndarray, np.ndarray]] = []
     for task, opening in zip(tasks, opens, strict=True):
         store = opening.result()
         source = sources[task.source]
@@ -112,13 +118,49 @@ def _issue_writes(plan: SavePlan, sources: Sequence[Any], tasks: list[Any], open
                 # Our own copy into aligned memory: TensorStore then references it until the
                 # write is durable instead of copying again, and the caller's arrays are free.
                 staged = aligned_empty(data.shape, data.dtype)
-                np.copyto(staged, data)
+                copies.append((staged, data))
                 data = staged
-            nbytes += data.nbytes
-            futures.append(
-                store[tsu.box_to_slices(region.index)].write(data, can_reference_source_data_indefinitely=True)
-            )
+            writes.append((store, region.index, data))
+    # Every copy before any write: the writes would compete with the copies for memory
+    # bandwidth and cores, and the copies are what the caller waits for.
+    parallel_copy(copies)
+    nbytes = 0
+    for store, box, data in writes:
+        nbytes += data.nbytes
+        futures.append(store[tsu.box_to_slices(box)].write(data, can_reference_source_data_indefinitely=True))
     return nbytes
+
+
+_COPY_BLOCK_BYTES = 32 << 20
+
+
+@functools.cache
+def _copy_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="milepost-copy")
+
+
+def parallel_copy(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
+    """``np.copyto(dst, src)`` (casting as needed) for every pair, spread over a few threads
+    (NumPy releases the GIL while copying). Large arrays are split along their first axis so the
+    threads share the work; much of the cost is the first touch of the destination pages, which
+    then also runs in parallel."""
+    blocks: list[tuple[np.ndarray, np.ndarray]] = []
+    for dst, src in pairs:
+        rows = dst.shape[0] if dst.ndim else 1
+        per_row = max(1, dst.nbytes // max(rows, 1))
+        step = max(1, _COPY_BLOCK_BYTES // per_row)
+        if dst.ndim == 0 or rows <= step:
+            blocks.append((dst, src))
+        else:
+            blocks.extend((dst[i : i + step], src[i : i + step]) for i in range(0, rows, step))
+    if len(blocks) <= 1 or (os.cpu_count() or 1) == 1:
+        for dst, src in blocks:
+            np.copyto(dst, src, casting="unsafe")
+        return
+    running = [_copy_pool().submit(np.copyto, dst, src, casting="unsafe") for dst, src in blocks]
+    futures_wait(running)  # all of them, even if one failed: none may run on after we return
+    for future in running:
+        future.result()
 
 
 def _start_device_to_host(plan: SavePlan, sources: Sequence[Any]) -> None:
@@ -199,24 +241,34 @@ def load(plan: LoadPlan) -> list[Any]:
         if tuple(store.shape) != tuple(task.shape):
             raise ValueError(f"array {task.name!r} is stored with shape {tuple(store.shape)}, the plan expects {task.shape}")
         stores.append(store)
-    reader = _BudgetedReader(plan.memory_budget_bytes, plan.store.directory)
+    layouts: list[_direct.ShardLayout | None] = [None] * len(stores)
+    locator = None
+    if plan.direct_reads:
+        layouts = [_direct.shard_layout(t.name, s) for t, s in zip(plan.tasks, stores, strict=True)]
+        if any(layouts):
+            locator = _direct.Locator(plan.store)
+            locator.index([layout.name for layout in layouts if layout is not None])
+    reader = _BudgetedReader(plan.memory_budget_bytes, plan.store.directory, locator)
     results: list[Any] = [None] * len(plan.tasks)
     assemblers: list[_Assembler] = []
-    for i, (task, store) in enumerate(zip(plan.tasks, stores, strict=True)):
-        if task.sharding is None:
-            asm = _Assembler(task, None, results, i, [((), (tuple((0, n) for n in task.shape)))])
-        else:
-            sharding = task.sharding.to_jax() if isinstance(task.sharding, ShardingSpec) else task.sharding
-            index_map = sharding.addressable_devices_indices_map(task.shape)
-            # Each distinct box is read once; its replicas get copies in memory.
-            by_box: dict[tuple[tuple[int, int], ...], list[Any]] = {}
-            for device, index in index_map.items():
-                by_box.setdefault(_slices_to_box(index, task.shape), []).append(device)
-            asm = _Assembler(task, sharding, results, i, [(tuple(d), box) for box, d in by_box.items()])
-        assemblers.append(asm)
-        for devices, box in asm.pieces:
-            reader.read(store, box, asm, devices)
-    reader.drain()
+    try:
+        for i, (task, store, layout) in enumerate(zip(plan.tasks, stores, layouts, strict=True)):
+            if task.sharding is None:
+                asm = _Assembler(task, None, results, i, [((), (tuple((0, n) for n in task.shape)))])
+            else:
+                sharding = task.sharding.to_jax() if isinstance(task.sharding, ShardingSpec) else task.sharding
+                index_map = sharding.addressable_devices_indices_map(task.shape)
+                # Each distinct box is read once; its replicas get copies in memory.
+                by_box: dict[tuple[tuple[int, int], ...], list[Any]] = {}
+                for device, index in index_map.items():
+                    by_box.setdefault(_slices_to_box(index, task.shape), []).append(device)
+                asm = _Assembler(task, sharding, results, i, [(tuple(d), box) for box, d in by_box.items()])
+            assemblers.append(asm)
+            for devices, box in asm.pieces:
+                reader.read(store, layout, box, asm, devices)
+        reader.drain()
+    finally:
+        reader.close()
     for asm in assemblers:
         asm.finish()
     return results
@@ -273,7 +325,7 @@ class _Assembler:
         target = np.dtype(self.task.dtype)
         if data.dtype != target:
             cast = aligned_empty(data.shape, target)
-            np.copyto(cast, data, casting="unsafe")
+            parallel_copy([(cast, data)])
             data = cast
         if self.sharding is None:
             self.results[self.slot] = data
@@ -282,11 +334,9 @@ class _Assembler:
 
         # A device array adopts an aligned buffer without a copy (CPU), so every device gets
         # its own: two devices sharing memory would clobber each other on donation.
-        buffers = [data]
-        for _ in devices[1:]:
-            extra = aligned_empty(data.shape, data.dtype)
-            np.copyto(extra, data)
-            buffers.append(extra)
+        extras = [aligned_empty(data.shape, data.dtype) for _ in devices[1:]]
+        parallel_copy([(extra, data) for extra in extras])
+        buffers = [data, *extras]
         self.placed.extend(jax.device_put(buffers, list(devices)))
 
     def finish(self) -> None:
@@ -300,16 +350,47 @@ class _Assembler:
         self.placed = []
 
 
-class _BudgetedReader:
-    """Issues reads, keeping at most ``budget`` bytes of read buffers in flight."""
+class _DirectRead:
+    """The direct reads of one box in flight; if one of them turns out not to be directly
+    readable (its chunk is missing), the whole box is read through TensorStore instead."""
 
-    def __init__(self, budget: int | None, directory: str = "") -> None:
+    def __init__(self, futures: list[Any], source: Any, out: np.ndarray) -> None:
+        self.futures = futures
+        self.source = source
+        self.out = out
+
+    def result(self) -> None:
+        futures_wait(self.futures)
+        try:
+            for future in self.futures:
+                future.result()
+        except _direct.FallBack:
+            ts.array(self.out).write(self.source).result()
+
+
+class _BudgetedReader:
+    """Issues reads, keeping at most ``budget`` bytes of read buffers in flight.
+
+    A box goes straight from its file into the destination buffer when the locator can find it
+    (see :mod:`._direct`), otherwise through TensorStore.
+    """
+
+    def __init__(self, budget: int | None, directory: str = "", locator: _direct.Locator | None = None) -> None:
         self.budget = budget
         self.directory = directory
+        self.locator = locator
+        self.direct = _direct.DirectReader() if locator is not None else None
         self.inflight: collections.deque[tuple[Any, np.ndarray, _Assembler, tuple[Any, ...], int]] = collections.deque()
         self.inflight_bytes = 0
 
-    def read(self, store: Any, box: tuple[tuple[int, int], ...], asm: _Assembler, devices: tuple[Any, ...]) -> None:
+    def read(
+        self,
+        store: Any,
+        layout: _direct.ShardLayout | None,
+        box: tuple[tuple[int, int], ...],
+        asm: _Assembler,
+        devices: tuple[Any, ...],
+    ) -> None:
         dtype = store.dtype.numpy_dtype
         nbytes = math.prod(b - a for a, b in box) * dtype.itemsize
         if self.budget is not None:
@@ -317,7 +398,15 @@ class _BudgetedReader:
                 self._complete_one()
         out = aligned_empty(tuple(b - a for a, b in box), dtype)
         source = store[tsu.box_to_slices(box)] if box else store
-        future = ts.array(out).write(source)
+        future: Any = None
+        if layout is not None and self.locator is not None and self.direct is not None:
+            pieces = _direct.box_reads(layout, box) or []
+            values = [self.locator.locate(piece.key) for piece in pieces]
+            if pieces and all(v is not None for v in values):
+                submit = self.direct.submit
+                future = _DirectRead([submit(v, p, out) for v, p in zip(values, pieces, strict=True)], source, out)  # type: ignore[arg-type]
+        if future is None:
+            future = ts.array(out).write(source)
         self.inflight.append((future, out, asm, devices, nbytes))
         self.inflight_bytes += nbytes
 
@@ -325,7 +414,7 @@ class _BudgetedReader:
         future, out, asm, devices, nbytes = self.inflight.popleft()
         try:
             future.result()
-        except Exception as e:  # TensorStore's ValueError("NOT_FOUND: ..."), a bad checksum...
+        except Exception as e:  # TensorStore's ValueError("NOT_FOUND: ..."), a bad checksum, a short file...
             raise ValueError(
                 f"array {asm.task.name!r}: reading a {out.shape} box from {self.directory} failed ({e}); the "
                 "checkpoint's data files are missing or damaged. Load an earlier checkpoint."
@@ -336,3 +425,8 @@ class _BudgetedReader:
     def drain(self) -> None:
         while self.inflight:
             self._complete_one()
+
+    def close(self) -> None:
+        """Wait for direct reads still running (after a failure) and close their files."""
+        if self.direct is not None:
+            self.direct.close()

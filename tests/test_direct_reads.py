@@ -1,0 +1,211 @@
+"""Direct reads: uncompressed single-chunk shards are read from their files straight into the
+destination buffers. They must give exactly what TensorStore gives, be used only where they
+apply, and fail as loudly as TensorStore on damaged data."""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+import tensorstore as ts
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import milepost as mp
+from milepost.workers import _direct
+from tests._helpers import abstract_of, assert_tree_equal, put
+
+
+@pytest.fixture
+def direct_spy(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Records the chunk key of every direct read."""
+    keys: list[str] = []
+    real = _direct.DirectReader.submit
+
+    def submit(self: Any, value: Any, read: Any, out: np.ndarray) -> Any:
+        keys.append(read.key)
+        return real(self, value, read, out)
+
+    monkeypatch.setattr(_direct.DirectReader, "submit", submit)
+    return keys
+
+
+def _state(mesh: jax.sharding.Mesh) -> dict[str, Any]:
+    # Every shard is over 1 KiB: smaller values live inline in the OCDBT B-tree and are read
+    # through TensorStore.
+    rng = np.random.default_rng(7)
+    return {
+        "w": put(rng.standard_normal((64, 96), dtype=np.float32), mesh, P("data", "model")),
+        "b": put(rng.integers(-9, 9, (16, 256), dtype=np.int16), mesh, P(None, "model")),
+        "r": put(rng.standard_normal((64, 64), dtype=np.float32), mesh, P()),
+        "v": put(np.arange(8 * 2048, dtype=np.uint8), mesh, P(("data", "model"))),
+        "host": np.arange(1000, dtype=np.float64),
+    }
+
+
+def _load(path: Path, abstract: Any, *, direct: bool) -> Any:
+    with mp.Context(loading=mp.LoadOptions(direct_reads=direct)):
+        return mp.load(path, abstract)
+
+
+@pytest.mark.parametrize("use_ocdbt", [True, False], ids=["ocdbt", "zarr3"])
+def test_saved_layout_is_read_directly_and_exactly(
+    tmp_path: Path, mesh24: jax.sharding.Mesh, direct_spy: list[str], use_ocdbt: bool
+) -> None:
+    state = _state(mesh24)
+    with mp.Context(saving=mp.SaveOptions(use_ocdbt=use_ocdbt)):
+        mp.save(tmp_path / "c", state)
+    direct = _load(tmp_path / "c", abstract_of(state), direct=True)
+    assert_tree_equal(direct, state)
+    # One piece per saved shard inside each distinct device box (replica-parallel saving cuts
+    # the replicated boxes of 'b' and 'r' into several shards), plus the host array.
+    info = mp.metadata(tmp_path / "c")
+    expected = 1
+    for name in ("w", "b", "r", "v"):
+        write_shape = info.tree[name].write_shape
+        shape = state[name].shape
+        boxes = {
+            tuple((s.start or 0, s.stop or n) for s, n in zip(sh.index, shape, strict=True))
+            for sh in state[name].addressable_shards
+        }
+        expected += sum(math.prod((b - a) // w for (a, b), w in zip(box, write_shape, strict=True)) for box in boxes)
+    assert expected > 1 + 8 + 4 + 1 + 8  # the replicated boxes really span several shards
+    assert len(direct_spy) == expected
+    direct_spy.clear()
+    through_tensorstore = _load(tmp_path / "c", abstract_of(state), direct=False)
+    assert direct_spy == []
+    assert_tree_equal(through_tensorstore, state)
+
+
+def test_resharded_boxes_use_direct_reads_only_where_contiguous(
+    tmp_path: Path, mesh24: jax.sharding.Mesh, direct_spy: list[str]
+) -> None:
+    x = np.arange(64 * 48, dtype=np.float32).reshape(64, 48)
+    mp.save(tmp_path / "c", {"x": put(x, mesh24, P("data", None))})  # two shards of 32 full rows
+    mesh81 = jax.make_mesh((8, 1), ("rows", "cols"))
+    mesh18 = jax.make_mesh((1, 8), ("rows", "cols"))
+    # 8 rows x 48 columns: contiguous inside one shard -> direct
+    rows = mp.load(tmp_path / "c", {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh81, P("rows")))})
+    assert len(direct_spy) == 8
+    np.testing.assert_array_equal(np.asarray(rows["x"]), x)
+    direct_spy.clear()
+    # 64 rows x 6 columns: spans both shards and is strided -> TensorStore
+    cols = mp.load(
+        tmp_path / "c", {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh18, P(None, "cols")))}
+    )
+    assert direct_spy == []
+    np.testing.assert_array_equal(np.asarray(cols["x"]), x)
+    # a cast reads the stored dtype directly and casts after
+    cast = mp.load(tmp_path / "c", {"x": jax.ShapeDtypeStruct(x.shape, np.int32, sharding=NamedSharding(mesh81, P("rows")))})
+    np.testing.assert_array_equal(np.asarray(cast["x"]), x.astype(np.int32))
+
+
+@pytest.mark.parametrize(
+    "options", [mp.SaveOptions(compression="zstd"), mp.SaveOptions(chunk_byte_size=256)], ids=["zstd", "subchunked"]
+)
+def test_compressed_or_subchunked_arrays_go_through_tensorstore(
+    tmp_path: Path, mesh24: jax.sharding.Mesh, direct_spy: list[str], options: mp.SaveOptions
+) -> None:
+    state = {"w": put(np.arange(256 * 8, dtype=np.float32).reshape(256, 8), mesh24, P("data"))}
+    with mp.Context(saving=options):
+        mp.save(tmp_path / "c", state)
+    assert_tree_equal(mp.load(tmp_path / "c", abstract_of(state)), state)
+    assert direct_spy == []
+
+
+def _shard_file(root: Path) -> Path:
+    """The data file of the first shard of array 'w' in a plain zarr3 checkpoint."""
+    return root / "state" / "w" / "c" / "0" / "0"
+
+
+@pytest.mark.parametrize("damage", ["index_checksum", "truncated"])
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "tensorstore"])
+def test_damaged_shard_is_an_error_on_both_paths(
+    tmp_path: Path, mesh24: jax.sharding.Mesh, damage: str, direct: bool
+) -> None:
+    state = {"w": put(np.arange(64 * 96, dtype=np.float32).reshape(64, 96), mesh24, P("data", "model"))}
+    with mp.Context(saving=mp.SaveOptions(use_ocdbt=False)):
+        mp.save(tmp_path / "c", state)
+    shard = _shard_file(tmp_path / "c")
+    data = bytearray(shard.read_bytes())
+    if damage == "index_checksum":
+        data[-10] ^= 0xFF  # inside the 16-byte index, so its CRC32C no longer matches
+    else:
+        data = data[: len(data) // 2]
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="missing or damaged"):
+        _load(tmp_path / "c", abstract_of(state), direct=direct)
+
+
+def test_crc32c_matches_the_standard_check_value() -> None:
+    assert _direct.crc32c(b"123456789") == 0xE3069283
+    assert _direct.crc32c(b"") == 0
+
+
+def test_a_missing_chunk_in_the_shard_index_falls_back(tmp_path: Path) -> None:
+    payload = bytes(range(16))
+    index = struct.pack("<QQ", 2**64 - 1, 2**64 - 1)
+    file = tmp_path / "shard"
+    file.write_bytes(payload + index + struct.pack("<I", _direct.crc32c(index)))
+    reader = _direct.DirectReader()
+    try:
+        value = _direct.Locator(mp.workers.StoreSpec(directory=str(tmp_path), use_ocdbt=False)).locate("shard")
+        assert value is not None and value.length == 36
+        read = _direct.BoxRead(key="shard", offset_in_chunk=0, chunk_nbytes=16)
+        with pytest.raises(_direct.FallBack):
+            reader.submit(value, read, np.empty(16, np.uint8)).result()
+    finally:
+        reader.close()
+
+
+@pytest.mark.parametrize(
+    ("box", "expected"),
+    [
+        (((0, 4), (0, 6)), [("a/c/0/0", 0, 0)]),  # a whole shard
+        (((5, 7), (0, 6)), [("a/c/1/0", 4 * 1 * 6, 0)]),  # whole rows inside the second shard row
+        (((2, 3), (1, 4)), [("a/c/0/0", 4 * (2 * 6 + 1), 0)]),  # part of a single row
+        (((2, 6), (0, 6)), [("a/c/0/0", 4 * 2 * 6, 0), ("a/c/1/0", 0, 4 * 2 * 6)]),  # rows across two shards
+        (((0, 4), (0, 3)), None),  # strided columns
+        (((0, 4), (0, 12)), None),  # whole shards side by side: strided in the box buffer
+    ],
+)
+def test_box_reads_find_contiguous_ranges(box: Any, expected: Any) -> None:
+    layout = _direct.ShardLayout(name="a", shard_shape=(4, 6), dtype=np.dtype(np.float32), separator="/")
+    got = _direct.box_reads(layout, box)
+    assert (None if got is None else [(p.key, p.offset_in_chunk, p.offset_in_box) for p in got]) == expected
+
+
+def test_locator_walks_a_deep_btree(tmp_path: Path) -> None:
+    """With tiny B-tree nodes the tree has interior levels and per-level key prefixes; every
+    value of the wanted arrays is found at the right file range, and no other array's."""
+    kv = ts.KvStore.open(
+        {
+            "driver": "ocdbt",
+            "base": f"file://{tmp_path}/",
+            "config": {"max_decoded_node_bytes": 200, "max_inline_value_bytes": 4},
+        }
+    ).result()
+    txn = ts.Transaction()
+    values = {f"{name}/c/{i}/{j}": os.urandom(7 + i * 3 + j) for name in ("aa", "ab", "b") for i in range(6) for j in range(3)}
+    for key, value in values.items():
+        kv.with_transaction(txn)[key] = value
+    txn.commit_sync()
+    manifest = ts.ocdbt.dump(kv.base).result()
+    assert manifest["versions"][-1]["root_height"] > 1
+    locator = _direct.Locator(mp.workers.StoreSpec(directory=str(tmp_path), use_ocdbt=True))
+    locator.index(["aa", "b"])
+    for key, value in values.items():
+        where = locator.locate(key)
+        if key.startswith("ab/"):
+            assert where is None
+            continue
+        assert where is not None, key
+        with open(where.path, "rb") as f:
+            f.seek(where.offset)
+            assert f.read(where.length) == value
