@@ -25,8 +25,14 @@ class SaveOptions:
     partial load reads only what it needs. None: one chunk per written shard."""
     replica_parallel: bool = True
     """Split a replicated shard among its replicas so that every replica writes a part."""
+    ocdbt_writers_per_host: int = 4
+    """With OCDBT, each host spreads its arrays over up to this many databases
+    (``ocdbt.process_<i>``, ``ocdbt.process_<i>.1``, ...) written in parallel; one database
+    writes its data files one after another. The commit merges them all into the root view."""
 
     def __post_init__(self) -> None:
+        if self.ocdbt_writers_per_host < 1:
+            raise ValueError(f"SaveOptions.ocdbt_writers_per_host must be at least 1, got {self.ocdbt_writers_per_host}")
         if self.compression not in (None, "zstd"):
             raise ValueError(f"SaveOptions.compression must be None or 'zstd', got {self.compression!r}")
         if self.chunk_byte_size is not None and self.chunk_byte_size <= 0:

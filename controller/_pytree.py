@@ -216,11 +216,12 @@ class PyTreeSave:
     # -- the blocking part --------------------------------------------------------------
     def stage(self, directory: Path, copy: bool) -> Callable[[], None]:
         store = workers.StoreSpec(directory=str(directory), use_ocdbt=self.options.use_ocdbt)
+        writers = self.options.ocdbt_writers_per_host
         timeout = self.call.options.async_.timeout_secs
         pending_hosts = None
         if self.host_plans:
             plans = {
-                p: workers.SavePlan(store=store, process_index=p, tasks=tuple(tasks), copy=copy)
+                p: workers.SavePlan(store=store, process_index=p, tasks=tuple(tasks), copy=copy, writers=writers)
                 for p, tasks in self.host_plans.items()
             }
             pending_hosts = self.group.start_save(plans, self.host_sources, timeout)
@@ -236,7 +237,9 @@ class PyTreeSave:
 
         try:
             if self.controller_tasks and self.group.is_primary():
-                plan = workers.SavePlan(store=store, process_index=CONTROLLER, tasks=tuple(self.controller_tasks), copy=copy)  # type: ignore[arg-type]
+                plan = workers.SavePlan(
+                    store=store, process_index=CONTROLLER, tasks=tuple(self.controller_tasks), copy=copy, writers=writers  # type: ignore[arg-type]
+                )
                 pending_local = workers.start_save(plan, self.controller_sources)
         except BaseException:
             settle()

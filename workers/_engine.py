@@ -25,8 +25,10 @@ from milepost.workers._messages import (
     ArraySpec,
     LoadPlan,
     LoadTask,
+    Region,
     SaveAck,
     SavePlan,
+    SaveTask,
 )
 from milepost.workers._sharding import ShardingSpec
 
@@ -84,14 +86,22 @@ def start_save(plan: SavePlan, sources: Sequence[Any]) -> PendingSave:
     caller's memory until :meth:`PendingSave.wait` returns.
     """
     context = tsu.new_context()
-    kvstore = tsu.write_kvstore(plan.store, plan.process_index)
     tasks = [t for t in plan.tasks if t.regions or t.create]
-    opens = [ts.open(tsu.create_spec(kvstore, t.spec), create=True, open=True, context=context) for t in tasks]
+    parts = _split_among_writers(tasks, plan.writers if plan.store.use_ocdbt else 1)
+    opens = [
+        ts.open(
+            tsu.create_spec(tsu.write_kvstore(plan.store, plan.process_index, writer), task.spec),
+            create=True,
+            open=True,
+            context=context,
+        )
+        for writer, task, _ in parts
+    ]
     futures: list[Any] = []
     nbytes = 0
     try:
         _start_device_to_host(plan, sources)
-        nbytes = _issue_writes(plan, sources, tasks, opens, futures)
+        nbytes = _issue_writes(plan, sources, parts, opens, futures)
     except BaseException:
         # Opens (they create zarr.json) and writes already issued must land before the caller
         # removes the directory, or they recreate it.
@@ -105,14 +115,53 @@ def start_save(plan: SavePlan, sources: Sequence[Any]) -> PendingSave:
     return PendingSave(plan, futures, nbytes)
 
 
-def _issue_writes(plan: SavePlan, sources: Sequence[Any], tasks: list[Any], opens: list[Any], futures: list[Any]) -> int:
+_Part = tuple[int, SaveTask, tuple[Region, ...]]
+
+
+def _split_among_writers(tasks: Sequence[SaveTask], writers: int) -> list[_Part]:
+    """Give each writer (one OCDBT database each, written in parallel) about the same bytes.
+
+    Whole arrays go to the least loaded writer, largest first; an array larger than a writer's
+    fair share is split by region. Each (writer, array) pair opens the array in that database.
+    """
+    if writers <= 1 or len(tasks) == 0:
+        return [(0, t, t.regions) for t in tasks]
+
+    def size(region: Region, spec: ArraySpec) -> int:
+        return math.prod(b - a for a, b in region.index) * np.dtype(spec.dtype).itemsize
+
+    total = sum(size(r, t.spec) for t in tasks for r in t.regions)
+    share = total / writers
+    units: list[tuple[int, SaveTask, tuple[Region, ...]]] = []
+    for task in tasks:
+        task_bytes = sum(size(r, task.spec) for r in task.regions)
+        if task_bytes > share and len(task.regions) > 1:
+            units.extend((size(r, task.spec), task, (r,)) for r in task.regions)
+        else:
+            units.append((task_bytes, task, task.regions))
+    load = [0] * writers
+    assigned: dict[tuple[int, int], list[Region]] = {}
+    order: list[tuple[int, int]] = []
+    by_id = {id(t): t for t in tasks}
+    for nbytes, task, regions in sorted(units, key=lambda u: -u[0]):
+        writer = min(range(writers), key=load.__getitem__)
+        load[writer] += nbytes
+        key = (writer, id(task))
+        if key not in assigned:
+            assigned[key] = []
+            order.append(key)
+        assigned[key].extend(regions)
+    return [(writer, by_id[tid], tuple(assigned[(writer, tid)])) for writer, tid in order]
+
+
+def _issue_writes(plan: SavePlan, sources: Sequence[Any], parts: list[_Part], opens: list[Any], futures: list[Any]) -> int:
     writes: list[tuple[Any, tuple[tuple[int, int], ...], np.ndarray]] = []
     copies: list[tuple[np.ndarray, np.ndarray]] = []
-    for task, opening in zip(tasks, opens, strict=True):
+    for (_, task, regions), opening in zip(parts, opens, strict=True):
         store = opening.result()
         source = sources[task.source]
         shards = _shards_by_device(source)
-        for region in task.regions:
+        for region in regions:
             data = _region_data(source, shards, region.device_id, region.index, task.spec)
             if plan.copy and _may_alias_caller_memory(source, region.device_id):
                 # Our own copy into aligned memory: TensorStore then references it until the

@@ -19,7 +19,8 @@ class StoreSpec:
     """Where a checkpointable's arrays live.
 
     ``directory`` is the checkpointable folder (``<ckpt>/state``). With OCDBT a host writes into
-    its own ``ocdbt.process_<i>`` sub-store and reads through the merged root view.
+    its own ``ocdbt.process_<i>`` sub-stores (``ocdbt.process_<i>.<k>`` for its extra writers)
+    and reads through the merged root view.
     """
 
     directory: str
@@ -65,6 +66,8 @@ class SavePlan:
     copy: bool = True
     """Copy the data to host memory before returning from staging (False: the caller promises
     not to touch its arrays until the write is committed)."""
+    writers: int = 1
+    """With OCDBT: spread the arrays over up to this many databases written in parallel."""
 
 
 @dataclass(frozen=True, kw_only=True)

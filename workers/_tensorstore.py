@@ -28,15 +28,15 @@ def _file(path: str) -> dict[str, Any]:
     return {"driver": "file", "path": path.rstrip("/") + "/"}
 
 
-def process_dir_name(process_index: int | str) -> str:
-    return f"{PROCESS_PREFIX}{process_index}"
+def process_dir_name(process_index: int | str, writer: int = 0) -> str:
+    return f"{PROCESS_PREFIX}{process_index}" + (f".{writer}" if writer else "")
 
 
-def write_kvstore(store: StoreSpec, process_index: int | str) -> dict[str, Any]:
-    """The kvstore a host writes into: its own OCDBT database, or the plain folder."""
+def write_kvstore(store: StoreSpec, process_index: int | str, writer: int = 0) -> dict[str, Any]:
+    """The kvstore a host's writer writes into: its own OCDBT database, or the plain folder."""
     if not store.use_ocdbt:
         return _file(store.directory)
-    base = os.path.join(store.directory, process_dir_name(process_index))
+    base = os.path.join(store.directory, process_dir_name(process_index, writer))
     return {"driver": "ocdbt", "base": _file(base), "config": OCDBT_CONFIG}
 
 

@@ -1,0 +1,64 @@
+"""Several OCDBT writers per host: arrays are spread over parallel databases, every region is
+written exactly once, and the merged checkpoint reads back exactly (also with one writer)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import milepost as mp
+from milepost.workers import _engine
+from milepost.workers._messages import ArraySpec, Region, SaveTask
+from tests._helpers import abstract_of, assert_tree_equal, put
+
+
+def _task(name: str, rows: int, regions: int) -> SaveTask:
+    step = rows // regions
+    spec = ArraySpec(name=name, shape=(rows, 4), dtype="float32", write_shape=(step, 4), chunk_shape=(step, 4))
+    return SaveTask(
+        source=0,
+        spec=spec,
+        regions=tuple(Region(device_id=i, index=((i * step, (i + 1) * step), (0, 4))) for i in range(regions)),
+    )
+
+
+def test_split_gives_every_region_to_one_writer_and_balances_bytes() -> None:
+    tasks = [_task("big", 800, 8), _task("a", 100, 1), _task("b", 100, 2), _task("c", 50, 1), _task("d", 50, 1)]
+    parts = _engine._split_among_writers(tasks, 4)
+    seen = Counter((task.spec.name, r.index) for _, task, regions in parts for r in regions)
+    assert seen == Counter((t.spec.name, r.index) for t in tasks for r in t.regions)  # each exactly once
+    load: Counter[int] = Counter()
+    for writer, _, regions in parts:
+        load[writer] += sum((b - a) for (a, b), _ in (r.index for r in regions)) * 16
+    assert set(load) == {0, 1, 2, 3}
+    assert max(load.values()) <= 1.5 * min(load.values())
+    # the big array is split by region, small ones stay whole
+    assert len({w for w, t, _ in parts if t.spec.name == "big"}) == 4
+    assert all(len([p for p in parts if p[1].spec.name == n]) == 1 for n in "acd")
+
+
+def test_one_writer_keeps_everything_in_one_database() -> None:
+    tasks = [_task("a", 100, 2), _task("b", 100, 1)]
+    assert _engine._split_among_writers(tasks, 1) == [(0, t, t.regions) for t in tasks]
+
+
+@pytest.mark.parametrize("writers", [1, 3])
+def test_writers_round_trip_and_layout(tmp_path: Path, mesh24: jax.sharding.Mesh, writers: int) -> None:
+    rng = np.random.default_rng(3)
+    state = {f"layer{i}": put(rng.standard_normal((16, 32), dtype=np.float32), mesh24, P("data", "model")) for i in range(6)}
+    state["host"] = np.arange(12, dtype=np.int32)
+    with mp.Context(saving=mp.SaveOptions(ocdbt_writers_per_host=writers)):
+        mp.save(tmp_path / "c", state)
+    databases = sorted(p.name for p in (tmp_path / "c" / "state").glob("ocdbt.process_0*"))
+    assert databases == ["ocdbt.process_0"] + [f"ocdbt.process_0.{k}" for k in range(1, writers)]
+    assert_tree_equal(mp.load(tmp_path / "c", abstract_of(state)), state)
+
+
+def test_writers_option_is_checked() -> None:
+    with pytest.raises(ValueError, match="ocdbt_writers_per_host"):
+        mp.SaveOptions(ocdbt_writers_per_host=0)
