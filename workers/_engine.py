@@ -369,6 +369,7 @@ class _Assembler:
         self.slot = slot
         self.pieces = pieces
         self.placed: list[Any] = []
+        self.unplaced: list[tuple[np.ndarray, Any]] = []
 
     def take(self, devices: tuple[Any, ...], data: np.ndarray) -> None:
         target = np.dtype(self.task.dtype)
@@ -379,20 +380,31 @@ class _Assembler:
         if self.sharding is None:
             self.results[self.slot] = data
             return
-        import jax
 
         # A device array adopts an aligned buffer without a copy (CPU), so every device gets
         # its own: two devices sharing memory would clobber each other on donation.
         extras = [aligned_empty(data.shape, data.dtype) for _ in devices[1:]]
         parallel_copy([(extra, data) for extra in extras])
-        buffers = [data, *extras]
-        self.placed.extend(jax.device_put(buffers, list(devices)))
+        self.unplaced.extend(zip([data, *extras], devices, strict=True))
+        # On CPU the buffer becomes the device memory, so placing the whole array in one call
+        # costs nothing extra; elsewhere place now, so host buffers stay within the budget.
+        if any(d.platform != "cpu" for d in devices):
+            self._place()
+
+    def _place(self) -> None:
+        import jax
+
+        if self.unplaced:
+            buffers, devices = zip(*self.unplaced, strict=True)
+            self.placed.extend(jax.device_put(list(buffers), list(devices)))
+            self.unplaced = []
 
     def finish(self) -> None:
         if self.sharding is None:
             return
         import jax
 
+        self._place()
         self.results[self.slot] = jax.make_array_from_single_device_arrays(
             self.task.shape, self.sharding, self.placed
         )
