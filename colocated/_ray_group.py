@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import os
 import pickle
 import threading
 import time
@@ -81,14 +82,15 @@ class _PendingRaySave:
         return [acks[i] for i in sorted(acks)]
 
     def settle(self, timeout: float | None = None) -> None:
-        """After a failure: let the live hosts' writes land (outcome ignored, bounded)."""
+        """After a failure: let the live hosts' writes land (outcome ignored, bounded).
+
+        Fresh ``settle_save`` calls, not the ``wait_save`` calls already made: a failure
+        cancels a gather's pending calls, and a cancelled call reports done at once while the
+        host may still be writing."""
         t = self._group.timeout_secs if timeout is None else timeout
-        if self._waits is None:
-            self._waits = {
-                i: self._group.call(i, "settle_save", token, t, concurrency_group=WAIT_GROUP)
-                for i, token in self._tokens.items()
-            }
-        self._group.settle(self._waits, t)
+        live = {i: token for i, token in self._tokens.items() if i not in self._group.failed_hosts}
+        settles = {i: self._group.call(i, "settle_save", token, t, concurrency_group=WAIT_GROUP) for i, token in live.items()}
+        self._group.settle(settles, t)
 
 
 class RayHostGroup:
@@ -106,6 +108,7 @@ class RayHostGroup:
         self._healthy = True
         self._closed = False
         self._failed: set[int] = set()
+        self._died: set[int] = set()
         """Hosts that died or hung in some call: nothing more is awaited from them."""
         self._counts = [0, 0, 0]  # messages, bytes to hosts, bytes from hosts
         self._lock = threading.Lock()
@@ -183,6 +186,7 @@ class RayHostGroup:
                 except ray.exceptions.RayActorError as e:
                     dead = True
                     self._failed.add(i)
+                    self._died.add(i)
                     failures.append(f"{self.describe_host(i)} died while {doing} ({type(e).__name__})")
                 except ray.exceptions.RayTaskError as e:
                     cause = getattr(e, "cause", None) or e
@@ -331,6 +335,26 @@ class RayHostGroup:
     def barrier(self, name: str, timeout: float) -> None:
         return None
 
+    @property
+    def failed_hosts(self) -> frozenset[int]:
+        return frozenset(self._failed)
+
+    def await_exits(self, timeout: float) -> None:
+        """Ray reports a host dead as soon as it is killed, while its process may still run for
+        a moment and finish a write. Before the caller removes a failed save's directory, wait
+        (at most ``timeout``) until the processes of dead hosts on this node have exited; a
+        process elsewhere cannot be watched from here."""
+        import ray
+
+        here = ray.get_runtime_context().get_node_id()
+        deadline = time.monotonic() + timeout
+        for i in sorted(self._died):
+            ident = self._identities[i]
+            if ident.get("node") != here:
+                continue
+            while _process_running(int(ident["pid"])) and time.monotonic() < deadline:
+                time.sleep(0.02)
+
     def broadcast(self, name: str, value: Any, timeout: float) -> Any:
         return value
 
@@ -364,3 +388,20 @@ class RayHostGroup:
 
     def __repr__(self) -> str:
         return f"RayHostGroup(hosts={self.hosts}, healthy={self.healthy})"
+
+
+def _process_running(pid: int) -> bool:
+    """Whether ``pid`` is alive on this machine (a zombie has exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+        return state not in ("Z", "X")
+    except (OSError, IndexError):
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

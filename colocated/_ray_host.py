@@ -150,13 +150,18 @@ class HostActor:
 
     def wait_save(self, token: str, timeout: float) -> workers.SaveAck:
         """Runs in the actor's wait group: other calls are served while the writes land."""
-        return self.pending.pop(token).wait(timeout)
+        try:
+            return self.pending[token].wait(timeout)
+        finally:
+            self.pending.pop(token, None)
 
     def settle_save(self, token: str, timeout: float) -> None:
-        """An abandoned save: let its writes land, ignoring their outcome."""
-        pending = self.pending.pop(token, None)
+        """An abandoned save: let its writes land, ignoring their outcome. If a ``wait_save``
+        of the same save is running, this returns only after it (the same lock)."""
+        pending = self.pending.get(token)
         if pending is not None:
             pending.settle(timeout)
+            self.pending.pop(token, None)
 
     def load(self, plan: workers.LoadPlan, prefix: str) -> int:
         """Read exactly the ranges this host's devices need; register the arrays as
