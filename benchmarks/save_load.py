@@ -1,11 +1,14 @@
 """Save and load ~1 GiB of sharded float32 arrays with milepost, Orbax v1 and plain NumPy.
 
     python benchmarks/save_load.py [--gib 1.0] [--repeats 3] [--dir /tmp/x]
-                                   [--only milepost,orbax,numpy,hostcopy] [--layout mixed]
+                                   [--only milepost,orbax,numpy,hostcopy] [--layout sharded|mixed]
 
 The data is 8 float32 arrays of (rows, 8192) random values (``gib`` GiB in all), each a jax.Array
-sharded over a (2, 4) mesh of 8 fake CPU devices. In the default ``mixed`` layout some arrays are
-fully sharded and some partially replicated, so the devices hold 2x the checkpoint bytes.
+sharded over a (2, 4) mesh of 8 fake CPU devices. In the default ``sharded`` layout every byte lives
+on exactly one device (the devices hold 1x the checkpoint bytes): 1 GiB sharded over 8 devices. In the
+``mixed`` layout some arrays are partially replicated, so the devices hold 2x the checkpoint bytes:
+a load must then also fill the replicas, and the loaded arrays alone take 2x the checkpoint's
+memory, which no loader can fit in the 1.3x load-memory target.
 
 Every measured operation runs in its own fresh process (the script re-invokes itself with
 ``--worker OP``), so each peak RSS is clean:
@@ -519,7 +522,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="repeats of every operation (default 3)")
     parser.add_argument("--dir", default=None, help="where checkpoints go (default: a fresh dir under /tmp)")
     parser.add_argument("--only", default=",".join(OPS), help="comma-separated variants (default: all)")
-    parser.add_argument("--layout", choices=sorted(LAYOUTS), default="mixed")
+    parser.add_argument("--layout", choices=sorted(LAYOUTS), default="sharded")
     parser.add_argument("--timeout", type=float, default=1800, help="per-operation timeout in seconds")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
