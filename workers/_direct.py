@@ -195,7 +195,6 @@ class Locator:
         self.use_ocdbt = store.use_ocdbt
         self._values: dict[str, _Value] = {}
         self._indexed: set[str] = set()
-        self._lock = threading.Lock()
 
     def index(self, names: Iterable[str]) -> None:
         """Learn the value locations of every chunk of these arrays (one B-tree walk)."""
@@ -261,7 +260,6 @@ class DirectReader:
         self._pool = ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="milepost-read")
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
-        self.bytes_read = 0
 
     def submit(self, value: _Value, read: BoxRead, out: np.ndarray) -> Future[None]:
         """Read ``read`` into its range of ``out`` (the whole box's buffer)."""
@@ -304,8 +302,6 @@ class DirectReader:
             )
         if not whole or chunk_offset != 0:
             _pread_exactly(fd, [target], value.offset + chunk_offset + read.offset_in_chunk, read.key, value.path)
-        with self._lock:
-            self.bytes_read += len(target)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
