@@ -11,7 +11,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import os
 import pickle
 import threading
 import time
@@ -108,7 +107,6 @@ class RayHostGroup:
         self._healthy = True
         self._closed = False
         self._failed: set[int] = set()
-        self._died: set[int] = set()
         """Hosts that died or hung in some call: nothing more is awaited from them."""
         self._counts = [0, 0, 0]  # messages, bytes to hosts, bytes from hosts
         self._lock = threading.Lock()
@@ -186,7 +184,6 @@ class RayHostGroup:
                 except ray.exceptions.RayActorError as e:
                     dead = True
                     self._failed.add(i)
-                    self._died.add(i)
                     failures.append(f"{self.describe_host(i)} died while {doing} ({type(e).__name__})")
                 except ray.exceptions.RayTaskError as e:
                     cause = getattr(e, "cause", None) or e
@@ -339,22 +336,6 @@ class RayHostGroup:
     def failed_hosts(self) -> frozenset[int]:
         return frozenset(self._failed)
 
-    def await_exits(self, timeout: float) -> None:
-        """Ray reports a host dead as soon as it is killed, while its process may still run for
-        a moment and finish a write. Before the caller removes a failed save's directory, wait
-        (at most ``timeout``) until the processes of dead hosts on this node have exited; a
-        process elsewhere cannot be watched from here."""
-        import ray
-
-        here = ray.get_runtime_context().get_node_id()
-        deadline = time.monotonic() + timeout
-        for i in sorted(self._died):
-            ident = self._identities[i]
-            if ident.get("node") != here:
-                continue
-            while _process_running(int(ident["pid"])) and time.monotonic() < deadline:
-                time.sleep(0.02)
-
     def broadcast(self, name: str, value: Any, timeout: float) -> Any:
         return value
 
@@ -389,19 +370,3 @@ class RayHostGroup:
     def __repr__(self) -> str:
         return f"RayHostGroup(hosts={self.hosts}, healthy={self.healthy})"
 
-
-def _process_running(pid: int) -> bool:
-    """Whether ``pid`` is alive on this machine (a zombie has exited)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rpartition(")")[2].split()[0]
-        return state not in ("Z", "X")
-    except (OSError, IndexError):
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -224,10 +224,6 @@ def _abandon(group: Any, name: str, tmp: Path, timeout: float) -> None:
     most ``min(timeout, 10s)``; the caller raises its error either way."""
     with contextlib.suppress(Exception):
         group.barrier(name, min(timeout, 10.0))
-    await_exits = getattr(group, "await_exits", None)  # hosts reported dead may still be exiting
-    if await_exits is not None:
-        with contextlib.suppress(Exception):
-            await_exits(min(timeout, 10.0))
     if group.is_primary():
         shutil.rmtree(tmp, ignore_errors=True)
 

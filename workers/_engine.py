@@ -132,26 +132,20 @@ def _split_among_writers(tasks: Sequence[SaveTask], writers: int) -> list[_Part]
 
     total = sum(size(r, t.spec) for t in tasks for r in t.regions)
     share = total / writers
-    units: list[tuple[int, SaveTask, tuple[Region, ...]]] = []
-    for task in tasks:
+    units: list[tuple[int, int, tuple[Region, ...]]] = []  # (bytes, task index, regions)
+    for k, task in enumerate(tasks):
         task_bytes = sum(size(r, task.spec) for r in task.regions)
         if task_bytes > share and len(task.regions) > 1:
-            units.extend((size(r, task.spec), task, (r,)) for r in task.regions)
+            units.extend((size(r, task.spec), k, (r,)) for r in task.regions)
         else:
-            units.append((task_bytes, task, task.regions))
+            units.append((task_bytes, k, task.regions))
     load = [0] * writers
-    assigned: dict[tuple[int, int], list[Region]] = {}
-    order: list[tuple[int, int]] = []
-    by_id = {id(t): t for t in tasks}
-    for nbytes, task, regions in sorted(units, key=lambda u: -u[0]):
+    assigned: dict[tuple[int, int], list[Region]] = {}  # (writer, task index) -> regions, in order
+    for nbytes, k, regions in sorted(units, key=lambda u: -u[0]):
         writer = min(range(writers), key=load.__getitem__)
         load[writer] += nbytes
-        key = (writer, id(task))
-        if key not in assigned:
-            assigned[key] = []
-            order.append(key)
-        assigned[key].extend(regions)
-    return [(writer, by_id[tid], tuple(assigned[(writer, tid)])) for writer, tid in order]
+        assigned.setdefault((writer, k), []).extend(regions)
+    return [(writer, tasks[k], tuple(regions)) for (writer, k), regions in assigned.items()]
 
 
 def _issue_writes(plan: SavePlan, sources: Sequence[Any], parts: list[_Part], opens: list[Any], futures: list[Any]) -> int:
@@ -440,7 +434,7 @@ class _BudgetedReader:
         self.budget = budget
         self.directory = directory
         self.locator = locator
-        self.direct = _direct.DirectReader() if locator is not None else None
+        self.direct = _direct.DirectReader() if locator is not None else None  # with the locator
         self.inflight: collections.deque[tuple[Any, np.ndarray, _Assembler, tuple[Any, ...], int]] = collections.deque()
         self.inflight_bytes = 0
 
@@ -460,11 +454,11 @@ class _BudgetedReader:
         out = aligned_empty(tuple(b - a for a, b in box), dtype)
         source = store[tsu.box_to_slices(box)] if box else store
         future: Any = None
-        if layout is not None and self.locator is not None and self.direct is not None:
+        if layout is not None and self.locator is not None:
             pieces = _direct.box_reads(layout, box) or []
             values = [self.locator.locate(piece.key) for piece in pieces]
             if pieces and all(v is not None for v in values):
-                submit = self.direct.submit
+                submit = self.direct.submit  # type: ignore[union-attr]
                 future = _DirectRead([submit(v, p, out) for v, p in zip(values, pieces, strict=True)], source, out)  # type: ignore[arg-type]
         if future is None:
             future = ts.array(out).write(source)
