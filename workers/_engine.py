@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import functools
 import math
+import mmap
 import os
 import threading
 from collections.abc import Sequence
@@ -347,10 +348,32 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, alignment: int = 64) 
     XLA's CPU client adopts such buffers without a copy on ``device_put``, so a loaded shard is
     read from disk straight into the memory the device array will own.
     """
+    dtype = np.dtype(dtype)
     nbytes = math.prod(shape) * dtype.itemsize
     raw = np.empty(nbytes + alignment, dtype=np.uint8)
     offset = (-raw.ctypes.data) % alignment
     return raw[offset : offset + nbytes].view(dtype).reshape(shape)
+
+
+_MAPPED_MIN_BYTES = 1 << 20
+
+
+def read_buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialized, aligned array for file reads to fill (see :func:`aligned_empty`).
+
+    Buffers of a MiB or more are private anonymous mappings of their own, unmapped when the last
+    view is gone. NumPy marks its large allocations MADV_HUGEPAGE; faulting transparent huge
+    pages in while the same reads fill the page cache with small pages stalls on memory
+    compaction, and cold loads of 1 GiB took twice as long (0.63 s against 1.27-1.44 s, median of
+    4-6 fresh processes each). A mapping of our own follows the system's huge-page policy.
+    In-memory copies (staging, casts) keep NumPy's allocation: huge pages make those faster.
+    """
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < _MAPPED_MIN_BYTES:
+        return aligned_empty(shape, dtype)
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return np.frombuffer(mapping, dtype=np.uint8).view(dtype).reshape(shape)
 
 
 class _Assembler:
@@ -451,7 +474,7 @@ class _BudgetedReader:
         if self.budget is not None:
             while self.inflight and self.inflight_bytes + nbytes > self.budget:
                 self._complete_one()
-        out = aligned_empty(tuple(b - a for a, b in box), dtype)
+        out = read_buffer(tuple(b - a for a, b in box), dtype)
         source = store[tsu.box_to_slices(box)] if box else store
         future: Any = None
         if layout is not None and self.locator is not None:
