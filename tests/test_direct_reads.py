@@ -209,3 +209,58 @@ def test_locator_walks_a_deep_btree(tmp_path: Path) -> None:
         with open(where.path, "rb") as f:
             f.seek(where.offset)
             assert f.read(where.length) == value
+
+
+def _big_state(mesh: jax.sharding.Mesh) -> dict[str, Any]:
+    """Shards of 1 MiB and more (the size from which read buffers are mappings of their own)."""
+    rng = np.random.default_rng(11)
+    return {
+        "w": put(rng.standard_normal((1024, 2048), dtype=np.float32), mesh, P("data", "model")),  # 1 MiB shards
+        "r": put(rng.integers(0, 255, (1024, 1536), dtype=np.uint8), mesh, P()),  # 1.5 MiB, replicated
+    }
+
+
+def test_large_boxes_are_read_into_buffers_the_devices_adopt(
+    tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each box of a MiB or more is read into a buffer of its own mapping, and the CPU device
+    array owns that very memory (no copy on placement); values are exact."""
+    from milepost.workers import _engine
+
+    state = _big_state(mesh24)
+    mp.save(tmp_path / "c", state)
+    buffers: list[np.ndarray] = []
+    real = _engine.read_buffer
+
+    def spy(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        out = real(shape, dtype)
+        buffers.append(out)
+        return out
+
+    monkeypatch.setattr(_engine, "read_buffer", spy)
+    restored = mp.load(tmp_path / "c", abstract_of(state))
+    assert_tree_equal(restored, state)
+    mapped = {b.ctypes.data for b in buffers if b.nbytes >= 1 << 20}
+    assert len(mapped) == 8 + 1, "one buffer per distinct box of 'w' (8) and of replicated 'r' (1)"
+    assert all(b.ctypes.data % 4096 == 0 for b in buffers if b.nbytes >= 1 << 20)
+    w_pointers = {s.data.unsafe_buffer_pointer() for s in restored["w"].addressable_shards}
+    assert w_pointers <= mapped, "the devices copied the read buffers instead of adopting them"
+
+
+def test_loads_work_when_no_mapping_can_be_made(
+    tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Out of mappings (vm.max_map_count): read buffers come from NumPy and the load is exact."""
+    import mmap
+
+    from milepost.workers import _engine
+
+    state = _big_state(mesh24)
+    mp.save(tmp_path / "c", state)
+
+    def no_mapping(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(mmap, "mmap", no_mapping)
+    assert _engine.read_buffer((2048, 1024), np.dtype(np.float32)).ctypes.data % 64 == 0
+    assert_tree_equal(mp.load(tmp_path / "c", abstract_of(state)), state)

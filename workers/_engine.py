@@ -370,10 +370,14 @@ def read_buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """
     dtype = np.dtype(dtype)
     nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes < _MAPPED_MIN_BYTES:
-        return aligned_empty(shape, dtype)
-    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return np.frombuffer(mapping, dtype=np.uint8).view(dtype).reshape(shape)
+    if nbytes >= _MAPPED_MIN_BYTES:
+        try:
+            mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        except OSError:  # e.g. vm.max_map_count reached: NumPy's allocator still works
+            pass
+        else:
+            return np.frombuffer(mapping, dtype=np.uint8).view(dtype).reshape(shape)
+    return aligned_empty(shape, dtype)
 
 
 class _Assembler:
