@@ -362,11 +362,12 @@ def read_buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """An uninitialized, aligned array for file reads to fill (see :func:`aligned_empty`).
 
     Buffers of a MiB or more are private anonymous mappings of their own, unmapped when the last
-    view is gone. NumPy marks its large allocations MADV_HUGEPAGE; faulting transparent huge
-    pages in while the same reads fill the page cache with small pages stalls on memory
-    compaction, and cold loads of 1 GiB took twice as long (0.63 s against 1.27-1.44 s, median of
-    4-6 fresh processes each). A mapping of our own follows the system's huge-page policy.
-    In-memory copies (staging, casts) keep NumPy's allocation: huge pages make those faster.
+    view is gone. NumPy marks its large allocations MADV_HUGEPAGE, and with that hint cold loads
+    of 1 GiB took twice as long (medians of 4-6 fresh processes: 0.63 s against 1.27-1.44 s;
+    switching NumPy's hint off gave the same gain), most likely because huge-page faults stall
+    on compaction while the same reads fill the page cache with small pages. A mapping of our
+    own follows the system's huge-page policy. In-memory copies (staging, casts) keep NumPy's
+    allocation: there the hint made save_async's copies faster.
     """
     dtype = np.dtype(dtype)
     nbytes = math.prod(shape) * dtype.itemsize
