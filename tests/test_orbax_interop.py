@@ -68,6 +68,17 @@ def test_orbax_reads_milepost(tmp_path: Path, mesh24: jax.sharding.Mesh, use_ocd
     assert restored["params"]["w"].sharding == abstract["params"]["w"].sharding
 
 
+def test_orbax_reads_host_offloaded_arrays(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
+    """The 'memory_kind' milepost records for pinned_host arrays does not disturb Orbax's reader."""
+    state = make_state(mesh24)
+    w = state["params"]["w"]
+    state["params"]["w"] = jax.device_put(w, w.sharding.with_memory_kind("pinned_host"))
+    mp.save(tmp_path / "c", state)
+    check(ocp.load(tmp_path / "c"), state)
+    abstract, _ = resharded_abstract(state)
+    check(ocp.load(tmp_path / "c", abstract), state)
+
+
 def test_milepost_reads_orbax(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
     state = make_state(mesh24)
     ocp.save(tmp_path / "c", state)

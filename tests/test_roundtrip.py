@@ -264,6 +264,35 @@ def assert_shards_exact(x: jax.Array, full: np.ndarray) -> None:
         assert same_bits(shard.data, full[shard.index]), (shard.device, shard.index)
 
 
+def test_memory_kinds_are_saved_and_loaded(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
+    """Host-offloaded arrays ('pinned_host') come back where they were saved; an abstract tree
+    moves any array into the memory its sharding names; default-memory arrays record nothing."""
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((16, 8), dtype=np.float32)
+    v = rng.integers(0, 9, (6,), dtype=np.int32)
+    state = {
+        "opt": jax.device_put(w, NamedSharding(mesh24, P("data", "model"), memory_kind="pinned_host")),
+        "one": jax.device_put(v, SingleDeviceSharding(jax.devices()[3], memory_kind="pinned_host")),
+        "w": put(w, mesh24, P("model")),
+    }
+    mp.save(tmp_path / "c", state)
+    restored = mp.load(tmp_path / "c")
+    assert_tree_equal(restored, state)
+    assert [restored[k].sharding.memory_kind for k in ("opt", "one", "w")] == ["pinned_host", "pinned_host", "device"]
+    meta = mp.metadata(tmp_path / "c").tree
+    assert meta["opt"].sharding.memory_kind == "pinned_host" and meta["w"].sharding.memory_kind is None
+    saved = json.loads((tmp_path / "c" / "state" / "_sharding").read_text())
+    assert ["memory_kind" in json.loads(text) for text in saved.values()].count(True) == 2
+
+    mesh42 = jax.make_mesh((4, 2), ("x", "y"))
+    for source in ("opt", "w"):
+        for kind in ("pinned_host", "unpinned_host", "device"):
+            target = NamedSharding(mesh42, P(None, "x"), memory_kind=kind)
+            out = mp.load(tmp_path / "c", {source: jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=target)}, partial=True)
+            assert out[source].sharding == target, (source, kind)
+            assert_shards_exact(out[source], w)
+
+
 @pytest.mark.parametrize("subchunked", [False, True], ids=["one-chunk-per-shard", "subchunked"])
 def test_resharded_loads(tmp_path: Path, mesh24: jax.sharding.Mesh, subchunked: bool) -> None:
     rng = np.random.default_rng(2)

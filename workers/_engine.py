@@ -418,7 +418,12 @@ class _Assembler:
 
         if self.unplaced:
             buffers, devices = zip(*self.unplaced, strict=True)
-            self.placed.extend(jax.device_put(list(buffers), list(devices)))
+            # Into the memory the target sharding names (e.g. 'pinned_host' for offloaded state).
+            memory_kind = getattr(self.sharding, "memory_kind", None)
+            targets: list[Any] = list(devices)
+            if memory_kind is not None:
+                targets = [jax.sharding.SingleDeviceSharding(d, memory_kind=memory_kind) for d in devices]
+            self.placed.extend(jax.device_put(list(buffers), targets))
             self.unplaced = []
 
     def finish(self) -> None:

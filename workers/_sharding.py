@@ -7,6 +7,7 @@ contiguous across processes: everything maps by id, never by position.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -30,6 +31,9 @@ class ShardingSpec:
     spec: tuple[AxisEntry, ...] = ()
     axis_types: tuple[str, ...] = ()
     """'Auto', 'Explicit' or 'Manual' per mesh axis (``named`` fills in JAX's default, Auto)."""
+    memory_kind: str | None = None
+    """The memory the array lives in when it is not its devices' default, e.g. 'pinned_host' for
+    host-offloaded state; None: the default memory."""
 
     # ---- construction -------------------------------------------------------------------
     @staticmethod
@@ -73,10 +77,16 @@ class ShardingSpec:
             mesh = sharding.mesh
             ids = tuple(int(d.id) for d in mesh.devices.flat)
             types = tuple(str(t) for t in getattr(mesh, "axis_types", ()))
-            return ShardingSpec.named(tuple(mesh.devices.shape), tuple(mesh.axis_names), ids, tuple(sharding.spec), types)
-        if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+            spec = ShardingSpec.named(tuple(mesh.devices.shape), tuple(mesh.axis_names), ids, tuple(sharding.spec), types)
+        elif isinstance(sharding, jax.sharding.SingleDeviceSharding):
             (device,) = sharding.device_set
-            return ShardingSpec.single(device.id)
+            spec = ShardingSpec.single(device.id)
+        else:
+            spec = None
+        if spec is not None:
+            kind = sharding.memory_kind
+            default = next(iter(sharding.device_set)).default_memory().kind
+            return spec if kind in (None, default) else dataclasses.replace(spec, memory_kind=kind)
         raise TypeError(
             f"milepost saves jax.Arrays with NamedSharding or SingleDeviceSharding, got {type(sharding).__name__}; "
             "reshard the array onto a NamedSharding (jax.device_put(x, NamedSharding(mesh, spec))) before saving"
@@ -127,14 +137,18 @@ class ShardingSpec:
         return out
 
     def describe(self) -> str:
+        memory = f", memory_kind={self.memory_kind!r}" if self.memory_kind else ""
         if self.kind == "single":
-            return f"SingleDevice(id={self.device_ids[0]})"
-        return f"Named(mesh={dict(zip(self.axis_names, self.mesh_shape, strict=True))}, spec={self.spec})"
+            return f"SingleDevice(id={self.device_ids[0]}{memory})"
+        return f"Named(mesh={dict(zip(self.axis_names, self.mesh_shape, strict=True))}, spec={self.spec}{memory})"
 
     # ---- Orbax ``_sharding`` JSON -------------------------------------------------------
     def to_orbax_json(self, platform: str = "cpu") -> str:
+        # A non-default memory kind goes under the key Orbax's sharding metadata reserves for it
+        # ('memory_kind'); Orbax 0.12 reads the keys it knows and ignores it.
+        memory = {"memory_kind": self.memory_kind} if self.memory_kind else {}
         if self.kind == "single":
-            return json.dumps({"sharding_type": "SingleDeviceSharding", "device_str": f"{platform}:{self.device_ids[0]}"})
+            return json.dumps({"sharding_type": "SingleDeviceSharding", "device_str": f"{platform}:{self.device_ids[0]}", **memory})
         nested: Any = [{"id": i} for i in self.device_ids]
         for size in reversed(self.mesh_shape[1:]):
             nested = [nested[i : i + size] for i in range(0, len(nested), size)]
@@ -147,6 +161,7 @@ class ShardingSpec:
                 "axis_types": [f"AxisType.{t}" for t in self.axis_types],
                 "partition_spec": spec,
                 "device_mesh": {"mesh": nested},
+                **memory,
             }
         )
 
@@ -155,14 +170,19 @@ class ShardingSpec:
         d: Mapping[str, Any] = json.loads(text)
         kind = d.get("sharding_type")
         if kind == "SingleDeviceSharding":
-            return ShardingSpec.single(int(str(d["device_str"]).rsplit(":", 1)[-1]))
-        if kind == "NamedSharding":
+            out = ShardingSpec.single(int(str(d["device_str"]).rsplit(":", 1)[-1]))
+        elif kind == "NamedSharding":
             ids: list[int] = []
             _flatten_ids(d["device_mesh"]["mesh"], ids)
             spec = tuple(tuple(e) if isinstance(e, list) else e for e in d.get("partition_spec", []))
             types = tuple(d.get("axis_types") or ())
-            return ShardingSpec.named(tuple(d["shape"]), tuple(d["axis_names"]), tuple(ids), spec, types)
-        raise ValueError(f"unsupported saved sharding type {kind!r}")
+            out = ShardingSpec.named(tuple(d["shape"]), tuple(d["axis_names"]), tuple(ids), spec, types)
+        else:
+            raise ValueError(f"unsupported saved sharding type {kind!r}")
+        memory_kind = d.get("memory_kind")
+        if memory_kind is not None and not isinstance(memory_kind, str):
+            raise ValueError(f"memory_kind must be a string, got {memory_kind!r}")
+        return dataclasses.replace(out, memory_kind=memory_kind) if memory_kind else out
 
 
 def _axes(entry: AxisEntry | Any) -> tuple[str, ...]:
@@ -205,11 +225,11 @@ def _to_jax(spec: ShardingSpec) -> Any:
             "pass an abstract tree with shardings over the devices you have to load resharded"
         )
     if spec.kind == "single":
-        return jax.sharding.SingleDeviceSharding(by_id[spec.device_ids[0]])
+        return jax.sharding.SingleDeviceSharding(by_id[spec.device_ids[0]], memory_kind=spec.memory_kind)
     devices = np.array([by_id[i] for i in spec.device_ids], dtype=object).reshape(spec.mesh_shape)
     if spec.axis_types:
         types = tuple(getattr(jax.sharding.AxisType, t) for t in spec.axis_types)
         mesh = jax.sharding.Mesh(devices, spec.axis_names, axis_types=types)
     else:
         mesh = jax.sharding.Mesh(devices, spec.axis_names)
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec.spec))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec.spec), memory_kind=spec.memory_kind)
