@@ -220,9 +220,12 @@ def _start_device_to_host(plan: SavePlan, sources: Sequence[Any]) -> None:
 
 
 def _may_alias_caller_memory(source: Any, device_id: int) -> bool:
-    """Whether the host view of this region is the caller's memory (NumPy, or a CPU device
-    buffer) rather than a fresh device-to-host transfer."""
+    """Whether the host view of this region may be the caller's memory (NumPy, a CPU device
+    buffer, or an array held in host memory such as 'pinned_host') rather than a fresh
+    device-to-host transfer."""
     if device_id < 0 or isinstance(source, np.ndarray | np.generic):
+        return True
+    if getattr(source.sharding, "memory_kind", None) in ("pinned_host", "unpinned_host"):
         return True
     return any(d.platform == "cpu" for d in source.sharding.device_set)
 
