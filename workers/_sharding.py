@@ -82,15 +82,13 @@ class ShardingSpec:
             (device,) = sharding.device_set
             spec = ShardingSpec.single(device.id)
         else:
-            spec = None
-        if spec is not None:
-            kind = sharding.memory_kind
-            default = next(iter(sharding.device_set)).default_memory().kind
-            return spec if kind in (None, default) else dataclasses.replace(spec, memory_kind=kind)
-        raise TypeError(
-            f"milepost saves jax.Arrays with NamedSharding or SingleDeviceSharding, got {type(sharding).__name__}; "
-            "reshard the array onto a NamedSharding (jax.device_put(x, NamedSharding(mesh, spec))) before saving"
-        )
+            raise TypeError(
+                f"milepost saves jax.Arrays with NamedSharding or SingleDeviceSharding, got {type(sharding).__name__}; "
+                "reshard the array onto a NamedSharding (jax.device_put(x, NamedSharding(mesh, spec))) before saving"
+            )
+        kind = sharding.memory_kind
+        default = next(iter(sharding.device_set)).default_memory().kind
+        return spec if kind in (None, default) else dataclasses.replace(spec, memory_kind=kind)
 
     # ---- jax ----------------------------------------------------------------------------
     def to_jax(self) -> Any:
