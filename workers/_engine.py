@@ -351,7 +351,6 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, alignment: int = 64) 
     XLA's CPU client adopts such buffers without a copy on ``device_put``, so a loaded shard is
     read from disk straight into the memory the device array will own.
     """
-    dtype = np.dtype(dtype)
     nbytes = math.prod(shape) * dtype.itemsize
     raw = np.empty(nbytes + alignment, dtype=np.uint8)
     offset = (-raw.ctypes.data) % alignment
