@@ -5,6 +5,7 @@ This package runs inside host processes; it imports neither ``milepost`` (the co
 """
 
 from milepost.workers._engine import PendingSave, load, start_save
+from milepost.workers._errors import CheckpointNotFoundError, CorruptCheckpointError
 from milepost.workers._messages import (
     ArraySpec,
     Index,
@@ -16,13 +17,16 @@ from milepost.workers._messages import (
     SavePlan,
     SaveTask,
     StoreSpec,
+    WrittenArray,
 )
+from milepost.workers._pending import Done, PendingWrite, settle_all
 from milepost.workers._sharding import ShardingSpec
 from milepost.workers._tensorstore import (
     PROCESS_PREFIX,
     ZARR3_DTYPES,
-    merge_kvstore,
+    merge_ocdbt,
     process_dir_name,
+    read_array_headers,
     read_kvstore,
 )
 
@@ -30,20 +34,27 @@ __all__ = [
     "PROCESS_PREFIX",
     "ZARR3_DTYPES",
     "ArraySpec",
+    "CheckpointNotFoundError",
+    "CorruptCheckpointError",
+    "Done",
     "Index",
     "LoadAck",
     "LoadPlan",
     "LoadTask",
     "PendingSave",
+    "PendingWrite",
     "Region",
     "SaveAck",
     "SavePlan",
     "SaveTask",
     "ShardingSpec",
     "StoreSpec",
+    "WrittenArray",
     "load",
-    "merge_kvstore",
+    "merge_ocdbt",
     "process_dir_name",
+    "read_array_headers",
     "read_kvstore",
+    "settle_all",
     "start_save",
 ]

@@ -26,6 +26,8 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
+from milepost.workers import _tensorstore as tsu
+from milepost.workers._errors import CorruptCheckpointError
 from milepost.workers._messages import StoreSpec
 
 _INDEX_ENTRY = struct.Struct("<QQ")
@@ -201,7 +203,7 @@ class Locator:
         prefixes = sorted({n + "/" for n in names} - self._indexed)
         if not prefixes or not self.use_ocdbt:
             return
-        base = ts.KvStore.open({"driver": "file", "path": self.directory.rstrip("/") + "/"}).result()
+        base = ts.KvStore.open(tsu.file_kvstore(self.directory)).result()
         manifest = ts.ocdbt.dump(base).result()
         root = manifest["versions"][-1]["root"].get("location") if manifest.get("versions") else None
         if root is not None:
@@ -279,7 +281,7 @@ class DirectReader:
             target = target[read.offset_in_box : read.offset_in_box + read.nbytes]
         index_size = _INDEX_ENTRY.size + 4
         if value.length < index_size:
-            raise ValueError(f"shard {read.key!r} is {value.length} bytes, too short to hold its index")
+            raise CorruptCheckpointError(f"shard {read.key!r} is {value.length} bytes, too short to hold its index")
         whole = read.offset_in_chunk == 0 and len(target) == read.chunk_nbytes == value.length - index_size
         if whole:
             # TensorStore puts a shard's only chunk first, then the index: one sequential read
@@ -291,12 +293,12 @@ class DirectReader:
             _pread_exactly(fd, [memoryview(index)], value.offset + value.length - index_size, read.key, value.path)
         (checksum,) = struct.unpack("<I", index[-4:])
         if crc32c(bytes(index[:-4])) != checksum:
-            raise ValueError(f"shard {read.key!r} has a damaged index (CRC32C mismatch) in {value.path}")
+            raise CorruptCheckpointError(f"shard {read.key!r} has a damaged index (CRC32C mismatch) in {value.path}")
         chunk_offset, chunk_nbytes = _INDEX_ENTRY.unpack(index[:-4])
         if chunk_offset == _MISSING and chunk_nbytes == _MISSING:
             raise FallBack
         if chunk_nbytes != read.chunk_nbytes or chunk_offset + chunk_nbytes > value.length - index_size:
-            raise ValueError(
+            raise CorruptCheckpointError(
                 f"shard {read.key!r} in {value.path} says its chunk is {chunk_nbytes} bytes at {chunk_offset}, "
                 f"but an uncompressed chunk is {read.chunk_nbytes} bytes within a {value.length}-byte shard"
             )
@@ -325,5 +327,5 @@ def _pread_exactly(fd: int, buffers: list[memoryview], position: int, key: str, 
             skip = 0
         got = os.preadv(fd, pending, position + done)
         if got <= 0:
-            raise ValueError(f"shard {key!r} is cut short in {path}")
+            raise CorruptCheckpointError(f"shard {key!r} is cut short in {path}")
         done += got

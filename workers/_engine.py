@@ -12,6 +12,7 @@ import math
 import mmap
 import os
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
@@ -22,61 +23,69 @@ import tensorstore as ts
 
 from milepost.workers import _direct
 from milepost.workers import _tensorstore as tsu
+from milepost.workers._errors import CorruptCheckpointError
 from milepost.workers._messages import (
     ArraySpec,
+    LoadAck,
     LoadPlan,
     LoadTask,
     Region,
     SaveAck,
     SavePlan,
     SaveTask,
+    WrittenArray,
 )
 from milepost.workers._sharding import ShardingSpec
 
 
 class PendingSave:
-    """Writes issued by :func:`start_save`; :meth:`wait` blocks until they are durable."""
+    """The TensorStore writes (and array creations) of one :func:`start_save`: a
+    :class:`~milepost.workers.PendingWrite` whose ``wait`` returns this host's :class:`SaveAck`."""
 
-    def __init__(self, plan: SavePlan, futures: list[Any], nbytes: int) -> None:
+    def __init__(self, plan: SavePlan) -> None:
         self._plan = plan
-        self._futures: list[Any] | None = futures
-        self._nbytes = nbytes
+        self._inflight: list[Any] | None = []
+        """TensorStore futures that may still write: array opens (they create zarr.json) and
+        write commits. Dropped once durable, which frees the staged buffers."""
+        self._nbytes = 0
         self._lock = threading.Lock()
         self._ack: SaveAck | None = None
+
+    def _track(self, future: Any, nbytes: int = 0) -> None:
+        assert self._inflight is not None
+        self._inflight.append(future)
+        self._nbytes += nbytes
 
     def wait(self, timeout: float | None = None) -> SaveAck:
         with self._lock:
             if self._ack is None:
-                futures = self._futures or []
+                deadline = None if timeout is None else time.monotonic() + timeout
                 try:
-                    for f in futures:
-                        f.commit.result(timeout=timeout)
+                    for f in self._inflight or []:
+                        f.result(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
                 except BaseException:
-                    _settle(futures, timeout)  # no write may land after the caller cleans up
+                    self._settle(timeout)  # no write may land after the caller cleans up
                     raise
-                self._futures = None  # drop the staged buffers as soon as they are on disk
+                self._inflight = None
                 arrays = tuple(
-                    (t.spec.name, t.spec.write_shape, t.spec.chunk_shape)
+                    WrittenArray(name=t.spec.name, write_shape=t.spec.write_shape, chunk_shape=t.spec.chunk_shape)
                     for t in self._plan.tasks
                     if t.regions or t.create
                 )
-                self._ack = SaveAck(
-                    process_index=self._plan.process_index, bytes_written=self._nbytes, arrays=arrays
-                )
+                self._ack = SaveAck(process_index=self._plan.process_index, bytes_written=self._nbytes, arrays=arrays)
             return self._ack
 
     def settle(self, timeout: float | None = None) -> None:
-        """Wait for every issued write to finish, ignoring failures (the save is abandoned)."""
         with self._lock:
-            _settle(self._futures or [], timeout)
+            self._settle(timeout)
 
-
-def _settle(futures: list[Any], timeout: float | None) -> None:
-    for f in futures:
-        try:
-            f.commit.result(timeout=timeout)
-        except Exception:
-            pass
+    def _settle(self, timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for f in self._inflight or []:
+            try:
+                f.result(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+            except Exception:
+                pass
 
 
 def start_save(plan: SavePlan, sources: Sequence[Any]) -> PendingSave:
@@ -89,31 +98,19 @@ def start_save(plan: SavePlan, sources: Sequence[Any]) -> PendingSave:
     context = tsu.new_context()
     tasks = [t for t in plan.tasks if t.regions or t.create]
     parts = _split_among_writers(tasks, plan.writers if plan.store.use_ocdbt else 1)
-    opens = [
-        ts.open(
-            tsu.create_spec(tsu.write_kvstore(plan.store, plan.process_index, writer), task.spec),
-            create=True,
-            open=True,
-            context=context,
-        )
-        for writer, task, _ in parts
-    ]
-    futures: list[Any] = []
-    nbytes = 0
+    pending = PendingSave(plan)
+    opens = []
+    for writer, task, _ in parts:
+        spec = tsu.create_spec(tsu.write_kvstore(plan.store, plan.process_index, writer), task.spec)
+        opens.append(ts.open(spec, create=True, open=True, context=context))
+        pending._track(opens[-1])
     try:
         _start_device_to_host(plan, sources)
-        nbytes = _issue_writes(plan, sources, parts, opens, futures)
+        _issue_writes(plan, sources, parts, opens, pending)
     except BaseException:
-        # Opens (they create zarr.json) and writes already issued must land before the caller
-        # removes the directory, or they recreate it.
-        for opening in opens:
-            try:
-                opening.result()
-            except Exception:
-                pass
-        _settle(futures, None)
+        pending.settle()  # opens and writes already issued must land before the caller cleans up
         raise
-    return PendingSave(plan, futures, nbytes)
+    return pending
 
 
 _Part = tuple[int, SaveTask, tuple[Region, ...]]
@@ -149,7 +146,7 @@ def _split_among_writers(tasks: Sequence[SaveTask], writers: int) -> list[_Part]
     return [(writer, tasks[k], tuple(regions)) for (writer, k), regions in assigned.items()]
 
 
-def _issue_writes(plan: SavePlan, sources: Sequence[Any], parts: list[_Part], opens: list[Any], futures: list[Any]) -> int:
+def _issue_writes(plan: SavePlan, sources: Sequence[Any], parts: list[_Part], opens: list[Any], pending: PendingSave) -> None:
     writes: list[tuple[Any, tuple[tuple[int, int], ...], np.ndarray]] = []
     copies: list[tuple[np.ndarray, np.ndarray]] = []
     for (_, task, regions), opening in zip(parts, opens, strict=True):
@@ -168,11 +165,9 @@ def _issue_writes(plan: SavePlan, sources: Sequence[Any], parts: list[_Part], op
     # Every copy before any write: the writes would compete with the copies for memory
     # bandwidth and cores, and the copies are what the caller waits for.
     parallel_copy(copies)
-    nbytes = 0
     for store, box, data in writes:
-        nbytes += data.nbytes
-        futures.append(store[tsu.box_to_slices(box)].write(data, can_reference_source_data_indefinitely=True))
-    return nbytes
+        written = store[tsu.box_to_slices(box)].write(data, can_reference_source_data_indefinitely=True)
+        pending._track(written.commit, data.nbytes)
 
 
 _COPY_BLOCK_BYTES = 32 << 20
@@ -263,11 +258,11 @@ def _region_data(
 # ------------------------------------------------------------------------------------------
 
 
-def load(plan: LoadPlan) -> list[Any]:
+def load(plan: LoadPlan, process_index: int | str = 0) -> tuple[list[Any], LoadAck]:
     """Read what this host's devices need of every task, place it, assemble global arrays.
 
-    Returns one entry per task: a ``jax.Array`` (its addressable shards filled) or, for tasks
-    without a sharding, a NumPy array.
+    Returns one entry per task — a ``jax.Array`` (its addressable shards filled) or, for tasks
+    without a sharding, a NumPy array — and this host's :class:`LoadAck`.
     """
     _check_device_dtypes(plan.tasks)
     context = tsu.new_context()
@@ -281,12 +276,15 @@ def load(plan: LoadPlan) -> list[Any]:
         try:
             store = opening.result()
         except Exception as e:  # TensorStore raises ValueError with a long status string
-            raise FileNotFoundError(
+            raise CorruptCheckpointError(
                 f"array {task.name!r} could not be opened in {plan.store.directory}: {e}. "
-                "The checkpoint is incomplete or not a milepost/Orbax checkpoint."
+                "The checkpoint is missing data or damaged; load an earlier checkpoint."
             ) from e
         if tuple(store.shape) != tuple(task.shape):
-            raise ValueError(f"array {task.name!r} is stored with shape {tuple(store.shape)}, the plan expects {task.shape}")
+            raise CorruptCheckpointError(
+                f"array {task.name!r} is stored with shape {tuple(store.shape)} in {plan.store.directory}, but its "
+                f"metadata says {task.shape}; the checkpoint is damaged"
+            )
         stores.append(store)
     layouts: list[_direct.ShardLayout | None] = [None] * len(stores)
     locator = None
@@ -318,7 +316,7 @@ def load(plan: LoadPlan) -> list[Any]:
         reader.close()
     for asm in assemblers:
         asm.finish()
-    return results
+    return results, LoadAck(process_index=process_index, bytes_read=reader.bytes_read, arrays=len(results))
 
 
 def _check_device_dtypes(tasks: Sequence[LoadTask]) -> None:
@@ -364,12 +362,10 @@ def read_buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """An uninitialized, aligned array for file reads to fill (see :func:`aligned_empty`).
 
     Buffers of a MiB or more are private anonymous mappings of their own, unmapped when the last
-    view is gone. NumPy marks its large allocations MADV_HUGEPAGE, and with that hint cold loads
-    of 1 GiB took twice as long (medians of 4-6 fresh processes: 0.63 s against 1.27-1.44 s;
-    switching NumPy's hint off gave the same gain), most likely because huge-page faults stall
-    on compaction while the same reads fill the page cache with small pages. A mapping of our
-    own follows the system's huge-page policy. In-memory copies (staging, casts) keep NumPy's
-    allocation: there the hint made save_async's copies faster.
+    view is gone: NumPy marks its large allocations MADV_HUGEPAGE, and with that hint cold loads
+    were about twice as slow (benchmarks/NOTES.md has the figures). A mapping of our own follows
+    the system's huge-page policy. In-memory copies (staging, casts) keep NumPy's allocation:
+    there the hint made save_async's copies faster.
     """
     dtype = np.dtype(dtype)
     nbytes = math.prod(shape) * dtype.itemsize
@@ -472,6 +468,7 @@ class _BudgetedReader:
         self.direct = _direct.DirectReader() if locator is not None else None  # with the locator
         self.inflight: collections.deque[tuple[Any, np.ndarray, _Assembler, tuple[Any, ...], int]] = collections.deque()
         self.inflight_bytes = 0
+        self.bytes_read = 0
 
     def read(
         self,
@@ -505,12 +502,13 @@ class _BudgetedReader:
         try:
             future.result()
         except Exception as e:  # TensorStore's ValueError("NOT_FOUND: ..."), a bad checksum, a short file...
-            raise ValueError(
+            raise CorruptCheckpointError(
                 f"array {asm.task.name!r}: reading a {out.shape} box from {self.directory} failed ({e}); the "
                 "checkpoint's data files are missing or damaged. Load an earlier checkpoint."
             ) from e
         asm.take(devices, out)
         self.inflight_bytes -= nbytes
+        self.bytes_read += nbytes
 
     def drain(self) -> None:
         while self.inflight:

@@ -61,7 +61,9 @@ class SaveTask:
 @dataclass(frozen=True, kw_only=True)
 class SavePlan:
     store: StoreSpec
-    process_index: int
+    process_index: int | str
+    """The host process writing (``ocdbt.process_<i>``); the controller's own leaves use
+    ``"controller"``."""
     tasks: tuple[SaveTask, ...]
     copy: bool = True
     """Copy the data to host memory before returning from staging (False: the caller promises
@@ -71,11 +73,23 @@ class SavePlan:
 
 
 @dataclass(frozen=True, kw_only=True)
+class WrittenArray:
+    """What a host wrote of one array: the per-process entry of ``array_metadatas/``."""
+
+    name: str
+    write_shape: tuple[int, ...]
+    chunk_shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
 class SaveAck:
-    process_index: int
+    """A host's answer once its writes are durable; the commit writes ``array_metadatas/``
+    from these."""
+
+    process_index: int | str
     bytes_written: int
-    arrays: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...]
-    """``(name, write_shape, chunk_shape)`` of every array this host wrote."""
+    arrays: tuple[WrittenArray, ...]
+    """Every array this host wrote (or created), in plan order."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,5 +118,10 @@ class LoadPlan:
 
 @dataclass(frozen=True, kw_only=True)
 class LoadAck:
-    process_index: int
+    """A host's answer once its devices hold their shards."""
+
+    process_index: int | str
     bytes_read: int
+    """Bytes this host read from storage."""
+    arrays: int
+    """How many arrays of the plan it placed (its part of each)."""

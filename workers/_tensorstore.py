@@ -1,13 +1,24 @@
-"""TensorStore specs for the on-disk layout (zarr3 arrays, optionally inside OCDBT)."""
+"""Every TensorStore spec milepost uses: kvstores for the on-disk layout (zarr3 arrays,
+optionally inside OCDBT), array specs, reading array headers and merging OCDBT stores.
+
+Layout of a checkpointable folder with OCDBT: each host writes its own databases
+``ocdbt.process_<i>`` (and ``ocdbt.process_<i>.<k>`` for extra writers; the controller's own
+leaves go to ``ocdbt.process_controller``); the commit merges them into a root database in the
+folder itself, which references their data files without copying. Without OCDBT each array is a
+plain zarr3 folder named after its leaf.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-import numpy as np
 import tensorstore as ts
 
+from milepost.workers._errors import CorruptCheckpointError
 from milepost.workers._messages import ArraySpec, StoreSpec
 
 PROCESS_PREFIX = "ocdbt.process_"
@@ -24,8 +35,22 @@ def new_context(file_io_concurrency: int = 64) -> ts.Context:
     return ts.Context({"file_io_concurrency": {"limit": file_io_concurrency}})
 
 
-def _file(path: str) -> dict[str, Any]:
-    return {"driver": "file", "path": path.rstrip("/") + "/"}
+# ------------------------------------------------------------------------------------------
+# kvstores
+# ------------------------------------------------------------------------------------------
+
+
+def file_kvstore(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A folder as a kvstore."""
+    return {"driver": "file", "path": str(path).rstrip("/") + "/"}
+
+
+def ocdbt_kvstore(path: str | os.PathLike[str], *, writable: bool = False) -> dict[str, Any]:
+    """The OCDBT database whose manifest is in folder ``path``."""
+    spec: dict[str, Any] = {"driver": "ocdbt", "base": file_kvstore(path)}
+    if writable:
+        spec["config"] = OCDBT_CONFIG
+    return spec
 
 
 def process_dir_name(process_index: int | str, writer: int = 0) -> str:
@@ -35,20 +60,15 @@ def process_dir_name(process_index: int | str, writer: int = 0) -> str:
 def write_kvstore(store: StoreSpec, process_index: int | str, writer: int = 0) -> dict[str, Any]:
     """The kvstore a host's writer writes into: its own OCDBT database, or the plain folder."""
     if not store.use_ocdbt:
-        return _file(store.directory)
-    base = os.path.join(store.directory, process_dir_name(process_index, writer))
-    return {"driver": "ocdbt", "base": _file(base), "config": OCDBT_CONFIG}
+        return file_kvstore(store.directory)
+    return ocdbt_kvstore(os.path.join(store.directory, process_dir_name(process_index, writer)), writable=True)
 
 
 def read_kvstore(store: StoreSpec) -> dict[str, Any]:
     """The kvstore a reader sees: the merged root OCDBT view, or the plain folder."""
     if not store.use_ocdbt:
-        return _file(store.directory)
-    return {"driver": "ocdbt", "base": _file(store.directory)}
-
-
-def merge_kvstore(store: StoreSpec) -> dict[str, Any]:
-    return {"driver": "ocdbt", "base": _file(store.directory), "config": OCDBT_CONFIG}
+        return file_kvstore(store.directory)
+    return ocdbt_kvstore(store.directory)
 
 
 def _array_kvstore(kvstore: dict[str, Any], name: str) -> dict[str, Any]:
@@ -58,6 +78,10 @@ def _array_kvstore(kvstore: dict[str, Any], name: str) -> dict[str, Any]:
     return {**kvstore, "path": name + "/"}
 
 
+# ------------------------------------------------------------------------------------------
+# Arrays
+# ------------------------------------------------------------------------------------------
+
 ZARR3_DTYPES = frozenset(
     {
         "bool", "int2", "int4", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
@@ -66,11 +90,6 @@ ZARR3_DTYPES = frozenset(
     }
 )
 """NumPy dtype names that TensorStore's zarr3 driver can store."""
-
-
-def zarr_dtype(dtype: np.dtype | str) -> str:
-    name = np.dtype(dtype).name
-    return "bool" if name == "bool" else name
 
 
 def create_spec(kvstore: dict[str, Any], spec: ArraySpec) -> dict[str, Any]:
@@ -86,7 +105,7 @@ def create_spec(kvstore: dict[str, Any], spec: ArraySpec) -> dict[str, Any]:
         "store_data_equal_to_fill_value": True,
         "metadata": {
             "shape": list(spec.shape),
-            "data_type": zarr_dtype(spec.dtype),
+            "data_type": spec.dtype,
             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(spec.write_shape)}},
             "chunk_key_encoding": {"name": "default"},
             "codecs": [
@@ -118,3 +137,55 @@ def open_spec(kvstore: dict[str, Any], name: str, fill_missing: bool = False) ->
 
 def box_to_slices(box: tuple[tuple[int, int], ...]) -> tuple[slice, ...]:
     return tuple(slice(a, b) for a, b in box)
+
+
+def read_array_headers(store: StoreSpec, names: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """The ``zarr.json`` of each named array (small reads through the root view). An array
+    whose header is missing is a :class:`CorruptCheckpointError` naming it."""
+    if not names:
+        return {}
+    kv = ts.KvStore.open(read_kvstore(store)).result()
+    reads = {n: kv.read(f"{n}/zarr.json") for n in names}
+    out = {}
+    for name, read in reads.items():
+        result = read.result()
+        if result.state != "value":
+            raise CorruptCheckpointError(
+                f"array {name!r} is listed in the tree metadata of {store.directory} but its data is missing; the "
+                "checkpoint is damaged or was not merged. Load an earlier checkpoint."
+            )
+        try:
+            header = json.loads(result.value)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CorruptCheckpointError(
+                f"the zarr.json of array {name!r} in {store.directory} is not JSON ({e}); the checkpoint is damaged. "
+                "Load an earlier checkpoint."
+            ) from e
+        if not isinstance(header, dict):
+            raise CorruptCheckpointError(
+                f"the zarr.json of array {name!r} in {store.directory} is not a JSON object; the checkpoint is damaged"
+            )
+        out[name] = header
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# The commit's merge
+# ------------------------------------------------------------------------------------------
+
+
+def merge_ocdbt(directory: str | os.PathLike[str]) -> None:
+    """Make the root OCDBT view in ``directory`` reference every per-process database
+    (``ocdbt.process_*``) in one atomic transaction; no data is copied."""
+    directory = Path(directory)
+    children = sorted(p for p in directory.glob(f"{PROCESS_PREFIX}*") if p.is_dir())
+    if not children:
+        return
+    context = ts.Context()
+    parent = ts.KvStore.open(ocdbt_kvstore(directory, writable=True), context=context).result()
+    opened = [ts.KvStore.open(ocdbt_kvstore(child), context=context) for child in children]
+    txn = ts.Transaction(atomic=True)
+    copies = [o.result().experimental_copy_range_to(parent.with_transaction(txn)) for o in opened]
+    for c in copies:
+        c.result()
+    txn.commit_async().result()
