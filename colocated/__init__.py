@@ -2,7 +2,7 @@
 
 from milepost.colocated._errors import HostError
 from milepost.colocated._handles import AbstractArray, RemoteArray, SliceMesh, SliceSharding
-from milepost.colocated._hostgroup import HostGroup, LocalHostGroup, PendingHostSave
+from milepost.colocated._hostgroup import HostGroup, HostLoad, LocalHostGroup, PendingHostSave
 from milepost.colocated._mcjax import MultiControllerHostGroup, set_primary_process
 from milepost.colocated._ray_group import RayHostGroup, Traffic
 from milepost.colocated._slice import Slice, SliceOptions
@@ -11,6 +11,7 @@ __all__ = [
     "AbstractArray",
     "HostError",
     "HostGroup",
+    "HostLoad",
     "LocalHostGroup",
     "MultiControllerHostGroup",
     "PendingHostSave",

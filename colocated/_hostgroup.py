@@ -1,22 +1,39 @@
 """Host groups: how a controller's plans reach the hosts that own the devices.
 
 The controller builds one plan per host process and hands the whole mapping to its host group;
-the group runs each plan where the data lives (here, in this process) and returns small acks.
+the group runs each plan where the data lives and returns small acks. Three groups implement
+:class:`HostGroup`: :class:`LocalHostGroup` (this process; the embedded default, and the
+controller's own NumPy leaves in every mode), ``RayHostGroup`` (a slice's actors) and
+``MultiControllerHostGroup`` (every process of a ``jax.distributed`` job).
+
+A save, in the order the controller calls a group (after ``start_save`` returns, the caller's
+arrays are free; until ``wait`` or ``settle`` returns, a host may still write):
+
+1. ``start_save(plans, sources, timeout)`` -> a :class:`~milepost.workers.PendingWrite`;
+2. ``pending.wait(timeout)`` -> every host's :class:`~milepost.workers.SaveAck`, or an error
+   naming a host, raised only after this group's writes settled;
+3. after a failure elsewhere, ``pending.settle(timeout)`` before the temporary directory goes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import milepost.workers as workers
 
+PendingHostSave = workers.PendingWrite[list[workers.SaveAck]]
+"""The hosts' writes of one save; ``wait`` returns every host's ack (on the primary)."""
 
-@runtime_checkable
-class PendingHostSave(Protocol):
-    def wait(self, timeout: float | None = None) -> list[workers.SaveAck]:
-        """Block until every host has made its writes durable; raise naming a host that failed."""
-        ...
+
+@dataclass(frozen=True)
+class HostLoad:
+    """What a group's ``load`` returns: the controller's view of each task's array, and the
+    hosts' acks (every host's on the primary; in other controller processes their own)."""
+
+    arrays: list[Any]
+    acks: list[workers.LoadAck]
 
 
 @runtime_checkable
@@ -38,12 +55,12 @@ class HostGroup(Protocol):
         non-primary processes of a multi-controller job)."""
         ...
 
-    def start_save(self, plans: Mapping[int, workers.SavePlan], sources: Sequence[Any], timeout: float) -> PendingHostSave:
+    def start_save(self, plans: Mapping[Any, workers.SavePlan], sources: Sequence[Any], timeout: float) -> PendingHostSave:
         """Stage on every host (blocking: returns once every host acknowledged its D2H copy)."""
         ...
 
-    def load(self, plans: Mapping[int, workers.LoadPlan], timeout: float) -> list[Any]:
-        """Read and place on every host; return the controller's view of each task's array."""
+    def load(self, plans: Mapping[Any, workers.LoadPlan], timeout: float) -> HostLoad:
+        """Read and place on every host."""
         ...
 
     def check_devices(self, spec: workers.ShardingSpec, name: str) -> None:
@@ -60,6 +77,8 @@ class HostGroup(Protocol):
 
 
 class _LocalPending:
+    """This process's writes, as a group's pending save."""
+
     def __init__(self, pending: workers.PendingSave) -> None:
         self._pending = pending
 
@@ -67,34 +86,37 @@ class _LocalPending:
         return [self._pending.wait(timeout)]
 
     def settle(self, timeout: float | None = None) -> None:
-        """After a failure elsewhere: wait for these writes to land, ignoring their outcome."""
         self._pending.settle(timeout)
 
 
 class LocalHostGroup:
-    """The embedded default: this process is the controller and the only host."""
+    """This process is the only host: the embedded default (``process_index`` 0, or this
+    process's index), and the controller's own leaves (``process_index="controller"``)."""
 
     name = "local"
 
-    def __init__(self, process_index: int = 0) -> None:
+    def __init__(self, process_index: int | str = 0) -> None:
         self._process_index = process_index
 
     def process_of_device(self, device_id: int) -> int:
+        if not isinstance(self._process_index, int):
+            raise ValueError(f"the {self._process_index} host group holds no devices")
         return self._process_index
 
     def processes(self) -> Sequence[int]:
-        return (self._process_index,)
+        return (self._process_index,)  # type: ignore[return-value]
 
     def is_primary(self) -> bool:
         return True
 
-    def start_save(self, plans: Mapping[int, workers.SavePlan], sources: Sequence[Any], timeout: float) -> _LocalPending:
+    def start_save(self, plans: Mapping[Any, workers.SavePlan], sources: Sequence[Any], timeout: float) -> _LocalPending:
         (plan,) = plans.values()
         return _LocalPending(workers.start_save(plan, sources))
 
-    def load(self, plans: Mapping[int, workers.LoadPlan], timeout: float) -> list[Any]:
+    def load(self, plans: Mapping[Any, workers.LoadPlan], timeout: float) -> HostLoad:
         (plan,) = plans.values()
-        return workers.load(plan)
+        arrays, ack = workers.load(plan, self._process_index)
+        return HostLoad(arrays, [ack])
 
     def check_devices(self, spec: workers.ShardingSpec, name: str) -> None:
         try:
@@ -107,3 +129,6 @@ class LocalHostGroup:
 
     def broadcast(self, name: str, value: Any, timeout: float) -> Any:
         return value
+
+    def __repr__(self) -> str:
+        return f"LocalHostGroup(process_index={self._process_index!r})"

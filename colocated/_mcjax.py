@@ -36,6 +36,7 @@ import jax
 
 import milepost.workers as workers
 from milepost.colocated._errors import HostError
+from milepost.colocated._hostgroup import HostLoad
 
 PREFIX = "milepost"
 _generations = itertools.count()
@@ -67,15 +68,6 @@ def _directory(plans: Mapping[int, Any]) -> str:
     return next(iter(plans.values())).store.directory if plans else "?"
 
 
-def _settle(pending: workers.PendingSave | None, timeout: float) -> None:
-    """Wait for writes this process issued (their outcome no longer matters)."""
-    if pending is not None:
-        try:
-            pending.wait(timeout)
-        except Exception:
-            pass
-
-
 class _Op:
     """One coordinated operation: its barrier id and key prefix."""
 
@@ -87,7 +79,8 @@ class _Op:
 
 
 class _Pending:
-    """This process's writes; ``wait`` makes them durable, then syncs with the other processes."""
+    """This process's writes; ``wait`` makes them durable, then syncs with the other processes
+    (the primary gets every process's ack)."""
 
     def __init__(self, group: MultiControllerHostGroup, pending: workers.PendingSave | None, directory: str, timeout: float) -> None:
         self._group = group
@@ -98,28 +91,27 @@ class _Pending:
         self._outcome: list[workers.SaveAck] | BaseException | None = None
 
     def settle(self, timeout: float | None = None) -> None:
-        """After a failure elsewhere: wait for this process's writes to land, ignoring their
-        outcome (local only: no other process is waited for)."""
-        _settle(self._pending, self._timeout if timeout is None else timeout)
+        """Local only: wait for this process's writes to land; no other process is waited for."""
+        workers.settle_all([self._pending], self._timeout if timeout is None else timeout)
 
     def wait(self, timeout: float | None = None) -> list[workers.SaveAck]:
         timeout = self._timeout if timeout is None else timeout
         with self._lock:
             if self._outcome is None:  # sync once: a second wait must not start another barrier
-                acks: list[workers.SaveAck] = []
+                ack: workers.SaveAck | None = None
                 error: BaseException | None = None
                 try:
                     if self._pending is not None:
-                        acks.append(self._pending.wait(timeout))
+                        ack = self._pending.wait(timeout)  # settles before it raises
                 except Exception as e:
                     error = e
-                    _settle(self._pending, timeout)  # none of our writes may land after cleanup
                 self._pending = None  # the staged buffers go as soon as they are on disk
                 try:
-                    self._group.sync(
-                        f"written:{self._directory}", timeout, error, doing="writing its shards", consequence=_NOT_COMMITTED
+                    acks = self._group.sync(
+                        f"written:{self._directory}", timeout, error, doing="writing its shards",
+                        consequence=_NOT_COMMITTED, value=ack,
                     )
-                    self._outcome = acks
+                    self._outcome = [a for a in (acks if acks is not None else [ack]) if a is not None]
                 except BaseException as e:
                     self._outcome = e
             if isinstance(self._outcome, BaseException):
@@ -190,32 +182,33 @@ class MultiControllerHostGroup:
             error = e
         doing, op = "staging its shards (device-to-host copy)", self._op(f"staged:{directory}")
         try:
-            failed = self._arrive(op, timeout, error, _NOT_COMMITTED)
+            failed, _ = self._arrive(op, timeout, error, _NOT_COMMITTED)
         except HostError:
-            _settle(pending, timeout)
+            workers.settle_all([pending], timeout)
             raise
         if failed:
             # Every process arrived: let each finish the writes it issued before the primary
             # removes the temporary directory, so none lands there afterwards.
-            _settle(pending, timeout)
+            workers.settle_all([pending], timeout)
             self._arrive(self._op(f"abandoned:{directory}"), timeout, None, _NOT_COMMITTED)
             raise self._failed(failed, doing, _NOT_COMMITTED) from error
         return _Pending(self, pending, directory, timeout)
 
-    def load(self, plans: Mapping[int, workers.LoadPlan], timeout: float) -> list[Any]:
+    def load(self, plans: Mapping[int, workers.LoadPlan], timeout: float) -> HostLoad:
         """Read and place this process's shards; every process returns, or all raise."""
         plan = plans.get(self._index)
         results: list[Any] = []
+        ack: workers.LoadAck | None = None
         error: BaseException | None = None
         try:
             if plan is None:
                 raise ValueError(f"the load plan has no part for process {self._index} (it has {sorted(plans)})")
-            results = workers.load(plan)
+            results, ack = workers.load(plan, self._index)
         except Exception as e:
             error = e
         directory = plan.store.directory if plan is not None else _directory(plans)
-        self.sync(f"loaded:{directory}", timeout, error, doing="reading its shards")
-        return results
+        acks = self.sync(f"loaded:{directory}", timeout, error, doing="reading its shards", value=ack)
+        return HostLoad(results, [a for a in (acks if acks is not None else [ack]) if a is not None])
 
     # -- coordination ---------------------------------------------------------------------
     def _op(self, name: str) -> _Op:
@@ -235,25 +228,32 @@ class MultiControllerHostGroup:
         *,
         doing: str = "",
         consequence: str = "",
-    ) -> None:
-        """Arrive at the barrier ``name`` with this process's outcome (``error``: its part failed).
+        value: Any = None,
+    ) -> list[Any] | None:
+        """Arrive at the barrier ``name`` with this process's outcome (``error``: its part failed)
+        and, optionally, a small picklable ``value`` for the primary.
 
         Raises :class:`HostError` in every process if any process failed, and names the
-        processes that did not arrive within ``timeout``.
+        processes that did not arrive within ``timeout``. Returns, on the primary, every
+        process's ``value`` in process order when a value was posted; None elsewhere.
         """
-        self._sync(self._op(name), timeout, error, doing, consequence)
-
-    def _sync(self, op: _Op, timeout: float, error: BaseException | None, doing: str, consequence: str) -> None:
-        failed = self._arrive(op, timeout, error, consequence)
+        failed, values = self._arrive(self._op(name), timeout, error, consequence, value)
         if failed:
             raise self._failed(failed, doing, consequence) from error
+        return values
 
-    def _arrive(self, op: _Op, timeout: float, error: BaseException | None, consequence: str) -> list[tuple[int, str]]:
-        """Post this process's outcome and wait for every process; the failures they posted.
-        Raises :class:`HostError` naming the processes that did not arrive in time."""
+    def _arrive(
+        self, op: _Op, timeout: float, error: BaseException | None, consequence: str, value: Any = None
+    ) -> tuple[list[tuple[int, str]], list[Any] | None]:
+        """Post this process's outcome (and value) and wait for every process; the failures they
+        posted, and on the primary the values. Raises :class:`HostError` naming the processes
+        that did not arrive in time."""
         client = self._client
         if error is not None:
             client.key_value_set(f"{op.keys}/failed/{self._index}", _describe(error), allow_overwrite=True)
+        if value is not None:
+            payload = zlib.compress(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL), 1)
+            client.key_value_set_bytes(f"{op.keys}/value/{self._index}", payload, allow_overwrite=True)
         client.key_value_set(f"{op.keys}/arrived/{self._index}", "1", allow_overwrite=True)
         try:
             client.wait_at_barrier(op.barrier_id, _ms(timeout))
@@ -261,7 +261,14 @@ class MultiControllerHostGroup:
             raise self._not_arrived(op, timeout, e, consequence) from (error if error is not None else e)
         failed = self._failures(op)
         client.key_value_delete(f"{op.keys}/arrived/{self._index}")
-        return failed
+        values = None
+        if self.is_primary():
+            posted = dict(client.key_value_dir_get_bytes(f"{op.keys}/value/"))
+            if posted:
+                client.key_value_delete(f"{op.keys}/value/")
+                by_process = {int(k.rsplit("/", 1)[-1]): pickle.loads(zlib.decompress(v)) for k, v in posted.items()}
+                values = [by_process[p] for p in sorted(by_process)]
+        return failed, values
 
     @staticmethod
     def _failed(failed: list[tuple[int, str]], doing: str, consequence: str) -> HostError:

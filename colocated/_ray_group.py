@@ -23,6 +23,7 @@ import cloudpickle
 import milepost.workers as workers
 from milepost.colocated._errors import HostError
 from milepost.colocated._handles import RemoteArray
+from milepost.colocated._hostgroup import HostLoad
 from milepost.colocated._ray_host import Ref
 
 log = logging.getLogger("milepost.slice")
@@ -60,7 +61,8 @@ class Traffic:
 
 
 class _PendingRaySave:
-    """The hosts' background writes of one save (see ``HostGroup.start_save``)."""
+    """The hosts' background writes of one save: a :class:`~milepost.workers.PendingWrite`
+    (see ``HostGroup.start_save``)."""
 
     def __init__(self, group: RayHostGroup, tokens: Mapping[int, str]) -> None:
         self._group = group
@@ -304,12 +306,12 @@ class RayHostGroup:
                 settles[i] = self.call(i, "settle_save", token, timeout, concurrency_group=WAIT_GROUP)
         self.settle(settles, timeout)
 
-    def load(self, plans: Mapping[int, workers.LoadPlan], timeout: float) -> list[RemoteArray]:
+    def load(self, plans: Mapping[int, workers.LoadPlan], timeout: float) -> HostLoad:
         """Every host reads the ranges its devices need and registers its part of each global
         array under ``<prefix>.<k>``; the controller gets handles."""
         self.check_usable()
         prefix = uuid.uuid4().hex
-        self.gather({i: self.call(i, "load", p, prefix) for i, p in plans.items()}, timeout, "reading its shards")
+        acks = self.gather({i: self.call(i, "load", p, prefix) for i, p in plans.items()}, timeout, "reading its shards")
         (plan, *_) = plans.values()
         out = []
         for k, task in enumerate(plan.tasks):
@@ -317,7 +319,7 @@ class RayHostGroup:
             if not isinstance(spec, workers.ShardingSpec):
                 spec = workers.ShardingSpec.from_jax(spec)
             out.append(RemoteArray(self, f"{prefix}.{k}", task.shape, task.dtype, spec))
-        return out
+        return HostLoad(out, [acks[i] for i in sorted(acks)])
 
     def wrap(self, described: Any) -> Any:
         """Handles for a tree of ``(id, shape, dtype, ShardingSpec)`` that hosts registered."""

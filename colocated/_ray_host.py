@@ -163,13 +163,13 @@ class HostActor:
             pending.settle(timeout)
             self.pending.pop(token, None)
 
-    def load(self, plan: workers.LoadPlan, prefix: str) -> int:
+    def load(self, plan: workers.LoadPlan, prefix: str) -> workers.LoadAck:
         """Read exactly the ranges this host's devices need; register the arrays as
-        ``<prefix>.<k>``. Answers with a count, never data."""
-        arrays = workers.load(plan)
+        ``<prefix>.<k>``. Answers with an ack, never data."""
+        arrays, ack = workers.load(plan, self.index)
         for k, array in enumerate(arrays):
             self.arrays[f"{prefix}.{k}"] = array
-        return len(arrays)
+        return ack
 
     def shutdown(self) -> None:
         import jax
