@@ -15,6 +15,7 @@ from milepost._api import (
     save_checkpointables,
     save_checkpointables_async,
 )
+from milepost._background import wait_for_saves
 from milepost._checkpoint import CheckpointMetadata, SaveHandle
 from milepost._errors import (
     CheckpointExistsError,
@@ -22,6 +23,7 @@ from milepost._errors import (
     CorruptCheckpointError,
     HostError,
     InvalidKeyError,
+    SaveInProgressError,
     StructureMismatchError,
     UnsupportedLeafError,
 )
@@ -33,10 +35,10 @@ from milepost._handlers import (
     register_handler,
 )
 from milepost._options import AsyncOptions, Context, LoadOptions, SaveOptions
-from milepost._pytree import LeafMetadata
+from milepost._pytree_load import LeafMetadata
 from milepost._tree import PLACEHOLDER
 from milepost.colocated import AbstractArray, RemoteArray, Slice, SliceOptions
-from milepost.workers import ShardingSpec
+from milepost.workers import PendingWrite, ShardingSpec
 
 __all__ = [
     "PLACEHOLDER",
@@ -53,9 +55,11 @@ __all__ = [
     "JsonHandler",
     "LeafMetadata",
     "LoadOptions",
+    "PendingWrite",
     "PyTreeHandler",
     "RemoteArray",
     "SaveHandle",
+    "SaveInProgressError",
     "SaveOptions",
     "ShardingSpec",
     "Slice",
@@ -72,4 +76,5 @@ __all__ = [
     "save_checkpointables",
     "save_checkpointables_async",
     "training",
+    "wait_for_saves",
 ]

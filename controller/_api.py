@@ -53,6 +53,12 @@ def save_checkpointables_async(
     custom_metadata: Mapping[str, Any] | None = None,
     metrics: Mapping[str, Any] | None = None,
 ) -> SaveHandle:
+    """Like :func:`save_checkpointables`, but returns as soon as every array is copied to host
+    memory (see :func:`save_async`); ``handle.result()`` waits for the commit.
+
+    >>> handle = milepost.save_checkpointables_async(path, {"state": state, "dataset": {"position": 7}})
+    >>> handle.result()
+    """
     return _checkpoint.start_save(
         path, checkpointables, overwrite=overwrite, custom_metadata=custom_metadata, metrics=metrics, asynchronous=True
     )

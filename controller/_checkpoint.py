@@ -18,21 +18,30 @@ from typing import Any
 
 import jax
 
-from milepost import _dispatch, _handlers, _options, _tree
+from milepost import _background, _dispatch, _handlers, _options, workers
 from milepost import _format as fmt
 from milepost._errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     InvalidKeyError,
+    SaveInProgressError,
 )
+from milepost.colocated import HostGroup
 
 _in_flight: set[Path] = set()
 _in_flight_lock = threading.Lock()
 
 
+def saves_in_flight(under: Path) -> set[str]:
+    """Names of the entries of folder ``under`` that a save of this process is writing now."""
+    with _in_flight_lock:
+        return {p.name for p in _in_flight if p.parent == under}
+
+
 class SaveHandle:
-    """The background part of a save. ``result()`` re-raises its failure, once, on your thread."""
+    """The background part of a save. ``result()`` waits for the commit and re-raises its
+    failure on your thread; ``add_done_callback(fn)`` calls ``fn(handle)`` when it ends."""
 
     def __init__(self, path: Path, future: futures.Future[Path]) -> None:
         self.path = path
@@ -46,6 +55,21 @@ class SaveHandle:
             return self._future.result(timeout)
         except futures.TimeoutError as e:
             raise TimeoutError(f"the save to {self.path} did not finish within {timeout}s; it is still running") from e
+
+    def add_done_callback(self, fn: Callable[[SaveHandle], Any]) -> None:
+        """Call ``fn(self)`` once the save committed or failed (at once if it already has), on
+        the thread that finished it. Exceptions ``fn`` raises are logged, not raised."""
+        self._future.add_done_callback(lambda _: fn(self))
+
+    def __repr__(self) -> str:
+        if not self._future.done():
+            state = "running"
+        elif self._future.exception() is None:
+            state = "committed"
+        else:
+            error = self._future.exception()
+            state = f"failed: {type(error).__name__}: {error}"
+        return f"SaveHandle({str(self.path)!r}, {state})"
 
 
 def _check_name(name: str) -> None:
@@ -96,11 +120,11 @@ def start_save(
     tmp = final.with_name(final.name + fmt.TMP_SUFFIX)
     with _in_flight_lock:
         if final in _in_flight:
-            raise CheckpointExistsError(f"another save to {final} is still in flight; wait for it (handle.result()) first")
+            raise SaveInProgressError(f"another save to {final} is still in flight; wait for it (handle.result()) first")
         _in_flight.add(final)
     created = False
     prepared = False
-    finishers: list[Callable[[], None]] = []
+    pending: list[workers.PendingWrite[Any]] = []
 
     def prepare() -> None:
         nonlocal created
@@ -133,15 +157,15 @@ def start_save(
         staging_failure: Exception | None = None
         try:
             for name, obj in objs.items():
-                finish = handlers[name].save(tmp / name, obj, call)
-                if finish is not None:
-                    finishers.append(finish)
+                part = _handlers.as_pending(handlers[name].save(tmp / name, obj, call))
+                if part is not None:
+                    pending.append(part)
         except Exception as e:
             staging_failure = e
         # The primary may fail alone here (its own leaves, a stateful checkpointable).
         _agree(group, f"staged:{final}", staging_failure, timeout)
     except BaseException:
-        _settle(finishers)
+        workers.settle_all(pending, timeout)
         with _in_flight_lock:
             _in_flight.discard(final)
         if prepared:
@@ -155,14 +179,14 @@ def start_save(
             failure: Exception | None = None
             done = 0
             try:
-                for finish in finishers:
-                    finish()
+                for part in pending:
+                    part.wait(timeout)
                     done += 1
             except Exception as e:
                 failure = e
-                # Writes of the handlers not finished are still in flight: let them land before
-                # the temporary directory is removed, or they would recreate it.
-                _settle(finishers[done:])
+                # The parts not finished may still write: let them land before the temporary
+                # directory is removed, or they would recreate it.
+                workers.settle_all(pending[done:], timeout)
 
             def commit() -> None:
                 _commit(tmp, final, handlers, init_ns, custom_json, metrics_json, overwrite)
@@ -177,24 +201,14 @@ def start_save(
             with _in_flight_lock:
                 _in_flight.discard(final)
 
-    future: futures.Future[Path]
     if asynchronous:
-        future = futures.Future()
-
-        def run() -> None:
-            try:
-                future.set_result(finalize())
-            except BaseException as e:
-                future.set_exception(e)
-
-        threading.Thread(target=run, name=f"milepost-save:{final.name}", daemon=True).start()
-    else:
-        future = futures.Future()
-        future.set_result(finalize())
+        return SaveHandle(final, _background.saves.submit(str(final), finalize, timeout))
+    future: futures.Future[Path] = futures.Future()
+    future.set_result(finalize())
     return SaveHandle(final, future)
 
 
-def _agree(group: Any, name: str, failure: Exception | None, timeout: float, then: Callable[[], None] | None = None) -> None:
+def _agree(group: HostGroup, name: str, failure: Exception | None, timeout: float, then: Callable[[], None] | None = None) -> None:
     """Leave a step with the primary's outcome in every controller process (one controller:
     raise ``failure``, else run ``then``).
 
@@ -218,7 +232,7 @@ def _agree(group: Any, name: str, failure: Exception | None, timeout: float, the
     _dispatch.shared(group, name, outcome, timeout)
 
 
-def _abandon(group: Any, name: str, tmp: Path, timeout: float) -> None:
+def _abandon(group: HostGroup, name: str, tmp: Path, timeout: float) -> None:
     """Remove a failed save's temporary directory once every controller process has settled its
     own writes (a late write elsewhere would recreate it). A process that died is waited for at
     most ``min(timeout, 10s)``; the caller raises its error either way."""
@@ -226,16 +240,6 @@ def _abandon(group: Any, name: str, tmp: Path, timeout: float) -> None:
         group.barrier(name, min(timeout, 10.0))
     if group.is_primary():
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _settle(finishers: list[Callable[[], None]]) -> None:
-    """After a failure: wait (locally, errors ignored) for the writes each finisher's handler
-    issued, so that none lands in the temporary directory after it is removed."""
-    for finish in finishers:
-        settle = getattr(finish, "settle", None)
-        if settle is not None:
-            with contextlib.suppress(Exception):
-                settle()
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -305,9 +309,7 @@ def _commit(
 
 def read_checkpoint_metadata(path: Path) -> dict[str, Any]:
     fmt.require_checkpoint(path)
-    meta = fmt.read_json(path / fmt.CHECKPOINT_METADATA, "checkpoint metadata")
-    if not isinstance(meta, dict):
-        raise CheckpointNotFoundError(f"{path / fmt.CHECKPOINT_METADATA} is not a JSON object; the checkpoint is damaged")
+    meta = fmt.read_json_object(path / fmt.CHECKPOINT_METADATA, "checkpoint metadata")
     if not fmt.is_checkpoint(path):
         raise CheckpointNotFoundError(
             f"{path} has no commit marker ({fmt.COMMIT_MARKER}): the save that wrote it did not finish. Load another checkpoint."
@@ -417,7 +419,3 @@ def metadata(path: str | os.PathLike[str]) -> CheckpointMetadata:
         return CheckpointMetadata(root, meta, parts, tree_name)
 
     return _dispatch.shared(group, f"metadata:{root}", read, options.async_.timeout_secs)
-
-
-__all__ = ["PLACEHOLDER"]
-PLACEHOLDER = _tree.PLACEHOLDER

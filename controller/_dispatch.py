@@ -1,4 +1,5 @@
-"""Choosing the host group for a call: the tree decides (slice handles), else the runtime."""
+"""Choosing the host group for a call (the tree's slice handles, else the runtime), and running
+a step once on the primary for every controller process."""
 
 from __future__ import annotations
 
@@ -14,13 +15,9 @@ from milepost.colocated._mcjax import default_group as _multi_controller_group
 
 T = TypeVar("T")
 
-_PROVIDERS: list[Any] = []
-"""Callables ``() -> HostGroup | None`` consulted for trees without slice handles (the
-multi-controller group registers itself here)."""
-
-
-def register_default_group_provider(provider: Any) -> None:
-    _PROVIDERS.insert(0, provider)
+CONTROLLER = "controller"
+"""The host index of the controller itself: its own leaves (NumPy arrays, scalars) are written
+into ``ocdbt.process_controller`` and read by it."""
 
 
 @functools.cache
@@ -28,13 +25,20 @@ def _local() -> LocalHostGroup:
     return LocalHostGroup(jax.process_index())
 
 
-def _multi_controller_if_distributed() -> HostGroup | None:
-    """Every process of a multi-process jax.distributed job is a controller (mcJAX): one group
-    per distributed runtime."""
-    return _multi_controller_group() if jax.process_count() > 1 else None
+@functools.cache
+def controller_host() -> LocalHostGroup:
+    """The host group for the leaves the controller itself holds, in every mode."""
+    return LocalHostGroup(CONTROLLER)
 
 
-register_default_group_provider(_multi_controller_if_distributed)
+def _default_group() -> HostGroup:
+    """Every process of a multi-process jax.distributed job is a controller (mcJAX, one group
+    per distributed runtime); otherwise this process is the only host."""
+    if jax.process_count() > 1:
+        group = _multi_controller_group()
+        if group is not None:
+            return group
+    return _local()
 
 
 def shared(group: HostGroup, name: str, fn: Callable[[], T], timeout: float) -> T:
@@ -65,22 +69,20 @@ def _portable(error: Exception) -> Exception:
 
 
 def host_group_for(values: list[Any]) -> HostGroup:
+    """The group of the slice whose handles ``values`` hold, else the runtime's default."""
     groups = {id(g): g for v in values if (g := getattr(v, "__milepost_host_group__", None)) is not None}
     if len(groups) > 1:
         raise ValueError("the tree mixes arrays from several slices; save each slice's arrays separately")
     if groups:
         return next(iter(groups.values()))
-    for provider in _PROVIDERS:
-        group = provider()
-        if group is not None:
-            return group
-    return _local()
+    return _default_group()
 
 
 def host_group_for_abstract(values: list[Any]) -> HostGroup:
+    """Like :func:`host_group_for`, for abstract leaves (their shardings may name a slice)."""
     for v in values:
         sharding = getattr(v, "sharding", None)
         group = getattr(sharding, "__milepost_host_group__", None) or getattr(v, "__milepost_host_group__", None)
         if group is not None:
             return group
-    return host_group_for([])
+    return _default_group()

@@ -1,20 +1,33 @@
-"""Typed errors. Each subclasses the builtin a caller would naturally catch."""
+"""Typed errors. Each subclasses the builtin a caller would naturally catch.
+
+Errors are defined in the lowest layer that raises them: checkpoint contents (not found,
+corrupt) in ``milepost.workers``, host failures in ``milepost.colocated``; they are re-exported
+here.
+"""
 
 from __future__ import annotations
 
-from milepost.colocated import _errors as _colocated_errors
+from milepost.colocated import HostError
+from milepost.workers import CheckpointNotFoundError, CorruptCheckpointError
 
-
-class CheckpointNotFoundError(FileNotFoundError):
-    """The path is not a committed checkpoint (or a part of one is missing)."""
+__all__ = [
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "CorruptCheckpointError",
+    "HostError",
+    "InvalidKeyError",
+    "SaveInProgressError",
+    "StructureMismatchError",
+    "UnsupportedLeafError",
+]
 
 
 class CheckpointExistsError(FileExistsError):
     """A checkpoint already exists where a save was asked to write."""
 
 
-class CorruptCheckpointError(ValueError):
-    """A metadata file is present but cannot be parsed."""
+class SaveInProgressError(CheckpointExistsError):
+    """Another save to the same path is still in flight in this process."""
 
 
 class StructureMismatchError(ValueError):
@@ -27,7 +40,3 @@ class UnsupportedLeafError(TypeError):
 
 class InvalidKeyError(ValueError):
     """A tree key cannot be used as a storage name."""
-
-
-HostError = _colocated_errors.HostError
-"""A host process failed or did not answer in time; the message names it."""

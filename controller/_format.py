@@ -38,20 +38,38 @@ def write_json(path: Path, obj: Any) -> None:
 
 
 def read_json(path: Path, what: str) -> Any:
+    """The JSON in ``path``: a missing file is a :class:`CheckpointNotFoundError`, one that is
+    not UTF-8 JSON a :class:`CorruptCheckpointError`, both naming the file."""
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except FileNotFoundError as e:
         raise CheckpointNotFoundError(
             f"{what} {path} is missing: {path.parent} is not a complete checkpoint. "
             "Pass the path of a committed checkpoint (a directory with commit_success.txt)."
         ) from e
     try:
-        return json.loads(text)
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise CorruptCheckpointError(
+            f"{what} {path} is not UTF-8 text (byte {e.start}); the checkpoint is damaged. "
+            "Load an earlier checkpoint, or re-save this one."
+        ) from e
     except json.JSONDecodeError as e:
         raise CorruptCheckpointError(
             f"{what} {path} is truncated or not JSON ({e.msg} at char {e.pos}); the checkpoint is damaged. "
             "Load an earlier checkpoint, or re-save this one."
         ) from e
+
+
+def read_json_object(path: Path, what: str) -> dict[str, Any]:
+    """Like :func:`read_json`, for files that must hold a JSON object."""
+    value = read_json(path, what)
+    if not isinstance(value, dict):
+        raise CorruptCheckpointError(
+            f"{what} {path} is not a JSON object (it holds a {type(value).__name__}); the checkpoint is damaged. "
+            "Load an earlier checkpoint."
+        )
+    return value
 
 
 def fsync_dir(path: Path) -> None:

@@ -16,24 +16,71 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from milepost import _dispatch, _pytree
+from milepost import _dispatch, _pytree_load, _pytree_save
 from milepost import _format as fmt
+from milepost._options import Options
+from milepost.colocated import HostGroup
+from milepost.workers import PendingWrite
 
 
 @dataclass(frozen=True)
 class SaveCall:
     """What a handler gets to know about the save it is part of."""
 
-    options: Any
-    group: Any
+    options: Options
+    group: HostGroup
     copy: bool
+    """Stage a copy of the data before returning (``save_async``); False: a blocking save, the
+    caller's buffers stay untouched until the commit."""
 
 
 @dataclass(frozen=True)
 class LoadCall:
-    options: Any
-    group: Any
+    """What a handler gets to know about the load it is part of."""
+
+    options: Options
+    group: HostGroup
     partial: bool = False
+
+
+class Deferred:
+    """A background part that writes nothing until waited for: ``wait`` runs ``fn`` once (a
+    second ``wait`` returns or raises the same); ``settle`` has nothing in flight to wait for."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self._fn: Callable[[], Any] | None = fn
+        self._lock = threading.Lock()
+        self._outcome: tuple[bool, Any] | None = None
+
+    def wait(self, timeout: float | None = None) -> Any:
+        with self._lock:
+            if self._outcome is None:
+                assert self._fn is not None
+                try:
+                    self._outcome = (True, self._fn())
+                except BaseException as e:
+                    self._outcome = (False, e)
+                self._fn = None
+        ok, value = self._outcome
+        if not ok:
+            raise value
+        return value
+
+    def settle(self, timeout: float | None = None) -> None:
+        return None
+
+
+def as_pending(part: PendingWrite[Any] | Callable[[], Any] | None) -> PendingWrite[Any] | None:
+    """A handler's (or a stateful checkpointable's) background part as a pending write: plain
+    callables, the simple form user code may return, become :class:`Deferred`."""
+    if part is None or isinstance(part, PendingWrite):
+        return part
+    if callable(part):
+        return Deferred(part)
+    raise TypeError(
+        f"a checkpointable's save returned {type(part).__name__}; it must return None, a callable to run in the "
+        "background, or a PendingWrite (wait(timeout) and settle(timeout))"
+    )
 
 
 @runtime_checkable
@@ -43,9 +90,11 @@ class CheckpointableHandler(Protocol):
 
     def is_handleable(self, obj: Any) -> bool: ...
 
-    def save(self, directory: Path, obj: Any, call: SaveCall) -> Callable[[], None] | None:
+    def save(self, directory: Path, obj: Any, call: SaveCall) -> PendingWrite[Any] | Callable[[], Any] | None:
         """Do the blocking part (validate, snapshot or stage the data) and return what is left
-        to run in the background, if anything. ``directory`` exists; write only inside it."""
+        to run in the background, if anything: a :class:`~milepost.workers.PendingWrite` for
+        writes already in flight, or a callable that writes when the save's background part
+        runs it. ``directory`` exists; write only inside it."""
         ...
 
     def load(self, directory: Path, abstract: Any, call: LoadCall) -> Any: ...
@@ -67,19 +116,22 @@ class StatefulCheckpointable(Protocol):
 
 
 class PyTreeHandler:
+    """A tree of arrays, scalars and strings in the Orbax v1 PyTree layout."""
+
     typestr = fmt.PYTREE_HANDLER_TYPESTR
 
     def is_handleable(self, obj: Any) -> bool:
         return not isinstance(obj, StatefulCheckpointable)
 
-    def save(self, directory: Path, obj: Any, call: SaveCall) -> Callable[[], None]:
-        return _pytree.PyTreeSave(obj, call).stage(directory, call.copy)
+    def save(self, directory: Path, obj: Any, call: SaveCall) -> _pytree_save.PendingTree:
+        planned = _pytree_save.plan(obj, call.options.saving, call.group)
+        return _pytree_save.start(planned, directory, call)
 
     def load(self, directory: Path, abstract: Any, call: LoadCall) -> Any:
-        return _pytree.load(directory, abstract, call.partial, call)
+        return _pytree_load.load(directory, abstract, call)
 
     def metadata(self, directory: Path) -> Any:
-        return _pytree.metadata(directory)
+        return _pytree_load.metadata(directory)
 
 
 class JsonHandler:
@@ -95,23 +147,19 @@ class JsonHandler:
             return False
         return True
 
-    def save(self, directory: Path, obj: Any, call: SaveCall) -> Callable[[], None]:
+    def save(self, directory: Path, obj: Any, call: SaveCall) -> Deferred | None:
         try:
             text = json.dumps(obj)  # snapshot now: the caller may mutate obj after we return
         except (TypeError, ValueError) as e:
             raise TypeError(f"JsonHandler: the object is not JSON-serializable ({e}); use the PyTree handler") from e
-
-        def finish() -> None:
-            if call.group.is_primary():
-                fmt.write_file(directory / self.filename, text)
-
-        return finish
+        if not call.group.is_primary():
+            return None
+        return Deferred(lambda: fmt.write_file(directory / self.filename, text))
 
     def load(self, directory: Path, abstract: Any, call: LoadCall) -> Any:
-        if call.group is not None:  # read once, on the primary, for every controller process
-            timeout = call.options.async_.timeout_secs
-            return _dispatch.shared(call.group, f"json:{directory}", lambda: self._read(directory), timeout)
-        return self._read(directory)
+        # read once, on the primary, for every controller process
+        timeout = call.options.async_.timeout_secs
+        return _dispatch.shared(call.group, f"json:{directory}", lambda: self._read(directory), timeout)
 
     def _read(self, directory: Path) -> Any:
         for name in (self.filename, "metadata"):
@@ -120,7 +168,7 @@ class JsonHandler:
         raise FileNotFoundError(f"{directory} has no {self.filename}: it was not saved by a JSON handler")
 
     def metadata(self, directory: Path) -> Any:
-        return self.load(directory, None, LoadCall(options=None, group=None))
+        return self._read(directory)
 
 
 class StatefulHandler:
@@ -129,10 +177,10 @@ class StatefulHandler:
     def is_handleable(self, obj: Any) -> bool:
         return isinstance(obj, StatefulCheckpointable)
 
-    def save(self, directory: Path, obj: Any, call: SaveCall) -> Callable[[], None] | None:
+    def save(self, directory: Path, obj: Any, call: SaveCall) -> PendingWrite[Any] | None:
         if not call.group.is_primary():
             return None
-        return obj.save(directory)
+        return as_pending(obj.save(directory))
 
     def load(self, directory: Path, abstract: Any, call: LoadCall) -> Any:
         if abstract is None or not isinstance(abstract, StatefulCheckpointable):

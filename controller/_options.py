@@ -92,6 +92,10 @@ class Context:
     ...     milepost.save(path, state)
 
     Contexts nest: unspecified options are inherited from the enclosing context.
+
+    ``handlers``: :class:`~milepost.CheckpointableHandler` objects tried before the registered
+    and built-in ones. An entry may also be a pair ``(handler, name)``: then the handler is
+    used only for the checkpointable called ``name``.
     """
 
     def __init__(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,24 +17,67 @@ KEY_SEQUENCE = 1
 KEY_DICT = 2
 
 
+class ValueType(enum.StrEnum):
+    """A leaf's ``value_type`` in Orbax's ``_METADATA`` (the same strings)."""
+
+    JAX_ARRAY = "jax.Array"
+    NP_ARRAY = "np.ndarray"
+    SCALAR = "scalar"
+    STRING = "string"
+    PLACEHOLDER = "placeholder"
+    NONE = "None"
+    DICT = "Dict"
+    LIST = "List"
+    TUPLE = "Tuple"
+    NAMED_TUPLE = "NamedTuple"
+    UNKNOWN = "Unknown"
+    """Also stands for a value type this version does not know (a custom Orbax type handler)."""
+
+    @classmethod
+    def parse(cls, text: Any) -> ValueType:
+        try:
+            return cls(text)
+        except ValueError:
+            return cls.UNKNOWN
+
+    @property
+    def is_array(self) -> bool:
+        """Stored as a zarr3 array (a scalar is a 0-d one)."""
+        return self in (ValueType.JAX_ARRAY, ValueType.NP_ARRAY, ValueType.SCALAR)
+
+    @property
+    def is_empty(self) -> bool:
+        """None or an empty container: nothing is stored but the type."""
+        return self in _EMPTY_VALUES
+
+    def empty_value(self) -> Any:
+        """The value an empty leaf of this type loads as."""
+        return _EMPTY_VALUES[self]()
+
+
+_EMPTY_VALUES: dict[ValueType, Any] = {
+    ValueType.NONE: lambda: None,
+    ValueType.DICT: dict,
+    ValueType.LIST: list,
+    ValueType.TUPLE: tuple,
+    ValueType.NAMED_TUPLE: tuple,
+}
+
+
 def is_empty_node(x: Any) -> bool:
     return x is None or (isinstance(x, dict | list | tuple) and len(x) == 0)
 
 
-def empty_value_type(x: Any) -> str:
+def empty_value_type(x: Any) -> ValueType:
     if x is None:
-        return "None"
+        return ValueType.NONE
     if isinstance(x, dict):
-        return "Dict"
+        return ValueType.DICT
     if isinstance(x, tuple) and hasattr(x, "_fields"):
-        return "NamedTuple"
+        return ValueType.NAMED_TUPLE
     if isinstance(x, tuple):
-        return "Tuple"
-    return "List"
-
-
-def empty_from_value_type(value_type: str) -> Any:
-    return {"None": None, "Dict": {}, "List": [], "Tuple": (), "NamedTuple": ()}[value_type]
+        return ValueType.TUPLE
+    return ValueType.LIST
 
 
 def _is_leaf(x: Any) -> bool:

@@ -207,7 +207,7 @@ def four(root: str, embedded: str, *others: str) -> dict:
     out["controller_write_fails"] = outcome(lambda: mp.save(failing, tree))
     undo()
     out["stateful_fails"] = outcome(lambda: mp.save_checkpointables(os.path.join(root, "stateful_fails"), {"state": tree, "it": FailingIterator()}))
-    undo = inject(workers, "load", lambda plan: INDEX == 3 and any(t.name == "w" for t in plan.tasks),
+    undo = inject(workers, "load", lambda plan, *_: INDEX == 3 and any(t.name == "w" for t in plan.tasks),
                   ValueError("injected read failure"))
     out["load_fails"] = outcome(lambda: mp.load(a, resharded_abstract(mesh_b())))
     undo()

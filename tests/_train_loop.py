@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import milepost.workers
-from milepost import _checkpoint, _pytree
+from milepost import _checkpoint
 from milepost import _format as fmt
 from milepost.training import Checkpointer, FixedInterval, KeepLatest
 
@@ -164,7 +164,7 @@ def arm(phase: str, nth: int, delay: float) -> Callable[[int], None]:
             _kill(delay)
 
     real_start, real_merge, real_commit, real_rename = (
-        milepost.workers.start_save, _pytree.merge_ocdbt, _checkpoint._commit, os.rename,
+        milepost.workers.start_save, milepost.workers.merge_ocdbt, _checkpoint._commit, os.rename,
     )
 
     def start_save(*a: Any, **k: Any) -> Any:
@@ -189,7 +189,7 @@ def arm(phase: str, nth: int, delay: float) -> Callable[[int], None]:
             reached("gc")
 
     milepost.workers.start_save = start_save  # type: ignore[assignment]
-    _pytree.merge_ocdbt = merge  # type: ignore[assignment]
+    milepost.workers.merge_ocdbt = merge  # type: ignore[assignment]
     _checkpoint._commit = commit  # type: ignore[assignment]
     os.rename = rename  # type: ignore[assignment]
     return lambda step: reached("saved")

@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import milepost as mp
-from milepost import _format, _pytree
+from milepost import _format
 from tests._helpers import assert_tree_equal, listing, put, same_bits
 
 
@@ -106,13 +106,13 @@ def test_save_async_of_a_large_tree_holds_call_time_values(tmp_path: Path, mesh2
 
 def test_done_and_result_timeout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     gate = threading.Event()
-    real = _pytree.merge_ocdbt
+    real = mp.workers.merge_ocdbt
 
     def gated_merge(directory: Path) -> None:
         assert gate.wait(60), "test gate never opened"
         real(directory)
 
-    monkeypatch.setattr(_pytree, "merge_ocdbt", gated_merge)
+    monkeypatch.setattr(mp.workers, "merge_ocdbt", gated_merge)
     handle = mp.save_async(tmp_path / "c", {"x": np.arange(10)}, custom_metadata={"k": "v"})
     assert not handle.done()  # it cannot finish before the gate opens
     with pytest.raises(TimeoutError, match="did not finish within 0.2s"):
@@ -139,13 +139,13 @@ def _fail_commit_marker(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _remove_tmp_during_finalize(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = _pytree.merge_ocdbt
+    real = mp.workers.merge_ocdbt
 
     def merge(directory: Path) -> None:
         shutil.rmtree(directory.parent)  # someone deletes the temporary directory mid-save
         real(directory)
 
-    monkeypatch.setattr(_pytree, "merge_ocdbt", merge)
+    monkeypatch.setattr(mp.workers, "merge_ocdbt", merge)
 
 
 def _fail_host_write(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -206,8 +206,8 @@ def test_failure_in_the_blocking_part_raises_at_the_call(tmp_path: Path, mesh24:
 
 def test_options_are_snapshotted_at_call_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     gate = threading.Event()
-    real = _pytree.merge_ocdbt
-    monkeypatch.setattr(_pytree, "merge_ocdbt", lambda d: (gate.wait(60), real(d)))
+    real = mp.workers.merge_ocdbt
+    monkeypatch.setattr(mp.workers, "merge_ocdbt", lambda d: (gate.wait(60), real(d)))
     with mp.Context(saving=mp.SaveOptions(compression="zstd", chunk_byte_size=512)):
         handle = mp.save_async(tmp_path / "c", {"x": np.zeros((64, 64), np.float32)})
     with mp.Context(saving=mp.SaveOptions(use_ocdbt=False)):  # changes nothing in flight

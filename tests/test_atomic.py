@@ -24,7 +24,7 @@ SAVER = r"""
 import os, sys, time
 import jax, numpy as np
 import milepost as mp
-from milepost import _checkpoint, _format, _pytree
+from milepost import _checkpoint, _format, _pytree_format
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 path, point, mode, overwrite = ARGS
@@ -38,15 +38,15 @@ if point == "writing":  # the shards are staged, the writes issued, nothing wait
         hold("writing")
     mp.workers.PendingSave.wait = wait
 elif point == "metadata":  # every byte written, no tree metadata yet
-    def write_metadata(self, directory, store):
+    def write_metadata(directory, files, acks, platform):
         hold("metadata")
-    _pytree.PyTreeSave._write_metadata = write_metadata
+    _pytree_format.write = write_metadata
 elif point == "merged":  # tree metadata written and the OCDBT stores merged
-    real_merge = _pytree.merge_ocdbt
+    real_merge = mp.workers.merge_ocdbt
     def merge(directory):
         real_merge(directory)
         hold("merged")
-    _pytree.merge_ocdbt = merge
+    mp.workers.merge_ocdbt = merge
 elif point == "commit-marker":  # the commit marker is durable in the temporary directory
     real_fsync_tree = _format.fsync_tree
     def fsync_tree(root):

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 import milepost as mp
-from milepost import _pytree
+from milepost import _pytree_format
 from tests._helpers import abstract_of, assert_tree_equal, put, same_bits
 
 
@@ -26,19 +26,19 @@ from tests._helpers import abstract_of, assert_tree_equal, put, same_bits
 def spy_reads(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
     """Records every tree-metadata read (by folder) and every array the worker engine reads."""
     seen: dict[str, list[Any]] = {"folders": [], "arrays": []}
-    real_read_saved = _pytree.read_saved
+    real_read_saved = _pytree_format.read
     real_load = mp.workers.load
 
     def read_saved(directory: Path) -> Any:
         seen["folders"].append(Path(directory).name)
         return real_read_saved(directory)
 
-    def load(plan: Any) -> Any:
+    def load(plan: Any, *args: Any) -> Any:
         seen["arrays"].extend(t.name for t in plan.tasks)
         seen["folders"].append(Path(plan.store.directory).name)
-        return real_load(plan)
+        return real_load(plan, *args)
 
-    monkeypatch.setattr(_pytree, "read_saved", read_saved)
+    monkeypatch.setattr(_pytree_format, "read", read_saved)
     monkeypatch.setattr(mp.workers, "load", load)
     return seen
 

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import milepost as mp
-from milepost import _dispatch, _pytree
+from milepost import _dispatch
 from milepost.colocated import LocalHostGroup
 from milepost.training import (
     AnyOf,
@@ -60,7 +60,7 @@ class Gate:
         self.release = threading.Event()
         self.entered = threading.Event()
         self.order: list[str] = []
-        real = _pytree.merge_ocdbt
+        real = mp.workers.merge_ocdbt
 
         def merge(directory: Path) -> None:
             step = int(directory.parent.name.split(".")[0])
@@ -70,7 +70,7 @@ class Gate:
                 assert self.release.wait(60), "the test never released the gate"
             real(directory)
 
-        monkeypatch.setattr(_pytree, "merge_ocdbt", merge)
+        monkeypatch.setattr(mp.workers, "merge_ocdbt", merge)
 
 
 # -- policies -----------------------------------------------------------------------------
@@ -234,7 +234,7 @@ def test_background_failure_reraised_with_step_and_only_checkpoint_kept(
         def broken(directory: Path) -> None:
             raise OSError("simulated disk failure")
 
-        monkeypatch.setattr(_pytree, "merge_ocdbt", broken)
+        monkeypatch.setattr(mp.workers, "merge_ocdbt", broken)
         assert ckpt.save(1, tree(mesh24, 1))
         # the failure surfaces on the next call, whichever it is
         with pytest.raises(BackgroundSaveError, match=r"step 1 failed: OSError: simulated disk failure") as info:
@@ -252,7 +252,7 @@ def test_background_failure_reraised_with_step_and_only_checkpoint_kept(
 
 
 def test_failure_reraised_by_close(tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_pytree, "merge_ocdbt", lambda d: (_ for _ in ()).throw(OSError("disk full")))
+    monkeypatch.setattr(mp.workers, "merge_ocdbt", lambda d: (_ for _ in ()).throw(OSError("disk full")))
     ckpt = Checkpointer(tmp_path / "r")
     ckpt.save(5, tree(mesh24, 5))
     with pytest.raises(BackgroundSaveError, match="step 5 failed: OSError: disk full"):
@@ -436,7 +436,7 @@ class Follower(LocalHostGroup):
 
 def test_a_non_primary_process_takes_the_primarys_listing_and_decisions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     group = Follower({"open": (True, {5: {"loss": 1.0}, 10: {}}), "should-save": (True, (True, True))})
-    monkeypatch.setattr(_dispatch, "_PROVIDERS", [lambda: group])
+    monkeypatch.setattr(_dispatch, "_default_group", lambda: group)
     root = tmp_path / "r"
     with Checkpointer(root, save_policy=FixedInterval(interval=1000)) as ckpt:
         assert ckpt.steps == [5, 10] and ckpt.latest == 10

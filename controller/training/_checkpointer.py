@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import queue
 import shutil
 import signal
 import threading
@@ -164,10 +165,13 @@ class Checkpointer:
         self._cond = threading.Condition(threading.RLock())
         self._gc_lock = threading.Lock()
         self._steps: dict[int, dict[str, Any]] = {}
-        self._in_flight: dict[int, threading.Thread | None] = {}
+        self._in_flight: dict[int, _checkpoint.SaveHandle | None] = {}
+        """Steps being saved: their handles (None while the save is starting)."""
         self._loading: collections.Counter[int] = collections.Counter()
         self._gc_active = 0
+        """Retention runs requested and not finished (``wait`` waits for them)."""
         self._gc_deferred = False
+        self._retention = _Worker(self._collect_garbage, f"milepost-retention:{self.root.name}")
         self._failure: BackgroundSaveError | None = None
         self._last_save_start: float | None = None
         self._decision: tuple[int, bool, int] | None = None
@@ -204,13 +208,12 @@ class Checkpointer:
         return self._scan()
 
     def _remove_uncommitted(self) -> None:
-        with _checkpoint._in_flight_lock:  # saves of this process still running: not leftovers
-            busy = {p.name for p in _checkpoint._in_flight if p.parent == self.root}
+        busy = _checkpoint.saves_in_flight(self.root)  # saves of this process: not leftovers
         for p in sorted(self.root.iterdir()):
             partial = _is_step_name(p.name) and p.is_dir() and not fmt.is_checkpoint(p)
             if not (partial or (_leftover_of_step(p.name) and p.is_dir())):
                 continue
-            if p.name.partition(".")[0] in busy:
+            if p.name.partition(".")[0] in busy or p.name in busy:
                 continue
             log.warning("milepost.training: removing %s, left by a save or deletion that did not finish", p)
             shutil.rmtree(p, ignore_errors=True)
@@ -375,13 +378,10 @@ class Checkpointer:
                 del self._in_flight[step]
                 self._cond.notify_all()
             raise
-        watcher = threading.Thread(
-            target=self._finish, args=(step, handle, plain_metrics), name=f"milepost-step-{step}", daemon=True
-        )
         with self._cond:
             self._signals_served = max(self._signals_served, served)
-            self._in_flight[step] = watcher
-        watcher.start()
+            self._in_flight[step] = handle
+        handle.add_done_callback(lambda h: self._finish(step, h, plain_metrics))
         if not self.asynchronous:
             self.wait()
         return True
@@ -398,8 +398,10 @@ class Checkpointer:
             )
 
     def _finish(self, step: int, handle: _checkpoint.SaveHandle, metrics: dict[str, Any]) -> None:
+        """The save of ``step`` ended (on the thread that finished it): record the step, or the
+        failure for the next call to raise, and ask for retention."""
         try:
-            handle.result(self._timeout)
+            handle.result(0)
         except BaseException as e:
             log.error("milepost.training: the save of step %s failed: %s: %s", step, type(e).__name__, e)
             with self._cond:
@@ -414,7 +416,7 @@ class Checkpointer:
             self._in_flight.pop(step, None)
             self._gc_active += 1
             self._cond.notify_all()
-        self._collect_garbage()
+        self._retention.submit()
 
     def _raise_failure(self) -> None:
         with self._cond:
@@ -424,7 +426,8 @@ class Checkpointer:
 
     # -- retention ----------------------------------------------------------------------
     def _collect_garbage(self) -> None:
-        """Apply the retention policy (``_gc_active`` was raised by the caller)."""
+        """Apply the retention policy, on the retention worker (``_gc_active`` was raised by
+        whoever asked for this run)."""
         try:
             with self._gc_lock:
                 with self._cond:
@@ -527,7 +530,7 @@ class Checkpointer:
                 self._gc_deferred = False
                 self._gc_active += 1
         if again:  # retention spared a step for this load; finish the job in the background
-            threading.Thread(target=self._collect_garbage, name="milepost-retention", daemon=True).start()
+            self._retention.submit()
 
     def load(self, step: int | None = None, abstract_state: Any = None, *, partial: bool = False) -> Any:
         """Load the tree saved by :meth:`save` at ``step`` (default: the latest committed).
@@ -586,13 +589,15 @@ class Checkpointer:
             raise RuntimeError(f"the Checkpointer for {self.root} is closed; open a new one to save")
 
     def close(self) -> None:
-        """Wait for saves in flight (re-raising a failure) and restore signal handlers."""
+        """Wait for saves in flight and retention (re-raising a failure), stop the retention
+        worker and restore signal handlers."""
         if self._closed:
             return
         try:
             self.wait()
         finally:
             self._closed = True
+            self._retention.stop(self._timeout)
             if threading.current_thread() is threading.main_thread():
                 for sig, previous in self._previous_handlers.items():
                     signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
@@ -613,3 +618,36 @@ class Checkpointer:
     def __repr__(self) -> str:
         with self._cond:
             return f"Checkpointer({str(self.root)!r}, steps={sorted(self._steps)}, in_flight={sorted(self._in_flight)})"
+
+
+class _Worker:
+    """One background thread that runs ``fn`` once per :meth:`submit`, in order; started at the
+    first submit and stopped by a sentinel in :meth:`stop`."""
+
+    _STOP = object()
+
+    def __init__(self, fn: Callable[[], None], name: str) -> None:
+        self._fn = fn
+        self._name = name
+        self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+            self._queue.put(None)
+
+    def _run(self) -> None:
+        while self._queue.get() is not self._STOP:
+            self._fn()
+
+    def stop(self, timeout: float) -> None:
+        """Finish the runs asked for, then end the thread (waiting at most ``timeout``)."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(self._STOP)
+            thread.join(timeout)

@@ -1,0 +1,185 @@
+"""The files of a pytree checkpointable (Orbax v1 names): written by the commit, read by a load.
+
+::
+
+    <checkpointable>/_METADATA                    the tree: each leaf's key path and value type
+                     _sharding                    base64(leaf name) -> JSON of its NamedSharding
+                     _strings.json                the string leaves
+                     _milepost.json               Python/NumPy types of scalars (Orbax ignores it)
+                     array_metadatas/process_<i>  what host i wrote: write and chunk shape per array
+
+Array data lives beside them, in the per-process OCDBT stores and the merged root view
+(``milepost.workers`` owns those).
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from milepost import _format as fmt
+from milepost import workers
+from milepost._errors import CorruptCheckpointError
+from milepost._tree import Leaf, ValueType
+from milepost.workers import ShardingSpec
+
+Keys = tuple[tuple[str, int], ...]
+"""A leaf's key path: ``(key, key_type)`` per level, as in Orbax's ``key_metadata``."""
+
+
+@dataclass(frozen=True)
+class SavedLeaf:
+    """One entry of ``_METADATA``."""
+
+    name: str
+    """Storage name: the key path's parts joined by '.'."""
+    keys: Keys
+    value_type: ValueType
+    raw_value_type: str
+    """The value type as written (differs from ``value_type`` only for unknown types)."""
+    write_shape: tuple[int, ...] | None = None
+
+    @property
+    def tuple_key(self) -> str:
+        """The key of this leaf in ``tree_metadata``: ``str`` of the tuple of parts."""
+        return str(tuple(k for k, _ in self.keys))
+
+    @staticmethod
+    def of(leaf: Leaf, value_type: ValueType, write_shape: tuple[int, ...] | None = None) -> SavedLeaf:
+        return SavedLeaf(leaf.name, leaf.keys, value_type, str(value_type), write_shape)
+
+
+@dataclass(frozen=True)
+class TreeFiles:
+    """What the format files of one pytree checkpointable say."""
+
+    leaves: dict[str, SavedLeaf]
+    """By storage name, in the tree's order."""
+    use_ocdbt: bool
+    shardings: dict[str, ShardingSpec] = field(default_factory=dict)
+    strings: dict[str, str] = field(default_factory=dict)
+    python_types: dict[str, str] = field(default_factory=dict)
+    """Scalars' Python or NumPy type names (``int``, ``np.float32``...), and ``tuple`` for empty
+    tuples: what Orbax's metadata has no word for."""
+    fill_missing: bool = False
+    """True for checkpoints written without every chunk (``store_array_data_equal_to_fill_value``
+    false): a missing chunk then means zeros. Milepost and Orbax 0.12 write every chunk, so a
+    missing one is lost data and reading it fails."""
+
+    def store(self, directory: Path) -> workers.StoreSpec:
+        return workers.StoreSpec(directory=str(directory), use_ocdbt=self.use_ocdbt)
+
+
+# ------------------------------------------------------------------------------------------
+# Writing (the commit)
+# ------------------------------------------------------------------------------------------
+
+
+def write(directory: Path, files: TreeFiles, acks: Sequence[workers.SaveAck], platform: str) -> None:
+    """Write every format file of ``files``; ``array_metadatas/`` comes from the hosts' acks."""
+    tree_metadata: dict[str, Any] = {}
+    for leaf in files.leaves.values():
+        value_metadata: dict[str, Any] = {"value_type": leaf.raw_value_type, "skip_deserialize": leaf.value_type.is_empty}
+        if leaf.value_type is ValueType.JAX_ARRAY and leaf.write_shape is not None:
+            value_metadata["write_shape"] = list(leaf.write_shape)
+        tree_metadata[leaf.tuple_key] = {
+            "key_metadata": [{"key": k, "key_type": t} for k, t in leaf.keys],
+            "value_metadata": value_metadata,
+        }
+    fmt.write_json(
+        directory / fmt.TREE_METADATA,
+        {
+            "tree_metadata": tree_metadata,
+            "use_ocdbt": files.use_ocdbt,
+            "use_zarr3": True,
+            "store_array_data_equal_to_fill_value": not files.fill_missing,
+            "custom_metadata": None,
+        },
+    )
+    if files.shardings:
+        fmt.write_json(
+            directory / fmt.SHARDING,
+            {base64.b64encode(n.encode()).decode(): spec.to_orbax_json(platform) for n, spec in files.shardings.items()},
+        )
+    if files.strings:
+        fmt.write_json(directory / fmt.STRINGS, files.strings)
+    if files.python_types:
+        fmt.write_json(directory / fmt.MILEPOST_INFO, {"python_types": files.python_types})
+    array_dir = directory / fmt.ARRAY_METADATAS
+    array_dir.mkdir(exist_ok=True)
+    for ack in sorted((a for a in acks if isinstance(a.process_index, int)), key=lambda a: a.process_index):
+        entries = [
+            {
+                "array_metadata": {
+                    "param_name": a.name,
+                    "write_shape": list(a.write_shape),
+                    "chunk_shape": list(a.chunk_shape),
+                    "ext_metadata": None,
+                }
+            }
+            for a in ack.arrays
+        ]
+        fmt.write_json(array_dir / f"process_{ack.process_index}", {"array_metadatas": entries})
+
+
+# ------------------------------------------------------------------------------------------
+# Reading
+# ------------------------------------------------------------------------------------------
+
+
+def read(directory: Path) -> TreeFiles:
+    """The format files in ``directory``; any of them malformed is a
+    :class:`CorruptCheckpointError` naming the files."""
+    try:
+        return _read(directory)
+    except CorruptCheckpointError:
+        raise
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
+        raise CorruptCheckpointError(
+            f"the metadata files in {directory} ({fmt.TREE_METADATA}, {fmt.SHARDING}, {fmt.STRINGS}) do not have the "
+            f"expected form ({type(e).__name__}: {e}); the checkpoint is damaged. Load an earlier checkpoint."
+        ) from e
+
+
+def _read(directory: Path) -> TreeFiles:
+    meta = fmt.read_json(directory / fmt.TREE_METADATA, "tree metadata")
+    if not isinstance(meta, dict) or not isinstance(meta.get("tree_metadata"), dict):
+        raise CorruptCheckpointError(
+            f"{directory / fmt.TREE_METADATA} has no 'tree_metadata'; the checkpoint is damaged or not a pytree"
+        )
+    leaves: dict[str, SavedLeaf] = {}
+    for item in meta["tree_metadata"].values():
+        keys = tuple((str(k["key"]), int(k["key_type"])) for k in item["key_metadata"])
+        value = item["value_metadata"]
+        raw = value["value_type"]
+        write_shape = value.get("write_shape")
+        name = ".".join(k for k, _ in keys) if keys else "_root"
+        leaves[name] = SavedLeaf(
+            name, keys, ValueType.parse(raw), str(raw), tuple(int(n) for n in write_shape) if write_shape else None
+        )
+    shardings: dict[str, ShardingSpec] = {}
+    if (directory / fmt.SHARDING).exists():
+        for encoded, text in fmt.read_json_object(directory / fmt.SHARDING, "sharding metadata").items():
+            if not isinstance(text, str):
+                raise TypeError(f"the sharding of {encoded!r} is a {type(text).__name__}, not a JSON string")
+            try:
+                shardings[base64.b64decode(encoded).decode()] = ShardingSpec.from_orbax_json(text)
+            except (ValueError, KeyError):
+                continue  # a sharding kind we do not know: loading it needs an abstract tree
+    strings = fmt.read_json_object(directory / fmt.STRINGS, "string leaves") if (directory / fmt.STRINGS).exists() else {}
+    info = (
+        fmt.read_json_object(directory / fmt.MILEPOST_INFO, "milepost info")
+        if (directory / fmt.MILEPOST_INFO).exists()
+        else {}
+    )
+    return TreeFiles(
+        leaves=leaves,
+        use_ocdbt=bool(meta.get("use_ocdbt", True)),
+        shardings=shardings,
+        strings=strings,
+        python_types=info.get("python_types", {}),
+        fill_missing=not meta.get("store_array_data_equal_to_fill_value", False),
+    )

@@ -1,0 +1,246 @@
+"""Loading a pytree checkpointable, and describing one without reading array data.
+
+A load reads the format files and array headers once (on the primary, shared with the other
+controller processes), matches them against the abstract tree, plans one task per array
+(device arrays for the hosts, NumPy arrays and scalars for the controller), runs the plans, and
+assembles the result in the abstract tree's structure (or the saved one).
+"""
+
+from __future__ import annotations
+
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+from milepost import _dispatch, _tree, workers
+from milepost import _format as fmt
+from milepost import _pytree_format as tree_format
+from milepost._errors import CorruptCheckpointError, StructureMismatchError
+from milepost._pytree_save import CONTROLLER, SCALAR_TYPES
+from milepost._tree import PLACEHOLDER, ValueType
+from milepost.workers import ShardingSpec
+
+if TYPE_CHECKING:
+    from milepost._handlers import LoadCall
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeafMetadata:
+    """What ``milepost.metadata`` reports for one leaf (no array data read)."""
+
+    name: str
+    value_type: ValueType
+    shape: tuple[int, ...] | None = None
+    dtype: np.dtype | None = None
+    sharding: ShardingSpec | None = None
+    write_shape: tuple[int, ...] | None = None
+    chunk_shape: tuple[int, ...] | None = None
+
+
+def _header_shape_dtype(header: dict[str, Any]) -> tuple[tuple[int, ...], np.dtype]:
+    return tuple(header["shape"]), np.dtype(jax.numpy.dtype(header["data_type"]))
+
+
+def metadata(directory: Path) -> Any:
+    """The tree of :class:`LeafMetadata` (and empty containers), from metadata and headers."""
+    files = tree_format.read(directory)
+    arrays = [n for n, leaf in files.leaves.items() if leaf.value_type.is_array]
+    headers = workers.read_array_headers(files.store(directory), arrays)
+    built = []
+    for name, saved in files.leaves.items():
+        vt = saved.value_type
+        leaf: Any
+        if name in headers:
+            try:
+                shape, dtype = _header_shape_dtype(headers[name])
+                grid = tuple(headers[name]["chunk_grid"]["configuration"]["chunk_shape"])
+                codec = headers[name]["codecs"][0]
+                inner = tuple(codec["configuration"]["chunk_shape"]) if codec.get("name") == "sharding_indexed" else grid
+            except (KeyError, TypeError, ValueError, IndexError) as e:
+                raise CorruptCheckpointError(
+                    f"the zarr.json of array {name!r} in {directory} lacks {e}; the checkpoint is damaged"
+                ) from e
+            leaf = LeafMetadata(
+                name=name, value_type=vt, shape=shape, dtype=dtype, sharding=files.shardings.get(name),
+                write_shape=grid, chunk_shape=inner,
+            )
+        elif vt.is_empty:
+            leaf = vt.empty_value()
+        else:
+            leaf = LeafMetadata(name=name, value_type=vt)
+        built.append((saved.keys, leaf))
+    return _tree.build_nested(built)
+
+
+# ------------------------------------------------------------------------------------------
+# Load
+# ------------------------------------------------------------------------------------------
+
+
+def _is_abstract_array(x: Any) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, np.ndarray | np.generic)
+
+
+@dataclass(frozen=True)
+class _Target:
+    """One leaf to produce: its key path, storage name and abstract value (None: as saved)."""
+
+    keys: tree_format.Keys
+    name: str
+    abstract: Any
+
+
+def _targets(files: tree_format.TreeFiles, abstract: Any, partial: bool) -> tuple[list[_Target], Any]:
+    """The leaves to produce, and the abstract tree's treedef (None: rebuild the saved tree)."""
+    if abstract is None:
+        return [_Target(leaf.keys, n, None) for n, leaf in files.leaves.items()], None
+    leaves, treedef = _tree.flatten(abstract)
+    saved = list(files.leaves)
+    wanted = {leaf.name for leaf in leaves}
+    missing = [leaf.name for leaf in leaves if leaf.name not in files.leaves and leaf.value is not PLACEHOLDER]
+    extra = [n for n in saved if n not in wanted]
+    if missing:
+        raise StructureMismatchError(
+            f"the abstract tree asks for {missing[:5]}{'...' if len(missing) > 5 else ''}, which the checkpoint does "
+            f"not have (it has {saved[:8]}{'...' if len(saved) > 8 else ''}); fix the abstract tree or "
+            "mark those leaves milepost.PLACEHOLDER"
+        )
+    if extra and not partial:
+        raise StructureMismatchError(
+            f"the checkpoint has leaves the abstract tree lacks: {extra[:5]}{'...' if len(extra) > 5 else ''}; "
+            "pass partial=True to load only the leaves you give, or add them to the abstract tree"
+        )
+    return [_Target(leaf.keys, leaf.name, leaf.value) for leaf in leaves], treedef
+
+
+def _saved_sharding(files: tree_format.TreeFiles, name: str, group: Any, message: str) -> ShardingSpec:
+    spec = files.shardings.get(name)
+    if spec is None:
+        raise StructureMismatchError(message)
+    group.check_devices(spec, name)
+    return spec
+
+
+def _task(files: tree_format.TreeFiles, header: dict[str, Any], target: _Target, group: Any) -> workers.LoadTask:
+    """How to read one array: shape, target dtype, and target sharding (None: a NumPy array)."""
+    name, abstract = target.name, target.abstract
+    shape, dtype = _header_shape_dtype(header)
+    sharding: Any = None
+    if abstract is None:
+        if files.leaves[name].value_type is ValueType.JAX_ARRAY:
+            sharding = _saved_sharding(
+                files, name, group,
+                f"array {name!r} was saved without a sharding milepost can rebuild; pass an abstract tree "
+                "(jax.ShapeDtypeStruct with a sharding) to load it",
+            )
+    elif _is_abstract_array(abstract):
+        if tuple(abstract.shape) != shape:
+            raise StructureMismatchError(
+                f"leaf {name!r}: the abstract tree says shape {tuple(abstract.shape)} but the checkpoint holds {shape}; "
+                "fix the abstract shape (milepost reshards but does not reshape)"
+            )
+        dtype = np.dtype(abstract.dtype)
+        sharding = getattr(abstract, "sharding", None)
+        if sharding is None:  # no target sharding given: the saved one
+            sharding = _saved_sharding(
+                files, name, group, f"leaf {name!r} has no sharding in the abstract tree and none was saved; give one"
+            )
+        elif getattr(sharding, "milepost_spec", None) is not None:  # a slice sharding: ids only
+            sharding = sharding.milepost_spec
+    elif isinstance(abstract, np.ndarray):
+        if tuple(abstract.shape) != shape:
+            raise StructureMismatchError(f"leaf {name!r}: the abstract array has shape {abstract.shape}, the checkpoint {shape}")
+        dtype = abstract.dtype
+    return workers.LoadTask(name=name, shape=shape, dtype=np.dtype(dtype).name, sharding=sharding)
+
+
+def load(directory: Path, abstract: Any, call: LoadCall) -> Any:
+    timeout = call.options.async_.timeout_secs
+    group = call.group
+    files = _dispatch.shared(group, f"pytree-meta:{directory}", lambda: tree_format.read(directory), timeout)
+    targets, treedef = _targets(files, abstract, call.partial)
+    store = files.store(directory)
+    array_names = [
+        t.name for t in targets
+        if t.abstract is not PLACEHOLDER and t.name in files.leaves and files.leaves[t.name].value_type.is_array
+    ]
+    headers = _dispatch.shared(
+        group, f"pytree-headers:{directory}", lambda: workers.read_array_headers(store, array_names), timeout
+    )
+
+    device_tasks: list[workers.LoadTask] = []
+    host_tasks: list[workers.LoadTask] = []
+    for t in targets:
+        if t.abstract is not PLACEHOLDER and t.name in headers:
+            task = _task(files, headers[t.name], t, group)
+            (host_tasks if task.sharding is None else device_tasks).append(task)
+
+    loading = call.options.loading
+
+    def plan_of(tasks: list[workers.LoadTask]) -> workers.LoadPlan:
+        return workers.LoadPlan(
+            store=store, tasks=tuple(tasks), memory_budget_bytes=loading.memory_budget_bytes,
+            fill_missing=files.fill_missing, direct_reads=loading.direct_reads,
+        )
+
+    values: dict[str, Any] = {}
+    with futures.ThreadPoolExecutor(1) as pool:
+        own = (
+            pool.submit(_dispatch.controller_host().load, {CONTROLLER: plan_of(host_tasks)}, timeout)
+            if host_tasks else None
+        )
+        if device_tasks:
+            loaded = group.load({p: plan_of(device_tasks) for p in group.processes()}, timeout)
+            values.update(zip((t.name for t in device_tasks), loaded.arrays, strict=True))
+        if own is not None:
+            values.update(zip((t.name for t in host_tasks), own.result(timeout).arrays, strict=True))
+    return _assemble(files, directory, targets, treedef, values)
+
+
+def _assemble(
+    files: tree_format.TreeFiles, directory: Path, targets: list[_Target], treedef: Any, values: dict[str, Any]
+) -> Any:
+    """The loaded tree, in the abstract tree's structure (``treedef``) or the saved one."""
+    out: list[Any] = []
+    for t in targets:
+        if t.abstract is PLACEHOLDER:
+            out.append(PLACEHOLDER)
+            continue
+        saved = files.leaves.get(t.name)
+        vt = saved.value_type if saved is not None else None
+        if t.name in values:
+            value = values[t.name]
+            if vt is ValueType.SCALAR and isinstance(value, np.ndarray):
+                value = _to_scalar(value, files.python_types.get(t.name), t.abstract)
+        elif vt is ValueType.STRING:
+            if t.name not in files.strings:
+                raise CorruptCheckpointError(
+                    f"string leaf {t.name!r} is missing from {directory / fmt.STRINGS}; the checkpoint is damaged. "
+                    "Load an earlier checkpoint."
+                )
+            value = files.strings[t.name]
+        elif t.abstract is not None:
+            value = t.abstract
+        elif vt is not None and vt.is_empty:
+            value = vt.empty_value()
+        else:
+            value = None
+        out.append((t.keys, value))
+    if treedef is None:
+        return _tree.build_nested(out)
+    return _tree.unflatten(treedef, [v if v is PLACEHOLDER else v[1] for v in out])
+
+
+def _to_scalar(value: np.ndarray, python_type: str | None, abstract: Any) -> Any:
+    if abstract is not None and isinstance(abstract, SCALAR_TYPES):
+        target = type(abstract)
+        return target(value.item()) if not isinstance(abstract, np.generic) else value.astype(abstract.dtype)[()]
+    if python_type is None:
+        return value.item()
+    if python_type.startswith("np."):
+        return value.astype(python_type[3:])[()]
+    return {"bool": bool, "int": int, "float": float, "complex": complex}.get(python_type, lambda v: v)(value.item())

@@ -1,0 +1,282 @@
+"""Saving a pytree checkpointable: plan it (blocking, on the controller), stage it on the hosts
+(blocking), then wait for the writes and write the format files (background).
+
+``plan`` decides, per leaf, where its bytes go: device arrays to the hosts that hold their
+shards (``ocdbt.process_<i>``), NumPy arrays and scalars to the controller's own store
+(``ocdbt.process_controller``), strings and empty containers into the format files. ``start``
+hands the plans to the host groups and returns a :class:`PendingTree`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+from milepost import _dispatch, _planning, _tree, workers
+from milepost import _format as fmt
+from milepost import _pytree_format as tree_format
+from milepost._errors import InvalidKeyError, UnsupportedLeafError
+from milepost._options import SaveOptions
+from milepost._tree import Leaf, ValueType
+
+if TYPE_CHECKING:
+    from milepost._handlers import SaveCall
+    from milepost.colocated import HostGroup
+
+CONTROLLER = _dispatch.CONTROLLER
+"""Name of the store the controller writes its own (host-memory) leaves into."""
+
+SCALAR_TYPES = (bool, int, float, complex, np.generic)
+
+
+def value_type(value: Any) -> ValueType:
+    if hasattr(value, "__milepost_host_group__") or isinstance(value, jax.Array):
+        return ValueType.JAX_ARRAY
+    if isinstance(value, np.ndarray):
+        return ValueType.NP_ARRAY
+    if isinstance(value, SCALAR_TYPES):
+        return ValueType.SCALAR
+    if isinstance(value, str):
+        return ValueType.STRING
+    if _tree.is_empty_node(value):
+        return _tree.empty_value_type(value)
+    raise UnsupportedLeafError(
+        f"cannot save a leaf of type {type(value).__module__}.{type(value).__qualname__}; milepost saves jax.Array, "
+        "np.ndarray, Python/NumPy scalars, str, None and empty containers. Convert the leaf (e.g. np.asarray(x)), "
+        "register it as a pytree node, or save it in its own checkpointable with a handler."
+    )
+
+
+def _scalar_array(value: Any) -> np.ndarray:
+    if isinstance(value, np.generic):
+        return np.asarray(value)
+    if isinstance(value, bool):
+        return np.asarray(value, dtype=np.bool_)
+    if isinstance(value, int):
+        try:
+            return np.asarray(value, dtype=np.int64)
+        except OverflowError as e:
+            raise UnsupportedLeafError(f"the int {value} does not fit in int64; save it as a string or an array") from e
+    if isinstance(value, float):
+        return np.asarray(value, dtype=np.float64)
+    return np.asarray(value, dtype=np.complex128)
+
+
+def _python_type(value: Any) -> str:
+    if isinstance(value, np.generic):
+        return f"np.{value.dtype.name}"
+    return type(value).__name__
+
+
+def _named(leaf: Leaf, fn: Callable[..., Any], *args: Any) -> Any:
+    """Run ``fn``; an UnsupportedLeafError it raises names the leaf."""
+    try:
+        return fn(*args)
+    except UnsupportedLeafError as e:
+        if repr(leaf.name) in str(e):
+            raise
+        raise UnsupportedLeafError(f"leaf {leaf.name!r}: {e}") from None
+
+
+def _check_dtype(name: str, dtype: np.dtype) -> None:
+    if dtype.kind in "OUS":
+        raise UnsupportedLeafError(
+            f"leaf {name!r} has dtype {dtype}, which has no on-disk form; save numeric arrays, or strings as str leaves"
+        )
+    if dtype.name not in workers.ZARR3_DTYPES:
+        raise UnsupportedLeafError(
+            f"leaf {name!r} has dtype {dtype.name}, which the zarr3 format cannot store "
+            f"(it stores {', '.join(sorted(workers.ZARR3_DTYPES))}); cast the leaf to one of those before saving"
+        )
+
+
+_PLAIN_ZARR3_RESERVED = frozenset({fmt.TREE_METADATA, fmt.SHARDING, fmt.STRINGS, fmt.MILEPOST_INFO, fmt.ARRAY_METADATAS})
+
+
+@dataclass
+class TreeSavePlan:
+    """Where every leaf of one tree goes."""
+
+    options: SaveOptions
+    leaves: dict[str, tree_format.SavedLeaf] = field(default_factory=dict)
+    shardings: dict[str, workers.ShardingSpec] = field(default_factory=dict)
+    strings: dict[str, str] = field(default_factory=dict)
+    python_types: dict[str, str] = field(default_factory=dict)
+    host_tasks: dict[int, list[workers.SaveTask]] = field(default_factory=lambda: defaultdict(list))
+    host_sources: list[Any] = field(default_factory=list)
+    """Device arrays (or slice handles), indexed by ``SaveTask.source``."""
+    controller_tasks: list[workers.SaveTask] = field(default_factory=list)
+    controller_sources: list[np.ndarray] = field(default_factory=list)
+    """NumPy arrays and scalars the controller holds, written by the controller."""
+
+    @property
+    def files(self) -> tree_format.TreeFiles:
+        return tree_format.TreeFiles(
+            leaves=self.leaves,
+            use_ocdbt=self.options.use_ocdbt,
+            shardings=self.shardings,
+            strings=self.strings,
+            python_types=self.python_types,
+        )
+
+
+def plan(tree: Any, options: SaveOptions, group: HostGroup) -> TreeSavePlan:
+    """Validate every leaf of ``tree`` and decide who writes what (no data moves)."""
+    out = TreeSavePlan(options)
+    leaves, _ = _tree.flatten(tree)
+    for leaf in leaves:
+        _named(leaf, _plan_leaf, out, leaf, group)
+    return out
+
+
+def _plan_leaf(out: TreeSavePlan, leaf: Leaf, group: HostGroup) -> None:
+    kind = value_type(leaf.value)
+    if kind.is_array and not out.options.use_ocdbt and leaf.name in _PLAIN_ZARR3_RESERVED:
+        raise InvalidKeyError(
+            f"leaf {leaf.name!r} would be stored in a folder with the name of a metadata file, which plain zarr3 "
+            "(SaveOptions(use_ocdbt=False)) cannot do; rename the key, or save with use_ocdbt=True (the default)"
+        )
+    write_shape = None
+    if kind is ValueType.JAX_ARRAY:
+        write_shape = _plan_device_array(out, leaf, group)
+    elif kind in (ValueType.NP_ARRAY, ValueType.SCALAR):
+        array = np.asarray(leaf.value) if kind is ValueType.NP_ARRAY else _scalar_array(leaf.value)
+        _check_dtype(leaf.name, array.dtype)
+        if kind is ValueType.SCALAR:
+            out.python_types[leaf.name] = _python_type(leaf.value)
+        spec = _planning.host_array_spec(leaf.name, array, out.options.compression, out.options.chunk_byte_size)
+        regions = (workers.Region(device_id=-1, index=tuple((0, n) for n in array.shape)),) if array.size else ()
+        out.controller_tasks.append(
+            workers.SaveTask(source=len(out.controller_sources), spec=spec, regions=regions, create=True)
+        )
+        out.controller_sources.append(array)
+    elif kind is ValueType.STRING:
+        out.strings[leaf.name] = leaf.value
+    elif kind is ValueType.TUPLE:
+        out.python_types[leaf.name] = "tuple"
+    out.leaves[leaf.name] = tree_format.SavedLeaf.of(leaf, kind, write_shape)
+
+
+def _plan_device_array(out: TreeSavePlan, leaf: Leaf, group: HostGroup) -> tuple[int, ...]:
+    value = leaf.value
+    is_deleted = getattr(value, "is_deleted", None)
+    if callable(is_deleted) and is_deleted():
+        raise ValueError(
+            f"leaf {leaf.name!r} is a deleted jax.Array (deleted, or donated to a jitted function); "
+            "save it before donating it, or save the array the computation returned"
+        )
+    shape = tuple(value.shape)
+    dtype = np.dtype(value.dtype)
+    _check_dtype(leaf.name, dtype)
+    spec = _planning.sharding_spec(value.sharding)
+    if spec is not None:
+        out.shardings[leaf.name] = spec
+    boxes = _planning.device_boxes(value.sharding, shape)
+    write_shape, regions = _planning.write_regions(boxes, out.options.replica_parallel)
+    if not all(shape):
+        regions = []
+    array_spec = workers.ArraySpec(
+        name=leaf.name,
+        shape=shape,
+        dtype=dtype.name,
+        write_shape=write_shape,
+        chunk_shape=_planning.inner_chunk_shape(write_shape, dtype.itemsize, out.options.chunk_byte_size),
+        compression=out.options.compression,
+    )
+    source = len(out.host_sources)
+    out.host_sources.append(value)
+    by_process: dict[int, list[workers.Region]] = defaultdict(list)
+    for region in regions:
+        by_process[group.process_of_device(region.device_id)].append(region)
+    if not by_process:  # zero-size: someone must still create the array's metadata
+        by_process[group.processes()[0]] = []
+    for process, mine in by_process.items():
+        out.host_tasks[process].append(workers.SaveTask(source=source, spec=array_spec, regions=tuple(mine), create=not mine))
+    return write_shape
+
+
+# ------------------------------------------------------------------------------------------
+# Staging and the background part
+# ------------------------------------------------------------------------------------------
+
+
+def start(planned: TreeSavePlan, directory: Path, call: SaveCall) -> PendingTree:
+    """Stage every host's shards and the controller's own leaves (the blocking part of a save);
+    the returned pending write finishes the checkpointable."""
+    store = workers.StoreSpec(directory=str(directory), use_ocdbt=planned.options.use_ocdbt)
+    writers = planned.options.ocdbt_writers_per_host
+    timeout = call.options.async_.timeout_secs
+    group = call.group
+    hosts: workers.PendingWrite[list[workers.SaveAck]] | None = None
+    if planned.host_tasks:
+        plans = {
+            p: workers.SavePlan(store=store, process_index=p, tasks=tuple(tasks), copy=call.copy, writers=writers)
+            for p, tasks in planned.host_tasks.items()
+        }
+        hosts = group.start_save(plans, planned.host_sources, timeout)
+    own: workers.PendingWrite[list[workers.SaveAck]] | None = None
+    try:
+        if planned.controller_tasks and group.is_primary():
+            plan = workers.SavePlan(
+                store=store, process_index=CONTROLLER, tasks=tuple(planned.controller_tasks), copy=call.copy, writers=writers
+            )
+            own = _dispatch.controller_host().start_save({CONTROLLER: plan}, planned.controller_sources, timeout)
+    except BaseException:
+        workers.settle_all([hosts], timeout)
+        raise
+    planned.controller_sources = []
+    return PendingTree(directory, planned.files, group, hosts, own, timeout)
+
+
+class PendingTree:
+    """A staged pytree checkpointable: the hosts' writes, the controller's writes, then (on the
+    primary) the format files and the merge of the per-process OCDBT stores."""
+
+    def __init__(
+        self,
+        directory: Path,
+        files: tree_format.TreeFiles,
+        group: HostGroup,
+        hosts: workers.PendingWrite[list[workers.SaveAck]] | None,
+        own: workers.PendingWrite[list[workers.SaveAck]] | None,
+        timeout: float,
+    ) -> None:
+        self.directory = directory
+        self.files = files
+        self.group = group
+        self.hosts = hosts
+        self.own = own
+        self.timeout = timeout
+
+    def wait(self, timeout: float | None = None) -> None:
+        timeout = self.timeout if timeout is None else timeout
+        try:
+            acks = self.hosts.wait(timeout) if self.hosts is not None else []
+        except BaseException:
+            self.settle(timeout)
+            raise
+        self.group.barrier(f"pytree-written:{self.directory}", timeout)
+        if not self.group.is_primary():
+            return
+        # The controller's own leaves and the format files: a failure here is the primary's
+        # alone; it reaches the other controller processes through the commit outcome.
+        try:
+            if self.own is not None:
+                self.own.wait(timeout)
+        except BaseException:
+            self.settle(timeout)
+            raise
+        platform = jax.devices()[0].platform if jax.device_count() else "cpu"
+        tree_format.write(self.directory, self.files, acks, platform)
+        if self.files.use_ocdbt:
+            workers.merge_ocdbt(self.directory)
+
+    def settle(self, timeout: float | None = None) -> None:
+        """Local only: let this process's writes land (no host coordination)."""
+        workers.settle_all([self.hosts, self.own], self.timeout if timeout is None else timeout)

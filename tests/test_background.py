@@ -1,0 +1,174 @@
+"""Background saves have an owner: callbacks, waiting for every save, interpreter exit; and the
+pending-write protocol that keeps late writes out of a removed temporary directory."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import milepost as mp
+from tests import _subproc
+from tests._helpers import listing, same_bits
+
+
+def _gate_merge(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    gate = threading.Event()
+    real = mp.workers.merge_ocdbt
+
+    def merge(directory: Any) -> None:
+        assert gate.wait(60), "test gate never opened"
+        real(directory)
+
+    monkeypatch.setattr(mp.workers, "merge_ocdbt", merge)
+    return gate
+
+
+def test_done_callbacks_run_once_with_the_handle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = _gate_merge(monkeypatch)
+    seen: list[tuple[str, bool]] = []
+    handle = mp.save_async(tmp_path / "c", {"x": np.arange(10)})
+    handle.add_done_callback(lambda h: seen.append(("first", (tmp_path / "c").exists())))
+    assert seen == [] and "running" in repr(handle)
+    gate.set()
+    handle.result(timeout=60)
+    assert seen == [("first", True)]  # called once, after the commit
+    handle.add_done_callback(lambda h: seen.append(("late", h is handle)))  # already done: at once
+    assert seen == [("first", True), ("late", True)]
+    assert repr(handle) == f"SaveHandle({str((tmp_path / 'c').absolute())!r}, committed)"
+
+
+def test_done_callback_sees_a_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def merge(directory: Any) -> None:
+        raise OSError(28, "No space left on device (injected)")
+
+    monkeypatch.setattr(mp.workers, "merge_ocdbt", merge)
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def record(h: mp.SaveHandle) -> None:
+        try:
+            h.result(0)
+        except OSError as e:
+            errors.append(e)
+        done.set()
+
+    handle = mp.save_async(tmp_path / "c", {"x": np.arange(10)})
+    handle.add_done_callback(record)
+    assert done.wait(60)
+    assert len(errors) == 1 and "No space left" in str(errors[0])
+    assert "failed: OSError" in repr(handle)
+    assert listing(tmp_path) == []
+
+
+def test_wait_for_saves_waits_for_every_save_in_flight(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = _gate_merge(monkeypatch)
+    handles = [mp.save_async(tmp_path / str(i), {"x": np.full(4, i)}) for i in range(3)]
+    with pytest.raises(TimeoutError, match="3 milepost save"):
+        mp.wait_for_saves(timeout=0.2)
+    assert not any(h.done() for h in handles)
+    threading.Timer(0.3, gate.set).start()
+    mp.wait_for_saves(timeout=60)
+    assert all(h.done() for h in handles)
+    for i in range(3):
+        assert same_bits(mp.load(tmp_path / str(i))["x"], np.full(4, i))
+    mp.wait_for_saves(timeout=0)  # nothing in flight: returns at once
+
+
+EXIT = r"""
+import sys, time, numpy as np
+import milepost as mp
+
+path, hang = sys.argv[1], sys.argv[2] == "hang"
+real = mp.workers.merge_ocdbt
+def merge(directory):
+    time.sleep(600 if hang else 1.0)  # the script exits while this runs
+    real(directory)
+mp.workers.merge_ocdbt = merge
+with mp.Context(async_=mp.AsyncOptions(timeout_secs=2 if hang else 60)):
+    mp.save_async(path, {"x": np.arange(1000)})
+print("returned", flush=True)
+"""
+
+
+def test_interpreter_exit_waits_for_a_save_in_flight(tmp_path: Path) -> None:
+    proc = _subproc.popen(EXIT.replace("sys.argv[1], sys.argv[2]", f"{str(tmp_path / 'c')!r}, 'wait'"))
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "returned" in out
+    assert "waiting" in err and "c" in err  # says what it waits for
+    assert same_bits(mp.load(tmp_path / "c")["x"], np.arange(1000))
+
+
+def test_interpreter_exit_says_loudly_when_it_abandons_a_save(tmp_path: Path) -> None:
+    proc = _subproc.popen(EXIT.replace("sys.argv[1], sys.argv[2]", f"{str(tmp_path / 'c')!r}, 'hang'"))
+    out, err = proc.communicate(timeout=120)
+    assert "returned" in out
+    assert "abandoned the save to" in err and "nothing of it was committed" in err, err
+    assert not (tmp_path / "c").exists()  # never half-visible
+
+
+class Recorder:
+    """A checkpointable handler whose save leaves writes 'in flight' and records what the save
+    did with them."""
+
+    typestr = "tests.Recorder"
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def is_handleable(self, obj: Any) -> bool:
+        return isinstance(obj, list) and obj == ["record"]
+
+    def save(self, directory: Path, obj: Any, call: Any) -> mp.PendingWrite[None]:
+        recorder = self
+
+        class Pending:
+            def wait(self, timeout: float | None = None) -> None:
+                recorder.calls.append("wait")
+                (directory / "data").write_text("x")
+
+            def settle(self, timeout: float | None = None) -> None:
+                recorder.calls.append("settle")
+
+        return Pending()
+
+    def load(self, directory: Path, abstract: Any, call: Any) -> Any:
+        return ["record"]
+
+    def metadata(self, directory: Path) -> Any:
+        return None
+
+
+def test_a_failed_part_settles_the_parts_after_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tree's writes fail: the handler after it is settled, never waited for, and the
+    temporary directory goes only then."""
+    recorder = Recorder()
+
+    def merge(directory: Any) -> None:
+        raise OSError(5, "Input/output error (injected)")
+
+    monkeypatch.setattr(mp.workers, "merge_ocdbt", merge)
+    with mp.Context(handlers=[(recorder, "extra")]), pytest.raises(OSError, match="injected"):
+        mp.save_checkpointables(tmp_path / "c", {"state": {"x": np.arange(3)}, "extra": ["record"]})
+    assert recorder.calls == ["settle"]
+    assert listing(tmp_path) == []
+    monkeypatch.undo()
+    with mp.Context(handlers=[(recorder, "extra")]):
+        mp.save_checkpointables(tmp_path / "c", {"state": {"x": np.arange(3)}, "extra": ["record"]})
+        assert mp.load_checkpointables(tmp_path / "c")["extra"] == ["record"]
+    assert recorder.calls == ["settle", "wait"]
+    assert (tmp_path / "c" / "extra" / "data").read_text() == "x"
+
+
+def test_a_save_to_a_path_in_flight_is_its_own_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = _gate_merge(monkeypatch)
+    handle = mp.save_async(tmp_path / "c", {"x": np.arange(3)})
+    with pytest.raises(mp.SaveInProgressError, match="still in flight") as info:
+        mp.save_async(tmp_path / "c", {"x": np.arange(3)})
+    assert isinstance(info.value, mp.CheckpointExistsError)
+    gate.set()
+    handle.result(timeout=60)
