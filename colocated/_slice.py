@@ -45,6 +45,20 @@ class SliceOptions:
     """Object store size for a Ray runtime that ``Slice.start`` initializes (only ``put`` and
     ``fetch`` use it)."""
 
+    def __post_init__(self) -> None:
+        for name in ("timeout_secs", "start_timeout_secs", "cpus_per_host"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise TypeError(f"SliceOptions.{name} must be a number, got {value!r} ({type(value).__name__})")
+            if not math.isfinite(value) or value <= 0:
+                raise ValueError(f"SliceOptions.{name} must be positive and finite, got {value!r}")
+        for name, optional in (("ray_num_cpus", True), ("ray_object_store_bytes", False)):
+            value = getattr(self, name)
+            if value is None and optional:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise TypeError(f"SliceOptions.{name} must be a positive int{' or None' if optional else ''}, got {value!r}")
+
 
 class Slice:
     """H worker hosts on Ray, each a JAX process with D devices, driven from this controller.

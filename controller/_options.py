@@ -8,9 +8,34 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+
+def _int(owner: str, name: str, value: Any, *, minimum: int, optional: bool = False) -> None:
+    """``value`` is an int (not a bool) of at least ``minimum`` (or None if ``optional``)."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        kind = "an int or None" if optional else "an int"
+        raise TypeError(f"{owner}.{name} must be {kind}, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{owner}.{name} must be at least {minimum}, got {value}")
+
+
+def _seconds(owner: str, name: str, value: Any) -> None:
+    """``value`` is a positive, finite number of seconds."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{owner}.{name} must be a number of seconds, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{owner}.{name} must be a positive, finite number of seconds, got {value!r}")
+
+
+def _bool(owner: str, name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{owner}.{name} must be True or False, got {value!r} ({type(value).__name__})")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,13 +55,20 @@ class SaveOptions:
     (``ocdbt.process_<i>``, ``ocdbt.process_<i>.1``, ...) written in parallel; one database
     writes its data files one after another. The commit merges them all into the root view."""
 
+    wait_for_writer_secs: float = 0.0
+    """When another process is saving to the same path: wait up to this long for it to finish
+    (its checkpoint then exists: overwrite it or not as ``overwrite`` says) instead of failing
+    at once with ``CheckpointExistsError``."""
+
     def __post_init__(self) -> None:
-        if self.ocdbt_writers_per_host < 1:
-            raise ValueError(f"SaveOptions.ocdbt_writers_per_host must be at least 1, got {self.ocdbt_writers_per_host}")
+        _bool("SaveOptions", "use_ocdbt", self.use_ocdbt)
+        if self.wait_for_writer_secs != 0:
+            _seconds("SaveOptions", "wait_for_writer_secs", self.wait_for_writer_secs)
+        _bool("SaveOptions", "replica_parallel", self.replica_parallel)
+        _int("SaveOptions", "ocdbt_writers_per_host", self.ocdbt_writers_per_host, minimum=1)
+        _int("SaveOptions", "chunk_byte_size", self.chunk_byte_size, minimum=1, optional=True)
         if self.compression not in (None, "zstd"):
             raise ValueError(f"SaveOptions.compression must be None or 'zstd', got {self.compression!r}")
-        if self.chunk_byte_size is not None and self.chunk_byte_size <= 0:
-            raise ValueError(f"SaveOptions.chunk_byte_size must be positive, got {self.chunk_byte_size}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,8 +86,8 @@ class LoadOptions:
     array when this is False, are read through TensorStore."""
 
     def __post_init__(self) -> None:
-        if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
-            raise ValueError(f"LoadOptions.memory_budget_bytes must be positive, got {self.memory_budget_bytes}")
+        _int("LoadOptions", "memory_budget_bytes", self.memory_budget_bytes, minimum=1, optional=True)
+        _bool("LoadOptions", "direct_reads", self.direct_reads)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,8 +96,7 @@ class AsyncOptions:
     """How long to wait for hosts (staging, writing, reading) before failing with a clear error."""
 
     def __post_init__(self) -> None:
-        if self.timeout_secs <= 0:
-            raise ValueError(f"AsyncOptions.timeout_secs must be positive, got {self.timeout_secs}")
+        _seconds("AsyncOptions", "timeout_secs", self.timeout_secs)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,6 +6,9 @@ The controller re-exports them as ``milepost.CheckpointNotFoundError`` and
 
 from __future__ import annotations
 
+import errno
+import re
+
 
 class CheckpointNotFoundError(FileNotFoundError):
     """The path is not a committed checkpoint, or a file a checkpoint needs is missing."""
@@ -14,3 +17,40 @@ class CheckpointNotFoundError(FileNotFoundError):
 class CorruptCheckpointError(ValueError):
     """A checkpoint's file is present but damaged: metadata that does not parse or has the
     wrong form, array data that is missing, cut short or fails its checksum."""
+
+
+_STATUS = re.compile(r"^\s*([A-Z_]+):\s")
+
+
+def status_of(error: BaseException) -> str | None:
+    """The absl status code TensorStore put at the start of its error message, if any."""
+    match = _STATUS.match(str(error))
+    return match.group(1) if match else None
+
+
+def from_tensorstore(error: BaseException, doing: str, path: str = "", *, reading: bool = False) -> BaseException:
+    """The builtin error a caller would catch for a TensorStore failure (TensorStore raises
+    ``ValueError("<STATUS>: ...")`` for everything): a full disk is an ``OSError`` with
+    ``errno.ENOSPC``, a denied permission a ``PermissionError``, damaged or missing data read
+    from a checkpoint a :class:`CorruptCheckpointError`. ``doing`` and ``path`` name what failed.
+    Other errors (not TensorStore's, or a status with no better builtin) are returned unchanged."""
+    status = status_of(error)
+    if status is None or not isinstance(error, ValueError):
+        return error
+    text = str(error)
+    where = f" ({path})" if path else ""
+    if "No space left on device" in text or (status == "RESOURCE_EXHAUSTED" and not reading):
+        return OSError(errno.ENOSPC, f"no space left on the device while {doing}{where}; free space or save elsewhere. {text}", path or None)
+    if "Disk quota exceeded" in text:
+        return OSError(errno.EDQUOT, f"disk quota exceeded while {doing}{where}. {text}", path or None)
+    if status == "PERMISSION_DENIED":
+        return PermissionError(errno.EACCES, f"permission denied while {doing}{where}. {text}", path or None)
+    if reading and status in ("DATA_LOSS", "NOT_FOUND", "OUT_OF_RANGE", "FAILED_PRECONDITION", "INVALID_ARGUMENT"):
+        return CorruptCheckpointError(
+            f"{doing}{where} failed: the checkpoint's data is missing or damaged ({text}). Load an earlier checkpoint."
+        )
+    if status == "NOT_FOUND":
+        return FileNotFoundError(errno.ENOENT, f"not found while {doing}{where}. {text}", path or None)
+    if status in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
+        return OSError(errno.EIO, f"storage unavailable while {doing}{where}; try again. {text}", path or None)
+    return error

@@ -18,7 +18,7 @@ from typing import Any
 
 import tensorstore as ts
 
-from milepost.workers._errors import CorruptCheckpointError
+from milepost.workers._errors import CorruptCheckpointError, from_tensorstore
 from milepost.workers._messages import ArraySpec, StoreSpec
 
 PROCESS_PREFIX = "ocdbt.process_"
@@ -184,8 +184,14 @@ def merge_ocdbt(directory: str | os.PathLike[str]) -> None:
     context = ts.Context()
     parent = ts.KvStore.open(ocdbt_kvstore(directory, writable=True), context=context).result()
     opened = [ts.KvStore.open(ocdbt_kvstore(child), context=context) for child in children]
-    txn = ts.Transaction(atomic=True)
-    copies = [o.result().experimental_copy_range_to(parent.with_transaction(txn)) for o in opened]
-    for c in copies:
-        c.result()
-    txn.commit_async().result()
+    try:
+        txn = ts.Transaction(atomic=True)
+        copies = [o.result().experimental_copy_range_to(parent.with_transaction(txn)) for o in opened]
+        for c in copies:
+            c.result()
+        txn.commit_async().result()
+    except ValueError as e:
+        mapped = from_tensorstore(e, "merging the per-process OCDBT stores", str(directory))
+        if mapped is e:
+            raise
+        raise mapped from e
