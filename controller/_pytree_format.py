@@ -23,7 +23,7 @@ from typing import Any
 from milepost import _format as fmt
 from milepost import workers
 from milepost._errors import CorruptCheckpointError
-from milepost._tree import Leaf, ValueType
+from milepost._tree import Leaf, ValueType, unsafe_part
 from milepost.workers import ShardingSpec
 
 Keys = tuple[tuple[str, int], ...]
@@ -64,6 +64,9 @@ class TreeFiles:
     python_types: dict[str, str] = field(default_factory=dict)
     """Scalars' Python or NumPy type names (``int``, ``np.float32``...), and ``tuple`` for empty
     tuples: what Orbax's metadata has no word for."""
+    chunk_crc32c: dict[str, dict[tuple[int, ...], int]] = field(default_factory=dict)
+    """Per array, the CRC32C of each chunk's values by chunk-grid index, as the hosts that wrote
+    them computed it (``_milepost.json``); arrays written without them are absent."""
     fill_missing: bool = False
     """True for checkpoints written without every chunk (``store_array_data_equal_to_fill_value``
     false): a missing chunk then means zeros. Milepost and Orbax 0.12 write every chunk, so a
@@ -106,8 +109,18 @@ def write(directory: Path, files: TreeFiles, acks: Sequence[workers.SaveAck], pl
         )
     if files.strings:
         fmt.write_json(directory / fmt.STRINGS, files.strings)
+    checksums: dict[str, dict[str, int]] = {}
+    for ack in acks:
+        for written in ack.arrays:
+            mine = checksums.setdefault(written.name, {})
+            mine.update((workers.grid_key(grid), crc) for grid, crc in written.chunk_crc32c)
+    info: dict[str, Any] = {}
     if files.python_types:
-        fmt.write_json(directory / fmt.MILEPOST_INFO, {"python_types": files.python_types})
+        info["python_types"] = files.python_types
+    if checksums:
+        info["chunk_crc32c"] = checksums
+    if info:
+        fmt.write_json(directory / fmt.MILEPOST_INFO, info)
     array_dir = directory / fmt.ARRAY_METADATAS
     array_dir.mkdir(exist_ok=True)
     for ack in sorted((a for a in acks if isinstance(a.process_index, int)), key=lambda a: a.process_index):
@@ -151,8 +164,14 @@ def _read(directory: Path) -> TreeFiles:
             f"{directory / fmt.TREE_METADATA} has no 'tree_metadata'; the checkpoint is damaged or not a pytree"
         )
     leaves: dict[str, SavedLeaf] = {}
-    for item in meta["tree_metadata"].values():
-        keys = tuple((str(k["key"]), int(k["key_type"])) for k in item["key_metadata"])
+    for entry, item in meta["tree_metadata"].items():
+        keys = tuple((str(k["key"]) if isinstance(k["key"], int) else k["key"], int(k["key_type"])) for k in item["key_metadata"])
+        for key, _ in keys:
+            if (why := unsafe_part(key)) is not None:
+                raise CorruptCheckpointError(
+                    f"{directory / fmt.TREE_METADATA} names a leaf with the key {key!r} (entry {entry!r}), which cannot "
+                    f"be a storage name ({why}); the checkpoint is damaged or crafted, and nothing was read from it"
+                )
         value = item["value_metadata"]
         raw = value["value_type"]
         write_shape = value.get("write_shape")
@@ -175,11 +194,16 @@ def _read(directory: Path) -> TreeFiles:
         if (directory / fmt.MILEPOST_INFO).exists()
         else {}
     )
+    checksums = {
+        name: {workers.parse_grid_key(key): int(crc) for key, crc in chunks.items()}
+        for name, chunks in info.get("chunk_crc32c", {}).items()
+    }
     return TreeFiles(
         leaves=leaves,
         use_ocdbt=bool(meta.get("use_ocdbt", True)),
         shardings=shardings,
         strings=strings,
         python_types=info.get("python_types", {}),
+        chunk_crc32c=checksums,
         fill_missing=not meta.get("store_array_data_equal_to_fill_value", False),
     )

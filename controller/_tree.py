@@ -110,14 +110,27 @@ def _key_part(entry: Any) -> tuple[str, int]:
     return str(entry), KEY_DICT
 
 
+def unsafe_part(part: Any) -> str | None:
+    """Why ``part`` cannot be one part of a storage name (None: it can). The same rules hold for
+    keys being saved and keys read from a checkpoint, so no name ever leaves its folder."""
+    if not isinstance(part, str):
+        return f"it is a {type(part).__name__}, not a string"
+    if part == "":
+        return "it is empty"
+    if part in (".", "..") or "/" in part or "\\" in part or "\x00" in part:
+        return "it contains a path separator or NUL, or is '.' or '..'"
+    return None
+
+
 def _check_part(part: str, path: tuple[str, ...]) -> None:
     where = "/".join(path) or "<root>"
-    if part == "":
+    why = unsafe_part(part)
+    if why == "it is empty":
         raise InvalidKeyError(f"tree key at {where!r} is empty; empty keys cannot name a stored array. Rename the key.")
-    if part in (".", "..") or "/" in part or "\\" in part or "\x00" in part:
+    if why is not None:
         raise InvalidKeyError(
-            f"tree key {part!r} at {where!r} is not safe as a storage name (it contains a path separator, NUL, or is "
-            "'.'/'..'); rename the key, e.g. replace '/' with '_'."
+            f"tree key {part!r} at {where!r} is not safe as a storage name ({why}); rename the key, e.g. replace '/' "
+            "with '_'."
         )
 
 

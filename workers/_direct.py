@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
+from milepost.workers import _checksum
 from milepost.workers import _tensorstore as tsu
 from milepost.workers._errors import CorruptCheckpointError
 from milepost.workers._messages import StoreSpec
@@ -126,7 +127,13 @@ class BoxRead:
     offset_in_box: int = 0
     nbytes: int = -1
     """Bytes of the piece (-1: the whole destination)."""
+    grid: tuple[int, ...] = ()
+    """The chunk's index in the array's chunk grid."""
 
+    @property
+    def whole(self) -> bool:
+        """The piece is its whole chunk (so the chunk's checksum can be checked)."""
+        return self.offset_in_chunk == 0 and self.nbytes == self.chunk_nbytes
 
 _MAX_PIECES = 4096
 
@@ -164,6 +171,7 @@ def box_reads(layout: ShardLayout, box: tuple[tuple[int, int], ...]) -> list[Box
                 chunk_nbytes=chunk_nbytes,
                 offset_in_box=_offset(in_box, box_shape) * itemsize,
                 nbytes=math.prod(b - a for a, b in piece) * itemsize,
+                grid=tuple(grid),
             )
         )
     return pieces
@@ -252,7 +260,14 @@ def _parse_value(directory: str, reference: str) -> _Value | None:
     kind, base_path, relative = head.split(":", 2)
     if kind != "value":
         return None
-    return _Value(path=os.path.join(directory, base_path + relative), offset=int(offset), length=int(length))
+    inside = base_path + relative
+    parts = inside.split("/")
+    if os.path.isabs(inside) or ".." in parts or "\\" in inside or "\x00" in inside:
+        raise CorruptCheckpointError(
+            f"the OCDBT database in {directory} points a value at {inside!r}, outside the checkpoint; the checkpoint is "
+            "damaged or crafted, and that file was not opened"
+        )
+    return _Value(path=os.path.join(directory, inside), offset=int(offset), length=int(length))
 
 
 class DirectReader:
@@ -263,9 +278,10 @@ class DirectReader:
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def submit(self, value: _Value, read: BoxRead, out: np.ndarray) -> Future[None]:
-        """Read ``read`` into its range of ``out`` (the whole box's buffer)."""
-        return self._pool.submit(self._read, value, read, out)
+    def submit(self, value: _Value, read: BoxRead, out: np.ndarray, expected: int | None = None, name: str = "") -> Future[None]:
+        """Read ``read`` into its range of ``out`` (the whole box's buffer); with ``expected``
+        (-1: none recorded for this chunk) check the chunk's checksum before returning."""
+        return self._pool.submit(self._read, value, read, out, expected, name)
 
     def _fd(self, path: str) -> int:
         with self._lock:
@@ -274,7 +290,15 @@ class DirectReader:
                 fd = self._fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
             return fd
 
-    def _read(self, value: _Value, read: BoxRead, out: np.ndarray) -> None:
+    def _read(self, value: _Value, read: BoxRead, out: np.ndarray, expected: int | None = None, name: str = "") -> None:
+        self._read_piece(value, read, out)
+        if expected is not None:
+            target = memoryview(out.reshape(-1).view(np.uint8))[read.offset_in_box : read.offset_in_box + read.nbytes]
+            recorded = {read.grid: expected} if expected >= 0 else {}
+            where = f"{value.path} at byte {value.offset}"
+            _checksum.check(name, read.grid, _checksum.crc32c(target), recorded, where)
+
+    def _read_piece(self, value: _Value, read: BoxRead, out: np.ndarray) -> None:
         fd = self._fd(value.path)
         target = memoryview(out.reshape(-1).view(np.uint8))
         if read.nbytes >= 0:
