@@ -20,6 +20,7 @@ from milepost._checkpoint import CheckpointMetadata, SaveHandle
 from milepost._errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
+    CheckpointReplacedError,
     CorruptCheckpointError,
     HostError,
     InvalidKeyError,
@@ -37,6 +38,7 @@ from milepost._handlers import (
 from milepost._options import AsyncOptions, Context, LoadOptions, SaveOptions
 from milepost._pytree_load import LeafMetadata
 from milepost._tree import PLACEHOLDER
+from milepost._verify import VerifyReport, verify
 from milepost.colocated import AbstractArray, RemoteArray, Slice, SliceOptions
 from milepost.workers import PendingWrite, ShardingSpec
 
@@ -47,6 +49,7 @@ __all__ = [
     "CheckpointExistsError",
     "CheckpointMetadata",
     "CheckpointNotFoundError",
+    "CheckpointReplacedError",
     "CheckpointableHandler",
     "Context",
     "CorruptCheckpointError",
@@ -67,6 +70,7 @@ __all__ = [
     "StatefulCheckpointable",
     "StructureMismatchError",
     "UnsupportedLeafError",
+    "VerifyReport",
     "load",
     "load_checkpointables",
     "metadata",
@@ -76,5 +80,6 @@ __all__ = [
     "save_checkpointables",
     "save_checkpointables_async",
     "training",
+    "verify",
     "wait_for_saves",
 ]

@@ -18,15 +18,17 @@ from typing import Any
 
 import jax
 
-from milepost import _background, _dispatch, _handlers, _options, workers
+from milepost import _background, _dispatch, _handlers, _options, _ownership, workers
 from milepost import _format as fmt
 from milepost._errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
+    CheckpointReplacedError,
     CorruptCheckpointError,
     InvalidKeyError,
     SaveInProgressError,
 )
+from milepost._tree import unsafe_part
 from milepost.colocated import HostGroup
 
 _in_flight: set[Path] = set()
@@ -72,10 +74,20 @@ class SaveHandle:
         return f"SaveHandle({str(self.path)!r}, {state})"
 
 
+def _unsafe_item_name(name: Any) -> str | None:
+    """Why ``name`` cannot name a checkpointable's folder (None: it can); the same rules for
+    names being saved and names read from a checkpoint."""
+    why = unsafe_part(name)
+    if why is None and name.startswith(("_", ".")):
+        why = "it starts with '_' or '.', which mark metadata and hidden files"
+    return why
+
+
 def _check_name(name: str) -> None:
-    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name or name.startswith("_"):
+    if (why := _unsafe_item_name(name)) is not None:
         raise InvalidKeyError(
-            f"checkpointable name {name!r} is not a valid folder name (non-empty, no '/', not starting with '_'); rename it"
+            f"checkpointable name {name!r} is not a valid folder name ({why}; names are non-empty, have no '/', and do "
+            "not start with '_'); rename it"
         )
 
 
@@ -97,9 +109,11 @@ def start_save(
     metrics: Mapping[str, Any] | None = None,
     asynchronous: bool,
 ) -> SaveHandle:
+    """Validate, prepare the temporary directory, stage every checkpointable (the blocking
+    part), and finish in the background (``asynchronous``) or before returning."""
     options = _options.current()
     final = Path(path).absolute()
-    if final.name.endswith(fmt.TMP_SUFFIX):
+    if final.name.endswith(fmt.TMP_SUFFIX) or _ownership.NEW_MARKER in final.name:
         raise ValueError(
             f"cannot save to {final}: names ending in {fmt.TMP_SUFFIX!r} are temporary directories and are never "
             "loaded as checkpoints; choose another name"
@@ -115,97 +129,169 @@ def start_save(
         raise TypeError(f"custom_metadata and metrics must be JSON-serializable: {e}") from e
     handlers = {name: _handlers.resolve_for_save(name, obj, options.handlers) for name, obj in objs.items()}
     group = _dispatch.host_group_for(_all_leaves(objs))
-    timeout = options.async_.timeout_secs
-
-    tmp = final.with_name(final.name + fmt.TMP_SUFFIX)
     with _in_flight_lock:
         if final in _in_flight:
             raise SaveInProgressError(f"another save to {final} is still in flight; wait for it (handle.result()) first")
         _in_flight.add(final)
-    created = False
-    prepared = False
-    pending: list[workers.PendingWrite[Any]] = []
+    save = _Save(final, handlers, group, options, overwrite, custom_json, metrics_json)
+    try:
+        save.stage(objs, copy=asynchronous)
+    except BaseException:
+        with _in_flight_lock:
+            _in_flight.discard(final)
+        raise
+    if asynchronous:
+        return SaveHandle(final, _background.saves.submit(str(final), save.finish, save.timeout))
+    future: futures.Future[Path] = futures.Future()
+    future.set_result(save.finish())
+    return SaveHandle(final, future)
 
-    def prepare() -> None:
-        nonlocal created
-        if final.exists():
-            if not overwrite:
+
+class _Save:
+    """One save of a checkpoint: its temporary directory, its writer lock (on the primary), the
+    pending writes of its checkpointables, and the commit."""
+
+    def __init__(
+        self,
+        final: Path,
+        handlers: Mapping[str, Any],
+        group: HostGroup,
+        options: _options.Options,
+        overwrite: bool,
+        custom_json: str,
+        metrics_json: Any,
+    ) -> None:
+        self.final = final
+        self.tmp = final.with_name(final.name + fmt.TMP_SUFFIX)
+        self.handlers = handlers
+        self.group = group
+        self.options = options
+        self.timeout = options.async_.timeout_secs
+        self.overwrite = overwrite
+        self.custom_json = custom_json
+        self.metrics_json = metrics_json
+        self.pending: list[workers.PendingWrite[Any]] = []
+        self.lock: _ownership.Locked | None = None
+        """The lock of the temporary directory, held by the primary from the moment it exists
+        until it is committed or removed."""
+        self.identity: dict[str, tuple[int, int]] = {}
+        """(device, inode) of the temporary directory and its checkpointable folders, as created:
+        the commit publishes only a directory that is still the one this save made."""
+        self.init_ns = 0
+
+    # -- the blocking part --------------------------------------------------------------
+    def prepare(self) -> None:
+        """On the primary: check the path, take the writer lock, create the temporary directory."""
+        final, tmp = self.final, self.tmp
+        if final.parent.exists() and not final.parent.is_dir():
+            raise NotADirectoryError(f"{final.parent} is a file; a checkpoint's parent must be a directory")
+        self._check_final()
+        final.parent.mkdir(parents=True, exist_ok=True)
+        # Locked from the moment it appears; a leftover of a dead writer is removed first.
+        self.lock, _ = _ownership.create_locked(tmp, wait_secs=self.options.saving.wait_for_writer_secs)
+        try:
+            self._check_final()  # another writer may have committed while we waited
+            for name in self.handlers:
+                (tmp / name).mkdir()
+            self.identity = {"": _inode(tmp), **{name: _inode(tmp / name) for name in self.handlers}}
+        except BaseException:
+            remove_tree(tmp)
+            self._release()
+            raise
+
+    def _check_final(self) -> None:
+        final = self.final
+        if final.exists() or final.is_symlink():
+            if not self.overwrite:
                 raise CheckpointExistsError(
                     f"a checkpoint already exists at {final}; pass overwrite=True to replace it, or choose another path"
                 )
-            if not fmt.is_checkpoint(final):
+            if not fmt.is_checkpoint(final) or final.is_symlink():
                 raise CheckpointExistsError(
                     f"{final} exists and is not a committed checkpoint; milepost will not overwrite it. Remove it or choose another path"
                 )
-        if final.parent.exists() and not final.parent.is_dir():
-            raise NotADirectoryError(f"{final.parent} is a file; a checkpoint's parent must be a directory")
-        created = True
-        if tmp.exists():
-            shutil.rmtree(tmp)  # left by a save that died: it was never committed
-        tmp.mkdir(parents=True)
-        for name in objs:
-            (tmp / name).mkdir()
 
-    try:
-        # The primary checks for an existing checkpoint, then creates the temporary directory;
-        # the other controller processes wait for its outcome, so none writes before the
-        # directory exists, and all raise the same error.
-        _dispatch.shared(group, f"prepare:{final}", prepare, timeout)
-        prepared = True  # in every process: the primary created the temporary directory
-        init_ns = time.time_ns()
-        call = _handlers.SaveCall(options=options, group=group, copy=asynchronous)
-        staging_failure: Exception | None = None
+    def stage(self, objs: Mapping[str, Any], copy: bool) -> None:
+        group, final, timeout = self.group, self.final, self.timeout
+        prepared = False
         try:
-            for name, obj in objs.items():
-                part = _handlers.as_pending(handlers[name].save(tmp / name, obj, call))
-                if part is not None:
-                    pending.append(part)
-        except Exception as e:
-            staging_failure = e
-        # The primary may fail alone here (its own leaves, a stateful checkpointable).
-        _agree(group, f"staged:{final}", staging_failure, timeout)
-    except BaseException:
-        workers.settle_all(pending, timeout)
-        with _in_flight_lock:
-            _in_flight.discard(final)
-        if prepared:
-            _abandon(group, f"abandon-staged:{final}", tmp, timeout)
-        elif created:  # the primary failed while creating it
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            # The primary checks the path, then creates the temporary directory; the other
+            # controller processes wait for its outcome, so none writes before the directory
+            # exists, and all raise the same error.
+            _dispatch.shared(group, f"prepare:{final}", self.prepare, timeout)
+            prepared = True
+            self.init_ns = time.time_ns()
+            call = _handlers.SaveCall(options=self.options, group=group, copy=copy)
+            failure: Exception | None = None
+            try:
+                for name, obj in objs.items():
+                    part = _handlers.as_pending(self.handlers[name].save(self.tmp / name, obj, call))
+                    if part is not None:
+                        self.pending.append(part)
+            except Exception as e:
+                failure = e
+            # The primary may fail alone here (its own leaves, a stateful checkpointable).
+            _agree(group, f"staged:{final}", failure, timeout)
+        except BaseException:
+            workers.settle_all(self.pending, timeout)
+            if prepared:
+                self._abandon(f"abandon-staged:{final}")
+            raise
 
-    def finalize() -> Path:
+    # -- the background part ------------------------------------------------------------
+    def finish(self) -> Path:
+        group, final, timeout = self.group, self.final, self.timeout
         try:
             failure: Exception | None = None
             done = 0
             try:
-                for part in pending:
+                for part in self.pending:
                     part.wait(timeout)
                     done += 1
             except Exception as e:
                 failure = e
                 # The parts not finished may still write: let them land before the temporary
                 # directory is removed, or they would recreate it.
-                workers.settle_all(pending[done:], timeout)
-
-            def commit() -> None:
-                _commit(tmp, final, handlers, init_ns, custom_json, metrics_json, overwrite)
-
+                workers.settle_all(self.pending[done:], timeout)
             # The primary commits, or reports why not; every process gets the same outcome.
-            _agree(group, f"commit:{final}", failure, timeout, then=commit)
+            _agree(group, f"commit:{final}", failure, timeout, then=self.commit)
             return final
         except BaseException:
-            _abandon(group, f"abandon-commit:{final}", tmp, timeout)
+            self._abandon(f"abandon-commit:{final}")
             raise
         finally:
             with _in_flight_lock:
                 _in_flight.discard(final)
 
-    if asynchronous:
-        return SaveHandle(final, _background.saves.submit(str(final), finalize, timeout))
-    future: futures.Future[Path] = futures.Future()
-    future.set_result(finalize())
-    return SaveHandle(final, future)
+    def commit(self) -> None:
+        _commit(
+            self.tmp, self.final, self.handlers, self.init_ns, self.custom_json, self.metrics_json, self.overwrite,
+            self.identity,
+        )
+        self._release()  # on failure, _abandon releases it after removing the directory
+
+    def _abandon(self, name: str) -> None:
+        """Remove the temporary directory once every controller process has settled its own
+        writes (a late write elsewhere would recreate it); a process that died is waited for at
+        most ``min(timeout, 10s)``. The caller raises its error either way."""
+        with contextlib.suppress(Exception):
+            self.group.barrier(name, min(self.timeout, 10.0))
+        if self.group.is_primary() and self.lock is not None:
+            remove_tree(self.tmp)
+        self._release()
+
+    def _release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+
+def _inode(path: Path) -> tuple[int, int]:
+    st = os.stat(path, follow_symlinks=False)
+    return st.st_dev, st.st_ino
+
+
+remove_tree = _ownership.remove_tree
 
 
 def _agree(group: HostGroup, name: str, failure: Exception | None, timeout: float, then: Callable[[], None] | None = None) -> None:
@@ -232,32 +318,60 @@ def _agree(group: HostGroup, name: str, failure: Exception | None, timeout: floa
     _dispatch.shared(group, name, outcome, timeout)
 
 
-def _abandon(group: HostGroup, name: str, tmp: Path, timeout: float) -> None:
-    """Remove a failed save's temporary directory once every controller process has settled its
-    own writes (a late write elsewhere would recreate it). A process that died is waited for at
-    most ``min(timeout, 10s)``; the caller raises its error either way."""
-    with contextlib.suppress(Exception):
-        group.barrier(name, min(timeout, 10.0))
-    if group.is_primary():
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap two directories atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False where the
-    system or the file system cannot."""
+def _renameat2(a: Path, b: Path, flag: int) -> bool:
+    """Linux ``renameat2`` with ``flag``; False where the system or the file system lacks it."""
     if sys.platform != "linux":
         return False
     try:
         renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
     except (OSError, AttributeError):
         return False
-    at_fdcwd, rename_exchange = -100, 2
-    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+    at_fdcwd = -100
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), flag) == 0:
         return True
     err = ctypes.get_errno()
     if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV):
         return False
     raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two directories atomically (``RENAME_EXCHANGE``); False where unsupported."""
+    return _renameat2(a, b, 2)
+
+
+def _rename_new(tmp: Path, final: Path) -> None:
+    """Rename ``tmp`` to ``final``, failing if anything is at ``final`` (``RENAME_NOREPLACE``;
+    elsewhere a check just before the rename)."""
+    try:
+        if _renameat2(tmp, final, 1):
+            return
+    except FileExistsError:
+        raise CheckpointExistsError(
+            f"a checkpoint appeared at {final} while this save ran (written by another program); nothing was "
+            "replaced. Pass overwrite=True to replace it, or choose another path"
+        ) from None
+    if final.exists() or final.is_symlink():
+        raise CheckpointExistsError(f"a checkpoint appeared at {final} while this save ran; nothing was replaced")
+    os.rename(tmp, final)
+
+
+def _check_identity(tmp: Path, identity: Mapping[str, tuple[int, int]]) -> None:
+    """The temporary directory and its checkpointable folders must be the ones this save made:
+    removed or replaced from outside, the checkpoint would be incomplete."""
+    for name, expected in identity.items():
+        where = tmp / name if name else tmp
+        try:
+            same = _inode(where) == expected
+        except FileNotFoundError:
+            same = False
+        if not same:
+            raise OSError(
+                errno.ESTALE,
+                f"{where} was removed or replaced by someone else while this save ran, so its contents cannot be "
+                f"trusted; nothing was committed to {tmp.name.removesuffix(fmt.TMP_SUFFIX)}. Save again",
+                str(where),
+            )
 
 
 def _commit(
@@ -268,7 +382,10 @@ def _commit(
     custom_json: str,
     metrics: Any,
     overwrite: bool,
+    identity: Mapping[str, tuple[int, int]],
 ) -> None:
+    _check_identity(tmp, identity)
+    _ownership.drop_owner_file(tmp)
     fmt.write_file(tmp / fmt.ORBAX_MARKER, b"")
     fmt.write_json(
         tmp / fmt.CHECKPOINT_METADATA,
@@ -281,8 +398,10 @@ def _commit(
             "custom_metadata": json.loads(custom_json),
         },
     )
+    fmt.Checksums.compute(tmp).write()  # every file but array chunks, which carry their own
     fmt.write_file(tmp / fmt.COMMIT_MARKER, f"Checkpoint commit was successful to {final}")
     fmt.fsync_tree(tmp)
+    _check_identity(tmp, identity)
     if overwrite and final.exists() and _exchange(tmp, final):
         # One atomic step: the final path holds the old checkpoint or the new one, never
         # nothing; the old one, now at the temporary path, is never loaded and is removed.
@@ -294,7 +413,7 @@ def _commit(
         old = final.with_name(f"{final.name}.milepost-replaced-{os.getpid()}-{time.time_ns()}")
         os.rename(final, old)
     try:
-        os.rename(tmp, final)
+        _rename_new(tmp, final)
     except BaseException:
         if old is not None:
             os.rename(old, final)  # put the previous checkpoint back
@@ -317,7 +436,7 @@ def read_checkpoint_metadata(path: Path) -> dict[str, Any]:
     return meta
 
 
-def _item_names(path: Path, meta: dict[str, Any]) -> dict[str, str | None]:
+def item_names(path: Path, meta: dict[str, Any]) -> dict[str, str | None]:
     raw = meta.get("item_handlers") or {}
     if not isinstance(raw, dict) or not all(isinstance(k, str) for k in raw):
         raise CorruptCheckpointError(
@@ -325,6 +444,12 @@ def _item_names(path: Path, meta: dict[str, Any]) -> dict[str, str | None]:
             f"handlers (got {type(raw).__name__}); the checkpoint is damaged or of an unsupported layout"
         )
     items = dict(raw)
+    for name in items:
+        if (why := _unsafe_item_name(name)) is not None:
+            raise CorruptCheckpointError(
+                f"'item_handlers' in {path / fmt.CHECKPOINT_METADATA} names the checkpointable {name!r}, which cannot be "
+                f"a folder name ({why}); the checkpoint is damaged or crafted, and nothing was read from it"
+            )
     if not items:  # very old layouts: every folder is a checkpointable
         items = {p.name: None for p in path.iterdir() if p.is_dir()}
     return items
@@ -347,7 +472,7 @@ def load_checkpointables(
             leaves.extend(jax.tree_util.tree_leaves(a, is_leaf=lambda x: hasattr(x, "__milepost_host_group__")))
     group = _dispatch.host_group_for_abstract(leaves)
     timeout = options.async_.timeout_secs
-    meta, items = _dispatch.shared(group, f"ckpt-meta:{root}", lambda: _read_items(root), timeout)
+    meta, items, identity, checksums = _dispatch.shared(group, f"ckpt-meta:{root}", lambda: _read_items(root), timeout)
     if default_pytree:
         assert abstracts is not None
         abstracts = {default_pytree_name(root, meta): abstracts[None]}
@@ -357,19 +482,53 @@ def load_checkpointables(
         raise KeyError(f"checkpoint {root} has no checkpointable(s) {unknown}; it has {sorted(items)}")
     call = _handlers.LoadCall(options=options, group=group, partial=partial)
     out = {}
-    for name, abstract in wanted.items():
-        handler = _handlers.resolve_for_load(name, items[name], abstract, options.handlers)
-        out[name] = handler.load(root / name, abstract, call)
+    try:
+        with fmt.verifying(checksums):
+            for name, abstract in wanted.items():
+                handler = _handlers.resolve_for_load(name, items[name], abstract, options.handlers)
+                out[name] = handler.load(root / name, abstract, call)
+    except Exception as e:
+        if _identity(root) != identity:  # local: the other processes may not be here
+            raise _replaced(root) from e
+        raise
+    # Every byte came from the checkpoint that was there when the load started, or it was
+    # replaced (an overwrite, a deletion) meanwhile and the result may mix two: refuse it.
+    if _dispatch.shared(group, f"ckpt-changed:{root}", lambda: _identity(root) != identity, timeout):
+        raise _replaced(root)
     return out
 
 
-def _read_items(root: Path) -> tuple[dict[str, Any], dict[str, str | None]]:
-    meta = read_checkpoint_metadata(root)
-    return meta, _item_names(root, meta)
+def _read_items(root: Path) -> tuple[dict[str, Any], dict[str, str | None], tuple[Any, ...], fmt.Checksums | None]:
+    identity = _identity(root)
+    fmt.require_checkpoint(root)
+    checksums = fmt.Checksums.read(root)
+    with fmt.verifying(checksums):
+        meta = read_checkpoint_metadata(root)
+    if _identity(root) != identity:
+        raise _replaced(root)
+    return meta, item_names(root, meta), identity, checksums
+
+
+def _identity(root: Path) -> tuple[Any, ...]:
+    """What changes when the checkpoint at ``root`` is replaced: its folder and its commit."""
+    try:
+        st = os.stat(root)
+        meta = json.loads((root / fmt.CHECKPOINT_METADATA).read_bytes())
+        stamps = (meta.get("init_timestamp_nsecs"), meta.get("commit_timestamp_nsecs")) if isinstance(meta, dict) else ()
+    except (OSError, ValueError):
+        return ("unreadable",)
+    return (st.st_dev, st.st_ino, *stamps)
+
+
+def _replaced(root: Path) -> CheckpointReplacedError:
+    return CheckpointReplacedError(
+        f"the checkpoint at {root} was replaced or deleted while it was being loaded (an overwrite, or retention, in "
+        "another process), so what was read may mix two checkpoints and was discarded. Load it again"
+    )
 
 
 def default_pytree_name(path: Path, meta: dict[str, Any]) -> str:
-    items = _item_names(path, meta)
+    items = item_names(path, meta)
     if "state" in items:
         return "state"
     trees = [n for n, t in items.items() if t is None or str(t).endswith("PyTreeHandler")]
@@ -406,12 +565,23 @@ def metadata(path: str | os.PathLike[str]) -> CheckpointMetadata:
     group = _dispatch.host_group_for([])
 
     def read() -> CheckpointMetadata:
-        meta = read_checkpoint_metadata(root)
-        items = _item_names(root, meta)
-        parts = {}
-        for name, typestr in items.items():
-            handler = _handlers.resolve_for_load(name, typestr, None, options.handlers)
-            parts[name] = handler.metadata(root / name)
+        identity = _identity(root)
+        try:
+            fmt.require_checkpoint(root)
+            checksums = fmt.Checksums.read(root)
+            with fmt.verifying(checksums):
+                meta = read_checkpoint_metadata(root)
+                items = item_names(root, meta)
+                parts = {}
+                for name, typestr in items.items():
+                    handler = _handlers.resolve_for_load(name, typestr, None, options.handlers)
+                    parts[name] = handler.metadata(root / name)
+        except Exception as e:
+            if _identity(root) != identity:
+                raise _replaced(root) from e
+            raise
+        if _identity(root) != identity:
+            raise _replaced(root)
         try:
             tree_name: str | None = default_pytree_name(root, meta)
         except CheckpointNotFoundError:

@@ -13,6 +13,7 @@ from milepost.workers import CheckpointNotFoundError, CorruptCheckpointError
 __all__ = [
     "CheckpointExistsError",
     "CheckpointNotFoundError",
+    "CheckpointReplacedError",
     "CorruptCheckpointError",
     "HostError",
     "InvalidKeyError",
@@ -24,6 +25,10 @@ __all__ = [
 
 class CheckpointExistsError(FileExistsError):
     """A checkpoint already exists where a save was asked to write."""
+
+
+class CheckpointReplacedError(CheckpointNotFoundError):
+    """The checkpoint was replaced or deleted while it was being loaded; load it again."""
 
 
 class SaveInProgressError(CheckpointExistsError):

@@ -163,8 +163,8 @@ def arm(phase: str, nth: int, delay: float) -> Callable[[int], None]:
         if p == phase and seen[p] == nth:
             _kill(delay)
 
-    real_start, real_merge, real_commit, real_rename = (
-        milepost.workers.start_save, milepost.workers.merge_ocdbt, _checkpoint._commit, os.rename,
+    real_start, real_merge, real_commit, real_rename, real_rename_new = (
+        milepost.workers.start_save, milepost.workers.merge_ocdbt, _checkpoint._commit, os.rename, _checkpoint._rename_new,
     )
 
     def start_save(*a: Any, **k: Any) -> Any:
@@ -183,15 +183,18 @@ def arm(phase: str, nth: int, delay: float) -> Callable[[int], None]:
 
     def rename(src: Any, dst: Any, *a: Any, **k: Any) -> None:
         real_rename(src, dst, *a, **k)
-        if str(src).endswith(fmt.TMP_SUFFIX):
-            reached("renamed")
-        elif str(dst).endswith(".milepost-deleting"):
+        if str(dst).endswith(".milepost-deleting"):
             reached("gc")
+
+    def rename_new(src: Any, dst: Any) -> None:  # the commit's rename of the temporary directory
+        real_rename_new(src, dst)
+        reached("renamed")
 
     milepost.workers.start_save = start_save  # type: ignore[assignment]
     milepost.workers.merge_ocdbt = merge  # type: ignore[assignment]
     _checkpoint._commit = commit  # type: ignore[assignment]
     os.rename = rename  # type: ignore[assignment]
+    _checkpoint._rename_new = rename_new  # type: ignore[assignment]
     return lambda step: reached("saved")
 
 

@@ -248,7 +248,7 @@ def test_commit_rename_failure_keeps_the_previous_checkpoint(tmp_path: Path, mon
     from milepost import _checkpoint
 
     ckpt = mp.save(tmp_path / "c", {"x": np.arange(4)})
-    monkeypatch.setattr(_checkpoint, "_exchange", lambda a, b: False)  # no renameat2
+    monkeypatch.setattr(_checkpoint, "_renameat2", lambda a, b, flag: False)  # no renameat2
     real_rename = _checkpoint.os.rename
 
     def rename(a: Any, b: Any) -> None:

@@ -16,7 +16,6 @@ import collections
 import logging
 import os
 import queue
-import shutil
 import signal
 import threading
 import time
@@ -28,7 +27,7 @@ from typing import Any, TypeVar
 import jax
 import numpy as np
 
-from milepost import _api, _checkpoint, _dispatch, _options
+from milepost import _api, _checkpoint, _dispatch, _options, _ownership
 from milepost import _format as fmt
 from milepost.training._policies import (
     FixedInterval,
@@ -133,6 +132,11 @@ class Checkpointer:
     the background at once (the next waits); ``asynchronous=False`` makes ``save`` return only
     once the step is committed. ``timeout_secs`` bounds every wait (default: the current
     ``AsyncOptions.timeout_secs``).
+
+    ``read_only=True`` (an eval watcher, a notebook looking at a run) lists and loads but never
+    writes or deletes anything. A writing Checkpointer removes what an unfinished save or
+    deletion left behind only once it holds that step's writer lock, so a save running in
+    another process is never touched.
     """
 
     def __init__(
@@ -144,8 +148,12 @@ class Checkpointer:
         max_in_flight: int = 1,
         asynchronous: bool = True,
         timeout_secs: float | None = None,
+        read_only: bool = False,
     ) -> None:
         self.root = Path(root).absolute()
+        if not isinstance(read_only, bool):
+            raise TypeError(f"read_only must be True or False, got {read_only!r}")
+        self.read_only = read_only
         self.save_policy: SavePolicy = save_policy if save_policy is not None else FixedInterval(interval=1)
         self.keep: RetentionPolicy = keep if keep is not None else KeepAll()
         if not isinstance(self.save_policy, SavePolicy):
@@ -156,9 +164,9 @@ class Checkpointer:
             raise ValueError(f"max_in_flight must be an int >= 1, got {max_in_flight!r}")
         self.max_in_flight = max_in_flight
         self.asynchronous = bool(asynchronous)
+        if timeout_secs is not None:
+            _options.AsyncOptions(timeout_secs=timeout_secs)  # the same checks, the same errors
         self._timeout = float(timeout_secs) if timeout_secs is not None else _options.current().async_.timeout_secs
-        if self._timeout <= 0:
-            raise ValueError(f"timeout_secs must be positive, got {timeout_secs}")
         self._group = _dispatch.host_group_for([])
         self._primary = self._group.is_primary()
 
@@ -203,23 +211,37 @@ class Checkpointer:
             raise NotADirectoryError(
                 f"checkpoint root {self.root} is a file; pass a directory (it is created if missing)"
             )
+        if self.read_only:
+            return self._scan()
         self.root.mkdir(parents=True, exist_ok=True)
         self._remove_uncommitted()
         return self._scan()
 
     def _remove_uncommitted(self) -> None:
+        """Remove what saves and deletions that did not finish left behind: a step's temporary
+        directory (or one being made), an uncommitted step folder, a half-deleted step. Each
+        only if no live process holds its lock: a save in progress, in any process, does."""
         busy = _checkpoint.saves_in_flight(self.root)  # saves of this process: not leftovers
+        now = time.time()
         for p in sorted(self.root.iterdir()):
-            partial = _is_step_name(p.name) and p.is_dir() and not fmt.is_checkpoint(p)
-            if not (partial or (_leftover_of_step(p.name) and p.is_dir())):
+            name = p.name
+            partial = _is_step_name(name) and p.is_dir() and not p.is_symlink() and not fmt.is_checkpoint(p)
+            making = name.startswith(".") and _ownership.NEW_MARKER in name and _is_step_name(name[1:].partition(".")[0])
+            if not (partial or making or (_leftover_of_step(name) and (p.is_dir() or p.is_symlink()))):
                 continue
-            if p.name.partition(".")[0] in busy or p.name in busy:
+            if name.lstrip(".").partition(".")[0] in busy:
                 continue
-            log.warning("milepost.training: removing %s, left by a save or deletion that did not finish", p)
-            shutil.rmtree(p, ignore_errors=True)
+            if making and now - p.lstat().st_mtime < 60:
+                continue  # a save may be between making and locking it
+            if _ownership.remove_if_abandoned(p):
+                log.warning("milepost.training: removed %s, left by a save or deletion that did not finish", p)
+            else:
+                log.info("milepost.training: left %s alone: a live process holds it", p)
 
     def _scan(self) -> dict[int, dict[str, Any]]:
         out: dict[int, dict[str, Any]] = {}
+        if not self.root.exists():
+            return out
         for p in self.root.iterdir():
             if _is_step_name(p.name) and fmt.is_checkpoint(p):
                 try:
@@ -350,7 +372,7 @@ class Checkpointer:
         """Like :meth:`save`, with several named checkpointables (``{"state": tree, "data":
         iterator}``), each in its own folder of the step."""
         step = _check_step(step)
-        self._check_open()
+        self._check_writable("save steps")
         self._raise_failure()
         plain_metrics = _plain_metrics(metrics)
         if not force and not self.should_save(step):
@@ -441,8 +463,12 @@ class Checkpointer:
                     for s in doomed:
                         del self._steps[s]
                 if self._primary:
-                    for s in doomed:
-                        self._remove_step_dir(s)
+                    for s in list(doomed):
+                        try:
+                            self._remove_step_dir(s)
+                        except StepBusyError as e:
+                            log.warning("milepost.training: retention skipped step %s: %s", s, e)
+                            doomed.remove(s)
                 if doomed:
                     log.info("milepost.training: retention deleted steps %s of %s", doomed, self.root)
         except Exception as e:  # retention must never break training
@@ -456,17 +482,21 @@ class Checkpointer:
         path = self.root / str(step)
         if not path.exists():
             return
-        # Rename first: a crash mid-delete leaves a name that is never listed, not half a step.
-        trash = path.with_name(path.name + DELETING_SUFFIX)
-        if trash.exists():
-            shutil.rmtree(trash, ignore_errors=True)
-        os.rename(path, trash)
-        shutil.rmtree(trash, ignore_errors=True)
+        lock = _ownership.try_lock(path)
+        if lock is None:
+            raise StepBusyError(f"step {step} in {self.root} is held by another process (being committed); it was not deleted")
+        with lock:
+            # Rename first: a crash mid-delete leaves a name that is never listed, not half a step.
+            trash = path.with_name(path.name + DELETING_SUFFIX)
+            if trash.exists():
+                _checkpoint.remove_tree(trash)
+            os.rename(path, trash)
+            _checkpoint.remove_tree(trash)
 
     def delete(self, step: int) -> None:
         """Delete the committed ``step`` now (not while it is being saved or loaded)."""
         step = _check_step(step)
-        self._check_open()
+        self._check_writable("delete steps")
         self._raise_failure()
 
         def on_primary() -> None:
@@ -587,6 +617,13 @@ class Checkpointer:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"the Checkpointer for {self.root} is closed; open a new one to save")
+
+    def _check_writable(self, doing: str) -> None:
+        self._check_open()
+        if self.read_only:
+            raise PermissionError(
+                f"this Checkpointer of {self.root} is read-only, so it cannot {doing}; open one with read_only=False"
+            )
 
     def close(self) -> None:
         """Wait for saves in flight and retention (re-raising a failure), stop the retention
