@@ -63,6 +63,10 @@ class HostGroup(Protocol):
         """Read and place on every host."""
         ...
 
+    def verify(self, plans: Mapping[Any, workers.VerifyPlan], timeout: float) -> list[workers.VerifyAck]:
+        """Check chunks on every host; every host's ack (on the primary)."""
+        ...
+
     def check_devices(self, spec: workers.ShardingSpec, name: str) -> None:
         """Raise ValueError naming leaf ``name`` if ``spec`` uses devices this group lacks."""
         ...
@@ -117,6 +121,9 @@ class LocalHostGroup:
         (plan,) = plans.values()
         arrays, ack = workers.load(plan, self._process_index)
         return HostLoad(arrays, [ack])
+
+    def verify(self, plans: Mapping[Any, workers.VerifyPlan], timeout: float) -> list[workers.VerifyAck]:
+        return [workers.verify(plan, self._process_index) for plan in plans.values()]
 
     def check_devices(self, spec: workers.ShardingSpec, name: str) -> None:
         try:

@@ -210,6 +210,21 @@ class MultiControllerHostGroup:
         acks = self.sync(f"loaded:{directory}", timeout, error, doing="reading its shards", value=ack)
         return HostLoad(results, [a for a in (acks if acks is not None else [ack]) if a is not None])
 
+    def verify(self, plans: Mapping[int, workers.VerifyPlan], timeout: float) -> list[workers.VerifyAck]:
+        """Check this process's chunks; the primary gets every process's ack."""
+        plan = plans.get(self._index)
+        ack: workers.VerifyAck | None = None
+        error: BaseException | None = None
+        try:
+            if plan is not None:
+                ack = workers.verify(plan, self._index)
+        except Exception as e:
+            error = e
+        tasks = next(iter(plans.values())).tasks if plans else ()
+        where = tasks[0].store.directory if tasks else "?"
+        acks = self.sync(f"verified:{where}", timeout, error, doing="checking its chunks", value=ack)
+        return [a for a in (acks if acks is not None else [ack]) if a is not None]
+
     # -- coordination ---------------------------------------------------------------------
     def _op(self, name: str) -> _Op:
         with self._lock:

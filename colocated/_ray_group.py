@@ -321,6 +321,12 @@ class RayHostGroup:
             out.append(RemoteArray(self, f"{prefix}.{k}", task.shape, task.dtype, spec))
         return HostLoad(out, [acks[i] for i in sorted(acks)])
 
+    def verify(self, plans: Mapping[int, workers.VerifyPlan], timeout: float) -> list[workers.VerifyAck]:
+        """Every host reads and checks its share of the chunks; their acks, in host order."""
+        self.check_usable()
+        acks = self.gather({i: self.call(i, "verify", p) for i, p in plans.items()}, timeout, "checking its chunks")
+        return [acks[i] for i in sorted(acks)]
+
     def wrap(self, described: Any) -> Any:
         """Handles for a tree of ``(id, shape, dtype, ShardingSpec)`` that hosts registered."""
         import jax

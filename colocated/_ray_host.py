@@ -171,6 +171,10 @@ class HostActor:
             self.arrays[f"{prefix}.{k}"] = array
         return ack
 
+    def verify(self, plan: workers.VerifyPlan) -> workers.VerifyAck:
+        """Read and check this host's share of a checkpoint's chunks."""
+        return workers.verify(plan, self.index)
+
     def shutdown(self) -> None:
         import jax
 

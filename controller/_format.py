@@ -1,12 +1,25 @@
-"""The files of the on-disk format (Orbax v1 names) and durable writes of small files."""
+"""The files of the on-disk format (Orbax v1 names), durable writes of small files, and the
+checksums of every file that is not array data.
+
+At commit, ``_milepost_checksums.json`` records the size and CRC32C of every file of the
+checkpoint except array chunks (which carry checksums of their own, see ``_milepost.json``):
+the checkpoint and tree metadata, the string leaves, the array metadata, the OCDBT manifests, a
+custom handler's files. While a load or ``metadata`` of that checkpoint runs (inside
+:func:`verifying`), every JSON file read here is checked against it first.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import os
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from milepost import workers
 from milepost._errors import CheckpointNotFoundError, CorruptCheckpointError
 
 CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
@@ -19,6 +32,8 @@ ARRAY_METADATAS = "array_metadatas"
 MILEPOST_INFO = "_milepost.json"
 """Types Orbax's metadata has no word for (NumPy vs Python scalars). Orbax ignores the file."""
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
+CHECKSUMS = "_milepost_checksums.json"
+"""Size and CRC32C of every file but array chunks, written at commit. Orbax ignores the file."""
 
 PYTREE_HANDLER_TYPESTR = "orbax.checkpoint.experimental.v1._src.handlers.pytree_handler.PyTreeHandler"
 JSON_HANDLER_TYPESTR = "orbax.checkpoint.experimental.v1._src.handlers.json_handler.JsonHandler"
@@ -39,7 +54,8 @@ def write_json(path: Path, obj: Any) -> None:
 
 def read_json(path: Path, what: str) -> Any:
     """The JSON in ``path``: a missing file is a :class:`CheckpointNotFoundError`, one that is
-    not UTF-8 JSON a :class:`CorruptCheckpointError`, both naming the file."""
+    not UTF-8 JSON (or fails its recorded checksum) a :class:`CorruptCheckpointError`, both
+    naming the file."""
     try:
         raw = path.read_bytes()
     except FileNotFoundError as e:
@@ -48,7 +64,7 @@ def read_json(path: Path, what: str) -> Any:
             "Pass the path of a committed checkpoint (a directory with commit_success.txt)."
         ) from e
     try:
-        return json.loads(raw.decode("utf-8"))
+        value = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
         raise CorruptCheckpointError(
             f"{what} {path} is not UTF-8 text (byte {e.start}); the checkpoint is damaged. "
@@ -59,6 +75,10 @@ def read_json(path: Path, what: str) -> Any:
             f"{what} {path} is truncated or not JSON ({e.msg} at char {e.pos}); the checkpoint is damaged. "
             "Load an earlier checkpoint, or re-save this one."
         ) from e
+    checksums = _VERIFYING.get()
+    if checksums is not None:  # well-formed, but is it what was committed?
+        checksums.check(path, raw)
+    return value
 
 
 def read_json_object(path: Path, what: str) -> dict[str, Any]:
@@ -110,3 +130,97 @@ def require_checkpoint(path: Path) -> None:
             f"{path} is not a checkpoint: it has no {CHECKPOINT_METADATA}. "
             "Pass the checkpoint directory itself (e.g. root/<step>), not its parent or a checkpointable folder."
         )
+
+
+# ------------------------------------------------------------------------------------------
+# Checksums of the files that are not array data
+# ------------------------------------------------------------------------------------------
+
+
+def _is_array_data(folder: Path) -> bool:
+    """A folder of array chunks: an OCDBT database's ``d/``, or a plain zarr3 array's ``c/``."""
+    return (folder.name == "d" and (folder.parent / "manifest.ocdbt").exists()) or (
+        folder.name == "c" and (folder.parent / "zarr.json").exists()
+    )
+
+
+@dataclass(frozen=True)
+class Checksums:
+    """``_milepost_checksums.json``: (size, CRC32C) of each file by path relative to ``root``."""
+
+    root: Path
+    files: dict[str, tuple[int, int]]
+
+    @staticmethod
+    def compute(root: Path) -> Checksums:
+        files: dict[str, tuple[int, int]] = {}
+        for dirpath, dirnames, filenames in os.walk(root):
+            here = Path(dirpath)
+            dirnames[:] = [d for d in dirnames if not _is_array_data(here / d)]
+            for name in filenames:
+                path = here / name
+                if path.is_symlink():
+                    continue
+                raw = path.read_bytes()
+                files[path.relative_to(root).as_posix()] = (len(raw), workers.crc32c(raw))
+        return Checksums(root, files)
+
+    def write(self) -> None:
+        body = {"format": 1, "algorithm": "crc32c", "files": {k: list(v) for k, v in sorted(self.files.items())}}
+        write_json(self.root / CHECKSUMS, {**body, "self_crc32c": workers.crc32c(_canonical(body))})
+
+    @staticmethod
+    def read(root: Path) -> Checksums | None:
+        """The checksums of the checkpoint at ``root``; None for checkpoints written without
+        them (by Orbax, or older milepost versions)."""
+        path = root / CHECKSUMS
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        damaged = CorruptCheckpointError(
+            f"{path} is damaged (it does not match its own checksum), so nothing in this checkpoint can be trusted. "
+            "Load an earlier checkpoint."
+        )
+        try:
+            data = json.loads(raw.decode("utf-8"))
+            recorded = data.pop("self_crc32c")
+            if workers.crc32c(_canonical(data)) != recorded:
+                raise damaged
+            files = {str(k): (int(v[0]), int(v[1])) for k, v in data["files"].items()}
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
+            raise damaged from e
+        return Checksums(root, files)
+
+    def check(self, path: Path, raw: bytes) -> None:
+        """Raise CorruptCheckpointError unless ``raw``, read from ``path``, is what was committed."""
+        try:
+            key = path.relative_to(self.root).as_posix()
+        except ValueError:
+            return
+        recorded = self.files.get(key)
+        if recorded is None:
+            return
+        size, crc = recorded
+        if len(raw) != size or workers.crc32c(raw) != crc:
+            raise CorruptCheckpointError(
+                f"{path} is not the file that was committed (size {len(raw)} vs {size}, or its CRC32C differs): it was "
+                "damaged or changed. Load an earlier checkpoint."
+            )
+
+
+def _canonical(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+_VERIFYING: contextvars.ContextVar[Checksums | None] = contextvars.ContextVar("milepost_verifying", default=None)
+
+
+@contextlib.contextmanager
+def verifying(checksums: Checksums | None) -> Iterator[None]:
+    """Check every JSON file :func:`read_json` reads against ``checksums`` inside the block."""
+    token = _VERIFYING.set(checksums)
+    try:
+        yield
+    finally:
+        _VERIFYING.reset(token)

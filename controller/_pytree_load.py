@@ -19,7 +19,7 @@ import numpy as np
 from milepost import _dispatch, _tree, workers
 from milepost import _format as fmt
 from milepost import _pytree_format as tree_format
-from milepost._errors import CorruptCheckpointError, StructureMismatchError
+from milepost._errors import CheckpointNotFoundError, CorruptCheckpointError, StructureMismatchError
 from milepost._pytree_save import CONTROLLER, SCALAR_TYPES
 from milepost._tree import PLACEHOLDER, ValueType
 from milepost.workers import ShardingSpec
@@ -45,11 +45,28 @@ def _header_shape_dtype(header: dict[str, Any]) -> tuple[tuple[int, ...], np.dty
     return tuple(header["shape"]), np.dtype(jax.numpy.dtype(header["data_type"]))
 
 
+def _headers(directory: Path, files: tree_format.TreeFiles, names: list[str]) -> dict[str, dict[str, Any]]:
+    """The ``zarr.json`` of each named array: through the root view with OCDBT (whose B-tree
+    carries checksums), else as files (checked against the checkpoint's file checksums)."""
+    if files.use_ocdbt:
+        return workers.read_array_headers(files.store(directory), names)
+    out = {}
+    for name in names:
+        try:
+            out[name] = fmt.read_json_object(directory / name / "zarr.json", f"the header of array {name!r}")
+        except CheckpointNotFoundError as e:
+            raise CorruptCheckpointError(
+                f"array {name!r} is listed in {directory / fmt.TREE_METADATA} but its data is missing; the checkpoint "
+                "is damaged. Load an earlier checkpoint."
+            ) from e
+    return out
+
+
 def metadata(directory: Path) -> Any:
     """The tree of :class:`LeafMetadata` (and empty containers), from metadata and headers."""
     files = tree_format.read(directory)
     arrays = [n for n, leaf in files.leaves.items() if leaf.value_type.is_array]
-    headers = workers.read_array_headers(files.store(directory), arrays)
+    headers = _headers(directory, files, arrays)
     built = []
     for name, saved in files.leaves.items():
         vt = saved.value_type
@@ -155,7 +172,9 @@ def _task(files: tree_format.TreeFiles, header: dict[str, Any], target: _Target,
         if tuple(abstract.shape) != shape:
             raise StructureMismatchError(f"leaf {name!r}: the abstract array has shape {abstract.shape}, the checkpoint {shape}")
         dtype = abstract.dtype
-    return workers.LoadTask(name=name, shape=shape, dtype=np.dtype(dtype).name, sharding=sharding)
+    recorded = files.chunk_crc32c.get(name)
+    checksums = tuple(sorted(recorded.items())) if recorded is not None else None
+    return workers.LoadTask(name=name, shape=shape, dtype=np.dtype(dtype).name, sharding=sharding, checksums=checksums)
 
 
 def load(directory: Path, abstract: Any, call: LoadCall) -> Any:
@@ -168,9 +187,7 @@ def load(directory: Path, abstract: Any, call: LoadCall) -> Any:
         t.name for t in targets
         if t.abstract is not PLACEHOLDER and t.name in files.leaves and files.leaves[t.name].value_type.is_array
     ]
-    headers = _dispatch.shared(
-        group, f"pytree-headers:{directory}", lambda: workers.read_array_headers(store, array_names), timeout
-    )
+    headers = _dispatch.shared(group, f"pytree-headers:{directory}", lambda: _headers(directory, files, array_names), timeout)
 
     device_tasks: list[workers.LoadTask] = []
     host_tasks: list[workers.LoadTask] = []

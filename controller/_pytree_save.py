@@ -268,7 +268,7 @@ class PendingTree:
         # alone; it reaches the other controller processes through the commit outcome.
         try:
             if self.own is not None:
-                self.own.wait(timeout)
+                acks = [*acks, *self.own.wait(timeout)]
         except BaseException:
             self.settle(timeout)
             raise

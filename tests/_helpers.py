@@ -64,3 +64,12 @@ def abstract_of(tree: Any) -> Any:
 def listing(root: Path) -> list[str]:
     """Every path below ``root`` (relative), sorted: to show that nothing was written."""
     return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def reseal(ckpt: Path) -> None:
+    """Recompute a checkpoint's file checksums after a test edited its metadata on purpose: what
+    an attacker who crafts a checkpoint can do, so the checks behind the checksums get tested."""
+    from milepost import _format
+
+    (ckpt / _format.CHECKSUMS).unlink()
+    _format.Checksums.compute(ckpt).write()

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import milepost as mp
-from tests._helpers import listing, put, same_bits
+from tests._helpers import listing, put, reseal, same_bits
 
 
 @pytest.fixture
@@ -121,6 +121,7 @@ def test_missing_metadata_files(saved: Path, file: str) -> None:
 def test_malformed_metadata_is_a_corrupt_checkpoint(saved: Path, file: str, content: str) -> None:
     """Valid JSON of the wrong shape: the same clear error as a truncated file, not a KeyError."""
     (saved / file).write_text(content)
+    reseal(saved)
     calls = ["load"] if file.endswith("_strings.json") else ["load", "metadata"]
     for call in calls:
         with pytest.raises((mp.CorruptCheckpointError, mp.CheckpointNotFoundError)) as info:
@@ -298,6 +299,7 @@ def _edit_sharding(ckpt: Path, edit: Any) -> None:
         edit(spec)
         data[key] = json.dumps(spec)
     f.write_text(json.dumps(data))
+    reseal(ckpt)
 
 
 def test_saved_sharding_on_missing_devices(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:

@@ -28,9 +28,9 @@ def direct_spy(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     keys: list[str] = []
     real = _direct.DirectReader.submit
 
-    def submit(self: Any, value: Any, read: Any, out: np.ndarray) -> Any:
+    def submit(self: Any, value: Any, read: Any, out: np.ndarray, *args: Any) -> Any:
         keys.append(read.key)
-        return real(self, value, read, out)
+        return real(self, value, read, out, *args)
 
     monkeypatch.setattr(_direct.DirectReader, "submit", submit)
     return keys

@@ -4,7 +4,8 @@ This package runs inside host processes; it imports neither ``milepost`` (the co
 ``milepost.colocated``.
 """
 
-from milepost.workers._engine import PendingSave, load, start_save
+from milepost.workers._checksum import crc32c, grid_key, parse_grid_key
+from milepost.workers._engine import PendingSave, load, start_save, verify
 from milepost.workers._errors import CheckpointNotFoundError, CorruptCheckpointError
 from milepost.workers._messages import (
     ArraySpec,
@@ -17,6 +18,9 @@ from milepost.workers._messages import (
     SavePlan,
     SaveTask,
     StoreSpec,
+    VerifyAck,
+    VerifyPlan,
+    VerifyTask,
     WrittenArray,
 )
 from milepost.workers._pending import Done, PendingWrite, settle_all
@@ -49,12 +53,19 @@ __all__ = [
     "SaveTask",
     "ShardingSpec",
     "StoreSpec",
+    "VerifyAck",
+    "VerifyPlan",
+    "VerifyTask",
     "WrittenArray",
+    "crc32c",
+    "grid_key",
     "load",
     "merge_ocdbt",
+    "parse_grid_key",
     "process_dir_name",
     "read_array_headers",
     "read_kvstore",
     "settle_all",
     "start_save",
+    "verify",
 ]

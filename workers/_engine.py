@@ -16,14 +16,15 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import tensorstore as ts
 
-from milepost.workers import _direct
+from milepost.workers import _checksum, _direct
 from milepost.workers import _tensorstore as tsu
-from milepost.workers._errors import CorruptCheckpointError
+from milepost.workers._errors import CorruptCheckpointError, from_tensorstore
 from milepost.workers._messages import (
     ArraySpec,
     LoadAck,
@@ -33,6 +34,9 @@ from milepost.workers._messages import (
     SaveAck,
     SavePlan,
     SaveTask,
+    VerifyAck,
+    VerifyPlan,
+    VerifyTask,
     WrittenArray,
 )
 from milepost.workers._sharding import ShardingSpec
@@ -48,6 +52,8 @@ class PendingSave:
         """TensorStore futures that may still write: array opens (they create zarr.json) and
         write commits. Dropped once durable, which frees the staged buffers."""
         self._nbytes = 0
+        self._checksums: list[tuple[str, Any]] = []
+        """(array name, future of its chunks' checksums), computed while the writes run."""
         self._lock = threading.Lock()
         self._ack: SaveAck | None = None
 
@@ -56,6 +62,10 @@ class PendingSave:
         self._inflight.append(future)
         self._nbytes += nbytes
 
+    def _checksum(self, spec: ArraySpec, box: tuple[tuple[int, int], ...], data: np.ndarray) -> None:
+        """Compute the checksums of the chunks of ``data`` (the region ``box``) on the copy pool."""
+        self._checksums.append((spec.name, _copy_pool().submit(_checksum.region_crc32c, data, box, spec.chunk_shape)))
+
     def wait(self, timeout: float | None = None) -> SaveAck:
         with self._lock:
             if self._ack is None:
@@ -63,12 +73,22 @@ class PendingSave:
                 try:
                     for f in self._inflight or []:
                         f.result(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
-                except BaseException:
+                except BaseException as e:
                     self._settle(timeout)  # no write may land after the caller cleans up
-                    raise
+                    mapped = from_tensorstore(e, "writing the checkpoint's arrays", self._plan.store.directory)
+                    if mapped is e:
+                        raise
+                    raise mapped from e
                 self._inflight = None
+                checksums: dict[str, list[tuple[tuple[int, ...], int]]] = collections.defaultdict(list)
+                for name, future in self._checksums:
+                    checksums[name].extend(future.result())
+                self._checksums = []
                 arrays = tuple(
-                    WrittenArray(name=t.spec.name, write_shape=t.spec.write_shape, chunk_shape=t.spec.chunk_shape)
+                    WrittenArray(
+                        name=t.spec.name, write_shape=t.spec.write_shape, chunk_shape=t.spec.chunk_shape,
+                        chunk_crc32c=tuple(sorted(checksums.get(t.spec.name, ()))),
+                    )
                     for t in self._plan.tasks
                     if t.regions or t.create
                 )
@@ -107,9 +127,12 @@ def start_save(plan: SavePlan, sources: Sequence[Any]) -> PendingSave:
     try:
         _start_device_to_host(plan, sources)
         _issue_writes(plan, sources, parts, opens, pending)
-    except BaseException:
+    except BaseException as e:
         pending.settle()  # opens and writes already issued must land before the caller cleans up
-        raise
+        mapped = from_tensorstore(e, "creating the checkpoint's arrays", plan.store.directory)
+        if mapped is e:
+            raise
+        raise mapped from e
     return pending
 
 
@@ -147,7 +170,7 @@ def _split_among_writers(tasks: Sequence[SaveTask], writers: int) -> list[_Part]
 
 
 def _issue_writes(plan: SavePlan, sources: Sequence[Any], parts: list[_Part], opens: list[Any], pending: PendingSave) -> None:
-    writes: list[tuple[Any, tuple[tuple[int, int], ...], np.ndarray]] = []
+    writes: list[tuple[Any, tuple[tuple[int, int], ...], np.ndarray, ArraySpec]] = []
     copies: list[tuple[np.ndarray, np.ndarray]] = []
     for (_, task, regions), opening in zip(parts, opens, strict=True):
         store = opening.result()
@@ -161,13 +184,14 @@ def _issue_writes(plan: SavePlan, sources: Sequence[Any], parts: list[_Part], op
                 staged = aligned_empty(data.shape, data.dtype)
                 copies.append((staged, data))
                 data = staged
-            writes.append((store, region.index, data))
+            writes.append((store, region.index, data, task.spec))
     # Every copy before any write: the writes would compete with the copies for memory
     # bandwidth and cores, and the copies are what the caller waits for.
     parallel_copy(copies)
-    for store, box, data in writes:
+    for store, box, data, spec in writes:
         written = store[tsu.box_to_slices(box)].write(data, can_reference_source_data_indefinitely=True)
         pending._track(written.commit, data.nbytes)
+        pending._checksum(spec, box, data)
 
 
 _COPY_BLOCK_BYTES = 32 << 20
@@ -276,6 +300,9 @@ def load(plan: LoadPlan, process_index: int | str = 0) -> tuple[list[Any], LoadA
         try:
             store = opening.result()
         except Exception as e:  # TensorStore raises ValueError with a long status string
+            mapped = from_tensorstore(e, f"opening array {task.name!r}", plan.store.directory, reading=True)
+            if isinstance(mapped, PermissionError | TimeoutError) or (isinstance(mapped, OSError) and mapped is not e):
+                raise mapped from e
             raise CorruptCheckpointError(
                 f"array {task.name!r} could not be opened in {plan.store.directory}: {e}. "
                 "The checkpoint is missing data or damaged; load an earlier checkpoint."
@@ -309,8 +336,11 @@ def load(plan: LoadPlan, process_index: int | str = 0) -> tuple[list[Any], LoadA
                     by_box.setdefault(_slices_to_box(index, task.shape), []).append(device)
                 asm = _Assembler(task, sharding, results, i, [(tuple(d), box) for box, d in by_box.items()])
             assemblers.append(asm)
+            checked = None
+            if task.checksums is not None:
+                checked = _Checked(task.name, task.shape, _inner_chunk_shape(store), dict(task.checksums))
             for devices, box in asm.pieces:
-                reader.read(store, layout, box, asm, devices)
+                reader.read(store, layout, box, asm, devices, checked)
         reader.drain()
     finally:
         reader.close()
@@ -436,29 +466,69 @@ class _Assembler:
         self.placed = []
 
 
+@dataclass(frozen=True)
+class _Checked:
+    """What a load checks an array's chunks against: the recorded checksum of each chunk."""
+
+    name: str
+    shape: tuple[int, ...]
+    chunk_shape: tuple[int, ...]
+    expected: dict[tuple[int, ...], int]
+
+
+def _inner_chunk_shape(store: Any) -> tuple[int, ...]:
+    """The shape of the array's stored chunks (inner chunks of a sharded zarr3 array)."""
+    metadata = store.spec().to_json().get("metadata", {})
+    codecs = metadata.get("codecs") or [{}]
+    if codecs[0].get("name") == "sharding_indexed":
+        return tuple(int(n) for n in codecs[0]["configuration"]["chunk_shape"])
+    return tuple(int(n) for n in metadata["chunk_grid"]["configuration"]["chunk_shape"])
+
+
 class _DirectRead:
-    """The direct reads of one box in flight; if one of them turns out not to be directly
-    readable (its chunk is missing), the whole box is read through TensorStore instead."""
+    """The direct reads of one box in flight (each checks its chunk's checksum on its thread);
+    if one of them turns out not to be directly readable (its chunk is missing), the whole box
+    is read through TensorStore instead."""
 
     def __init__(self, futures: list[Any], source: Any, out: np.ndarray) -> None:
         self.futures = futures
         self.source = source
         self.out = out
 
-    def result(self) -> None:
+    def result(self) -> bool:
+        """Wait; True if the box was read through TensorStore after all."""
         futures_wait(self.futures)
         try:
             for future in self.futures:
                 future.result()
         except _direct.FallBack:
             ts.array(self.out).write(self.source).result()
+            return True
+        return False
+
+
+@dataclass
+class _Read:
+    future: Any
+    out: np.ndarray
+    asm: _Assembler
+    devices: tuple[Any, ...]
+    nbytes: int
+    checked: _Checked | None = None
+    """Checked here once read (TensorStore reads); direct reads check on their own threads."""
+    whole: tuple[tuple[int, int], ...] = ()
+    """The chunk-aligned box read (when checked), into ``staged`` if it is larger than the box."""
+    box: tuple[tuple[int, int], ...] = ()
+    staged: np.ndarray | None = None
 
 
 class _BudgetedReader:
     """Issues reads, keeping at most ``budget`` bytes of read buffers in flight.
 
     A box goes straight from its file into the destination buffer when the locator can find it
-    (see :mod:`._direct`), otherwise through TensorStore.
+    (see :mod:`._direct`), otherwise through TensorStore. With recorded checksums every chunk a
+    box touches is read whole and checked before its values go anywhere: a box that covers
+    chunks only partly is read through TensorStore as the whole chunks, then cut out.
     """
 
     def __init__(self, budget: int | None, directory: str = "", locator: _direct.Locator | None = None) -> None:
@@ -466,7 +536,7 @@ class _BudgetedReader:
         self.directory = directory
         self.locator = locator
         self.direct = _direct.DirectReader() if locator is not None else None  # with the locator
-        self.inflight: collections.deque[tuple[Any, np.ndarray, _Assembler, tuple[Any, ...], int]] = collections.deque()
+        self.inflight: collections.deque[_Read] = collections.deque()
         self.inflight_bytes = 0
         self.bytes_read = 0
 
@@ -477,38 +547,77 @@ class _BudgetedReader:
         box: tuple[tuple[int, int], ...],
         asm: _Assembler,
         devices: tuple[Any, ...],
+        checked: _Checked | None = None,
     ) -> None:
         dtype = store.dtype.numpy_dtype
+        whole = _checksum.aligned_box(box, checked.chunk_shape, checked.shape) if checked is not None else box
         nbytes = math.prod(b - a for a, b in box) * dtype.itemsize
+        if whole != box:
+            nbytes += math.prod(b - a for a, b in whole) * dtype.itemsize
         if self.budget is not None:
             while self.inflight and self.inflight_bytes + nbytes > self.budget:
                 self._complete_one()
         out = read_buffer(tuple(b - a for a, b in box), dtype)
         source = store[tsu.box_to_slices(box)] if box else store
-        future: Any = None
+        read = _Read(None, out, asm, devices, nbytes)
         if layout is not None and self.locator is not None:
             pieces = _direct.box_reads(layout, box) or []
+            if checked is not None and not all(p.whole for p in pieces):
+                pieces = []  # a partial chunk cannot be checked: read it whole, below
             values = [self.locator.locate(piece.key) for piece in pieces]
             if pieces and all(v is not None for v in values):
                 submit = self.direct.submit  # type: ignore[union-attr]
-                future = _DirectRead([submit(v, p, out) for v, p in zip(values, pieces, strict=True)], source, out)  # type: ignore[arg-type]
-        if future is None:
-            future = ts.array(out).write(source)
-        self.inflight.append((future, out, asm, devices, nbytes))
+                expected = [checked.expected.get(p.grid, -1) if checked is not None else None for p in pieces]
+                futures = [submit(v, p, out, e, asm.task.name) for v, p, e in zip(values, pieces, expected, strict=True)]  # type: ignore[arg-type]
+                read.future = _DirectRead(futures, source, out)
+                read.checked, read.whole, read.box = checked, box, box  # checked again only after a fallback
+        if read.future is None:
+            read.checked, read.whole, read.box = checked, whole, box
+            if whole == box:
+                read.future = ts.array(out).write(source)
+            else:
+                read.staged = read_buffer(tuple(b - a for a, b in whole), dtype)
+                read.future = ts.array(read.staged).write(store[tsu.box_to_slices(whole)])
+        self.inflight.append(read)
         self.inflight_bytes += nbytes
 
     def _complete_one(self) -> None:
-        future, out, asm, devices, nbytes = self.inflight.popleft()
+        read = self.inflight.popleft()
+        asm = read.asm
         try:
-            future.result()
+            fell_back = read.future.result()
+            if read.checked is not None and (not isinstance(read.future, _DirectRead) or fell_back):
+                self._check(read)
         except Exception as e:  # TensorStore's ValueError("NOT_FOUND: ..."), a bad checksum, a short file...
+            if isinstance(e, CorruptCheckpointError) and str(e).startswith(f"array {asm.task.name!r}"):
+                raise  # already names the array and says what is wrong
+            mapped = from_tensorstore(e, f"reading array {asm.task.name!r}", self.directory, reading=True)
+            if isinstance(mapped, OSError) and not isinstance(mapped, FileNotFoundError) and mapped is not e:
+                raise mapped from e
             raise CorruptCheckpointError(
-                f"array {asm.task.name!r}: reading a {out.shape} box from {self.directory} failed ({e}); the "
+                f"array {asm.task.name!r}: reading a {read.out.shape} box from {self.directory} failed ({e}); the "
                 "checkpoint's data files are missing or damaged. Load an earlier checkpoint."
             ) from e
-        asm.take(devices, out)
-        self.inflight_bytes -= nbytes
-        self.bytes_read += nbytes
+        asm.take(read.devices, read.out)
+        self.inflight_bytes -= read.nbytes
+        self.bytes_read += read.nbytes
+
+    def _check(self, read: _Read) -> None:
+        """Check every chunk of a box read through TensorStore, then cut the box out."""
+        checked = read.checked
+        assert checked is not None
+        buffer = read.staged if read.staged is not None else read.out
+        for grid, crc in _checksum.region_crc32c(buffer, read.whole, checked.chunk_shape):
+            _checksum.check(checked.name, grid, crc, checked.expected, self._where(checked, grid))
+        if read.staged is not None:
+            local = tuple(slice(a - w, b - w) for (a, b), (w, _) in zip(read.box, read.whole, strict=True))
+            parallel_copy([(read.out, read.staged[local])])
+            read.staged = None
+
+    def _where(self, checked: _Checked, grid: tuple[int, ...]) -> str:
+        key = f"{checked.name}/c" + "".join(f"/{g}" for g in grid)
+        value = self.locator.locate(key) if self.locator is not None else None
+        return f"{value.path} at byte {value.offset}" if value is not None else f"{self.directory}, key {key!r}"
 
     def drain(self) -> None:
         while self.inflight:
@@ -518,3 +627,67 @@ class _BudgetedReader:
         """Wait for direct reads still running (after a failure) and close their files."""
         if self.direct is not None:
             self.direct.close()
+
+
+# ------------------------------------------------------------------------------------------
+# Verify
+# ------------------------------------------------------------------------------------------
+
+
+def verify(plan: VerifyPlan, process_index: int | str = 0) -> VerifyAck:
+    """Read every chunk of the plan and check it against its recorded checksum; report what is
+    damaged, missing or unreadable instead of raising."""
+    verifier = _Verifier(plan)
+    for task in plan.tasks:
+        verifier.check_array(task)
+    return VerifyAck(
+        process_index=process_index, chunks_checked=verifier.checked, bytes_read=verifier.nbytes,
+        problems=tuple(verifier.problems),
+    )
+
+
+class _Verifier:
+    def __init__(self, plan: VerifyPlan) -> None:
+        self.plan = plan
+        self.context = tsu.new_context()
+        self.budget = plan.memory_budget_bytes or (256 << 20)
+        self.problems: list[str] = []
+        self.checked = self.nbytes = 0
+
+    def check_array(self, task: VerifyTask) -> None:
+        spec = tsu.open_spec(tsu.read_kvstore(task.store), task.name, task.fill_missing)
+        try:
+            store = ts.open(spec, open=True, read=True, context=self.context).result()
+            chunk_shape = _inner_chunk_shape(store)
+        except Exception as e:
+            self.problems.append(f"array {task.name!r}: cannot be opened ({e})")
+            return
+        shape = tuple(store.shape)
+        expected = dict(task.expected) if task.expected is not None else None
+        inflight: collections.deque[tuple[tuple[int, ...], Any, np.ndarray]] = collections.deque()
+        held = 0
+        for grid in task.chunks:
+            box = tuple((g * c, min((g + 1) * c, n)) for g, c, n in zip(grid, chunk_shape, shape, strict=True))
+            out = np.empty(tuple(b - a for a, b in box), store.dtype.numpy_dtype)
+            while inflight and held + out.nbytes > self.budget:
+                held -= self._finish(task, expected, *inflight.popleft())
+            inflight.append((grid, ts.array(out).write(store[tsu.box_to_slices(box)] if box else store), out))
+            held += out.nbytes
+        while inflight:
+            self._finish(task, expected, *inflight.popleft())
+
+    def _finish(self, task: VerifyTask, expected: dict[tuple[int, ...], int] | None, grid: tuple[int, ...], future: Any, out: np.ndarray) -> int:
+        name = task.name
+        try:
+            future.result()
+        except Exception as e:
+            self.problems.append(f"array {name!r}: chunk {grid} is missing or unreadable ({e})")
+            return out.nbytes
+        self.checked += 1
+        self.nbytes += out.nbytes
+        if expected is not None:
+            try:
+                _checksum.check(name, grid, _checksum.values_crc32c(out), expected, task.store.directory)
+            except CorruptCheckpointError as e:
+                self.problems.append(str(e))
+        return out.nbytes

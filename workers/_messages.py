@@ -79,6 +79,8 @@ class WrittenArray:
     name: str
     write_shape: tuple[int, ...]
     chunk_shape: tuple[int, ...]
+    chunk_crc32c: tuple[tuple[tuple[int, ...], int], ...] = ()
+    """``(chunk grid index, CRC32C of its values)`` of every chunk this host wrote."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,6 +102,9 @@ class LoadTask:
     shape: tuple[int, ...]
     dtype: str
     sharding: ShardingSpec | None
+    checksums: tuple[tuple[tuple[int, ...], int], ...] | None = None
+    """The recorded ``(chunk grid index, CRC32C)`` of every chunk; None for checkpoints written
+    without them (then nothing can be verified)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,3 +130,31 @@ class LoadAck:
     """Bytes this host read from storage."""
     arrays: int
     """How many arrays of the plan it placed (its part of each)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerifyTask:
+    """The chunks of one array a host reads and checks."""
+
+    store: StoreSpec
+    name: str
+    chunks: tuple[tuple[int, ...], ...]
+    """Chunk-grid indices to check."""
+    expected: tuple[tuple[tuple[int, ...], int], ...] | None = None
+    """Their recorded checksums; None: none recorded (the chunks are only read)."""
+    fill_missing: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerifyPlan:
+    tasks: tuple[VerifyTask, ...]
+    memory_budget_bytes: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerifyAck:
+    process_index: int | str
+    chunks_checked: int
+    bytes_read: int
+    problems: tuple[str, ...]
+    """One line per damaged, missing or unreadable chunk."""
