@@ -500,10 +500,15 @@ def load_checkpointables(
 
 def _read_items(root: Path) -> tuple[dict[str, Any], dict[str, str | None], tuple[Any, ...], fmt.Checksums | None]:
     identity = _identity(root)
-    fmt.require_checkpoint(root)
-    checksums = fmt.Checksums.read(root)
-    with fmt.verifying(checksums):
-        meta = read_checkpoint_metadata(root)
+    try:
+        fmt.require_checkpoint(root)
+        checksums = fmt.Checksums.read(root)
+        with fmt.verifying(checksums):
+            meta = read_checkpoint_metadata(root)
+    except Exception as e:
+        if _identity(root) != identity:
+            raise _replaced(root) from e
+        raise
     if _identity(root) != identity:
         raise _replaced(root)
     return meta, item_names(root, meta), identity, checksums

@@ -1,0 +1,372 @@
+"""Two writers, one path: real processes racing. Exactly one writer's checkpoint is ever
+committed (never a mix), a reader never deletes a live save, a save notices its directory
+deleted under it, and a load racing an overwrite returns the old or the new checkpoint whole, or
+says it was replaced."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import milepost as mp
+from milepost import _format
+from tests import _subproc
+from tests._helpers import assert_tree_equal, listing, put, same_bits
+
+# A writer process: for each round, say ready, wait for the go file, save its own tree, report.
+WRITER = r"""
+import json, os, sys, time
+import numpy as np
+import milepost as mp
+
+me, rounds, root, overwrite = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
+tree = {f"w{i}": np.full((256, 1024), me * 1000 + i, np.float32) for i in range(8)}  # 8 MiB
+tree["who"] = f"writer{me}"
+for r in range(rounds):
+    print(f"ready {r}", flush=True)
+    go = os.path.join(root, f"go{r}")
+    while not os.path.exists(go):
+        time.sleep(0.001)
+    try:
+        mp.save(os.path.join(root, f"c{r}"), tree, overwrite=overwrite)
+        outcome = "committed"
+    except mp.CheckpointExistsError as e:
+        outcome = "exists: " + str(e)
+    except Exception as e:
+        outcome = f"error: {type(e).__name__}: {e}"
+    print("outcome " + json.dumps([r, outcome]), flush=True)
+"""
+
+
+def _writer_tree(me: int) -> dict[str, Any]:
+    tree: dict[str, Any] = {f"w{i}": np.full((256, 1024), me * 1000 + i, np.float32) for i in range(8)}
+    tree["who"] = f"writer{me}"
+    return tree
+
+
+def _start(code: str, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        env=_subproc.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def _race(tmp_path: Path, rounds: int, overwrite: bool) -> list[list[str]]:
+    """Two writer processes save to ``c<r>`` at the same moment, ``rounds`` times; each one's
+    outcome per round."""
+    procs = [_start(WRITER, str(me), str(rounds), str(tmp_path), "1" if overwrite else "0") for me in (1, 2)]
+    outcomes: list[list[str]] = [["" for _ in range(rounds)] for _ in procs]
+    try:
+        for r in range(rounds):
+            for proc in procs:
+                assert proc.stdout is not None
+                line = proc.stdout.readline()
+                assert line.strip() == f"ready {r}", (line, proc.stderr.read() if proc.poll() is not None else "")  # type: ignore[union-attr]
+            (tmp_path / f"go{r}").touch()
+            for k, proc in enumerate(procs):
+                assert proc.stdout is not None
+                line = proc.stdout.readline()
+                assert line.startswith("outcome "), (line, proc.stderr.read() if proc.poll() is not None else "")  # type: ignore[union-attr]
+                got_round, outcome = json.loads(line[len("outcome "):])
+                assert got_round == r
+                outcomes[k][r] = outcome
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(60)
+    return outcomes
+
+
+def test_two_writers_of_one_path_never_commit_a_mix(tmp_path: Path) -> None:
+    rounds = 8
+    outcomes = _race(tmp_path, rounds, overwrite=False)
+    for r in range(rounds):
+        first, second = outcomes[0][r], outcomes[1][r]
+        assert sorted([first == "committed", second == "committed"]) == [False, True], (r, first, second)
+        loser = second if first == "committed" else first
+        # Raced while the winner wrote ("is writing it now"), or after it committed ("already exists").
+        assert loser.startswith("exists: ") and ("is writing it now" in loser or "already exists" in loser), loser
+        winner = 1 if first == "committed" else 2
+        assert_tree_equal(mp.load(tmp_path / f"c{r}"), _writer_tree(winner))
+    leftovers = [p for p in listing(tmp_path) if not p.startswith(("c", "go"))]
+    assert leftovers == [], leftovers
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("c")) == [f"c{r}" for r in range(rounds)]
+
+
+def test_two_overwriting_writers_leave_one_whole_checkpoint(tmp_path: Path) -> None:
+    rounds = 8
+    outcomes = _race(tmp_path, rounds, overwrite=True)
+    for r in range(rounds):
+        committed = [k + 1 for k in range(2) if outcomes[k][r] == "committed"]
+        assert committed, (r, outcomes[0][r], outcomes[1][r])
+        for k in range(2):  # whoever did not commit was told another writer was busy
+            assert outcomes[k][r] == "committed" or "is writing it now" in outcomes[k][r], outcomes[k][r]
+        restored = mp.load(tmp_path / f"c{r}")
+        winner = 1 if restored["who"] == "writer1" else 2
+        assert winner in committed
+        assert_tree_equal(restored, _writer_tree(winner))  # all of one writer, none of the other
+
+
+def test_a_waiting_writer_goes_after_the_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SaveOptions(wait_for_writer_secs=...) waits for the other writer instead of failing."""
+    gate = threading.Event()
+    real = mp.workers.merge_ocdbt
+
+    def merge(directory: Any) -> None:
+        assert gate.wait(60)
+        real(directory)
+
+    monkeypatch.setattr(mp.workers, "merge_ocdbt", merge)
+    handle = mp.save_async(tmp_path / "c", {"x": np.arange(3)})
+    code = f"""
+        import numpy as np, milepost as mp
+        with mp.Context(saving=mp.SaveOptions(wait_for_writer_secs=60)):
+            mp.save({str(tmp_path / 'c')!r}, {{"x": np.arange(5)}}, overwrite=True)
+        print("saved", flush=True)
+    """
+    other = _subproc.popen(code)
+    time.sleep(1.5)
+    assert other.poll() is None  # it waits for us
+    gate.set()
+    handle.result(60)
+    out, err = other.communicate(timeout=120)
+    assert other.returncode == 0 and "saved" in out, err
+    assert same_bits(mp.load(tmp_path / "c")["x"], np.arange(5))
+
+
+# ------------------------------------------------------------------------------------------
+# Readers and a training loop in other processes
+# ------------------------------------------------------------------------------------------
+
+TRAINER = r"""
+import sys, time
+import numpy as np
+import milepost as mp
+from milepost.training import Checkpointer
+
+root = sys.argv[1]
+with Checkpointer(root) as ckpt:
+    for step in range(10):
+        ckpt.save(step, {"w": np.full((512, 1024), step, np.float32), "step": step})
+        time.sleep(0.05)
+    ckpt.wait()
+print("trained", ckpt.steps, flush=True)
+"""
+
+
+@pytest.mark.parametrize("read_only", [True, False], ids=["read-only", "writer"])
+def test_a_polling_checkpointer_never_deletes_a_live_save(tmp_path: Path, read_only: bool) -> None:
+    from milepost.training import Checkpointer
+
+    root = tmp_path / "run"
+    trainer = _subproc.popen(TRAINER.replace("sys.argv[1]", repr(str(root))))
+    seen: dict[int, int] = {}
+    polls = 0
+    try:
+        while trainer.poll() is None:
+            if root.exists():
+                with Checkpointer(root, read_only=read_only) as watcher:
+                    polls += 1
+                    latest = watcher.latest
+                    if latest is not None:
+                        try:
+                            got = watcher.load(latest)
+                        except mp.CheckpointReplacedError:
+                            continue
+                        assert same_bits(got["w"], np.full((512, 1024), latest, np.float32)) and got["step"] == latest
+                        seen[latest] = seen.get(latest, 0) + 1
+            time.sleep(0.02)
+        out, err = trainer.communicate(timeout=300)
+    finally:
+        trainer.kill()
+    assert trainer.returncode == 0, err
+    assert "trained [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]" in out, (out, err)
+    assert polls >= 5 and seen, (polls, seen)
+    with Checkpointer(root, read_only=True) as done:
+        assert done.steps == list(range(10))
+        for step in done.steps:
+            assert same_bits(done.load(step)["w"], np.full((512, 1024), step, np.float32))
+    assert not any(".orbax-checkpoint-tmp" in p or "milepost-new" in p for p in listing(root))
+
+
+def test_a_read_only_checkpointer_writes_and_deletes_nothing(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
+    from milepost.training import Checkpointer
+
+    root = tmp_path / "run"
+    with Checkpointer(root) as ckpt:
+        ckpt.save(1, {"x": put(np.arange(8.0), mesh24, P("model"))})
+    leftover = root / "2.orbax-checkpoint-tmp"  # as if a save of step 2 had died
+    leftover.mkdir()
+    before = listing(root)
+    with Checkpointer(tmp_path / "missing", read_only=True) as nothing:
+        assert nothing.steps == []
+    assert not (tmp_path / "missing").exists()
+    with Checkpointer(root, read_only=True) as reader:
+        assert reader.steps == [1]
+        with pytest.raises(PermissionError, match="read-only"):
+            reader.save(3, {"x": 1}, force=True)
+        with pytest.raises(PermissionError, match="read-only"):
+            reader.delete(1)
+    assert listing(root) == before
+    with Checkpointer(root) as writer:  # a writer removes what a dead save left, once it holds its lock
+        assert writer.steps == [1]
+    assert not leftover.exists()
+
+
+# ------------------------------------------------------------------------------------------
+# The temporary directory deleted from outside
+# ------------------------------------------------------------------------------------------
+
+
+def _delete_tmp_when(monkeypatch: pytest.MonkeyPatch, stage: str, tmp: Path) -> None:
+    """Remove ``tmp`` from outside at ``stage`` of a save."""
+    from milepost import _pytree_format
+
+    def remove() -> None:
+        while tmp.exists():  # writers may be creating files meanwhile
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    if stage == "writing":
+        real_start = mp.workers.start_save
+
+        def start_save(*a: Any, **k: Any) -> Any:
+            pending = real_start(*a, **k)
+            remove()  # the writes are issued and in flight
+            return pending
+
+        monkeypatch.setattr(mp.workers, "start_save", start_save)
+    elif stage == "metadata":
+        real_write = _pytree_format.write
+
+        def write(*a: Any, **k: Any) -> None:
+            remove()
+            real_write(*a, **k)
+
+        monkeypatch.setattr(_pytree_format, "write", write)
+    elif stage == "merged":
+        real_merge = mp.workers.merge_ocdbt
+
+        def merge(directory: Any) -> None:
+            real_merge(directory)
+            remove()
+
+        monkeypatch.setattr(mp.workers, "merge_ocdbt", merge)
+    elif stage == "checksums":
+        real_compute = _format.Checksums.compute
+
+        def compute(root: Path) -> Any:
+            remove()
+            return real_compute(root)
+
+        monkeypatch.setattr(_format.Checksums, "compute", staticmethod(compute))
+
+
+@pytest.mark.parametrize("stage", ["writing", "metadata", "merged", "checksums"])
+def test_a_save_notices_its_directory_deleted_from_outside(
+    tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch, stage: str
+) -> None:
+    state = {"x": put(np.arange(4096, dtype=np.float32).reshape(64, 64), mesh24, P("data", "model")), "n": np.arange(300)}
+    _delete_tmp_when(monkeypatch, stage, tmp_path / "c.orbax-checkpoint-tmp")
+    handle = mp.save_async(tmp_path / "c", state)
+    with pytest.raises(OSError) as info:
+        handle.result(timeout=120)
+    assert not (tmp_path / "c").exists(), "nothing may be committed"
+    assert info.value.errno in (errno.ESTALE, errno.ENOENT) or "removed" in str(info.value), info.value
+    monkeypatch.undo()
+    mp.save(tmp_path / "c", state)  # the path is usable again
+    assert_tree_equal(mp.load(tmp_path / "c"), state)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
+
+
+# ------------------------------------------------------------------------------------------
+# Loads racing overwrites
+# ------------------------------------------------------------------------------------------
+
+OVERWRITER = r"""
+import sys, time
+import numpy as np
+import milepost as mp
+
+path, seconds = sys.argv[1], float(sys.argv[2])
+trees = [{"a": np.full((256, 1024), k, np.float32), "b": np.full((512,), k, np.int64), "k": k} for k in (0, 1)]
+mp.save(path, trees[0])
+print("ready", flush=True)
+end, n = time.monotonic() + seconds, 0
+while time.monotonic() < end:
+    n += 1
+    mp.save(path, trees[n % 2], overwrite=True)
+print("overwrites", n, flush=True)
+"""
+
+
+def test_loads_racing_overwrites_get_one_checkpoint_whole(tmp_path: Path) -> None:
+    path = tmp_path / "c"
+    writer = _subproc.popen(OVERWRITER.replace("sys.argv[1], float(sys.argv[2])", f"{str(path)!r}, 8.0"))
+    assert writer.stdout is not None
+    assert writer.stdout.readline().strip() == "ready"
+    outcomes: dict[str, int] = {}
+    try:
+        while writer.poll() is None:
+            try:
+                got = mp.load(path)
+            except mp.CheckpointReplacedError:
+                outcomes["replaced"] = outcomes.get("replaced", 0) + 1
+                continue
+            k = got["k"]
+            assert k in (0, 1)
+            assert same_bits(got["a"], np.full((256, 1024), k, np.float32)), "a load mixed two checkpoints"
+            assert same_bits(got["b"], np.full((512,), k, np.int64)), "a load mixed two checkpoints"
+            outcomes[f"whole {k}"] = outcomes.get(f"whole {k}", 0) + 1
+        out, err = writer.communicate(timeout=120)
+    finally:
+        writer.kill()
+    assert writer.returncode == 0, err
+    overwrites = int(out.split("overwrites")[-1])
+    assert overwrites >= 5 and outcomes.get("whole 0", 0) + outcomes.get("whole 1", 0) >= 3, (overwrites, outcomes)
+
+
+# ------------------------------------------------------------------------------------------
+# A full file system
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Any:
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["save", "save_async"])
+def test_a_full_disk_is_enospc_and_leaves_nothing(small_tmpfs: Path, mesh24: jax.sharding.Mesh, asynchronous: bool) -> None:
+    state = {"x": put(np.ones((1024, 2048), np.float32), mesh24, P("data", "model"))}  # 8 MiB > 4 MiB
+    with pytest.raises(OSError) as info:
+        if asynchronous:
+            mp.save_async(small_tmpfs / "c", state).result(120)
+        else:
+            mp.save(small_tmpfs / "c", state)
+    assert info.value.errno == errno.ENOSPC, info.value
+    assert str(small_tmpfs) in str(info.value)
+    assert listing(small_tmpfs) == []
+    mp.save(small_tmpfs / "small", {"x": np.arange(10)})  # the space is free again
+    assert same_bits(mp.load(small_tmpfs / "small")["x"], np.arange(10))
