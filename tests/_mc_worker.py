@@ -153,6 +153,8 @@ def four(root: str, embedded: str, *others: str) -> dict:
     mp.save_async(b, tree).result(120)
     out["meta_procs"] = mp.metadata(a).custom_metadata["procs"]
     out["meta_shape"] = list(mp.metadata(a).tree["w"].shape)
+    report = mp.verify(a)  # collective: every process checks its share, every process gets the report
+    out["verify"] = [report.ok, report.chunks_checked, list(report.problems)]
     out["checked_same"] = check(mp.load(a), {k: tree[k].sharding for k in SHAPES})
     out["checked_resharded"] = check(mp.load(b, resharded_abstract(mesh_b())))
     load_each(out, [embedded, *others])
