@@ -49,3 +49,20 @@ def test_layer_check_catches_a_violation(tmp_path: Path) -> None:
     bad.write_text("from milepost import _api\nimport milepost.colocated\n")
     names = _imports(bad)
     assert not all(_allowed(n, ("milepost.workers",)) for n in names)
+
+
+def test_the_wheel_ships_py_typed(tmp_path: Path) -> None:
+    """The annotations reach IDEs and mypy: every package of the wheel carries py.typed."""
+    import subprocess
+    import sys
+    import zipfile
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(ROOT)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (wheel,) = tmp_path.glob("milepost-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for package in ("milepost", "milepost/workers", "milepost/colocated"):
+        assert f"{package}/py.typed" in names, sorted(n for n in names if n.endswith("typed"))
