@@ -486,6 +486,7 @@ def load_checkpointables(
         with fmt.verifying(checksums):
             for name, abstract in wanted.items():
                 handler = _handlers.resolve_for_load(name, items[name], abstract, options.handlers)
+                _check_handler_files(group, root / name, handler, checksums, timeout)
                 out[name] = handler.load(root / name, abstract, call)
     except Exception as e:
         if _identity(root) != identity:  # local: the other processes may not be here
@@ -498,10 +499,19 @@ def load_checkpointables(
     return out
 
 
+def _check_handler_files(group: HostGroup, folder: Path, handler: Any, checksums: fmt.Checksums | None, timeout: float) -> None:
+    """A handler that reads its files itself (not the built-in pytree or JSON ones, which check
+    what they read) gets its folder only once every committed file in it is checked."""
+    if checksums is None or isinstance(handler, _handlers.PyTreeHandler | _handlers.JsonHandler):
+        return
+    _dispatch.shared(group, f"check-files:{folder}", lambda: checksums.check_folder(folder), timeout)
+
+
 def _read_items(root: Path) -> tuple[dict[str, Any], dict[str, str | None], tuple[Any, ...], fmt.Checksums | None]:
     identity = _identity(root)
     try:
         fmt.require_checkpoint(root)
+        fmt.check_contained(root)
         checksums = fmt.Checksums.read(root)
         with fmt.verifying(checksums):
             meta = read_checkpoint_metadata(root)
@@ -573,6 +583,7 @@ def metadata(path: str | os.PathLike[str]) -> CheckpointMetadata:
         identity = _identity(root)
         try:
             fmt.require_checkpoint(root)
+            fmt.check_contained(root)
             checksums = fmt.Checksums.read(root)
             with fmt.verifying(checksums):
                 meta = read_checkpoint_metadata(root)
@@ -580,6 +591,8 @@ def metadata(path: str | os.PathLike[str]) -> CheckpointMetadata:
                 parts = {}
                 for name, typestr in items.items():
                     handler = _handlers.resolve_for_load(name, typestr, None, options.handlers)
+                    if checksums is not None and not isinstance(handler, _handlers.PyTreeHandler | _handlers.JsonHandler):
+                        checksums.check_folder(root / name)
                     parts[name] = handler.metadata(root / name)
         except Exception as e:
             if _identity(root) != identity:

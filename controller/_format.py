@@ -56,9 +56,15 @@ def read_json(path: Path, what: str) -> Any:
     """The JSON in ``path``: a missing file is a :class:`CheckpointNotFoundError`, one that is
     not UTF-8 JSON (or fails its recorded checksum) a :class:`CorruptCheckpointError`, both
     naming the file."""
+    checksums = _VERIFYING.get()
     try:
         raw = path.read_bytes()
     except FileNotFoundError as e:
+        if checksums is not None and checksums.lists(path):
+            raise CheckpointNotFoundError(
+                f"{what} {path} was committed (it is listed in {CHECKSUMS}) but is missing now: the checkpoint is "
+                "damaged. Load an earlier checkpoint."
+            ) from e
         raise CheckpointNotFoundError(
             f"{what} {path} is missing: {path.parent} is not a complete checkpoint. "
             "Pass the path of a committed checkpoint (a directory with commit_success.txt)."
@@ -75,10 +81,21 @@ def read_json(path: Path, what: str) -> Any:
             f"{what} {path} is truncated or not JSON ({e.msg} at char {e.pos}); the checkpoint is damaged. "
             "Load an earlier checkpoint, or re-save this one."
         ) from e
-    checksums = _VERIFYING.get()
     if checksums is not None:  # well-formed, but is it what was committed?
         checksums.check(path, raw)
     return value
+
+
+def present(path: Path) -> bool:
+    """Whether an optional file of the checkpoint being read is there to read: it exists, or the
+    checkpoint's checksums say it was committed (then reading it reports it missing)."""
+    checksums = _VERIFYING.get()
+    return path.exists() or (checksums is not None and checksums.lists(path))
+
+
+def verified() -> bool:
+    """Whether the checkpoint being read has file checksums (it was written by this milepost)."""
+    return _VERIFYING.get() is not None
 
 
 def read_json_object(path: Path, what: str) -> dict[str, Any]:
@@ -167,7 +184,7 @@ class Checksums:
 
     def write(self) -> None:
         body = {"format": 1, "algorithm": "crc32c", "files": {k: list(v) for k, v in sorted(self.files.items())}}
-        write_json(self.root / CHECKSUMS, {**body, "self_crc32c": workers.crc32c(_canonical(body))})
+        write_file(self.root / CHECKSUMS, _canonical({**body, "self_crc32c": workers.crc32c(_canonical(body))}))
 
     @staticmethod
     def read(root: Path) -> Checksums | None:
@@ -184,6 +201,8 @@ class Checksums:
         )
         try:
             data = json.loads(raw.decode("utf-8"))
+            if _canonical(data) != raw:  # written in canonical form: any other byte is damage
+                raise damaged
             recorded = data.pop("self_crc32c")
             if workers.crc32c(_canonical(data)) != recorded:
                 raise damaged
@@ -191,6 +210,28 @@ class Checksums:
         except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
             raise damaged from e
         return Checksums(root, files)
+
+    def lists(self, path: Path) -> bool:
+        try:
+            return path.relative_to(self.root).as_posix() in self.files
+        except ValueError:
+            return False
+
+    def check_folder(self, folder: Path) -> None:
+        """Check every committed file below ``folder`` (the files of a checkpointable whose
+        handler reads them itself): each must be there, with its recorded size and CRC32C."""
+        prefix = folder.relative_to(self.root).as_posix() + "/"
+        for key in self.files:
+            if key.startswith(prefix):
+                path = self.root / key
+                try:
+                    raw = path.read_bytes()
+                except FileNotFoundError as e:
+                    raise CheckpointNotFoundError(
+                        f"{path} was committed (it is listed in {CHECKSUMS}) but is missing now: the checkpoint is "
+                        "damaged. Load an earlier checkpoint."
+                    ) from e
+                self.check(path, raw)
 
     def check(self, path: Path, raw: bytes) -> None:
         """Raise CorruptCheckpointError unless ``raw``, read from ``path``, is what was committed."""
@@ -224,3 +265,20 @@ def verifying(checksums: Checksums | None) -> Iterator[None]:
         yield
     finally:
         _VERIFYING.reset(token)
+
+
+def check_contained(root: Path) -> None:
+    """Refuse a checkpoint with a symlink that leads out of it: reading through it would read
+    files that are not the checkpoint's. Symlinks that stay inside are fine."""
+    top = root.resolve()
+    for dirpath, dirnames, filenames in os.walk(root):
+        here = Path(dirpath)
+        for name in (*dirnames, *filenames):
+            entry = here / name
+            if entry.is_symlink():
+                target = entry.resolve()
+                if target != top and top not in target.parents:
+                    raise CorruptCheckpointError(
+                        f"{entry} is a symlink to {target}, outside the checkpoint {root}; milepost does not read "
+                        "through it. Copy the files into the checkpoint instead of linking them"
+                    )

@@ -180,7 +180,7 @@ def _read(directory: Path) -> TreeFiles:
             name, keys, ValueType.parse(raw), str(raw), tuple(int(n) for n in write_shape) if write_shape else None
         )
     shardings: dict[str, ShardingSpec] = {}
-    if (directory / fmt.SHARDING).exists():
+    if fmt.present(directory / fmt.SHARDING):
         for encoded, text in fmt.read_json_object(directory / fmt.SHARDING, "sharding metadata").items():
             if not isinstance(text, str):
                 raise TypeError(f"the sharding of {encoded!r} is a {type(text).__name__}, not a JSON string")
@@ -188,10 +188,10 @@ def _read(directory: Path) -> TreeFiles:
                 shardings[base64.b64decode(encoded).decode()] = ShardingSpec.from_orbax_json(text)
             except (ValueError, KeyError):
                 continue  # a sharding kind we do not know: loading it needs an abstract tree
-    strings = fmt.read_json_object(directory / fmt.STRINGS, "string leaves") if (directory / fmt.STRINGS).exists() else {}
+    strings = fmt.read_json_object(directory / fmt.STRINGS, "string leaves") if fmt.present(directory / fmt.STRINGS) else {}
     info = (
         fmt.read_json_object(directory / fmt.MILEPOST_INFO, "milepost info")
-        if (directory / fmt.MILEPOST_INFO).exists()
+        if fmt.present(directory / fmt.MILEPOST_INFO)
         else {}
     )
     checksums = {

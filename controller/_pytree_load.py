@@ -177,10 +177,20 @@ def _task(files: tree_format.TreeFiles, header: dict[str, Any], target: _Target,
     return workers.LoadTask(name=name, shape=shape, dtype=np.dtype(dtype).name, sharding=sharding, checksums=checksums)
 
 
+def _read_checked(directory: Path) -> tree_format.TreeFiles:
+    files = tree_format.read(directory)
+    if files.chunk_crc32c and not fmt.verified():
+        raise CorruptCheckpointError(
+            f"{directory / fmt.MILEPOST_INFO} records chunk checksums, so this checkpoint was written with file "
+            f"checksums too, but its {fmt.CHECKSUMS} is missing: the checkpoint is damaged. Load an earlier checkpoint."
+        )
+    return files
+
+
 def load(directory: Path, abstract: Any, call: LoadCall) -> Any:
     timeout = call.options.async_.timeout_secs
     group = call.group
-    files = _dispatch.shared(group, f"pytree-meta:{directory}", lambda: tree_format.read(directory), timeout)
+    files = _dispatch.shared(group, f"pytree-meta:{directory}", lambda: _read_checked(directory), timeout)
     targets, treedef = _targets(files, abstract, call.partial)
     store = files.store(directory)
     array_names = [

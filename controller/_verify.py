@@ -92,6 +92,10 @@ def _plan(root: Path, processes: Any, options: _options.Options) -> _Planned:
     """On the primary: check files and metadata, and share out the chunks among ``processes``."""
     fmt.require_checkpoint(root)
     out = _Planned()
+    try:
+        fmt.check_contained(root)
+    except ValueError as e:
+        out.problems.append(str(e))
     if not fmt.is_checkpoint(root):
         out.problems.append(f"{root} has no commit marker ({fmt.COMMIT_MARKER}): the save that wrote it did not finish")
     try:

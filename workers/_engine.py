@@ -338,7 +338,8 @@ def load(plan: LoadPlan, process_index: int | str = 0) -> tuple[list[Any], LoadA
             assemblers.append(asm)
             checked = None
             if task.checksums is not None:
-                checked = _Checked(task.name, task.shape, _inner_chunk_shape(store), dict(task.checksums))
+                inner, shard = _chunk_shapes(store)
+                checked = _Checked(task.name, task.shape, inner, dict(task.checksums), shard)
             for devices, box in asm.pieces:
                 reader.read(store, layout, box, asm, devices, checked)
         reader.drain()
@@ -474,15 +475,28 @@ class _Checked:
     shape: tuple[int, ...]
     chunk_shape: tuple[int, ...]
     expected: dict[tuple[int, ...], int]
+    shard_shape: tuple[int, ...] = ()
+    """The stored shards' shape (its chunk grid), which may hold several chunks."""
+
+    def key(self, grid: tuple[int, ...]) -> str:
+        """The storage key of the shard holding chunk ``grid``."""
+        shard = self.shard_shape or self.chunk_shape
+        return f"{self.name}/c" + "".join(f"/{g * c // s}" for g, c, s in zip(grid, self.chunk_shape, shard, strict=True))
+
+
+def _chunk_shapes(store: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shape of the array's stored chunks (inner chunks of a sharded zarr3 array) and of
+    its shards."""
+    metadata = store.spec().to_json().get("metadata", {})
+    grid = tuple(int(n) for n in metadata["chunk_grid"]["configuration"]["chunk_shape"])
+    codecs = metadata.get("codecs") or [{}]
+    if codecs[0].get("name") == "sharding_indexed":
+        return tuple(int(n) for n in codecs[0]["configuration"]["chunk_shape"]), grid
+    return grid, grid
 
 
 def _inner_chunk_shape(store: Any) -> tuple[int, ...]:
-    """The shape of the array's stored chunks (inner chunks of a sharded zarr3 array)."""
-    metadata = store.spec().to_json().get("metadata", {})
-    codecs = metadata.get("codecs") or [{}]
-    if codecs[0].get("name") == "sharding_indexed":
-        return tuple(int(n) for n in codecs[0]["configuration"]["chunk_shape"])
-    return tuple(int(n) for n in metadata["chunk_grid"]["configuration"]["chunk_shape"])
+    return _chunk_shapes(store)[0]
 
 
 class _DirectRead:
@@ -615,7 +629,7 @@ class _BudgetedReader:
             read.staged = None
 
     def _where(self, checked: _Checked, grid: tuple[int, ...]) -> str:
-        key = f"{checked.name}/c" + "".join(f"/{g}" for g in grid)
+        key = checked.key(grid)
         value = self.locator.locate(key) if self.locator is not None else None
         return f"{value.path} at byte {value.offset}" if value is not None else f"{self.directory}, key {key!r}"
 

@@ -144,11 +144,14 @@ def read_array_headers(store: StoreSpec, names: Sequence[str]) -> dict[str, dict
     whose header is missing is a :class:`CorruptCheckpointError` naming it."""
     if not names:
         return {}
-    kv = ts.KvStore.open(read_kvstore(store)).result()
-    reads = {n: kv.read(f"{n}/zarr.json") for n in names}
+    try:
+        kv = ts.KvStore.open(read_kvstore(store)).result()
+        reads = {n: kv.read(f"{n}/zarr.json") for n in names}
+        results = {n: r.result() for n, r in reads.items()}
+    except ValueError as e:  # a damaged manifest or B-tree node: DATA_LOSS
+        raise from_tensorstore(e, "reading the arrays' headers", store.directory, reading=True) from e
     out = {}
-    for name, read in reads.items():
-        result = read.result()
+    for name, result in results.items():
         if result.state != "value":
             raise CorruptCheckpointError(
                 f"array {name!r} is listed in the tree metadata of {store.directory} but its data is missing; the "
