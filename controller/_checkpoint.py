@@ -5,13 +5,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import json
 import os
 import shutil
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -486,8 +487,9 @@ def load_checkpointables(
         with fmt.verifying(checksums):
             for name, abstract in wanted.items():
                 handler = _handlers.resolve_for_load(name, items[name], abstract, options.handlers)
-                _check_handler_files(group, root / name, handler, checksums, timeout)
-                out[name] = handler.load(root / name, abstract, call)
+                folder = root / name
+                _dispatch.shared(group, f"check-files:{folder}", functools.partial(_check_own_files, folder, handler, checksums), timeout)
+                out[name] = handler.load(folder, abstract, call)
     except Exception as e:
         if _identity(root) != identity:  # local: the other processes may not be here
             raise _replaced(root) from e
@@ -499,28 +501,36 @@ def load_checkpointables(
     return out
 
 
-def _check_handler_files(group: HostGroup, folder: Path, handler: Any, checksums: fmt.Checksums | None, timeout: float) -> None:
+def _check_own_files(folder: Path, handler: Any, checksums: fmt.Checksums | None) -> None:
     """A handler that reads its files itself (not the built-in pytree or JSON ones, which check
     what they read) gets its folder only once every committed file in it is checked."""
-    if checksums is None or isinstance(handler, _handlers.PyTreeHandler | _handlers.JsonHandler):
-        return
-    _dispatch.shared(group, f"check-files:{folder}", lambda: checksums.check_folder(folder), timeout)
+    if checksums is not None and not isinstance(handler, _handlers.PyTreeHandler | _handlers.JsonHandler):
+        checksums.check_folder(folder)
 
 
-def _read_items(root: Path) -> tuple[dict[str, Any], dict[str, str | None], tuple[Any, ...], fmt.Checksums | None]:
+@contextlib.contextmanager
+def _unchanged(root: Path) -> Iterator[None]:
+    """Raise CheckpointReplacedError if the checkpoint at ``root`` was replaced or deleted while
+    the block ran (whatever the block raised then: it may have read parts of two checkpoints)."""
     identity = _identity(root)
     try:
-        fmt.require_checkpoint(root)
-        fmt.check_contained(root)
-        checksums = fmt.Checksums.read(root)
-        with fmt.verifying(checksums):
-            meta = read_checkpoint_metadata(root)
+        yield
     except Exception as e:
         if _identity(root) != identity:
             raise _replaced(root) from e
         raise
     if _identity(root) != identity:
         raise _replaced(root)
+
+
+def _read_items(root: Path) -> tuple[dict[str, Any], dict[str, str | None], tuple[Any, ...], fmt.Checksums | None]:
+    identity = _identity(root)
+    with _unchanged(root):
+        fmt.require_checkpoint(root)
+        fmt.check_contained(root)
+        checksums = fmt.Checksums.read(root)
+        with fmt.verifying(checksums):
+            meta = read_checkpoint_metadata(root)
     return meta, item_names(root, meta), identity, checksums
 
 
@@ -580,26 +590,14 @@ def metadata(path: str | os.PathLike[str]) -> CheckpointMetadata:
     group = _dispatch.host_group_for([])
 
     def read() -> CheckpointMetadata:
-        identity = _identity(root)
-        try:
-            fmt.require_checkpoint(root)
-            fmt.check_contained(root)
-            checksums = fmt.Checksums.read(root)
+        with _unchanged(root):
+            meta, items, _, checksums = _read_items(root)
+            parts = {}
             with fmt.verifying(checksums):
-                meta = read_checkpoint_metadata(root)
-                items = item_names(root, meta)
-                parts = {}
                 for name, typestr in items.items():
                     handler = _handlers.resolve_for_load(name, typestr, None, options.handlers)
-                    if checksums is not None and not isinstance(handler, _handlers.PyTreeHandler | _handlers.JsonHandler):
-                        checksums.check_folder(root / name)
+                    _check_own_files(root / name, handler, checksums)
                     parts[name] = handler.metadata(root / name)
-        except Exception as e:
-            if _identity(root) != identity:
-                raise _replaced(root) from e
-            raise
-        if _identity(root) != identity:
-            raise _replaced(root)
         try:
             tree_name: str | None = default_pytree_name(root, meta)
         except CheckpointNotFoundError:

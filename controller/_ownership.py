@@ -35,7 +35,15 @@ from milepost._errors import CheckpointExistsError
 
 OWNER_FILE = ".milepost-owner"
 NEW_MARKER = ".milepost-new-"
-"""Part of the name a temporary directory has while it is being made (``.<path>.milepost-new-<id>``)."""
+"""Part of the name a temporary directory has while it is being made:
+``.<path>.milepost-new-<host>-<pid>-<id>``."""
+_GRACE_SECS = 60.0
+"""How long a directory being made, with no owner file yet, is left alone when its maker's
+liveness cannot be checked (another host)."""
+
+
+def _host() -> str:
+    return "".join(c if c.isalnum() else "_" for c in socket.gethostname())
 
 
 @dataclass(frozen=True)
@@ -142,7 +150,7 @@ def create_locked(tmp: Path, *, wait_secs: float = 0.0, doing: str = "save to") 
     owner = Owner(socket.gethostname(), os.getpid(), uuid.uuid4().hex[:12], time.time())
     deadline = time.monotonic() + wait_secs
     while True:
-        new = tmp.with_name(f".{final}{NEW_MARKER}{owner.save_id}")
+        new = tmp.with_name(f".{final}{NEW_MARKER}{_host()}-{owner.pid}-{owner.save_id}")
         new.mkdir()
         fd = os.open(new, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
@@ -174,9 +182,32 @@ def create_locked(tmp: Path, *, wait_secs: float = 0.0, doing: str = "save to") 
         time.sleep(0.05)
 
 
+def _maker_may_live(path: Path) -> bool:
+    """For a directory being made: whether its maker may still be between making and locking it
+    (an instant in which nobody holds its lock)."""
+    if (path / OWNER_FILE).exists():
+        return False  # the maker had locked it: the lock tells
+    host, _, rest = path.name.partition(NEW_MARKER)[2].rpartition("-")[0].rpartition("-")
+    pid = rest if rest.isdigit() else ""
+    if host == _host() and pid:
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    try:
+        return time.time() - path.lstat().st_mtime < _GRACE_SECS
+    except FileNotFoundError:
+        return False
+
+
 def remove_if_abandoned(path: Path) -> bool:
     """Remove ``path`` (a temporary directory, or one being made) if no live process holds its
     lock; True if it was removed."""
+    if NEW_MARKER in path.name and _maker_may_live(path):
+        return False
     locked = try_lock(path)
     if locked is None:
         return False

@@ -73,3 +73,20 @@ def reseal(ckpt: Path) -> None:
 
     (ckpt / _format.CHECKSUMS).unlink()
     _format.Checksums.compute(ckpt).write()
+
+
+def gate_merge(monkeypatch: Any) -> Any:
+    """Hold every save's background part (the OCDBT merge) until the returned event is set."""
+    import threading
+
+    import milepost as mp
+
+    gate = threading.Event()
+    real = mp.workers.merge_ocdbt
+
+    def merge(directory: Any) -> None:
+        assert gate.wait(60), "test gate never opened"
+        real(directory)
+
+    monkeypatch.setattr(mp.workers, "merge_ocdbt", merge)
+    return gate

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import milepost as mp
 from milepost import _format
-from tests._helpers import assert_tree_equal, listing, put, same_bits
+from tests._helpers import assert_tree_equal, gate_merge, listing, put, same_bits
 
 
 def big_state(mesh: jax.sharding.Mesh, mib: int = 32) -> dict[str, Any]:
@@ -105,14 +105,7 @@ def test_save_async_of_a_large_tree_holds_call_time_values(tmp_path: Path, mesh2
 
 
 def test_done_and_result_timeout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    gate = threading.Event()
-    real = mp.workers.merge_ocdbt
-
-    def gated_merge(directory: Path) -> None:
-        assert gate.wait(60), "test gate never opened"
-        real(directory)
-
-    monkeypatch.setattr(mp.workers, "merge_ocdbt", gated_merge)
+    gate = gate_merge(monkeypatch)
     handle = mp.save_async(tmp_path / "c", {"x": np.arange(10)}, custom_metadata={"k": "v"})
     assert not handle.done()  # it cannot finish before the gate opens
     with pytest.raises(TimeoutError, match="did not finish within 0.2s"):

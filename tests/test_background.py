@@ -12,23 +12,11 @@ import pytest
 
 import milepost as mp
 from tests import _subproc
-from tests._helpers import listing, same_bits
-
-
-def _gate_merge(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
-    gate = threading.Event()
-    real = mp.workers.merge_ocdbt
-
-    def merge(directory: Any) -> None:
-        assert gate.wait(60), "test gate never opened"
-        real(directory)
-
-    monkeypatch.setattr(mp.workers, "merge_ocdbt", merge)
-    return gate
+from tests._helpers import gate_merge, listing, same_bits
 
 
 def test_done_callbacks_run_once_with_the_handle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    gate = _gate_merge(monkeypatch)
+    gate = gate_merge(monkeypatch)
     seen: list[tuple[str, bool]] = []
     handle = mp.save_async(tmp_path / "c", {"x": np.arange(10)})
     handle.add_done_callback(lambda h: seen.append(("first", (tmp_path / "c").exists())))
@@ -65,7 +53,7 @@ def test_done_callback_sees_a_failure(tmp_path: Path, monkeypatch: pytest.Monkey
 
 
 def test_wait_for_saves_waits_for_every_save_in_flight(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    gate = _gate_merge(monkeypatch)
+    gate = gate_merge(monkeypatch)
     handles = [mp.save_async(tmp_path / str(i), {"x": np.full(4, i)}) for i in range(3)]
     with pytest.raises(TimeoutError, match="3 milepost save"):
         mp.wait_for_saves(timeout=0.2)
@@ -165,7 +153,7 @@ def test_a_failed_part_settles_the_parts_after_it(tmp_path: Path, monkeypatch: p
 
 
 def test_a_save_to_a_path_in_flight_is_its_own_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    gate = _gate_merge(monkeypatch)
+    gate = gate_merge(monkeypatch)
     handle = mp.save_async(tmp_path / "c", {"x": np.arange(3)})
     with pytest.raises(mp.SaveInProgressError, match="still in flight") as info:
         mp.save_async(tmp_path / "c", {"x": np.arange(3)})

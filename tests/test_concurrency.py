@@ -12,7 +12,6 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 import milepost as mp
 from milepost import _format
 from tests import _subproc
-from tests._helpers import assert_tree_equal, listing, put, same_bits
+from tests._helpers import assert_tree_equal, gate_merge, listing, put, same_bits
 
 # A writer process: for each round, say ready, wait for the go file, save its own tree, report.
 WRITER = r"""
@@ -123,14 +122,7 @@ def test_two_overwriting_writers_leave_one_whole_checkpoint(tmp_path: Path) -> N
 
 def test_a_waiting_writer_goes_after_the_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """SaveOptions(wait_for_writer_secs=...) waits for the other writer instead of failing."""
-    gate = threading.Event()
-    real = mp.workers.merge_ocdbt
-
-    def merge(directory: Any) -> None:
-        assert gate.wait(60)
-        real(directory)
-
-    monkeypatch.setattr(mp.workers, "merge_ocdbt", merge)
+    gate = gate_merge(monkeypatch)
     handle = mp.save_async(tmp_path / "c", {"x": np.arange(3)})
     code = f"""
         import numpy as np, milepost as mp

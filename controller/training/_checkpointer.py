@@ -222,7 +222,6 @@ class Checkpointer:
         directory (or one being made), an uncommitted step folder, a half-deleted step. Each
         only if no live process holds its lock: a save in progress, in any process, does."""
         busy = _checkpoint.saves_in_flight(self.root)  # saves of this process: not leftovers
-        now = time.time()
         for p in sorted(self.root.iterdir()):
             name = p.name
             partial = _is_step_name(name) and p.is_dir() and not p.is_symlink() and not fmt.is_checkpoint(p)
@@ -231,8 +230,6 @@ class Checkpointer:
                 continue
             if name.lstrip(".").partition(".")[0] in busy:
                 continue
-            if making and now - p.lstat().st_mtime < 60:
-                continue  # a save may be between making and locking it
             if _ownership.remove_if_abandoned(p):
                 log.warning("milepost.training: removed %s, left by a save or deletion that did not finish", p)
             else:
