@@ -14,8 +14,6 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
 import milepost.workers as workers
 
 
@@ -105,7 +103,7 @@ class RemoteArray:
     def __init__(self, group: Any, array_id: str, shape: Sequence[int], dtype: Any, spec: workers.ShardingSpec) -> None:
         self.id = array_id
         self.shape = tuple(int(d) for d in shape)
-        self.dtype = np.dtype(dtype)
+        self.dtype = workers.dtype_of(dtype)
         self.sharding = SliceSharding(group, spec)
         self.__milepost_host_group__ = group
         self._finalizer = weakref.finalize(self, group.release, array_id)

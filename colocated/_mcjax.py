@@ -36,7 +36,7 @@ import jax
 
 import milepost.workers as workers
 from milepost.colocated._errors import HostError
-from milepost.colocated._hostgroup import HostLoad
+from milepost.colocated._hostgroup import HostLoad, jax_mesh_device_ids
 
 PREFIX = "milepost"
 _generations = itertools.count()
@@ -167,6 +167,9 @@ class MultiControllerHostGroup:
             spec.to_jax()
         except ValueError as e:
             raise ValueError(f"cannot load {name!r} with its saved sharding: {e}") from None
+
+    def mesh_device_ids(self, axis_names: tuple[str, ...], axis_sizes: tuple[int, ...]) -> tuple[int, ...]:
+        return jax_mesh_device_ids(axis_names, axis_sizes)
 
     # -- work: each process runs its own plan ---------------------------------------------
     def start_save(self, plans: Mapping[int, workers.SavePlan], sources: Sequence[Any], timeout: float) -> _Pending:

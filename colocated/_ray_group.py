@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import math
 import pickle
 import threading
 import time
@@ -270,6 +271,16 @@ class RayHostGroup:
                 "slice.mesh(...), e.g. milepost.AbstractArray(shape, dtype, mesh.sharding(PartitionSpec(...)))"
             )
 
+    def mesh_device_ids(self, axis_names: tuple[str, ...], axis_sizes: tuple[int, ...]) -> tuple[int, ...]:
+        """The slice's devices, host by host (as ``slice.mesh`` orders them)."""
+        if math.prod(axis_sizes) != len(self.device_ids):
+            raise ValueError(
+                f"the sharding is on an AbstractMesh {dict(zip(axis_names, axis_sizes, strict=True))} of "
+                f"{math.prod(axis_sizes)} devices, but the slice has {len(self.device_ids)}; give the abstract tree "
+                "shardings over slice.mesh(...)"
+            )
+        return tuple(self.device_ids)
+
     def start_save(self, plans: Mapping[int, workers.SavePlan], sources: Sequence[Any], timeout: float) -> _PendingRaySave:
         """Stage on every host: sources go as ids, which each host resolves in its registry."""
         self.check_usable()
@@ -318,7 +329,9 @@ class RayHostGroup:
             spec = task.sharding
             if not isinstance(spec, workers.ShardingSpec):
                 spec = workers.ShardingSpec.from_jax(spec)
-            out.append(RemoteArray(self, f"{prefix}.{k}", task.shape, task.dtype, spec))
+            if task.random_key_impl is not None:  # typed keys: the spec of the keys, not of their data
+                spec = dataclasses.replace(spec, spec=spec.spec[: len(task.result_shape)])
+            out.append(RemoteArray(self, f"{prefix}.{k}", task.result_shape, task.result_dtype, spec))
         return HostLoad(out, [acks[i] for i in sorted(acks)])
 
     def verify(self, plans: Mapping[int, workers.VerifyPlan], timeout: float) -> list[workers.VerifyAck]:

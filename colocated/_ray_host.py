@@ -89,7 +89,7 @@ class HostActor:
             array_id = f"{prefix}.{k}"
             self.arrays[array_id] = leaf
             spec = workers.ShardingSpec.from_jax(leaf.sharding)
-            described.append((array_id, tuple(leaf.shape), str(leaf.dtype), spec))
+            described.append((array_id, tuple(leaf.shape), workers.dtype_name(leaf.dtype), spec))
         return jax.tree_util.tree_unflatten(treedef, described)
 
     def put(self, ids: list[str], shapes: list[tuple[int, ...]], specs: list[workers.ShardingSpec],

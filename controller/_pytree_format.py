@@ -64,6 +64,8 @@ class TreeFiles:
     python_types: dict[str, str] = field(default_factory=dict)
     """Scalars' Python or NumPy type names (``int``, ``np.float32``...), and ``tuple`` for empty
     tuples: what Orbax's metadata has no word for."""
+    key_impls: dict[str, str] = field(default_factory=dict)
+    """Typed PRNG key leaves: their implementation ('threefry2x32'...). Stored as key data."""
     chunk_crc32c: dict[str, dict[tuple[int, ...], int]] = field(default_factory=dict)
     """Per array, the CRC32C of each chunk's values by chunk-grid index, as the hosts that wrote
     them computed it (``_milepost.json``); arrays written without them are absent."""
@@ -117,6 +119,8 @@ def write(directory: Path, files: TreeFiles, acks: Sequence[workers.SaveAck], pl
     info: dict[str, Any] = {}
     if files.python_types:
         info["python_types"] = files.python_types
+    if files.key_impls:
+        info["random_key_impl"] = files.key_impls
     if checksums:
         info["chunk_crc32c"] = checksums
     if info:
@@ -130,7 +134,7 @@ def write(directory: Path, files: TreeFiles, acks: Sequence[workers.SaveAck], pl
                     "param_name": a.name,
                     "write_shape": list(a.write_shape),
                     "chunk_shape": list(a.chunk_shape),
-                    "ext_metadata": None,
+                    "ext_metadata": {"random_key_impl": a.random_key_impl} if a.random_key_impl else None,
                 }
             }
             for a in ack.arrays
@@ -198,12 +202,38 @@ def _read(directory: Path) -> TreeFiles:
         name: {workers.parse_grid_key(key): int(crc) for key, crc in chunks.items()}
         for name, chunks in info.get("chunk_crc32c", {}).items()
     }
+    if "random_key_impl" in info:
+        key_impls = {str(k): str(v) for k, v in info["random_key_impl"].items()}
+    else:  # written by Orbax: the implementations are only in array_metadatas/
+        key_impls = _key_impls_of_array_metadatas(directory, [n for n, leaf in leaves.items() if leaf.value_type is ValueType.JAX_ARRAY])
     return TreeFiles(
         leaves=leaves,
         use_ocdbt=bool(meta.get("use_ocdbt", True)),
         shardings=shardings,
         strings=strings,
         python_types=info.get("python_types", {}),
+        key_impls=key_impls,
         chunk_crc32c=checksums,
         fill_missing=not meta.get("store_array_data_equal_to_fill_value", False),
     )
+
+
+def _key_impls_of_array_metadatas(directory: Path, arrays: list[str]) -> dict[str, str]:
+    """Typed-key implementations recorded in ``array_metadatas/process_<i>`` (``ext_metadata``),
+    reading process files only until every array was seen (Orbax lists every array in each)."""
+    folder = directory / fmt.ARRAY_METADATAS
+    if not arrays or not folder.is_dir():
+        return {}
+    out: dict[str, str] = {}
+    unseen = set(arrays)
+    files = sorted(folder.glob("process_*"), key=lambda p: (len(p.name), p.name))
+    for path in files:
+        for entry in fmt.read_json_object(path, "array metadata").get("array_metadatas", []):
+            meta = entry["array_metadata"]
+            unseen.discard(meta["param_name"])
+            impl = (meta.get("ext_metadata") or {}).get("random_key_impl")
+            if impl is not None:
+                out[str(meta["param_name"])] = str(impl)
+        if not unseen:
+            break
+    return out

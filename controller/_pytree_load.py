@@ -8,6 +8,7 @@ assembles the result in the abstract tree's structure (or the saved one).
 
 from __future__ import annotations
 
+import dataclasses
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,6 +82,9 @@ def metadata(directory: Path) -> Any:
                 raise CorruptCheckpointError(
                     f"the zarr.json of array {name!r} in {directory} lacks {e}; the checkpoint is damaged"
                 ) from e
+            impl = files.key_impls.get(name)
+            if impl is not None:  # typed PRNG keys: described as keys, not as their stored data
+                shape, dtype = shape[: len(shape) - len(workers.key_words(impl))], workers.dtype_of(f"key<{impl}>")
             leaf = LeafMetadata(
                 name=name, value_type=vt, shape=shape, dtype=dtype, sharding=files.shardings.get(name),
                 write_shape=grid, chunk_shape=inner,
@@ -146,6 +150,14 @@ def _task(files: tree_format.TreeFiles, header: dict[str, Any], target: _Target,
     """How to read one array: shape, target dtype, and target sharding (None: a NumPy array)."""
     name, abstract = target.name, target.abstract
     shape, dtype = _header_shape_dtype(header)
+    impl = files.key_impls.get(name)
+    if impl is not None and (abstract is None or (_is_abstract_array(abstract) and workers.is_key(abstract.dtype))):
+        return _key_task(files, header, target, impl, group)
+    if _is_abstract_array(abstract) and workers.is_key(abstract.dtype):
+        raise StructureMismatchError(
+            f"leaf {name!r}: the abstract tree asks for PRNG keys ({abstract.dtype}) but the checkpoint holds a plain "
+            f"{dtype} array of shape {shape}; ask for that array (and wrap it with jax.random.wrap_key_data)"
+        )
     sharding: Any = None
     if abstract is None:
         if files.leaves[name].value_type is ValueType.JAX_ARRAY:
@@ -172,9 +184,10 @@ def _task(files: tree_format.TreeFiles, header: dict[str, Any], target: _Target,
         if tuple(abstract.shape) != shape:
             raise StructureMismatchError(f"leaf {name!r}: the abstract array has shape {abstract.shape}, the checkpoint {shape}")
         dtype = abstract.dtype
-    recorded = files.chunk_crc32c.get(name)
-    checksums = tuple(sorted(recorded.items())) if recorded is not None else None
-    return workers.LoadTask(name=name, shape=shape, dtype=np.dtype(dtype).name, sharding=sharding, checksums=checksums)
+    return workers.LoadTask(
+        name=name, shape=shape, dtype=np.dtype(dtype).name, sharding=_concrete(sharding, group, name),
+        checksums=_checksums(files, name),
+    )
 
 
 def _read_checked(directory: Path) -> tree_format.TreeFiles:
@@ -185,6 +198,62 @@ def _read_checked(directory: Path) -> tree_format.TreeFiles:
             f"checksums too, but its {fmt.CHECKSUMS} is missing: the checkpoint is damaged. Load an earlier checkpoint."
         )
     return files
+
+
+def _key_task(files: tree_format.TreeFiles, header: dict[str, Any], target: _Target, impl: str, group: Any) -> workers.LoadTask:
+    """Typed PRNG keys: read their stored key data, hand back keys of the saved implementation."""
+    name, abstract = target.name, target.abstract
+    shape, _ = _header_shape_dtype(header)
+    words = workers.key_words(impl)
+    keys_shape = shape[: len(shape) - len(words)]
+    if abstract is None:
+        sharding: Any = _saved_sharding(
+            files, name, group, f"PRNG key array {name!r} was saved without a sharding milepost can rebuild; pass an "
+            "abstract tree (jax.ShapeDtypeStruct with a sharding) to load it",
+        )
+    else:
+        wanted = workers.key_impl_name(abstract.dtype)
+        if wanted != impl:
+            raise StructureMismatchError(
+                f"leaf {name!r}: the abstract tree asks for {wanted} keys but the checkpoint holds {impl} keys; ask for "
+                f"jax.random.key(..., impl={impl!r}) keys"
+            )
+        if tuple(abstract.shape) != keys_shape:
+            raise StructureMismatchError(
+                f"leaf {name!r}: the abstract tree asks for keys of shape {tuple(abstract.shape)} but the checkpoint "
+                f"holds keys of shape {keys_shape}; fix the abstract shape"
+            )
+        sharding = getattr(abstract, "sharding", None)
+        if sharding is None:
+            sharding = _saved_sharding(files, name, group, f"leaf {name!r} has no sharding in the abstract tree and none was saved; give one")
+        elif getattr(sharding, "milepost_spec", None) is not None:
+            sharding = sharding.milepost_spec
+    return workers.LoadTask(
+        name=name, shape=shape, dtype="uint32", sharding=_concrete(sharding, group, name), checksums=_checksums(files, name),
+        random_key_impl=impl,
+    )
+
+
+def _concrete(sharding: Any, group: Any, name: str) -> Any:
+    """A sharding the hosts can place shards with. One on an ``AbstractMesh`` (what
+    ``jax.eval_shape`` and ``nnx.eval_shape`` give) is resolved against the group's devices of the
+    same axis names and sizes."""
+    mesh = getattr(sharding, "mesh", None)
+    if not isinstance(mesh, jax.sharding.AbstractMesh):
+        return sharding
+    names, sizes = tuple(mesh.axis_names), tuple(int(n) for n in mesh.axis_sizes)
+    try:
+        ids = group.mesh_device_ids(names, sizes)
+    except ValueError as e:
+        raise StructureMismatchError(f"leaf {name!r}: {e}") from None
+    spec = ShardingSpec.named(sizes, names, ids, tuple(sharding.spec), tuple(str(t) for t in mesh.axis_types))
+    memory_kind = getattr(sharding, "memory_kind", None)
+    return dataclasses.replace(spec, memory_kind=memory_kind) if memory_kind not in (None, "device") else spec
+
+
+def _checksums(files: tree_format.TreeFiles, name: str) -> tuple[tuple[tuple[int, ...], int], ...] | None:
+    recorded = files.chunk_crc32c.get(name)
+    return tuple(sorted(recorded.items())) if recorded is not None else None
 
 
 def load(directory: Path, abstract: Any, call: LoadCall) -> Any:

@@ -9,6 +9,7 @@ hands the plans to the host groups and returns a :class:`PendingTree`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -108,6 +109,8 @@ class TreeSavePlan:
     shardings: dict[str, workers.ShardingSpec] = field(default_factory=dict)
     strings: dict[str, str] = field(default_factory=dict)
     python_types: dict[str, str] = field(default_factory=dict)
+    key_impls: dict[str, str] = field(default_factory=dict)
+    """Typed PRNG key leaves: their implementation."""
     host_tasks: dict[int, list[workers.SaveTask]] = field(default_factory=lambda: defaultdict(list))
     host_sources: list[Any] = field(default_factory=list)
     """Device arrays (or slice handles), indexed by ``SaveTask.source``."""
@@ -123,6 +126,7 @@ class TreeSavePlan:
             shardings=self.shardings,
             strings=self.strings,
             python_types=self.python_types,
+            key_impls=self.key_impls,
         )
 
 
@@ -172,12 +176,22 @@ def _plan_device_array(out: TreeSavePlan, leaf: Leaf, group: HostGroup) -> tuple
             "save it before donating it, or save the array the computation returned"
         )
     shape = tuple(value.shape)
-    dtype = np.dtype(value.dtype)
-    _check_dtype(leaf.name, dtype)
     spec = _planning.sharding_spec(value.sharding)
+    key_impl = None
+    if workers.is_key(value.dtype):  # typed PRNG keys: their key data is what is stored
+        key_impl = workers.key_impl_name(value.dtype)
+        shape = (*shape, *workers.key_words(key_impl))
+        dtype = np.dtype(np.uint32)
+        out.key_impls[leaf.name] = key_impl
+        if spec is not None and spec.kind == "named":  # as Orbax records it: None for the key dimensions
+            entries = spec.spec + (None,) * (len(shape) - len(spec.spec))
+            spec = dataclasses.replace(spec, spec=entries)
+    else:
+        dtype = np.dtype(value.dtype)
+    _check_dtype(leaf.name, dtype)
     if spec is not None:
         out.shardings[leaf.name] = spec
-    boxes = _planning.device_boxes(value.sharding, shape)
+    boxes = _planning.device_boxes(spec if spec is not None else value.sharding, shape)
     write_shape, regions = _planning.write_regions(boxes, out.options.replica_parallel)
     if not all(shape):
         regions = []
@@ -188,6 +202,7 @@ def _plan_device_array(out: TreeSavePlan, leaf: Leaf, group: HostGroup) -> tuple
         write_shape=write_shape,
         chunk_shape=_planning.inner_chunk_shape(write_shape, dtype.itemsize, out.options.chunk_byte_size),
         compression=out.options.compression,
+        random_key_impl=key_impl,
     )
     source = len(out.host_sources)
     out.host_sources.append(value)

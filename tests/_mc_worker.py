@@ -155,6 +155,14 @@ def four(root: str, embedded: str, *others: str) -> dict:
     out["meta_shape"] = list(mp.metadata(a).tree["w"].shape)
     report = mp.verify(a)  # collective: every process checks its share, every process gets the report
     out["verify"] = [report.ok, report.chunks_checked, list(report.problems)]
+    want = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(11), 8)))
+    keys = jax.random.wrap_key_data(
+        jax.make_array_from_callback((8, 2), NamedSharding(mesh_a(), P("data")), lambda idx: want[idx])
+    )
+    mp.save(os.path.join(root, "keys"), {"k": keys})
+    back = jax.random.key_data(mp.load(os.path.join(root, "keys"))["k"])
+    out["keys"] = [str(mp.metadata(os.path.join(root, "keys")).tree["k"].dtype),
+                   all(np.array_equal(np.asarray(s.data), want[s.index]) for s in back.addressable_shards)]
     out["checked_same"] = check(mp.load(a), {k: tree[k].sharding for k in SHAPES})
     out["checked_resharded"] = check(mp.load(b, resharded_abstract(mesh_b())))
     load_each(out, [embedded, *others])

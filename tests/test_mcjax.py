@@ -92,6 +92,7 @@ def test_four_processes_save_and_load_resharded(runs: Runs) -> None:
         assert o["global_devices"] == 8
         assert o["meta_procs"] == 4 and o["meta_shape"] == [16, 32]
         assert o["verify"][0] is True and o["verify"][1] > 0 and o["verify"][2] == [], o["verify"]
+        assert o["keys"] == ["key<fry>", True]
         assert o["checked_same"] == o["checked_resharded"] == o["checked_again"] == FOUR
         assert o["concurrent"] == [True, True]
         assert o["json"] == {"lr": 0.5, "name": "mc"} and o["empty_shape"] == [0, 4] and o["checked_multi"] == FOUR

@@ -175,6 +175,22 @@ def test_verify_spreads_the_chunks_over_the_hosts(slice42: mp.Slice, tmp_path: P
     assert not damaged.ok and any("fails its checksum" in p and "params.w" in p for p in damaged.problems), damaged
 
 
+def test_typed_prng_keys_on_a_slice(slice42: mp.Slice, tmp_path: Path) -> None:
+    mesh = slice42.mesh({"data": 2, "model": 4})
+    keys = slice42.run(lambda: {"batch": jax.random.split(jax.random.key(3), 16), "rbg": jax.random.key(1, impl="rbg")},
+                       out_shardings={"batch": mesh.sharding(P(("data", "model"))), "rbg": mesh.sharding(P())})
+    assert keys["batch"].dtype == jax.random.key(0).dtype and keys["batch"].shape == (16,)
+    mp.save(tmp_path / "c", keys)
+    want = {"batch": jax.random.split(jax.random.key(3), 16), "rbg": jax.random.key(1, impl="rbg")}
+    local = mp.load(tmp_path / "c", {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(jax.make_mesh((8,), ("x",)), P())) for k, v in want.items()})
+    for k, v in want.items():  # written by the hosts, read back in this process
+        assert local[k].dtype == v.dtype and np.array_equal(jax.random.key_data(local[k]), jax.random.key_data(v)), k
+    back = mp.load(tmp_path / "c", {"batch": mp.AbstractArray((16,), keys["batch"].dtype, mesh.sharding(P("model")))}, partial=True)
+    assert back["batch"].dtype == keys["batch"].dtype and back["batch"].sharding.milepost_spec.spec == ("model",)
+    data = slice42.run(jax.random.key_data, back["batch"])  # still keys on the hosts
+    assert np.array_equal(slice42.fetch(data), jax.random.key_data(want["batch"]))
+
+
 def test_a_host_killed_mid_save_is_reported_by_name(tmp_path: Path, ray_runtime: Any) -> None:
     with mp.Slice.start(hosts=2, devices_per_host=1, options=mp.SliceOptions(timeout_secs=30)) as s:
         mesh = s.mesh({"x": 2})

@@ -7,6 +7,8 @@ This package runs inside host processes; it imports neither ``milepost`` (the co
 from milepost.workers._checksum import crc32c, grid_key, parse_grid_key
 from milepost.workers._engine import PendingSave, load, start_save, verify
 from milepost.workers._errors import CheckpointNotFoundError, CorruptCheckpointError
+from milepost.workers._keys import dtype_name, dtype_of, is_key, key_words
+from milepost.workers._keys import impl_name as key_impl_name
 from milepost.workers._messages import (
     ArraySpec,
     Index,
@@ -58,7 +60,12 @@ __all__ = [
     "VerifyTask",
     "WrittenArray",
     "crc32c",
+    "dtype_name",
+    "dtype_of",
     "grid_key",
+    "is_key",
+    "key_impl_name",
+    "key_words",
     "load",
     "merge_ocdbt",
     "parse_grid_key",

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from milepost.workers import _checksum, _direct
+from milepost.workers import _checksum, _direct, _keys
 from milepost.workers import _tensorstore as tsu
 from milepost.workers._errors import CorruptCheckpointError, from_tensorstore
 from milepost.workers._messages import (
@@ -87,7 +87,7 @@ class PendingSave:
                 arrays = tuple(
                     WrittenArray(
                         name=t.spec.name, write_shape=t.spec.write_shape, chunk_shape=t.spec.chunk_shape,
-                        chunk_crc32c=tuple(sorted(checksums.get(t.spec.name, ()))),
+                        chunk_crc32c=tuple(sorted(checksums.get(t.spec.name, ()))), random_key_impl=t.spec.random_key_impl,
                     )
                     for t in self._plan.tasks
                     if t.regions or t.create
@@ -119,6 +119,7 @@ def start_save(plan: SavePlan, sources: Sequence[Any]) -> PendingSave:
     tasks = [t for t in plan.tasks if t.regions or t.create]
     parts = _split_among_writers(tasks, plan.writers if plan.store.use_ocdbt else 1)
     pending = PendingSave(plan)
+    sources = _key_data(plan, sources)
     opens = []
     for writer, task, _ in parts:
         spec = tsu.create_spec(tsu.write_kvstore(plan.store, plan.process_index, writer), task.spec)
@@ -137,6 +138,18 @@ def start_save(plan: SavePlan, sources: Sequence[Any]) -> PendingSave:
 
 
 _Part = tuple[int, SaveTask, tuple[Region, ...]]
+
+
+def _key_data(plan: SavePlan, sources: Sequence[Any]) -> Sequence[Any]:
+    """The sources with every typed PRNG key array replaced by its key data (what is stored)."""
+    keyed = {t.source for t in plan.tasks if t.spec.random_key_impl is not None}
+    if not keyed:
+        return sources
+    out = list(sources)
+    for k in keyed:
+        if _keys.is_key(getattr(out[k], "dtype", None)):
+            out[k] = _keys.to_data(out[k])
+    return out
 
 
 def _split_among_writers(tasks: Sequence[SaveTask], writers: int) -> list[_Part]:
@@ -347,6 +360,9 @@ def load(plan: LoadPlan, process_index: int | str = 0) -> tuple[list[Any], LoadA
         reader.close()
     for asm in assemblers:
         asm.finish()
+    for i, task in enumerate(plan.tasks):
+        if task.random_key_impl is not None:
+            results[i] = _keys.from_data(results[i], task.random_key_impl)
     return results, LoadAck(process_index=process_index, bytes_read=reader.bytes_read, arrays=len(results))
 
 

@@ -37,6 +37,9 @@ class ArraySpec:
     write_shape: tuple[int, ...]
     chunk_shape: tuple[int, ...]
     compression: str | None = None
+    random_key_impl: str | None = None
+    """Set for typed PRNG keys: the array stored is their key data (``shape`` and ``dtype`` are
+    the data's: uint32 with the trailing key dimension), of this implementation."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,6 +84,8 @@ class WrittenArray:
     chunk_shape: tuple[int, ...]
     chunk_crc32c: tuple[tuple[tuple[int, ...], int], ...] = ()
     """``(chunk grid index, CRC32C of its values)`` of every chunk this host wrote."""
+    random_key_impl: str | None = None
+    """For typed PRNG keys: their implementation (Orbax's ``ext_metadata.random_key_impl``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,6 +110,22 @@ class LoadTask:
     checksums: tuple[tuple[tuple[int, ...], int], ...] | None = None
     """The recorded ``(chunk grid index, CRC32C)`` of every chunk; None for checkpoints written
     without them (then nothing can be verified)."""
+    random_key_impl: str | None = None
+    """Read the stored key data (``shape``/``dtype`` are the data's) and return typed PRNG keys of
+    this implementation."""
+
+    @property
+    def result_shape(self) -> tuple[int, ...]:
+        """The shape of the array the load returns (typed keys drop the key-data dimension)."""
+        if self.random_key_impl is None:
+            return self.shape
+        from milepost.workers._keys import key_words
+
+        return self.shape[: len(self.shape) - len(key_words(self.random_key_impl))]
+
+    @property
+    def result_dtype(self) -> str:
+        return f"key<{self.random_key_impl}>" if self.random_key_impl is not None else self.dtype
 
 
 @dataclass(frozen=True, kw_only=True)
