@@ -217,6 +217,7 @@ def test_nnx_state_round_trips_with_every_variable_type(tmp_path: Path) -> None:
     # split/merge: the graph definition stays in code, the state comes from the checkpoint
     merged_model, merged_opt = nnx.merge(graphdef, got)
     assert_same(nnx.state(merged_model), nnx.state(model), shardings=nnx.state(merged_model))
+    assert_same(nnx.state(merged_opt), nnx.state(opt), shardings=nnx.state(merged_opt))
     with jax.set_mesh(mesh):  # same weights, same statistics, same dropout stream: the same output
         assert np.array_equal(forward(merged_model, batch(1)[0]), forward(model, batch(1)[0]))
 
