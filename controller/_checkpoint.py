@@ -19,17 +19,15 @@ from typing import Any
 
 import jax
 
-from milepost import _background, _dispatch, _handlers, _options, _ownership, workers
+from milepost import _background, _dispatch, _handlers, _layout, _options, _ownership, workers
 from milepost import _format as fmt
 from milepost._errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     CheckpointReplacedError,
-    CorruptCheckpointError,
     InvalidKeyError,
     SaveInProgressError,
 )
-from milepost._tree import unsafe_part
 from milepost.colocated import HostGroup
 
 _in_flight: set[Path] = set()
@@ -75,17 +73,8 @@ class SaveHandle:
         return f"SaveHandle({str(self.path)!r}, {state})"
 
 
-def _unsafe_item_name(name: Any) -> str | None:
-    """Why ``name`` cannot name a checkpointable's folder (None: it can); the same rules for
-    names being saved and names read from a checkpoint."""
-    why = unsafe_part(name)
-    if why is None and name.startswith(("_", ".")):
-        why = "it starts with '_' or '.', which mark metadata and hidden files"
-    return why
-
-
 def _check_name(name: str) -> None:
-    if (why := _unsafe_item_name(name)) is not None:
+    if (why := _layout.unsafe_item_name(name)) is not None:
         raise InvalidKeyError(
             f"checkpointable name {name!r} is not a valid folder name ({why}; names are non-empty, have no '/', and do "
             "not start with '_'); rename it"
@@ -207,7 +196,7 @@ class _Save:
                 raise CheckpointExistsError(
                     f"a checkpoint already exists at {final}; pass overwrite=True to replace it, or choose another path"
                 )
-            if not fmt.is_checkpoint(final) or final.is_symlink():
+            if not _layout.is_committed(final) or final.is_symlink():
                 raise CheckpointExistsError(
                     f"{final} exists and is not a committed checkpoint; milepost will not overwrite it. Remove it or choose another path"
                 )
@@ -428,32 +417,7 @@ def _commit(
 
 
 def read_checkpoint_metadata(path: Path) -> dict[str, Any]:
-    fmt.require_checkpoint(path)
-    meta = fmt.read_json_object(path / fmt.CHECKPOINT_METADATA, "checkpoint metadata")
-    if not fmt.is_checkpoint(path):
-        raise CheckpointNotFoundError(
-            f"{path} has no commit marker ({fmt.COMMIT_MARKER}): the save that wrote it did not finish. Load another checkpoint."
-        )
-    return meta
-
-
-def item_names(path: Path, meta: dict[str, Any]) -> dict[str, str | None]:
-    raw = meta.get("item_handlers") or {}
-    if not isinstance(raw, dict) or not all(isinstance(k, str) for k in raw):
-        raise CorruptCheckpointError(
-            f"'item_handlers' in {path / fmt.CHECKPOINT_METADATA} is not a mapping of checkpointable names to "
-            f"handlers (got {type(raw).__name__}); the checkpoint is damaged or of an unsupported layout"
-        )
-    items = dict(raw)
-    for name in items:
-        if (why := _unsafe_item_name(name)) is not None:
-            raise CorruptCheckpointError(
-                f"'item_handlers' in {path / fmt.CHECKPOINT_METADATA} names the checkpointable {name!r}, which cannot be "
-                f"a folder name ({why}); the checkpoint is damaged or crafted, and nothing was read from it"
-            )
-    if not items:  # very old layouts: every folder is a checkpointable
-        items = {p.name: None for p in path.iterdir() if p.is_dir()}
-    return items
+    return _layout.read_metadata(path)
 
 
 def load_checkpointables(
@@ -473,10 +437,10 @@ def load_checkpointables(
             leaves.extend(jax.tree_util.tree_leaves(a, is_leaf=lambda x: hasattr(x, "__milepost_host_group__")))
     group = _dispatch.host_group_for_abstract(leaves)
     timeout = options.async_.timeout_secs
-    meta, items, identity, checksums = _dispatch.shared(group, f"ckpt-meta:{root}", lambda: _read_items(root), timeout)
+    _, items, identity, checksums = _dispatch.shared(group, f"ckpt-meta:{root}", lambda: _read_items(root), timeout)
     if default_pytree:
         assert abstracts is not None
-        abstracts = {default_pytree_name(root, meta): abstracts[None]}
+        abstracts = {_layout.main_tree(root, items): abstracts[None]}
     wanted = dict(abstracts) if abstracts is not None else {n: None for n in items}
     unknown = [n for n in wanted if n not in items]
     if unknown:
@@ -486,8 +450,8 @@ def load_checkpointables(
     try:
         with fmt.verifying(checksums):
             for name, abstract in wanted.items():
-                handler = _handlers.resolve_for_load(name, items[name], abstract, options.handlers)
-                folder = root / name
+                handler = _handlers.resolve_for_load(name, items[name].handler, abstract, options.handlers)
+                folder = items[name].folder
                 _dispatch.shared(group, f"check-files:{folder}", functools.partial(_check_own_files, folder, handler, checksums), timeout)
                 out[name] = handler.load(folder, abstract, call)
     except Exception as e:
@@ -523,15 +487,15 @@ def _unchanged(root: Path) -> Iterator[None]:
         raise _replaced(root)
 
 
-def _read_items(root: Path) -> tuple[dict[str, Any], dict[str, str | None], tuple[Any, ...], fmt.Checksums | None]:
+def _read_items(root: Path) -> tuple[dict[str, Any], dict[str, _layout.Item], tuple[Any, ...], fmt.Checksums | None]:
     identity = _identity(root)
     with _unchanged(root):
-        fmt.require_checkpoint(root)
+        _layout.require(root)
         fmt.check_contained(root)
         checksums = fmt.Checksums.read(root)
         with fmt.verifying(checksums):
             meta = read_checkpoint_metadata(root)
-    return meta, item_names(root, meta), identity, checksums
+    return meta, _layout.items(root, meta), identity, checksums
 
 
 def _identity(root: Path) -> tuple[Any, ...]:
@@ -552,18 +516,6 @@ def _replaced(root: Path) -> CheckpointReplacedError:
     )
 
 
-def default_pytree_name(path: Path, meta: dict[str, Any]) -> str:
-    items = item_names(path, meta)
-    if "state" in items:
-        return "state"
-    trees = [n for n, t in items.items() if t is None or str(t).endswith("PyTreeHandler")]
-    if len(trees) == 1:
-        return trees[0]
-    raise CheckpointNotFoundError(
-        f"checkpoint {path} has no 'state' checkpointable (it has {sorted(items)}); use load_checkpointables"
-    )
-
-
 class CheckpointMetadata:
     """What ``milepost.metadata`` returns: the tree and the checkpoint-level facts."""
 
@@ -575,7 +527,8 @@ class CheckpointMetadata:
         self.metrics: dict[str, Any] = meta.get("metrics") or {}
         self.init_timestamp_nsecs: int | None = meta.get("init_timestamp_nsecs")
         self.commit_timestamp_nsecs: int | None = meta.get("commit_timestamp_nsecs")
-        self.item_handlers: dict[str, str] = meta.get("item_handlers") or {}
+        handlers = meta.get("item_handlers") or {}
+        self.item_handlers: dict[str, str] = handlers if isinstance(handlers, dict) else {_layout.DEFAULT_ITEM: handlers}
 
     def __repr__(self) -> str:
         return (
@@ -594,12 +547,12 @@ def metadata(path: str | os.PathLike[str]) -> CheckpointMetadata:
             meta, items, _, checksums = _read_items(root)
             parts = {}
             with fmt.verifying(checksums):
-                for name, typestr in items.items():
-                    handler = _handlers.resolve_for_load(name, typestr, None, options.handlers)
-                    _check_own_files(root / name, handler, checksums)
-                    parts[name] = handler.metadata(root / name)
+                for name, item in items.items():
+                    handler = _handlers.resolve_for_load(name, item.handler, None, options.handlers)
+                    _check_own_files(item.folder, handler, checksums)
+                    parts[name] = handler.metadata(item.folder)
         try:
-            tree_name: str | None = default_pytree_name(root, meta)
+            tree_name: str | None = _layout.main_tree(root, items)
         except CheckpointNotFoundError:
             tree_name = None
         return CheckpointMetadata(root, meta, parts, tree_name)

@@ -123,32 +123,6 @@ def fsync_tree(root: Path) -> None:
         fsync_dir(Path(dirpath))
 
 
-def is_checkpoint(path: Path) -> bool:
-    """A committed checkpoint: a directory with its metadata, and not a temporary one."""
-    return (
-        path.is_dir()
-        and not path.name.endswith(TMP_SUFFIX)
-        and (path / CHECKPOINT_METADATA).is_file()
-        and ((path / COMMIT_MARKER).is_file() or (path / ORBAX_MARKER).exists())
-    )
-
-
-def require_checkpoint(path: Path) -> None:
-    if not path.exists():
-        raise CheckpointNotFoundError(f"no checkpoint at {path}: the path does not exist. Check the path or the step.")
-    if not path.is_dir():
-        raise CheckpointNotFoundError(f"{path} is a file, not a checkpoint directory. Pass the checkpoint's directory.")
-    if path.name.endswith(TMP_SUFFIX):
-        raise CheckpointNotFoundError(
-            f"{path} is the temporary directory of an unfinished save, not a committed checkpoint; it cannot be loaded."
-        )
-    if not (path / CHECKPOINT_METADATA).exists():
-        raise CheckpointNotFoundError(
-            f"{path} is not a checkpoint: it has no {CHECKPOINT_METADATA}. "
-            "Pass the checkpoint directory itself (e.g. root/<step>), not its parent or a checkpointable folder."
-        )
-
-
 # ------------------------------------------------------------------------------------------
 # Checksums of the files that are not array data
 # ------------------------------------------------------------------------------------------

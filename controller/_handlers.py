@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from milepost import _dispatch, _pytree_load, _pytree_save
+from milepost import _dispatch, _layout, _pytree_load, _pytree_save
 from milepost import _format as fmt
 from milepost._options import Options
 from milepost.colocated import HostGroup
@@ -233,10 +233,16 @@ def resolve_for_load(name: str, typestr: str | None, abstract: Any, context_hand
         for handler, only in candidates:
             if (only is None or only == name) and handler.is_handleable(abstract):
                 return handler
-    if typestr is not None and typestr.endswith("PyTreeHandler"):
+    if typestr is None or typestr.endswith(_layout.PYTREE_HANDLERS):
         return _BUILTINS[1]
-    if typestr is not None and typestr.endswith("JsonHandler"):
+    if typestr.endswith(_layout.JSON_HANDLERS):
         return _BUILTINS[2]
+    if typestr.startswith("orbax."):
+        raise TypeError(
+            f"checkpointable {name!r} was saved by the Orbax handler {typestr!r}, which milepost does not read (it reads "
+            "Orbax's PyTree, Standard and Json checkpointables); load that part with Orbax, or register a milepost "
+            "handler for it with milepost.register_handler"
+        )
     raise TypeError(
         f"checkpointable {name!r} was saved by handler {typestr!r}, which is not registered here; register it "
         "with milepost.register_handler before loading"

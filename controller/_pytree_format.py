@@ -59,6 +59,8 @@ class TreeFiles:
     leaves: dict[str, SavedLeaf]
     """By storage name, in the tree's order."""
     use_ocdbt: bool
+    zarr_format: int = 3
+    """2 for Orbax v0's default layout (``use_zarr3`` false); milepost writes 3."""
     shardings: dict[str, ShardingSpec] = field(default_factory=dict)
     strings: dict[str, str] = field(default_factory=dict)
     python_types: dict[str, str] = field(default_factory=dict)
@@ -75,7 +77,7 @@ class TreeFiles:
     missing one is lost data and reading it fails."""
 
     def store(self, directory: Path) -> workers.StoreSpec:
-        return workers.StoreSpec(directory=str(directory), use_ocdbt=self.use_ocdbt)
+        return workers.StoreSpec(directory=str(directory), use_ocdbt=self.use_ocdbt, zarr_format=self.zarr_format)
 
 
 # ------------------------------------------------------------------------------------------
@@ -209,6 +211,7 @@ def _read(directory: Path) -> TreeFiles:
     return TreeFiles(
         leaves=leaves,
         use_ocdbt=bool(meta.get("use_ocdbt", True)),
+        zarr_format=3 if meta.get("use_zarr3", False) else 2,
         shardings=shardings,
         strings=strings,
         python_types=info.get("python_types", {}),

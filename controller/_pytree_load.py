@@ -43,18 +43,19 @@ class LeafMetadata:
 
 
 def _header_shape_dtype(header: dict[str, Any]) -> tuple[tuple[int, ...], np.dtype]:
-    return tuple(header["shape"]), np.dtype(jax.numpy.dtype(header["data_type"]))
+    return workers.header_shape(header), np.dtype(jax.numpy.dtype(workers.header_dtype_name(header)))
 
 
 def _headers(directory: Path, files: tree_format.TreeFiles, names: list[str]) -> dict[str, dict[str, Any]]:
     """The ``zarr.json`` of each named array: through the root view with OCDBT (whose B-tree
     carries checksums), else as files (checked against the checkpoint's file checksums)."""
+    store = files.store(directory)
     if files.use_ocdbt:
-        return workers.read_array_headers(files.store(directory), names)
+        return workers.read_array_headers(store, names)
     out = {}
     for name in names:
         try:
-            out[name] = fmt.read_json_object(directory / name / "zarr.json", f"the header of array {name!r}")
+            out[name] = fmt.read_json_object(directory / workers.header_key(store, name), f"the header of array {name!r}")
         except CheckpointNotFoundError as e:
             raise CorruptCheckpointError(
                 f"array {name!r} is listed in {directory / fmt.TREE_METADATA} but its data is missing; the checkpoint "
@@ -75,12 +76,10 @@ def metadata(directory: Path) -> Any:
         if name in headers:
             try:
                 shape, dtype = _header_shape_dtype(headers[name])
-                grid = tuple(headers[name]["chunk_grid"]["configuration"]["chunk_shape"])
-                codec = headers[name]["codecs"][0]
-                inner = tuple(codec["configuration"]["chunk_shape"]) if codec.get("name") == "sharding_indexed" else grid
+                inner, grid = workers.header_chunks(headers[name])
             except (KeyError, TypeError, ValueError, IndexError) as e:
                 raise CorruptCheckpointError(
-                    f"the zarr.json of array {name!r} in {directory} lacks {e}; the checkpoint is damaged"
+                    f"the header of array {name!r} in {directory} lacks {e}; the checkpoint is damaged"
                 ) from e
             impl = files.key_impls.get(name)
             if impl is not None:  # typed PRNG keys: described as keys, not as their stored data

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from milepost import _checkpoint, _dispatch, _options, _pytree_load, workers
+from milepost import _checkpoint, _dispatch, _layout, _options, _pytree_load, workers
 from milepost import _format as fmt
 from milepost import _pytree_format as tree_format
 from milepost._errors import CheckpointNotFoundError
@@ -90,14 +90,13 @@ class _Planned:
 
 def _plan(root: Path, processes: Any, options: _options.Options) -> _Planned:
     """On the primary: check files and metadata, and share out the chunks among ``processes``."""
-    fmt.require_checkpoint(root)
+    _layout.require(root)
     out = _Planned()
     try:
         fmt.check_contained(root)
     except ValueError as e:
         out.problems.append(str(e))
-    if not fmt.is_checkpoint(root):
-        out.problems.append(f"{root} has no commit marker ({fmt.COMMIT_MARKER}): the save that wrote it did not finish")
+
     try:
         checksums = fmt.Checksums.read(root)
     except ValueError as e:
@@ -119,13 +118,13 @@ def _plan(root: Path, processes: Any, options: _options.Options) -> _Planned:
     # the arrays too.
     try:
         meta = _checkpoint.read_checkpoint_metadata(root)
-        items = _checkpoint.item_names(root, meta)
+        items = _layout.items(root, meta)
     except (ValueError, CheckpointNotFoundError) as e:
         out.problems.append(str(e))
         return out
-    for name, typestr in items.items():
-        if typestr is None or str(typestr).endswith("PyTreeHandler"):
-            _plan_tree(root / name, processes, options, out)
+    for item in items.values():
+        if item.is_pytree:
+            _plan_tree(item.folder, processes, options, out)
     return out
 
 
@@ -147,12 +146,8 @@ def _plan_tree(directory: Path, processes: Any, options: _options.Options, out: 
         out.arrays += 1
         header = headers[name]
         try:
-            shape = tuple(int(n) for n in header["shape"])
-            codec = (header.get("codecs") or [{}])[0]
-            if codec.get("name") == "sharding_indexed":
-                chunk = tuple(int(n) for n in codec["configuration"]["chunk_shape"])
-            else:
-                chunk = tuple(int(n) for n in header["chunk_grid"]["configuration"]["chunk_shape"])
+            shape = workers.header_shape(header)
+            chunk, _ = workers.header_chunks(header)
         except (KeyError, TypeError, ValueError, IndexError) as e:
             out.problems.append(f"the header of array {name!r} in {directory} is malformed ({e})")
             continue

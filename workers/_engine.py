@@ -305,7 +305,7 @@ def load(plan: LoadPlan, process_index: int | str = 0) -> tuple[list[Any], LoadA
     context = tsu.new_context()
     kvstore = tsu.read_kvstore(plan.store)
     opens = [
-        ts.open(tsu.open_spec(kvstore, t.name, plan.fill_missing), open=True, read=True, context=context)
+        ts.open(tsu.open_spec(kvstore, t.name, plan.fill_missing, plan.store.zarr_format), open=True, read=True, context=context)
         for t in plan.tasks
     ]
     stores = []
@@ -503,12 +503,7 @@ class _Checked:
 def _chunk_shapes(store: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The shape of the array's stored chunks (inner chunks of a sharded zarr3 array) and of
     its shards."""
-    metadata = store.spec().to_json().get("metadata", {})
-    grid = tuple(int(n) for n in metadata["chunk_grid"]["configuration"]["chunk_shape"])
-    codecs = metadata.get("codecs") or [{}]
-    if codecs[0].get("name") == "sharding_indexed":
-        return tuple(int(n) for n in codecs[0]["configuration"]["chunk_shape"]), grid
-    return grid, grid
+    return tsu.header_chunks(store.spec().to_json().get("metadata", {}))
 
 
 def _inner_chunk_shape(store: Any) -> tuple[int, ...]:
@@ -685,7 +680,7 @@ class _Verifier:
         self.checked = self.nbytes = 0
 
     def check_array(self, task: VerifyTask) -> None:
-        spec = tsu.open_spec(tsu.read_kvstore(task.store), task.name, task.fill_missing)
+        spec = tsu.open_spec(tsu.read_kvstore(task.store), task.name, task.fill_missing, task.store.zarr_format)
         try:
             store = ts.open(spec, open=True, read=True, context=self.context).result()
             chunk_shape = _inner_chunk_shape(store)

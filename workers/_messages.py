@@ -25,6 +25,8 @@ class StoreSpec:
 
     directory: str
     use_ocdbt: bool = True
+    zarr_format: int = 3
+    """3 (milepost, Orbax v1) or 2 (Orbax v0's default: ``.zarray`` arrays; read only)."""
 
 
 @dataclass(frozen=True, kw_only=True)

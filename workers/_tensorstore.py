@@ -125,9 +125,14 @@ def create_spec(kvstore: dict[str, Any], spec: ArraySpec) -> dict[str, Any]:
     }
 
 
-def open_spec(kvstore: dict[str, Any], name: str, fill_missing: bool = False) -> dict[str, Any]:
+def header_key(store: StoreSpec, name: str) -> str:
+    """The key of an array's header: ``zarr.json`` (zarr3) or ``.zarray`` (zarr2)."""
+    return f"{name}/.zarray" if store.zarr_format == 2 else f"{name}/zarr.json"
+
+
+def open_spec(kvstore: dict[str, Any], name: str, fill_missing: bool = False, zarr_format: int = 3) -> dict[str, Any]:
     return {
-        "driver": "zarr3",
+        "driver": "zarr" if zarr_format == 2 else "zarr3",
         "kvstore": _array_kvstore(kvstore, name),
         "recheck_cached_data": False,
         "recheck_cached_metadata": False,
@@ -146,7 +151,7 @@ def read_array_headers(store: StoreSpec, names: Sequence[str]) -> dict[str, dict
         return {}
     try:
         kv = ts.KvStore.open(read_kvstore(store)).result()
-        reads = {n: kv.read(f"{n}/zarr.json") for n in names}
+        reads = {n: kv.read(header_key(store, n)) for n in names}
         results = {n: r.result() for n, r in reads.items()}
     except ValueError as e:  # a damaged manifest or B-tree node: DATA_LOSS
         raise from_tensorstore(e, "reading the arrays' headers", store.directory, reading=True) from e
@@ -161,12 +166,12 @@ def read_array_headers(store: StoreSpec, names: Sequence[str]) -> dict[str, dict
             header = json.loads(result.value)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise CorruptCheckpointError(
-                f"the zarr.json of array {name!r} in {store.directory} is not JSON ({e}); the checkpoint is damaged. "
+                f"the header of array {name!r} in {store.directory} is not JSON ({e}); the checkpoint is damaged. "
                 "Load an earlier checkpoint."
             ) from e
         if not isinstance(header, dict):
             raise CorruptCheckpointError(
-                f"the zarr.json of array {name!r} in {store.directory} is not a JSON object; the checkpoint is damaged"
+                f"the header of array {name!r} in {store.directory} is not a JSON object; the checkpoint is damaged"
             )
         out[name] = header
     return out
@@ -198,3 +203,28 @@ def merge_ocdbt(directory: str | os.PathLike[str]) -> None:
         if mapped is e:
             raise
         raise mapped from e
+
+
+def header_shape(header: dict[str, Any]) -> tuple[int, ...]:
+    return tuple(int(n) for n in header["shape"])
+
+
+def header_chunks(header: dict[str, Any]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """An array header's (stored chunk shape, shard shape): the inner chunks of a sharded zarr3
+    array and its shards; for other arrays the chunk shape twice."""
+    if header.get("zarr_format") == 2 or "chunks" in header:
+        chunks = tuple(int(n) for n in header["chunks"])
+        return chunks, chunks
+    grid = tuple(int(n) for n in header["chunk_grid"]["configuration"]["chunk_shape"])
+    codecs = header.get("codecs") or [{}]
+    if codecs[0].get("name") == "sharding_indexed":
+        return tuple(int(n) for n in codecs[0]["configuration"]["chunk_shape"]), grid
+    return grid, grid
+
+
+def header_dtype_name(header: dict[str, Any]) -> str:
+    """The stored dtype's name in a header: zarr3's ``data_type``, or zarr2's ``dtype`` (a NumPy
+    type string such as ``<f4``, or ``bfloat16``)."""
+    if "data_type" in header:
+        return str(header["data_type"])
+    return str(header["dtype"])

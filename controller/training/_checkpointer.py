@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import jax
 import numpy as np
 
-from milepost import _api, _checkpoint, _dispatch, _options, _ownership
+from milepost import _api, _checkpoint, _dispatch, _layout, _options, _ownership
 from milepost import _format as fmt
 from milepost.training._policies import (
     FixedInterval,
@@ -224,7 +224,7 @@ class Checkpointer:
         busy = _checkpoint.saves_in_flight(self.root)  # saves of this process: not leftovers
         for p in sorted(self.root.iterdir()):
             name = p.name
-            partial = _is_step_name(name) and p.is_dir() and not p.is_symlink() and not fmt.is_checkpoint(p)
+            partial = _is_step_name(name) and p.is_dir() and not p.is_symlink() and not _layout.is_committed(p)
             making = name.startswith(".") and _ownership.NEW_MARKER in name and _is_step_name(name[1:].partition(".")[0])
             if not (partial or making or (_leftover_of_step(name) and (p.is_dir() or p.is_symlink()))):
                 continue
@@ -240,7 +240,7 @@ class Checkpointer:
         if not self.root.exists():
             return out
         for p in self.root.iterdir():
-            if _is_step_name(p.name) and fmt.is_checkpoint(p):
+            if _is_step_name(p.name) and _layout.is_committed(p):
                 try:
                     meta = fmt.read_json(p / fmt.CHECKPOINT_METADATA, "checkpoint metadata")
                 except (FileNotFoundError, ValueError) as e:

@@ -1,0 +1,141 @@
+"""Orbax v0 checkpoints, written by the real orbax-checkpoint package, load exactly: zarr2 and
+zarr3, OCDBT and plain folders, single checkpointers and CheckpointManager steps (with and
+without Composite), resharded and cast; a training Checkpointer reads a v0 root."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import milepost as mp
+from milepost.training import Checkpointer
+
+ocp = pytest.importorskip("orbax.checkpoint")
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
+
+
+def make_tree() -> dict[str, Any]:
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    return {
+        "params": {
+            "w": jax.device_put(jnp.arange(128.0).reshape(16, 8), NamedSharding(mesh, P("data", "model"))),
+            "b": jnp.arange(8, dtype=jnp.bfloat16),
+        },
+        "n": np.arange(6, dtype=np.int32).reshape(2, 3),
+        "step": 3,
+        "rng": jax.random.key(5),
+    }
+
+
+def check(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert np.array_equal(np.asarray(got["params"]["w"]), np.asarray(want["params"]["w"]))
+    assert got["params"]["b"].dtype == jnp.bfloat16 and np.array_equal(np.asarray(got["params"]["b"]), np.asarray(want["params"]["b"]))
+    assert np.array_equal(np.asarray(got["n"]), want["n"]) and int(got["step"]) == 3
+    assert np.array_equal(jax.random.key_data(got["rng"]), jax.random.key_data(want["rng"]))
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    root = tmp_path_factory.mktemp("v0")
+    tree = make_tree()
+    with ocp.StandardCheckpointer() as c:
+        c.save(root / "standard", tree)
+    with ocp.StandardCheckpointer(use_ocdbt=False) as c:
+        c.save(root / "standard-plain", tree)
+    ocp.PyTreeCheckpointer().save(root / "pytree", {**tree, "note": "hi"})
+    ocp.PyTreeCheckpointer(use_zarr3=True, use_ocdbt=False).save(root / "pytree-zarr3-plain", tree)
+    ocp.PyTreeCheckpointer(use_zarr3=True).save(root / "pytree-zarr3", tree)
+    with ocp.CheckpointManager(root / "manager") as manager:
+        for step in (0, 5, 10):
+            manager.save(step, args=ocp.args.StandardSave(tree))
+        manager.wait_until_finished()
+    with ocp.CheckpointManager(root / "composite", item_names=("state", "extra")) as manager:
+        manager.save(7, args=ocp.args.Composite(state=ocp.args.StandardSave(tree), extra=ocp.args.JsonSave({"epoch": 2})))
+        manager.wait_until_finished()
+    return root, tree
+
+
+LAYOUTS = ["standard", "standard-plain", "pytree", "pytree-zarr3-plain", "pytree-zarr3", "manager/10", "composite/7"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_v0_layouts_load_exactly(written: tuple[Path, dict[str, Any]], layout: str) -> None:
+    root, tree = written
+    check(mp.load(root / layout), tree)
+    meta = mp.metadata(root / layout)
+    assert meta.tree["params"]["w"].shape == (16, 8) and meta.tree["rng"].dtype == tree["rng"].dtype
+    assert mp.verify(root / layout).ok
+
+
+@pytest.mark.parametrize("layout", ["standard", "pytree-zarr3", "composite/7"])
+def test_v0_loads_resharded_and_cast(written: tuple[Path, dict[str, Any]], layout: str) -> None:
+    root, tree = written
+    other = jax.make_mesh((2, 4), ("x", "y"))
+    abstract = {
+        "params": {
+            "w": jax.ShapeDtypeStruct((16, 8), jnp.bfloat16, sharding=NamedSharding(other, P(None, "y"))),
+            "b": jax.ShapeDtypeStruct((8,), jnp.float32, sharding=NamedSharding(other, P("y"))),
+        },
+    }
+    got = mp.load(root / layout, abstract, partial=True)["params"]
+    assert got["w"].dtype == jnp.bfloat16 and got["w"].sharding.spec == P(None, "y")
+    assert np.array_equal(np.asarray(got["w"]), np.asarray(tree["params"]["w"]).astype(jnp.bfloat16))
+    assert np.array_equal(np.asarray(got["b"]), np.asarray(tree["params"]["b"]).astype(np.float32))
+
+
+def test_v0_checkpointables(written: tuple[Path, dict[str, Any]]) -> None:
+    root, tree = written
+    parts = mp.load_checkpointables(root / "composite" / "7")
+    assert parts["extra"] == {"epoch": 2}
+    check(parts["state"], tree)
+    assert set(mp.load_checkpointables(root / "standard")) == {"default"}  # a single checkpointer's item
+    assert mp.load_checkpointables(root / "pytree", {"default": None})["default"]["note"] == "hi"
+
+
+def test_a_checkpointer_reads_a_v0_manager_root(written: tuple[Path, dict[str, Any]]) -> None:
+    root, tree = written
+    with Checkpointer(root / "manager", read_only=True) as ckpt:
+        assert ckpt.steps == [0, 5, 10] and ckpt.latest == 10
+        check(ckpt.load(), tree)
+        check(ckpt.load(5), tree)
+        assert ckpt.metadata(0).tree["n"].shape == (2, 3)
+
+
+def test_older_v0_without_commit_marker_or_checkpoint_metadata(written: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    root, tree = written
+    no_marker = shutil.copytree(root / "standard", tmp_path / "no-marker")
+    (no_marker / "commit_success.txt").unlink()  # older Orbax wrote none on local disks
+    check(mp.load(no_marker), tree)
+    bare = shutil.copytree(root / "standard", tmp_path / "bare")
+    (bare / "commit_success.txt").unlink()
+    (bare / "_CHECKPOINT_METADATA").unlink()  # older still: no checkpoint metadata at all
+    check(mp.load(bare), tree)
+
+
+def test_an_unknown_layout_says_what_it_found(tmp_path: Path) -> None:
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    (odd / "weights.npz").write_bytes(b"x")
+    with pytest.raises(mp.CheckpointNotFoundError, match=r"(?s)weights\.npz.*Orbax v0.*safetensors"):
+        mp.load(odd)
+
+
+def test_a_handler_milepost_does_not_read_is_named(written: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    root, _ = written
+    ckpt = shutil.copytree(root / "composite" / "7", tmp_path / "c")
+    meta = (ckpt / "_CHECKPOINT_METADATA").read_text().replace(
+        "json_checkpoint_handler.JsonCheckpointHandler", "proto_checkpoint_handler.ProtoCheckpointHandler"
+    )
+    (ckpt / "_CHECKPOINT_METADATA").write_text(meta)
+    with pytest.raises(TypeError, match=r"(?s)'extra'.*ProtoCheckpointHandler.*does not read"):
+        mp.load_checkpointables(ckpt)
+    assert set(mp.load_checkpointables(ckpt, {"state": None})) == {"state"}  # the rest still loads
