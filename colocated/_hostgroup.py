@@ -63,8 +63,9 @@ class HostGroup(Protocol):
         """Read and place on every host."""
         ...
 
-    def verify(self, plans: Mapping[Any, workers.VerifyPlan], timeout: float) -> list[workers.VerifyAck]:
-        """Check chunks on every host; every host's ack (on the primary)."""
+    def run(self, job: str, plans: Mapping[Any, Any], timeout: float) -> list[Any]:
+        """Run the host job ``job`` (``milepost.workers.JOBS``: verify, export...) with each
+        host's plan; every host's ack, in host order (on the primary)."""
         ...
 
     def check_devices(self, spec: workers.ShardingSpec, name: str) -> None:
@@ -127,8 +128,8 @@ class LocalHostGroup:
         arrays, ack = workers.load(plan, self._process_index)
         return HostLoad(arrays, [ack])
 
-    def verify(self, plans: Mapping[Any, workers.VerifyPlan], timeout: float) -> list[workers.VerifyAck]:
-        return [workers.verify(plan, self._process_index) for plan in plans.values()]
+    def run(self, job: str, plans: Mapping[Any, Any], timeout: float) -> list[Any]:
+        return [workers.run_job(job, plan, self._process_index) for plan in plans.values()]
 
     def check_devices(self, spec: workers.ShardingSpec, name: str) -> None:
         try:

@@ -213,19 +213,17 @@ class MultiControllerHostGroup:
         acks = self.sync(f"loaded:{directory}", timeout, error, doing="reading its shards", value=ack)
         return HostLoad(results, [a for a in (acks if acks is not None else [ack]) if a is not None])
 
-    def verify(self, plans: Mapping[int, workers.VerifyPlan], timeout: float) -> list[workers.VerifyAck]:
-        """Check this process's chunks; the primary gets every process's ack."""
+    def run(self, job: str, plans: Mapping[int, Any], timeout: float) -> list[Any]:
+        """Run this process's part of a host job; the primary gets every process's ack."""
         plan = plans.get(self._index)
-        ack: workers.VerifyAck | None = None
+        ack: Any = None
         error: BaseException | None = None
         try:
             if plan is not None:
-                ack = workers.verify(plan, self._index)
+                ack = workers.run_job(job, plan, self._index)
         except Exception as e:
             error = e
-        tasks = next(iter(plans.values())).tasks if plans else ()
-        where = tasks[0].store.directory if tasks else "?"
-        acks = self.sync(f"verified:{where}", timeout, error, doing="checking its chunks", value=ack)
+        acks = self.sync(f"job-{job}", timeout, error, doing=f"running {job}", value=ack)
         return [a for a in (acks if acks is not None else [ack]) if a is not None]
 
     # -- coordination ---------------------------------------------------------------------

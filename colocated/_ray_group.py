@@ -334,10 +334,10 @@ class RayHostGroup:
             out.append(RemoteArray(self, f"{prefix}.{k}", task.result_shape, task.result_dtype, spec))
         return HostLoad(out, [acks[i] for i in sorted(acks)])
 
-    def verify(self, plans: Mapping[int, workers.VerifyPlan], timeout: float) -> list[workers.VerifyAck]:
-        """Every host reads and checks its share of the chunks; their acks, in host order."""
+    def run(self, job: str, plans: Mapping[int, Any], timeout: float) -> list[Any]:
+        """Every host runs its part of the host job ``job``; their acks, in host order."""
         self.check_usable()
-        acks = self.gather({i: self.call(i, "verify", p) for i, p in plans.items()}, timeout, "checking its chunks")
+        acks = self.gather({i: self.call(i, "run", job, p) for i, p in plans.items()}, timeout, f"running {job}")
         return [acks[i] for i in sorted(acks)]
 
     def wrap(self, described: Any) -> Any:

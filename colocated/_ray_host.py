@@ -171,9 +171,9 @@ class HostActor:
             self.arrays[f"{prefix}.{k}"] = array
         return ack
 
-    def verify(self, plan: workers.VerifyPlan) -> workers.VerifyAck:
-        """Read and check this host's share of a checkpoint's chunks."""
-        return workers.verify(plan, self.index)
+    def run(self, job: str, plan: Any) -> Any:
+        """This host's part of a host job (``milepost.workers.JOBS``): verify, export..."""
+        return workers.run_job(job, plan, self.index)
 
     def shutdown(self) -> None:
         import jax

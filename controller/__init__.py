@@ -5,7 +5,7 @@
 >>> restored = mp.load("/ckpt/100", abstract_state)
 """
 
-from milepost import training
+from milepost import safetensors, training
 from milepost._api import (
     load,
     load_checkpointables,
@@ -75,6 +75,7 @@ __all__ = [
     "load_checkpointables",
     "metadata",
     "register_handler",
+    "safetensors",
     "save",
     "save_async",
     "save_checkpointables",

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from milepost import _checkpoint
+from milepost import _checkpoint, _safetensors
 from milepost._checkpoint import CheckpointMetadata, SaveHandle
 
 PathLike = str | os.PathLike[str]
@@ -71,7 +71,14 @@ def load(path: PathLike, abstract_state: Any = None, *, partial: bool = False) -
     sharding (``jax.ShapeDtypeStruct``, a concrete array, ...); loading reshards and casts to it.
     ``PLACEHOLDER`` leaves are skipped. ``partial=True`` loads only the leaves the abstract tree
     names. Without an abstract tree the saved shardings are used (their devices must exist).
+
+    ``path`` may also be a ``.safetensors`` file or a folder of HF-style shards: tensor names are
+    matched to the leaves' key paths joined by '.', and each host reads only the byte ranges its
+    devices need. Orbax v0 checkpoints (CheckpointManager steps, Standard/PyTree checkpointers)
+    load too.
     """
+    if _safetensors.is_safetensors(Path(path)):
+        return _safetensors.load(Path(path).absolute(), abstract_state, partial)
     loaded = _checkpoint.load_checkpointables(path, {None: abstract_state}, partial=partial, default_pytree=True)  # type: ignore[dict-item]
     (value,) = loaded.values()
     return value

@@ -184,7 +184,7 @@ def _task(files: tree_format.TreeFiles, header: dict[str, Any], target: _Target,
             raise StructureMismatchError(f"leaf {name!r}: the abstract array has shape {abstract.shape}, the checkpoint {shape}")
         dtype = abstract.dtype
     return workers.LoadTask(
-        name=name, shape=shape, dtype=np.dtype(dtype).name, sharding=_concrete(sharding, group, name),
+        name=name, shape=shape, dtype=np.dtype(dtype).name, sharding=concrete_sharding(sharding, group, name),
         checksums=_checksums(files, name),
     )
 
@@ -228,12 +228,12 @@ def _key_task(files: tree_format.TreeFiles, header: dict[str, Any], target: _Tar
         elif getattr(sharding, "milepost_spec", None) is not None:
             sharding = sharding.milepost_spec
     return workers.LoadTask(
-        name=name, shape=shape, dtype="uint32", sharding=_concrete(sharding, group, name), checksums=_checksums(files, name),
+        name=name, shape=shape, dtype="uint32", sharding=concrete_sharding(sharding, group, name), checksums=_checksums(files, name),
         random_key_impl=impl,
     )
 
 
-def _concrete(sharding: Any, group: Any, name: str) -> Any:
+def concrete_sharding(sharding: Any, group: Any, name: str) -> Any:
     """A sharding the hosts can place shards with. One on an ``AbstractMesh`` (what
     ``jax.eval_shape`` and ``nnx.eval_shape`` give) is resolved against the group's devices of the
     same axis names and sizes."""

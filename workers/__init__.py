@@ -7,6 +7,8 @@ This package runs inside host processes; it imports neither ``milepost`` (the co
 from milepost.workers._checksum import crc32c, grid_key, parse_grid_key
 from milepost.workers._engine import PendingSave, load, start_save, verify
 from milepost.workers._errors import CheckpointNotFoundError, CorruptCheckpointError
+from milepost.workers._export import ExportAck, ExportFile, ExportPlan
+from milepost.workers._jobs import JOBS, run_job
 from milepost.workers._keys import dtype_name, dtype_of, is_key, key_words
 from milepost.workers._keys import impl_name as key_impl_name
 from milepost.workers._messages import (
@@ -26,6 +28,11 @@ from milepost.workers._messages import (
     WrittenArray,
 )
 from milepost.workers._pending import Done, PendingWrite, settle_all
+from milepost.workers._safetensors import CODES as SAFETENSORS_CODES
+from milepost.workers._safetensors import INDEX_FILE as SAFETENSORS_INDEX
+from milepost.workers._safetensors import Tensor
+from milepost.workers._safetensors import header_bytes as safetensors_header
+from milepost.workers._safetensors import read_header as read_safetensors_header
 from milepost.workers._sharding import ShardingSpec
 from milepost.workers._tensorstore import (
     PROCESS_PREFIX,
@@ -41,12 +48,18 @@ from milepost.workers._tensorstore import (
 )
 
 __all__ = [
+    "JOBS",
     "PROCESS_PREFIX",
+    "SAFETENSORS_CODES",
+    "SAFETENSORS_INDEX",
     "ZARR3_DTYPES",
     "ArraySpec",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "Done",
+    "ExportAck",
+    "ExportFile",
+    "ExportPlan",
     "Index",
     "LoadAck",
     "LoadPlan",
@@ -59,6 +72,7 @@ __all__ = [
     "SaveTask",
     "ShardingSpec",
     "StoreSpec",
+    "Tensor",
     "VerifyAck",
     "VerifyPlan",
     "VerifyTask",
@@ -80,6 +94,9 @@ __all__ = [
     "process_dir_name",
     "read_array_headers",
     "read_kvstore",
+    "read_safetensors_header",
+    "run_job",
+    "safetensors_header",
     "settle_all",
     "start_save",
     "verify",

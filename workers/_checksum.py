@@ -42,14 +42,19 @@ def _contiguous_tail(array: np.ndarray) -> int:
     return k
 
 
+_RUN_BYTES = 256 << 10
+"""Contiguous runs at least this long are checksummed in place; shorter ones after one copy
+(a copy costs less than a call per short run)."""
+
+
 def values_crc32c(array: np.ndarray) -> int:
-    """CRC32C of ``array``'s values in C order, without copying when its rows are contiguous."""
+    """CRC32C of ``array``'s values in C order, without copying when its runs are long."""
     if array.size == 0:
         return 0
     if array.flags.c_contiguous:
         return crc32c(array)
     tail = _contiguous_tail(array)
-    if tail == 0:
+    if tail == 0 or math.prod(array.shape[array.ndim - tail :]) * array.itemsize < _RUN_BYTES:
         return crc32c(np.ascontiguousarray(array))
     value = 0
     for index in np.ndindex(*array.shape[: array.ndim - tail]):

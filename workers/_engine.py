@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from milepost.workers import _checksum, _direct, _keys
+from milepost.workers import _checksum, _direct, _keys, _safetensors
 from milepost.workers import _tensorstore as tsu
 from milepost.workers._errors import CorruptCheckpointError, from_tensorstore
 from milepost.workers._messages import (
@@ -302,34 +302,11 @@ def load(plan: LoadPlan, process_index: int | str = 0) -> tuple[list[Any], LoadA
     without a sharding, a NumPy array — and this host's :class:`LoadAck`.
     """
     _check_device_dtypes(plan.tasks)
-    context = tsu.new_context()
-    kvstore = tsu.read_kvstore(plan.store)
-    opens = [
-        ts.open(tsu.open_spec(kvstore, t.name, plan.fill_missing, plan.store.zarr_format), open=True, read=True, context=context)
-        for t in plan.tasks
-    ]
-    stores = []
-    for task, opening in zip(plan.tasks, opens, strict=True):
-        try:
-            store = opening.result()
-        except Exception as e:  # TensorStore raises ValueError with a long status string
-            mapped = from_tensorstore(e, f"opening array {task.name!r}", plan.store.directory, reading=True)
-            if isinstance(mapped, PermissionError | TimeoutError) or (isinstance(mapped, OSError) and mapped is not e):
-                raise mapped from e
-            raise CorruptCheckpointError(
-                f"array {task.name!r} could not be opened in {plan.store.directory}: {e}. "
-                "The checkpoint is missing data or damaged; load an earlier checkpoint."
-            ) from e
-        if tuple(store.shape) != tuple(task.shape):
-            raise CorruptCheckpointError(
-                f"array {task.name!r} is stored with shape {tuple(store.shape)} in {plan.store.directory}, but its "
-                f"metadata says {task.shape}; the checkpoint is damaged"
-            )
-        stores.append(store)
+    stores = _open_stores(plan)
     layouts: list[_direct.ShardLayout | None] = [None] * len(stores)
     locator = None
     if plan.direct_reads:
-        layouts = [_direct.shard_layout(t.name, s) for t, s in zip(plan.tasks, stores, strict=True)]
+        layouts = [_direct.shard_layout(t.name, s) if s is not None else None for t, s in zip(plan.tasks, stores, strict=True)]
         if any(layouts):
             locator = _direct.Locator(plan.store)
             locator.index([layout.name for layout in layouts if layout is not None])
@@ -349,6 +326,9 @@ def load(plan: LoadPlan, process_index: int | str = 0) -> tuple[list[Any], LoadA
                     by_box.setdefault(_slices_to_box(index, task.shape), []).append(device)
                 asm = _Assembler(task, sharding, results, i, [(tuple(d), box) for box, d in by_box.items()])
             assemblers.append(asm)
+            if task.tensor is not None:
+                reader.read_tensor(task.tensor, asm)
+                continue
             checked = None
             if task.checksums is not None:
                 inner, shard = _chunk_shapes(store)
@@ -364,6 +344,39 @@ def load(plan: LoadPlan, process_index: int | str = 0) -> tuple[list[Any], LoadA
         if task.random_key_impl is not None:
             results[i] = _keys.from_data(results[i], task.random_key_impl)
     return results, LoadAck(process_index=process_index, bytes_read=reader.bytes_read, arrays=len(results))
+
+
+def _open_stores(plan: LoadPlan) -> list[Any]:
+    """Every task's array opened with TensorStore (None for tasks read from safetensors files)."""
+    context = tsu.new_context()
+    kvstore = tsu.read_kvstore(plan.store)
+    opens = [
+        None if t.tensor is not None
+        else ts.open(tsu.open_spec(kvstore, t.name, plan.fill_missing, plan.store.zarr_format), open=True, read=True, context=context)
+        for t in plan.tasks
+    ]
+    stores = []
+    for task, opening in zip(plan.tasks, opens, strict=True):
+        if opening is None:
+            stores.append(None)
+            continue
+        try:
+            store = opening.result()
+        except Exception as e:  # TensorStore raises ValueError with a long status string
+            mapped = from_tensorstore(e, f"opening array {task.name!r}", plan.store.directory, reading=True)
+            if isinstance(mapped, PermissionError | TimeoutError) or (isinstance(mapped, OSError) and mapped is not e):
+                raise mapped from e
+            raise CorruptCheckpointError(
+                f"array {task.name!r} could not be opened in {plan.store.directory}: {e}. "
+                "The checkpoint is missing data or damaged; load an earlier checkpoint."
+            ) from e
+        if tuple(store.shape) != tuple(task.shape):
+            raise CorruptCheckpointError(
+                f"array {task.name!r} is stored with shape {tuple(store.shape)} in {plan.store.directory}, but its "
+                f"metadata says {task.shape}; the checkpoint is damaged"
+            )
+        stores.append(store)
+    return stores
 
 
 def _check_device_dtypes(tasks: Sequence[LoadTask]) -> None:
@@ -532,6 +545,26 @@ class _DirectRead:
         return False
 
 
+class _TensorRead:
+    """Every box one host needs of one safetensors tensor, read together (rows that several
+    boxes share are read once)."""
+
+    def __init__(self, tensor: _safetensors.Tensor, asm: _Assembler) -> None:
+        dtype = np.dtype(_safetensors._numpy_dtype(tensor.dtype))
+        self.asm = asm
+        self.targets = [(devices, box, read_buffer(tuple(b - a for a, b in box), dtype)) for devices, box in asm.pieces]
+        self.nbytes = sum(out.nbytes for _, _, out in self.targets)
+        self.futures = _safetensors.read_boxes(tensor, [(box, out) for _, box, out in self.targets])
+
+    def finish(self) -> int:
+        futures_wait(self.futures)
+        got = sum(f.result() for f in self.futures)
+        for devices, _, out in self.targets:
+            self.asm.take(devices, out)
+        self.targets = []
+        return got
+
+
 @dataclass
 class _Read:
     future: Any
@@ -561,7 +594,7 @@ class _BudgetedReader:
         self.directory = directory
         self.locator = locator
         self.direct = _direct.DirectReader() if locator is not None else None  # with the locator
-        self.inflight: collections.deque[_Read] = collections.deque()
+        self.inflight: collections.deque[_Read | _TensorRead] = collections.deque()
         self.inflight_bytes = 0
         self.bytes_read = 0
 
@@ -606,8 +639,22 @@ class _BudgetedReader:
         self.inflight.append(read)
         self.inflight_bytes += nbytes
 
+    def read_tensor(self, tensor: _safetensors.Tensor, asm: _Assembler) -> None:
+        """Read every box ``asm`` needs of a safetensors tensor."""
+        if self.budget is not None:
+            needed = sum(math.prod(b - a for a, b in box) for _, box in asm.pieces) * tensor.nbytes // max(1, math.prod(tensor.shape))
+            while self.inflight and self.inflight_bytes + needed > self.budget:
+                self._complete_one()
+        read = _TensorRead(tensor, asm)
+        self.inflight.append(read)
+        self.inflight_bytes += read.nbytes
+
     def _complete_one(self) -> None:
         read = self.inflight.popleft()
+        if isinstance(read, _TensorRead):
+            self.bytes_read += read.finish()
+            self.inflight_bytes -= read.nbytes
+            return
         asm = read.asm
         try:
             fell_back = read.future.result()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from milepost.workers._safetensors import Tensor
 from milepost.workers._sharding import ShardingSpec
 
 Index = tuple[tuple[int, int], ...]
@@ -115,6 +116,8 @@ class LoadTask:
     random_key_impl: str | None = None
     """Read the stored key data (``shape``/``dtype`` are the data's) and return typed PRNG keys of
     this implementation."""
+    tensor: Tensor | None = None
+    """Read from a safetensors file instead of the plan's store."""
 
     @property
     def result_shape(self) -> tuple[int, ...]:
