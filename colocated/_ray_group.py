@@ -337,7 +337,7 @@ class RayHostGroup:
     def run(self, job: str, plans: Mapping[int, Any], timeout: float) -> list[Any]:
         """Every host runs its part of the host job ``job``; their acks, in host order."""
         self.check_usable()
-        acks = self.gather({i: self.call(i, "run", job, p) for i, p in plans.items()}, timeout, f"running {job}")
+        acks = self.gather({i: self.call(i, "run_job", job, p) for i, p in plans.items()}, timeout, f"running {job}")
         return [acks[i] for i in sorted(acks)]
 
     def wrap(self, described: Any) -> Any:

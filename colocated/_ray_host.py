@@ -171,7 +171,7 @@ class HostActor:
             self.arrays[f"{prefix}.{k}"] = array
         return ack
 
-    def run(self, job: str, plan: Any) -> Any:
+    def run_job(self, job: str, plan: Any) -> Any:
         """This host's part of a host job (``milepost.workers.JOBS``): verify, export..."""
         return workers.run_job(job, plan, self.index)
 
