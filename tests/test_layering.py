@@ -57,8 +57,12 @@ def test_the_wheel_ships_py_typed(tmp_path: Path) -> None:
     import sys
     import zipfile
 
+    import shutil
+
+    source = tmp_path / "src"  # a copy: building writes build/ and *.egg-info/ beside the sources
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__", ".*cache"))
     proc = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(source)],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -176,8 +176,9 @@ def test_verify_spreads_the_chunks_over_the_hosts(slice42: mp.Slice, tmp_path: P
 
 
 def test_safetensors_export_and_load_on_a_slice(slice42: mp.Slice, tmp_path: Path) -> None:
-    import milepost.safetensors
     from safetensors.numpy import load_file
+
+    import milepost.safetensors
 
     mesh = slice42.mesh({"data": 2, "model": 4})
     values = host_values(6, 512)  # 6 x 512 KiB
