@@ -53,11 +53,10 @@ def test_layer_check_catches_a_violation(tmp_path: Path) -> None:
 
 def test_the_wheel_ships_py_typed(tmp_path: Path) -> None:
     """The annotations reach IDEs and mypy: every package of the wheel carries py.typed."""
+    import shutil
     import subprocess
     import sys
     import zipfile
-
-    import shutil
 
     source = tmp_path / "src"  # a copy: building writes build/ and *.egg-info/ beside the sources
     shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__", ".*cache"))
