@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from milepost import _checkpoint, _safetensors
+from milepost import _checkpoint, _paths, _safetensors
 from milepost._checkpoint import CheckpointMetadata, SaveHandle
 
 PathLike = str | os.PathLike[str]
@@ -77,8 +77,9 @@ def load(path: PathLike, abstract_state: Any = None, *, partial: bool = False) -
     devices need. Orbax v0 checkpoints (CheckpointManager steps, Standard/PyTree checkpointers)
     load too.
     """
-    if _safetensors.is_safetensors(Path(path)):
-        return _safetensors.load(Path(path).absolute(), abstract_state, partial)
+    where = _paths.as_path(path)
+    if _safetensors.is_safetensors(where):
+        return _safetensors.load(where, abstract_state, partial)
     loaded = _checkpoint.load_checkpointables(path, {None: abstract_state}, partial=partial, default_pytree=True)  # type: ignore[dict-item]
     (value,) = loaded.values()
     return value

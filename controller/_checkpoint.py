@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import errno
 import functools
 import json
 import os
-import shutil
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -19,10 +15,19 @@ from typing import Any
 
 import jax
 
-from milepost import _background, _dispatch, _handlers, _layout, _options, _ownership, workers
+from milepost import (
+    _background,
+    _dispatch,
+    _handlers,
+    _layout,
+    _options,
+    _ownership,
+    _paths,
+    _workspace,
+    workers,
+)
 from milepost import _format as fmt
 from milepost._errors import (
-    CheckpointExistsError,
     CheckpointNotFoundError,
     CheckpointReplacedError,
     InvalidKeyError,
@@ -102,8 +107,8 @@ def start_save(
     """Validate, prepare the temporary directory, stage every checkpointable (the blocking
     part), and finish in the background (``asynchronous``) or before returning."""
     options = _options.current()
-    final = Path(path).absolute()
-    if final.name.endswith(fmt.TMP_SUFFIX) or _ownership.NEW_MARKER in final.name:
+    final = _paths.as_path(path)
+    if final.name.endswith(fmt.TMP_SUFFIX) or _ownership.NEW_MARKER in final.name or final.name.endswith(_workspace.LEASE_SUFFIX):
         raise ValueError(
             f"cannot save to {final}: names ending in {fmt.TMP_SUFFIX!r} are temporary directories and are never "
             "loaded as checkpoints; choose another name"
@@ -132,18 +137,19 @@ def start_save(
         raise
     if asynchronous:
         return SaveHandle(final, _background.saves.submit(str(final), save.finish, save.timeout))
-    future: futures.Future[Path] = futures.Future()
+    future: futures.Future[Any] = futures.Future()
     future.set_result(save.finish())
     return SaveHandle(final, future)
 
 
 class _Save:
-    """One save of a checkpoint: its temporary directory, its writer lock (on the primary), the
-    pending writes of its checkpointables, and the commit."""
+    """One save of a checkpoint: its workspace (a locked temporary directory, or the path itself
+    under a lease on object stores; owned by the primary), the pending writes of its
+    checkpointables, and the commit."""
 
     def __init__(
         self,
-        final: Path,
+        final: Path | _paths.ObjectPath,
         handlers: Mapping[str, Any],
         group: HostGroup,
         options: _options.Options,
@@ -152,7 +158,8 @@ class _Save:
         metrics_json: Any,
     ) -> None:
         self.final = final
-        self.tmp = final.with_name(final.name + fmt.TMP_SUFFIX)
+        saving = options.saving
+        self.workspace = _workspace.for_path(final, overwrite, saving.wait_for_writer_secs, saving.lease_secs)
         self.handlers = handlers
         self.group = group
         self.options = options
@@ -161,53 +168,28 @@ class _Save:
         self.custom_json = custom_json
         self.metrics_json = metrics_json
         self.pending: list[workers.PendingWrite[Any]] = []
-        self.lock: _ownership.Locked | None = None
-        """The lock of the temporary directory, held by the primary from the moment it exists
-        until it is committed or removed."""
-        self.identity: dict[str, tuple[int, int]] = {}
-        """(device, inode) of the temporary directory and its checkpointable folders, as created:
-        the commit publishes only a directory that is still the one this save made."""
+        self.prepared = False
+        """True on the primary once it owns the workspace (until it committed or abandoned it)."""
         self.init_ns = 0
+
+    @property
+    def tmp(self) -> Path | _paths.ObjectPath:
+        """Where the checkpointables are written until the commit."""
+        return self.workspace.dir
 
     # -- the blocking part --------------------------------------------------------------
     def prepare(self) -> None:
-        """On the primary: check the path, take the writer lock, create the temporary directory."""
-        final, tmp = self.final, self.tmp
-        if final.parent.exists() and not final.parent.is_dir():
-            raise NotADirectoryError(f"{final.parent} is a file; a checkpoint's parent must be a directory")
-        self._check_final()
-        final.parent.mkdir(parents=True, exist_ok=True)
-        # Locked from the moment it appears; a leftover of a dead writer is removed first.
-        self.lock, _ = _ownership.create_locked(tmp, wait_secs=self.options.saving.wait_for_writer_secs)
-        try:
-            self._check_final()  # another writer may have committed while we waited
-            for name in self.handlers:
-                (tmp / name).mkdir()
-            self.identity = {"": _inode(tmp), **{name: _inode(tmp / name) for name in self.handlers}}
-        except BaseException:
-            remove_tree(tmp)
-            self._release()
-            raise
-
-    def _check_final(self) -> None:
-        final = self.final
-        if final.exists() or final.is_symlink():
-            if not self.overwrite:
-                raise CheckpointExistsError(
-                    f"a checkpoint already exists at {final}; pass overwrite=True to replace it, or choose another path"
-                )
-            if not _layout.is_committed(final) or final.is_symlink():
-                raise CheckpointExistsError(
-                    f"{final} exists and is not a committed checkpoint; milepost will not overwrite it. Remove it or choose another path"
-                )
+        """On the primary: check the path and take ownership of the workspace."""
+        self.workspace.prepare(self.handlers)
+        self.prepared = True
 
     def stage(self, objs: Mapping[str, Any], copy: bool) -> None:
         group, final, timeout = self.group, self.final, self.timeout
         prepared = False
         try:
-            # The primary checks the path, then creates the temporary directory; the other
-            # controller processes wait for its outcome, so none writes before the directory
-            # exists, and all raise the same error.
+            # The primary checks the path, then makes the workspace; the other controller
+            # processes wait for its outcome, so none writes before it exists, and all raise the
+            # same error.
             _dispatch.shared(group, f"prepare:{final}", self.prepare, timeout)
             prepared = True
             self.init_ns = time.time_ns()
@@ -229,7 +211,7 @@ class _Save:
             raise
 
     # -- the background part ------------------------------------------------------------
-    def finish(self) -> Path:
+    def finish(self) -> Path | _paths.ObjectPath:
         group, final, timeout = self.group, self.final, self.timeout
         try:
             failure: Exception | None = None
@@ -240,8 +222,8 @@ class _Save:
                     done += 1
             except Exception as e:
                 failure = e
-                # The parts not finished may still write: let them land before the temporary
-                # directory is removed, or they would recreate it.
+                # The parts not finished may still write: let them land before the workspace
+                # is removed, or they would recreate it.
                 workers.settle_all(self.pending[done:], timeout)
             # The primary commits, or reports why not; every process gets the same outcome.
             _agree(group, f"commit:{final}", failure, timeout, then=self.commit)
@@ -256,32 +238,19 @@ class _Save:
     def commit(self) -> None:
         _commit(
             self.tmp, self.final, self.handlers, self.init_ns, self.custom_json, self.metrics_json, self.overwrite,
-            self.identity,
+            self.workspace,
         )
-        self._release()  # on failure, _abandon releases it after removing the directory
+        self.prepared = False
 
     def _abandon(self, name: str) -> None:
-        """Remove the temporary directory once every controller process has settled its own
-        writes (a late write elsewhere would recreate it); a process that died is waited for at
-        most ``min(timeout, 10s)``. The caller raises its error either way."""
+        """Remove the workspace once every controller process has settled its own writes (a late
+        write elsewhere would recreate it); a process that died is waited for at most
+        ``min(timeout, 10s)``. The caller raises its error either way."""
         with contextlib.suppress(Exception):
             self.group.barrier(name, min(self.timeout, 10.0))
-        if self.group.is_primary() and self.lock is not None:
-            remove_tree(self.tmp)
-        self._release()
-
-    def _release(self) -> None:
-        if self.lock is not None:
-            self.lock.release()
-            self.lock = None
-
-
-def _inode(path: Path) -> tuple[int, int]:
-    st = os.stat(path, follow_symlinks=False)
-    return st.st_dev, st.st_ino
-
-
-remove_tree = _ownership.remove_tree
+        if self.prepared:
+            self.prepared = False
+            self.workspace.abandon()
 
 
 def _agree(group: HostGroup, name: str, failure: Exception | None, timeout: float, then: Callable[[], None] | None = None) -> None:
@@ -308,74 +277,19 @@ def _agree(group: HostGroup, name: str, failure: Exception | None, timeout: floa
     _dispatch.shared(group, name, outcome, timeout)
 
 
-def _renameat2(a: Path, b: Path, flag: int) -> bool:
-    """Linux ``renameat2`` with ``flag``; False where the system or the file system lacks it."""
-    if sys.platform != "linux":
-        return False
-    try:
-        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd = -100
-    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), flag) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV):
-        return False
-    raise OSError(err, os.strerror(err), str(a), None, str(b))
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap two directories atomically (``RENAME_EXCHANGE``); False where unsupported."""
-    return _renameat2(a, b, 2)
-
-
-def _rename_new(tmp: Path, final: Path) -> None:
-    """Rename ``tmp`` to ``final``, failing if anything is at ``final`` (``RENAME_NOREPLACE``;
-    elsewhere a check just before the rename)."""
-    try:
-        if _renameat2(tmp, final, 1):
-            return
-    except FileExistsError:
-        raise CheckpointExistsError(
-            f"a checkpoint appeared at {final} while this save ran (written by another program); nothing was "
-            "replaced. Pass overwrite=True to replace it, or choose another path"
-        ) from None
-    if final.exists() or final.is_symlink():
-        raise CheckpointExistsError(f"a checkpoint appeared at {final} while this save ran; nothing was replaced")
-    os.rename(tmp, final)
-
-
-def _check_identity(tmp: Path, identity: Mapping[str, tuple[int, int]]) -> None:
-    """The temporary directory and its checkpointable folders must be the ones this save made:
-    removed or replaced from outside, the checkpoint would be incomplete."""
-    for name, expected in identity.items():
-        where = tmp / name if name else tmp
-        try:
-            same = _inode(where) == expected
-        except FileNotFoundError:
-            same = False
-        if not same:
-            raise OSError(
-                errno.ESTALE,
-                f"{where} was removed or replaced by someone else while this save ran, so its contents cannot be "
-                f"trusted; nothing was committed to {tmp.name.removesuffix(fmt.TMP_SUFFIX)}. Save again",
-                str(where),
-            )
-
-
 def _commit(
-    tmp: Path,
-    final: Path,
+    tmp: Any,
+    final: Any,
     handlers: Mapping[str, Any],
     init_ns: int,
     custom_json: str,
     metrics: Any,
     overwrite: bool,
-    identity: Mapping[str, tuple[int, int]],
+    workspace: Any,
 ) -> None:
-    _check_identity(tmp, identity)
-    _ownership.drop_owner_file(tmp)
+    """Write the checkpoint's own files into the workspace, the commit marker last, and make it
+    visible (``workspace.publish``: the rename into place, or nothing more on object stores)."""
+    workspace.check()
     fmt.write_file(tmp / fmt.ORBAX_MARKER, b"")
     fmt.write_json(
         tmp / fmt.CHECKPOINT_METADATA,
@@ -389,28 +303,9 @@ def _commit(
         },
     )
     fmt.Checksums.compute(tmp).write()  # every file but array chunks, which carry their own
+    workspace.check()
     fmt.write_file(tmp / fmt.COMMIT_MARKER, f"Checkpoint commit was successful to {final}")
-    fmt.fsync_tree(tmp)
-    _check_identity(tmp, identity)
-    if overwrite and final.exists() and _exchange(tmp, final):
-        # One atomic step: the final path holds the old checkpoint or the new one, never
-        # nothing; the old one, now at the temporary path, is never loaded and is removed.
-        fmt.fsync_dir(final.parent)
-        shutil.rmtree(tmp, ignore_errors=True)
-        return
-    old = None
-    if overwrite and final.exists():
-        old = final.with_name(f"{final.name}.milepost-replaced-{os.getpid()}-{time.time_ns()}")
-        os.rename(final, old)
-    try:
-        _rename_new(tmp, final)
-    except BaseException:
-        if old is not None:
-            os.rename(old, final)  # put the previous checkpoint back
-        raise
-    fmt.fsync_dir(final.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    workspace.publish()
 
 
 # ------------------------------------------------------------------------------------------
@@ -430,7 +325,7 @@ def load_checkpointables(
     """Load the named checkpointables (all when None). ``default_pytree``: ``abstracts`` holds
     one entry under the key None, meaning the checkpoint's main pytree."""
     options = _options.current()
-    root = Path(path).absolute()
+    root = _paths.as_path(path)
     leaves: list[Any] = []
     for a in (abstracts or {}).values():
         if a is not None and not isinstance(a, _handlers.StatefulCheckpointable):
@@ -501,12 +396,16 @@ def _read_items(root: Path) -> tuple[dict[str, Any], dict[str, _layout.Item], tu
 def _identity(root: Path) -> tuple[Any, ...]:
     """What changes when the checkpoint at ``root`` is replaced: its folder and its commit."""
     try:
-        st = os.stat(root)
+        if isinstance(root, Path):
+            st = os.stat(root)
+            where: tuple[Any, ...] = (st.st_dev, st.st_ino)
+        else:  # object stores: the generation of the commit marker, which every save writes anew
+            where = ((root / fmt.COMMIT_MARKER).generation(),)
         meta = json.loads((root / fmt.CHECKPOINT_METADATA).read_bytes())
         stamps = (meta.get("init_timestamp_nsecs"), meta.get("commit_timestamp_nsecs")) if isinstance(meta, dict) else ()
     except (OSError, ValueError):
         return ("unreadable",)
-    return (st.st_dev, st.st_ino, *stamps)
+    return (*where, *stamps)
 
 
 def _replaced(root: Path) -> CheckpointReplacedError:
@@ -539,7 +438,7 @@ class CheckpointMetadata:
 
 def metadata(path: str | os.PathLike[str]) -> CheckpointMetadata:
     options = _options.current()
-    root = Path(path).absolute()
+    root = _paths.as_path(path)
     group = _dispatch.host_group_for([])
 
     def read() -> CheckpointMetadata:

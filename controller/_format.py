@@ -39,9 +39,13 @@ PYTREE_HANDLER_TYPESTR = "orbax.checkpoint.experimental.v1._src.handlers.pytree_
 JSON_HANDLER_TYPESTR = "orbax.checkpoint.experimental.v1._src.handlers.json_handler.JsonHandler"
 
 
-def write_file(path: Path, data: bytes | str) -> None:
-    """Write ``path`` and fsync it (the directory is synced once at commit)."""
+def write_file(path: Any, data: bytes | str) -> None:
+    """Write ``path`` and fsync it (the directory is synced once at commit); in an object store
+    the write is durable when it returns."""
     raw = data.encode() if isinstance(data, str) else data
+    if not isinstance(path, Path):
+        path.write_bytes(raw)
+        return
     with open(path, "wb") as f:
         f.write(raw)
         f.flush()
@@ -143,7 +147,9 @@ class Checksums:
     files: dict[str, tuple[int, int]]
 
     @staticmethod
-    def compute(root: Path) -> Checksums:
+    def compute(root: Any) -> Checksums:
+        if not isinstance(root, Path):
+            return Checksums._compute_objects(root)
         files: dict[str, tuple[int, int]] = {}
         for dirpath, dirnames, filenames in os.walk(root):
             here = Path(dirpath)
@@ -154,6 +160,25 @@ class Checksums:
                     continue
                 raw = path.read_bytes()
                 files[path.relative_to(root).as_posix()] = (len(raw), workers.crc32c(raw))
+        return Checksums(root, files)
+
+    @staticmethod
+    def _compute_objects(root: Any) -> Checksums:
+        """The same over an object store's keys (one listing; array chunks told by their place:
+        below an OCDBT database's ``d/`` or a zarr3 array's ``c/``)."""
+        keys = root.keys()
+        present = set(keys)
+        files: dict[str, tuple[int, int]] = {}
+        for key in keys:
+            parts = key.split("/")
+            chunk = any(
+                (part == "d" and "/".join([*parts[:i], "manifest.ocdbt"]) in present)
+                or (part == "c" and "/".join([*parts[:i], "zarr.json"]) in present)
+                for i, part in enumerate(parts[:-1])
+            )
+            if not chunk:
+                raw = (root / key).read_bytes()
+                files[key] = (len(raw), workers.crc32c(raw))
         return Checksums(root, files)
 
     def write(self) -> None:
@@ -185,7 +210,7 @@ class Checksums:
             raise damaged from e
         return Checksums(root, files)
 
-    def lists(self, path: Path) -> bool:
+    def lists(self, path: Any) -> bool:
         try:
             return path.relative_to(self.root).as_posix() in self.files
         except ValueError:
@@ -241,9 +266,12 @@ def verifying(checksums: Checksums | None) -> Iterator[None]:
         _VERIFYING.reset(token)
 
 
-def check_contained(root: Path) -> None:
+def check_contained(root: Any) -> None:
     """Refuse a checkpoint with a symlink that leads out of it: reading through it would read
-    files that are not the checkpoint's. Symlinks that stay inside are fine."""
+    files that are not the checkpoint's. Symlinks that stay inside are fine (object stores have
+    none)."""
+    if not isinstance(root, Path):
+        return
     top = root.resolve()
     for dirpath, dirnames, filenames in os.walk(root):
         here = Path(dirpath)

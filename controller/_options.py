@@ -60,8 +60,13 @@ class SaveOptions:
     (its checkpoint then exists: overwrite it or not as ``overwrite`` says) instead of failing
     at once with ``CheckpointExistsError``."""
 
+    lease_secs: float = 60.0
+    """On object stores (no locks): how long a save owns its path without renewing its lease (it
+    renews every quarter of this). A path whose writer died can be saved again after this."""
+
     def __post_init__(self) -> None:
         _bool("SaveOptions", "use_ocdbt", self.use_ocdbt)
+        _seconds("SaveOptions", "lease_secs", self.lease_secs)
         if self.wait_for_writer_secs != 0:
             _seconds("SaveOptions", "wait_for_writer_secs", self.wait_for_writer_secs)
         _bool("SaveOptions", "replica_parallel", self.replica_parallel)

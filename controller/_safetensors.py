@@ -27,6 +27,7 @@ from milepost import (
     _dispatch,
     _layout,
     _options,
+    _paths,
     _pytree_format,
     _pytree_load,
     _tree,
@@ -198,7 +199,7 @@ def export(
         raise TypeError("metadata must map strings to strings (the safetensors format stores nothing else)")
     options = _options.current()
     timeout = options.async_.timeout_secs
-    root, out = Path(checkpoint).absolute(), Path(out_dir).absolute()
+    root, out = _paths.as_path(checkpoint), Path(out_dir).absolute()
     group = slice.group if slice is not None else _dispatch.host_group_for([])
     staging = out.with_name(f"{out.name}.milepost-export-tmp")
     planned = _dispatch.shared(

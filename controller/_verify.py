@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from milepost import _checkpoint, _dispatch, _layout, _options, _pytree_load, workers
+from milepost import _checkpoint, _dispatch, _layout, _options, _paths, _pytree_load, workers
 from milepost import _format as fmt
 from milepost import _pytree_format as tree_format
 from milepost._errors import CheckpointNotFoundError
@@ -61,7 +61,7 @@ def verify(path: str | os.PathLike[str], *, slice: Any = None) -> VerifyReport:
     >>> assert report.ok, report
     """
     options = _options.current()
-    root = Path(path).absolute()
+    root = _paths.as_path(path)
     group = slice.group if slice is not None else _dispatch.host_group_for([])
     timeout = options.async_.timeout_secs
     planned = _dispatch.shared(group, f"verify-plan:{root}", lambda: _plan(root, group.processes(), options), timeout)

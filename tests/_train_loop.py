@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import milepost.workers
-from milepost import _checkpoint
+from milepost import _checkpoint, _workspace
 from milepost import _format as fmt
 from milepost.training import Checkpointer, FixedInterval, KeepLatest
 
@@ -164,7 +164,7 @@ def arm(phase: str, nth: int, delay: float) -> Callable[[int], None]:
             _kill(delay)
 
     real_start, real_merge, real_commit, real_rename, real_rename_new = (
-        milepost.workers.start_save, milepost.workers.merge_ocdbt, _checkpoint._commit, os.rename, _checkpoint._rename_new,
+        milepost.workers.start_save, milepost.workers.merge_ocdbt, _checkpoint._commit, os.rename, _workspace.rename_new,
     )
 
     def start_save(*a: Any, **k: Any) -> Any:
@@ -194,7 +194,7 @@ def arm(phase: str, nth: int, delay: float) -> Callable[[int], None]:
     milepost.workers.merge_ocdbt = merge  # type: ignore[assignment]
     _checkpoint._commit = commit  # type: ignore[assignment]
     os.rename = rename  # type: ignore[assignment]
-    _checkpoint._rename_new = rename_new  # type: ignore[assignment]
+    _workspace.rename_new = rename_new  # type: ignore[assignment]
     return lambda step: reached("saved")
 
 

@@ -26,3 +26,6 @@ def ray_runtime():  # type: ignore[no-untyped-def]
         ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, object_store_memory=1 << 30)
     yield ray
     ray.shutdown()
+
+
+from tests._object_stores import bucket_url, gcs_endpoint, s3_endpoint  # noqa: E402, F401  (fixtures)

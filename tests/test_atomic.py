@@ -24,7 +24,7 @@ SAVER = r"""
 import os, sys, time
 import jax, numpy as np
 import milepost as mp
-from milepost import _checkpoint, _format, _pytree_format
+from milepost import _format, _pytree_format, _workspace
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 path, point, mode, overwrite = ARGS
@@ -54,7 +54,7 @@ elif point == "commit-marker":  # the commit marker is durable in the temporary 
         hold("commit-marker")
     _format.fsync_tree = fsync_tree
 elif point == "swapped":  # overwrite: the new checkpoint is in place, the old not yet removed
-    real_exchange, real_rename = _checkpoint._exchange, os.rename
+    real_exchange, real_rename = _workspace.exchange, os.rename
     def exchange(a, b):
         ok = real_exchange(a, b)
         if ok:
@@ -64,7 +64,7 @@ elif point == "swapped":  # overwrite: the new checkpoint is in place, the old n
         real_rename(a, b)
         if ".milepost-replaced-" in str(b):
             hold("swapped")
-    _checkpoint._exchange = exchange
+    _workspace.exchange = exchange
     os.rename = rename
 
 mesh = jax.make_mesh((2, 4), ("data", "model"))
@@ -245,18 +245,18 @@ def test_stale_temporary_directory_is_replaced(tmp_path: Path) -> None:
 def test_commit_rename_failure_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """If the final rename fails, an overwritten checkpoint is put back (without an atomic swap
     the old one is first moved aside)."""
-    from milepost import _checkpoint
+    from milepost import _workspace
 
     ckpt = mp.save(tmp_path / "c", {"x": np.arange(4)})
-    monkeypatch.setattr(_checkpoint, "_renameat2", lambda a, b, flag: False)  # no renameat2
-    real_rename = _checkpoint.os.rename
+    monkeypatch.setattr(_workspace, "renameat2", lambda a, b, flag: False)  # no renameat2
+    real_rename = _workspace.os.rename
 
     def rename(a: Any, b: Any) -> None:
         if str(a).endswith(".orbax-checkpoint-tmp"):
             raise OSError(16, "Device or resource busy (injected)")
         real_rename(a, b)
 
-    monkeypatch.setattr(_checkpoint.os, "rename", rename)
+    monkeypatch.setattr(_workspace.os, "rename", rename)
     with pytest.raises(OSError, match="busy"):
         mp.save(ckpt, {"x": np.arange(9)}, overwrite=True)
     monkeypatch.undo()

@@ -34,6 +34,7 @@ from milepost.workers._safetensors import Tensor
 from milepost.workers._safetensors import header_bytes as safetensors_header
 from milepost.workers._safetensors import read_header as read_safetensors_header
 from milepost.workers._sharding import ShardingSpec
+from milepost.workers._storage import Location, UnknownStorageError
 from milepost.workers._tensorstore import (
     PROCESS_PREFIX,
     ZARR3_DTYPES,
@@ -64,6 +65,7 @@ __all__ = [
     "LoadAck",
     "LoadPlan",
     "LoadTask",
+    "Location",
     "PendingSave",
     "PendingWrite",
     "Region",
@@ -73,6 +75,7 @@ __all__ = [
     "ShardingSpec",
     "StoreSpec",
     "Tensor",
+    "UnknownStorageError",
     "VerifyAck",
     "VerifyPlan",
     "VerifyTask",

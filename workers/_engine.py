@@ -40,6 +40,7 @@ from milepost.workers._messages import (
     WrittenArray,
 )
 from milepost.workers._sharding import ShardingSpec
+from milepost.workers._storage import Location
 
 
 class PendingSave:
@@ -115,7 +116,7 @@ def start_save(plan: SavePlan, sources: Sequence[Any]) -> PendingSave:
     the caller may delete, donate or overwrite its arrays. Without it TensorStore references the
     caller's memory until :meth:`PendingSave.wait` returns.
     """
-    context = tsu.new_context()
+    context = tsu.new_context(plan.store.directory)
     tasks = [t for t in plan.tasks if t.regions or t.create]
     parts = _split_among_writers(tasks, plan.writers if plan.store.use_ocdbt else 1)
     pending = PendingSave(plan)
@@ -305,7 +306,7 @@ def load(plan: LoadPlan, process_index: int | str = 0) -> tuple[list[Any], LoadA
     stores = _open_stores(plan)
     layouts: list[_direct.ShardLayout | None] = [None] * len(stores)
     locator = None
-    if plan.direct_reads:
+    if plan.direct_reads and Location.of(plan.store.directory).is_local:  # straight from local files only
         layouts = [_direct.shard_layout(t.name, s) if s is not None else None for t, s in zip(plan.tasks, stores, strict=True)]
         if any(layouts):
             locator = _direct.Locator(plan.store)
@@ -348,7 +349,7 @@ def load(plan: LoadPlan, process_index: int | str = 0) -> tuple[list[Any], LoadA
 
 def _open_stores(plan: LoadPlan) -> list[Any]:
     """Every task's array opened with TensorStore (None for tasks read from safetensors files)."""
-    context = tsu.new_context()
+    context = tsu.new_context(plan.store.directory)
     kvstore = tsu.read_kvstore(plan.store)
     opens = [
         None if t.tensor is not None
@@ -721,7 +722,7 @@ def verify(plan: VerifyPlan, process_index: int | str = 0) -> VerifyAck:
 class _Verifier:
     def __init__(self, plan: VerifyPlan) -> None:
         self.plan = plan
-        self.context = tsu.new_context()
+        self.context = tsu.new_context(plan.tasks[0].store.directory if plan.tasks else None)
         self.budget = plan.memory_budget_bytes or (256 << 20)
         self.problems: list[str] = []
         self.checked = self.nbytes = 0

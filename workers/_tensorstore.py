@@ -11,7 +11,6 @@ plain zarr3 folder named after its leaf.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ import tensorstore as ts
 
 from milepost.workers._errors import CorruptCheckpointError, from_tensorstore
 from milepost.workers._messages import ArraySpec, StoreSpec
+from milepost.workers._storage import Location, context_for
 
 PROCESS_PREFIX = "ocdbt.process_"
 OCDBT_CONFIG = {
@@ -31,7 +31,11 @@ OCDBT_CONFIG = {
 }
 
 
-def new_context(file_io_concurrency: int = 64) -> ts.Context:
+def new_context(where: Any = None, file_io_concurrency: int = 64) -> ts.Context:
+    """A context for I/O at ``where`` (a path or URL; the shared one for memory://)."""
+    location = Location.of(where) if where is not None else None
+    if location is not None and not location.is_local:
+        return context_for(location)
     return ts.Context({"file_io_concurrency": {"limit": file_io_concurrency}})
 
 
@@ -40,12 +44,12 @@ def new_context(file_io_concurrency: int = 64) -> ts.Context:
 # ------------------------------------------------------------------------------------------
 
 
-def file_kvstore(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """A folder as a kvstore."""
-    return {"driver": "file", "path": str(path).rstrip("/") + "/"}
+def file_kvstore(path: Any) -> dict[str, Any]:
+    """A folder (a local path, or a prefix in an object store) as a kvstore."""
+    return Location.of(path).kvstore()
 
 
-def ocdbt_kvstore(path: str | os.PathLike[str], *, writable: bool = False) -> dict[str, Any]:
+def ocdbt_kvstore(path: Any, *, writable: bool = False) -> dict[str, Any]:
     """The OCDBT database whose manifest is in folder ``path``."""
     spec: dict[str, Any] = {"driver": "ocdbt", "base": file_kvstore(path)}
     if writable:
@@ -61,7 +65,7 @@ def write_kvstore(store: StoreSpec, process_index: int | str, writer: int = 0) -
     """The kvstore a host's writer writes into: its own OCDBT database, or the plain folder."""
     if not store.use_ocdbt:
         return file_kvstore(store.directory)
-    return ocdbt_kvstore(os.path.join(store.directory, process_dir_name(process_index, writer)), writable=True)
+    return ocdbt_kvstore(Location.of(store.directory) / process_dir_name(process_index, writer), writable=True)
 
 
 def read_kvstore(store: StoreSpec) -> dict[str, Any]:
@@ -73,8 +77,8 @@ def read_kvstore(store: StoreSpec) -> dict[str, Any]:
 
 def _array_kvstore(kvstore: dict[str, Any], name: str) -> dict[str, Any]:
     """The kvstore of one array: a key prefix inside OCDBT, a sub-folder of a plain folder."""
-    if kvstore["driver"] == "file":
-        return {**kvstore, "path": kvstore["path"] + name + "/"}
+    if kvstore["driver"] != "ocdbt":
+        return {**kvstore, "path": kvstore.get("path", "") + name + "/"}
     return {**kvstore, "path": name + "/"}
 
 
@@ -150,7 +154,7 @@ def read_array_headers(store: StoreSpec, names: Sequence[str]) -> dict[str, dict
     if not names:
         return {}
     try:
-        kv = ts.KvStore.open(read_kvstore(store)).result()
+        kv = ts.KvStore.open(read_kvstore(store), context=new_context(store.directory)).result()
         reads = {n: kv.read(header_key(store, n)) for n in names}
         results = {n: r.result() for n, r in reads.items()}
     except ValueError as e:  # a damaged manifest or B-tree node: DATA_LOSS
@@ -182,14 +186,24 @@ def read_array_headers(store: StoreSpec, names: Sequence[str]) -> dict[str, dict
 # ------------------------------------------------------------------------------------------
 
 
-def merge_ocdbt(directory: str | os.PathLike[str]) -> None:
+def process_stores(directory: Any) -> list[Location]:
+    """The per-process OCDBT databases (``ocdbt.process_*``) in a checkpointable's folder."""
+    location = Location.of(directory)
+    if location.is_local:
+        return sorted(Location.of(p) for p in Path(location.key).glob(f"{PROCESS_PREFIX}*") if p.is_dir())
+    kv = ts.KvStore.open(location.kvstore(), context=context_for(location)).result()
+    prefix = PROCESS_PREFIX.encode()
+    keys = kv.list(ts.KvStore.KeyRange(prefix, prefix[:-1] + bytes([prefix[-1] + 1]))).result()
+    return sorted({location / k.decode().split("/", 1)[0] for k in keys})
+
+
+def merge_ocdbt(directory: Any) -> None:
     """Make the root OCDBT view in ``directory`` reference every per-process database
     (``ocdbt.process_*``) in one atomic transaction; no data is copied."""
-    directory = Path(directory)
-    children = sorted(p for p in directory.glob(f"{PROCESS_PREFIX}*") if p.is_dir())
+    children = process_stores(directory)
     if not children:
         return
-    context = ts.Context()
+    context = new_context(directory)
     parent = ts.KvStore.open(ocdbt_kvstore(directory, writable=True), context=context).result()
     opened = [ts.KvStore.open(ocdbt_kvstore(child), context=context) for child in children]
     try:

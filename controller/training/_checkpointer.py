@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import jax
 import numpy as np
 
-from milepost import _api, _checkpoint, _dispatch, _layout, _options, _ownership
+from milepost import _api, _checkpoint, _dispatch, _layout, _options, _ownership, _paths, _workspace
 from milepost import _format as fmt
 from milepost.training._policies import (
     FixedInterval,
@@ -150,7 +150,7 @@ class Checkpointer:
         timeout_secs: float | None = None,
         read_only: bool = False,
     ) -> None:
-        self.root = Path(root).absolute()
+        self.root = _paths.as_path(root)
         if not isinstance(read_only, bool):
             raise TypeError(f"read_only must be True or False, got {read_only!r}")
         self.read_only = read_only
@@ -167,6 +167,7 @@ class Checkpointer:
         if timeout_secs is not None:
             _options.AsyncOptions(timeout_secs=timeout_secs)  # the same checks, the same errors
         self._timeout = float(timeout_secs) if timeout_secs is not None else _options.current().async_.timeout_secs
+        self._lease_secs = _options.current().saving.lease_secs
         self._group = _dispatch.host_group_for([])
         self._primary = self._group.is_primary()
 
@@ -220,8 +221,12 @@ class Checkpointer:
     def _remove_uncommitted(self) -> None:
         """Remove what saves and deletions that did not finish left behind: a step's temporary
         directory (or one being made), an uncommitted step folder, a half-deleted step. Each
-        only if no live process holds its lock: a save in progress, in any process, does."""
+        only if no live process holds its lock (its lease, in an object store): a save in
+        progress, in any process, does."""
         busy = _checkpoint.saves_in_flight(self.root)  # saves of this process: not leftovers
+        if not isinstance(self.root, Path):
+            self._remove_uncommitted_objects(busy)
+            return
         for p in sorted(self.root.iterdir()):
             name = p.name
             partial = _is_step_name(name) and p.is_dir() and not p.is_symlink() and not _layout.is_committed(p)
@@ -235,19 +240,44 @@ class Checkpointer:
             else:
                 log.info("milepost.training: left %s alone: a live process holds it", p)
 
+    def _remove_uncommitted_objects(self, busy: set[str]) -> None:
+        """In an object store: a step folder without its commit marker whose save is gone (no
+        lease, or an expired one) is removed; one listing for the whole root."""
+        committed, folders = self._listing()
+        for name in sorted(folders - committed - busy):
+            path = self.root / name
+            if _workspace.remove_if_abandoned(path, self._lease_secs):
+                log.warning("milepost.training: removed %s, left by a save or deletion that did not finish", path)
+            else:
+                log.info("milepost.training: left %s alone: a live save owns it", path)
+
+    def _listing(self) -> tuple[set[str], set[str]]:
+        """Object stores: (committed step names, every step folder name), from one listing."""
+        committed, folders = set(), set()
+        for key in self.root.keys():  # type: ignore[union-attr]
+            head, _, rest = key.partition("/")
+            if rest and _is_step_name(head):
+                folders.add(head)
+                if rest == fmt.COMMIT_MARKER:
+                    committed.add(head)
+        return committed, folders
+
     def _scan(self) -> dict[int, dict[str, Any]]:
         out: dict[int, dict[str, Any]] = {}
         if not self.root.exists():
             return out
-        for p in self.root.iterdir():
-            if _is_step_name(p.name) and _layout.is_committed(p):
-                try:
-                    meta = fmt.read_json(p / fmt.CHECKPOINT_METADATA, "checkpoint metadata")
-                except (FileNotFoundError, ValueError) as e:
-                    log.warning("milepost.training: ignoring step %s: %s", p.name, e)
-                    continue
-                metrics = meta.get("metrics") if isinstance(meta, dict) else None
-                out[int(p.name)] = dict(metrics) if isinstance(metrics, dict) else {}
+        if isinstance(self.root, Path):
+            steps = [p for p in self.root.iterdir() if _is_step_name(p.name) and _layout.is_committed(p)]
+        else:
+            steps = [self.root / name for name in self._listing()[0]]
+        for p in steps:
+            try:
+                meta = fmt.read_json(p / fmt.CHECKPOINT_METADATA, "checkpoint metadata")
+            except (FileNotFoundError, ValueError) as e:
+                log.warning("milepost.training: ignoring step %s: %s", p.name, e)
+                continue
+            metrics = meta.get("metrics") if isinstance(meta, dict) else None
+            out[int(p.name)] = dict(metrics) if isinstance(metrics, dict) else {}
         return out
 
     def reload(self) -> None:
@@ -459,7 +489,9 @@ class Checkpointer:
                     self._gc_deferred = any(i.step not in wanted and i.step in self._loading for i in infos)
                     for s in doomed:
                         del self._steps[s]
-                if self._primary:
+                if self._primary and not isinstance(self.root, Path):
+                    doomed = self._remove_step_objects(doomed)
+                elif self._primary:
                     for s in list(doomed):
                         try:
                             self._remove_step_dir(s)
@@ -477,6 +509,9 @@ class Checkpointer:
 
     def _remove_step_dir(self, step: int) -> None:
         path = self.root / str(step)
+        if not isinstance(path, Path):
+            self._remove_step_objects([step])
+            return
         if not path.exists():
             return
         lock = _ownership.try_lock(path)
@@ -486,9 +521,35 @@ class Checkpointer:
             # Rename first: a crash mid-delete leaves a name that is never listed, not half a step.
             trash = path.with_name(path.name + DELETING_SUFFIX)
             if trash.exists():
-                _checkpoint.remove_tree(trash)
+                _ownership.remove_tree(trash)
             os.rename(path, trash)
-            _checkpoint.remove_tree(trash)
+            _ownership.remove_tree(trash)
+
+    def _remove_step_objects(self, steps: list[int]) -> list[int]:
+        """Object stores: delete committed steps, all at once. Under each step's lease, the
+        commit marker goes first (the step stops being loadable), then every key, in parallel;
+        a step another save owns is skipped. Returns the steps deleted."""
+        owned = []
+        for step in steps:
+            path = self.root / str(step)
+            assert isinstance(path, _paths.ObjectPath)
+            workspace = _workspace.ObjectWorkspace(path, overwrite=True, wait_secs=0.0, lease_secs=self._lease_secs)
+            try:
+                workspace.acquire()
+            except FileExistsError as e:
+                log.warning("milepost.training: retention skipped step %s: %s", step, e)
+                continue
+            owned.append((step, workspace))
+        try:
+            for step, _ in owned:
+                (self.root / str(step) / fmt.COMMIT_MARKER).unlink(missing_ok=True)
+            deletions = [(self.root / str(step)).delete_tree() for step, _ in owned]  # type: ignore[union-attr]
+            for deletion in deletions:
+                deletion.result()
+        finally:
+            for _, workspace in owned:
+                workspace.release()
+        return [step for step, _ in owned]
 
     def delete(self, step: int) -> None:
         """Delete the committed ``step`` now (not while it is being saved or loaded)."""
