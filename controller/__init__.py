@@ -17,6 +17,7 @@ from milepost._api import (
 )
 from milepost._background import wait_for_saves
 from milepost._checkpoint import CheckpointMetadata, SaveHandle
+from milepost._copy import CopyReport, copy
 from milepost._errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -52,6 +53,7 @@ __all__ = [
     "CheckpointReplacedError",
     "CheckpointableHandler",
     "Context",
+    "CopyReport",
     "CorruptCheckpointError",
     "HostError",
     "InvalidKeyError",
@@ -71,6 +73,7 @@ __all__ = [
     "StructureMismatchError",
     "UnsupportedLeafError",
     "VerifyReport",
+    "copy",
     "load",
     "load_checkpointables",
     "metadata",

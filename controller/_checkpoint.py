@@ -123,7 +123,7 @@ def start_save(
     except (TypeError, ValueError) as e:
         raise TypeError(f"custom_metadata and metrics must be JSON-serializable: {e}") from e
     handlers = {name: _handlers.resolve_for_save(name, obj, options.handlers) for name, obj in objs.items()}
-    group = _dispatch.host_group_for(_all_leaves(objs))
+    group = _dispatch.check_storage(_dispatch.host_group_for(_all_leaves(objs)), final)
     with _in_flight_lock:
         if final in _in_flight:
             raise SaveInProgressError(f"another save to {final} is still in flight; wait for it (handle.result()) first")
@@ -330,7 +330,7 @@ def load_checkpointables(
     for a in (abstracts or {}).values():
         if a is not None and not isinstance(a, _handlers.StatefulCheckpointable):
             leaves.extend(jax.tree_util.tree_leaves(a, is_leaf=lambda x: hasattr(x, "__milepost_host_group__")))
-    group = _dispatch.host_group_for_abstract(leaves)
+    group = _dispatch.check_storage(_dispatch.host_group_for_abstract(leaves), root)
     timeout = options.async_.timeout_secs
     _, items, identity, checksums = _dispatch.shared(group, f"ckpt-meta:{root}", lambda: _read_items(root), timeout)
     if default_pytree:
@@ -439,7 +439,7 @@ class CheckpointMetadata:
 def metadata(path: str | os.PathLike[str]) -> CheckpointMetadata:
     options = _options.current()
     root = _paths.as_path(path)
-    group = _dispatch.host_group_for([])
+    group = _dispatch.check_storage(_dispatch.host_group_for([]), root)
 
     def read() -> CheckpointMetadata:
         with _unchanged(root):

@@ -68,6 +68,18 @@ def _portable(error: Exception) -> Exception:
     return error
 
 
+def check_storage(group: HostGroup, where: Any) -> HostGroup:
+    """``group``, if its hosts can all reach ``where``: ``memory://`` lives inside one process."""
+    from milepost.workers import Location
+
+    if not isinstance(group, LocalHostGroup) and Location.of(where).scheme == "memory":
+        raise ValueError(
+            f"{where} is in memory, inside this process; the other processes of {group!r} cannot reach it. Save "
+            "to storage every host shares instead: a shared file system, gs:// or s3://"
+        )
+    return group
+
+
 def host_group_for(values: list[Any]) -> HostGroup:
     """The group of the slice whose handles ``values`` hold, else the runtime's default."""
     groups = {id(g): g for v in values if (g := getattr(v, "__milepost_host_group__", None)) is not None}

@@ -91,7 +91,7 @@ def load(path: Path, abstract: Any, partial: bool) -> Any:
     options = _options.current()
     timeout = options.async_.timeout_secs
     leaves: list[Any] = [] if abstract is None else jax.tree_util.tree_leaves(abstract, is_leaf=lambda x: hasattr(x, "__milepost_host_group__"))
-    group = _dispatch.host_group_for_abstract(leaves)
+    group = _dispatch.check_storage(_dispatch.host_group_for_abstract(leaves), path)
     tensors = _dispatch.shared(group, f"safetensors:{path}", lambda: read_tensors(path), timeout)
     if abstract is None:
         targets = [(tuple((part, _tree.KEY_DICT) for part in name.split(".")), name, None) for name in tensors]
@@ -200,7 +200,7 @@ def export(
     options = _options.current()
     timeout = options.async_.timeout_secs
     root, out = _paths.as_path(checkpoint), Path(out_dir).absolute()
-    group = slice.group if slice is not None else _dispatch.host_group_for([])
+    group = _dispatch.check_storage(slice.group if slice is not None else _dispatch.host_group_for([]), root)
     staging = out.with_name(f"{out.name}.milepost-export-tmp")
     planned = _dispatch.shared(
         group, f"export-plan:{out}", lambda: _plan(root, out, staging, subtree, max_shard_bytes, meta_strings, overwrite, group.processes(), options), timeout

@@ -62,7 +62,7 @@ def verify(path: str | os.PathLike[str], *, slice: Any = None) -> VerifyReport:
     """
     options = _options.current()
     root = _paths.as_path(path)
-    group = slice.group if slice is not None else _dispatch.host_group_for([])
+    group = _dispatch.check_storage(slice.group if slice is not None else _dispatch.host_group_for([]), root)
     timeout = options.async_.timeout_secs
     planned = _dispatch.shared(group, f"verify-plan:{root}", lambda: _plan(root, group.processes(), options), timeout)
     acks = group.run("verify", planned.plans, timeout) if planned.plans else []

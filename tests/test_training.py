@@ -435,7 +435,7 @@ class Follower(LocalHostGroup):
 
 
 def test_a_non_primary_process_takes_the_primarys_listing_and_decisions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    group = Follower({"open": (True, {5: {"loss": 1.0}, 10: {}}), "should-save": (True, (True, True))})
+    group = Follower({"open": (True, ({5: {"loss": 1.0}, 10: {}}, {})), "should-save": (True, (True, True))})
     monkeypatch.setattr(_dispatch, "_default_group", lambda: group)
     root = tmp_path / "r"
     with Checkpointer(root, save_policy=FixedInterval(interval=1000)) as ckpt:

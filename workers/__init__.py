@@ -5,6 +5,7 @@ This package runs inside host processes; it imports neither ``milepost`` (the co
 """
 
 from milepost.workers._checksum import crc32c, grid_key, parse_grid_key
+from milepost.workers._copy import CopyAck, CopyPlan
 from milepost.workers._engine import PendingSave, load, start_save, verify
 from milepost.workers._errors import CheckpointNotFoundError, CorruptCheckpointError
 from milepost.workers._export import ExportAck, ExportFile, ExportPlan
@@ -56,6 +57,8 @@ __all__ = [
     "ZARR3_DTYPES",
     "ArraySpec",
     "CheckpointNotFoundError",
+    "CopyAck",
+    "CopyPlan",
     "CorruptCheckpointError",
     "Done",
     "ExportAck",

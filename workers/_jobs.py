@@ -8,11 +8,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from milepost.workers import _engine, _export
+from milepost.workers import _copy, _engine, _export
 
 JOBS: dict[str, Callable[[Any, int | str], Any]] = {
     "verify": _engine.verify,
     "export_safetensors": _export.export_safetensors,
+    "copy_files": _copy.copy_files,
 }
 
 

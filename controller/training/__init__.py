@@ -9,6 +9,7 @@
 from milepost.training._checkpointer import (
     BackgroundSaveError,
     Checkpointer,
+    MirrorError,
     StepBusyError,
     StepExistsError,
     StepNotFoundError,
@@ -43,6 +44,7 @@ __all__ = [
     "KeepEvery",
     "KeepLatest",
     "KeepUnion",
+    "MirrorError",
     "Preemption",
     "RetentionPolicy",
     "SaveContext",

@@ -5,6 +5,11 @@ Orbax v1). At most one save is in flight by default; the next waits for it. A ba
 is re-raised on the caller's next call. Retention runs in the background after each commit and
 never deletes the latest committed step, a step being saved, or a step being loaded.
 
+With a local tier (``local=``, a fast local disk), each step is committed there first and
+mirrored to ``root`` in the background (``milepost.copy``: each host copies the files it wrote);
+local retention never deletes a step whose mirror has not committed, so rotation never removes
+the only durable copy.
+
 With several controller processes (mcJAX) every method is collective: call it in every process,
 in the same order. The primary lists the root, decides ``should_save`` and deletes; the others
 get its answers through the host group's broadcast.
@@ -27,23 +32,24 @@ from typing import Any, TypeVar
 import jax
 import numpy as np
 
-from milepost import _api, _checkpoint, _dispatch, _layout, _options, _ownership, _paths, _workspace
-from milepost import _format as fmt
+from milepost import _api, _checkpoint, _copy, _dispatch, _options, _paths
+from milepost.colocated import HostGroup
 from milepost.training._policies import (
     FixedInterval,
     KeepAll,
+    KeepLatest,
     RetentionPolicy,
     SaveContext,
     SavePolicy,
     StepInfo,
     preemption_signals,
 )
+from milepost.training._tier import StepBusyError, Tier
 
 log = logging.getLogger("milepost.training")
 
 T = TypeVar("T")
 STATE = "state"
-DELETING_SUFFIX = ".milepost-deleting"
 
 
 class StepExistsError(FileExistsError):
@@ -52,10 +58,6 @@ class StepExistsError(FileExistsError):
 
 class StepNotFoundError(FileNotFoundError):
     """No committed checkpoint of this step (or none at all)."""
-
-
-class StepBusyError(RuntimeError):
-    """The step is being saved or loaded right now, so it cannot be deleted."""
 
 
 class BackgroundSaveError(RuntimeError):
@@ -69,6 +71,19 @@ class BackgroundSaveError(RuntimeError):
         self.step = step
 
 
+class MirrorError(BackgroundSaveError):
+    """The mirror of a step from the local tier to the root failed or timed out; the step is
+    kept in the local tier, and the next Checkpointer on these folders mirrors it again."""
+
+    def __init__(self, step: int, local: Any, root: Any, cause: BaseException) -> None:
+        RuntimeError.__init__(
+            self,
+            f"mirroring step {step} from {local} to {root} failed: {type(cause).__name__}: {cause}. The step is kept in "
+            f"{local} (retention will not delete it); open a Checkpointer on these folders again to retry the mirror.",
+        )
+        self.step = step
+
+
 def _check_step(step: Any) -> int:
     if isinstance(step, bool) or not hasattr(step, "__index__"):
         raise TypeError(f"step must be a non-negative int, got {step!r} ({type(step).__name__})")
@@ -76,19 +91,6 @@ def _check_step(step: Any) -> int:
     if value < 0:
         raise ValueError(f"step must be a non-negative int, got {value}")
     return value
-
-
-def _is_step_name(name: str) -> bool:
-    return name.isdigit() and str(int(name)) == name
-
-
-def _leftover_of_step(name: str) -> bool:
-    """``<step>.orbax-checkpoint-tmp[...]`` or ``<step>.milepost-deleting``."""
-    for marker in (fmt.TMP_SUFFIX, DELETING_SUFFIX):
-        head, found, _ = name.partition(marker)
-        if found and _is_step_name(head):
-            return True
-    return False
 
 
 def _plain_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -133,6 +135,14 @@ class Checkpointer:
     once the step is committed. ``timeout_secs`` bounds every wait (default: the current
     ``AsyncOptions.timeout_secs``).
 
+    ``local`` (a folder on a fast local disk) adds a local tier: ``save`` commits each step
+    there, and a background mirror copies it to ``root`` (then durable); ``local_keep`` (default
+    ``KeepLatest(n=2)``) says which steps the local tier keeps, and never deletes one whose mirror
+    has not committed. ``steps`` and ``latest`` see both tiers; ``load`` reads the local copy when
+    there is one. A mirror that fails, or does not finish within ``mirror_timeout_secs``, keeps
+    the local step and raises :class:`MirrorError` on the next call; a Checkpointer opened on
+    folders holding unmirrored steps mirrors them.
+
     ``read_only=True`` (an eval watcher, a notebook looking at a run) lists and loads but never
     writes or deletes anything. A writing Checkpointer removes what an unfinished save or
     deletion left behind only once it holds that step's writer lock, so a save running in
@@ -149,8 +159,24 @@ class Checkpointer:
         asynchronous: bool = True,
         timeout_secs: float | None = None,
         read_only: bool = False,
+        local: str | os.PathLike[str] | None = None,
+        local_keep: RetentionPolicy | None = None,
+        mirror_timeout_secs: float | None = None,
     ) -> None:
         self.root = _paths.as_path(root)
+        self.local: Path | None = None
+        if local is not None:
+            where = _paths.as_path(local)
+            if not isinstance(where, Path):
+                raise ValueError(
+                    f"local={local!r} is not a local folder; the local tier is a fast local disk (e.g. /local_ssd/ckpt), "
+                    "and root is where steps are mirrored to (it may be gs:// or s3://)"
+                )
+            if isinstance(self.root, Path) and (where == self.root or self.root in where.parents or where in self.root.parents):
+                raise ValueError(f"local={str(where)!r} and root={str(self.root)!r} overlap; give the local tier its own folder")
+            self.local = where
+        elif local_keep is not None:
+            raise ValueError("local_keep applies to the local tier; pass local=<folder> too, or drop local_keep")
         if not isinstance(read_only, bool):
             raise TypeError(f"read_only must be True or False, got {read_only!r}")
         self.read_only = read_only
@@ -160,6 +186,9 @@ class Checkpointer:
             raise TypeError(f"save_policy={self.save_policy!r} is not a save policy (it needs should_save(ctx)); e.g. FixedInterval(interval=100)")
         if not isinstance(self.keep, RetentionPolicy):
             raise TypeError(f"keep={self.keep!r} is not a retention policy (it needs keep(steps)); e.g. KeepLatest(n=3)")
+        self.local_keep: RetentionPolicy = local_keep if local_keep is not None else KeepLatest(n=2)
+        if not isinstance(self.local_keep, RetentionPolicy):
+            raise TypeError(f"local_keep={self.local_keep!r} is not a retention policy (it needs keep(steps)); e.g. KeepLatest(n=2)")
         if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
             raise ValueError(f"max_in_flight must be an int >= 1, got {max_in_flight!r}")
         self.max_in_flight = max_in_flight
@@ -167,13 +196,28 @@ class Checkpointer:
         if timeout_secs is not None:
             _options.AsyncOptions(timeout_secs=timeout_secs)  # the same checks, the same errors
         self._timeout = float(timeout_secs) if timeout_secs is not None else _options.current().async_.timeout_secs
-        self._lease_secs = _options.current().saving.lease_secs
-        self._group = _dispatch.host_group_for([])
+        if mirror_timeout_secs is not None:
+            _options.AsyncOptions(timeout_secs=mirror_timeout_secs)
+        self._mirror_timeout = float(mirror_timeout_secs) if mirror_timeout_secs is not None else self._timeout
+        self._options = _options.current()
+        """The options when the Checkpointer was opened; its background work (mirrors) uses them."""
+        self._lease_secs = lease_secs = self._options.saving.lease_secs
+        self._group = _dispatch.check_storage(_dispatch.host_group_for([]), self.root)
+        self._durable = Tier(self.root, lease_secs)
+        self._fast = Tier(self.local, lease_secs) if self.local is not None else None
         self._primary = self._group.is_primary()
 
         self._cond = threading.Condition(threading.RLock())
         self._gc_lock = threading.Lock()
         self._steps: dict[int, dict[str, Any]] = {}
+        """Committed steps in root (durable), with their metrics."""
+        self._local_steps: dict[int, dict[str, Any]] = {}
+        """Committed steps in the local tier."""
+        self._mirrors: dict[int, HostGroup] = {}
+        """Local steps waiting for their mirror or being mirrored (in order), with the hosts that copy."""
+        self._unmirrored: set[int] = set()
+        """Local steps whose mirror failed: kept until a later Checkpointer mirrors them."""
+        self._mirror_worker = _Worker(self._mirror_next, f"milepost-mirror:{self.root.name}")
         self._in_flight: dict[int, _checkpoint.SaveHandle | None] = {}
         """Steps being saved: their handles (None while the save is starting)."""
         self._loading: collections.Counter[int] = collections.Counter()
@@ -191,8 +235,14 @@ class Checkpointer:
         self._closed = False
         self._previous_handlers: dict[int, Any] = {}
 
-        listing = self._shared("open", self._open_on_primary)
-        self._steps = {int(k): dict(v) for k, v in listing.items()}
+        durable, fast = self._shared("open", self._open_on_primary)
+        self._steps = {int(k): dict(v) for k, v in durable.items()}
+        self._local_steps = {int(k): dict(v) for k, v in fast.items()}
+        if not self.read_only:
+            for step in sorted(set(self._local_steps) - set(self._steps)):  # a mirror that did not finish
+                log.warning("milepost.training: step %s is only in %s; mirroring it to %s", step, self.local, self.root)
+                self._mirrors[step] = self._group
+                self._mirror_worker.submit()
 
         signals = preemption_signals(self.save_policy)
         self._jax_preemption = signal.SIGTERM in signals and _jax_preemption_service()
@@ -207,101 +257,50 @@ class Checkpointer:
         return _dispatch.shared(self._group, f"milepost.training:{what}:{self.root}", fn, self._timeout)
 
     # -- listing ------------------------------------------------------------------------
-    def _open_on_primary(self) -> dict[int, dict[str, Any]]:
-        if self.root.exists() and not self.root.is_dir():
-            raise NotADirectoryError(
-                f"checkpoint root {self.root} is a file; pass a directory (it is created if missing)"
-            )
-        if self.read_only:
-            return self._scan()
-        self.root.mkdir(parents=True, exist_ok=True)
-        self._remove_uncommitted()
-        return self._scan()
+    def _open_on_primary(self) -> tuple[dict[int, dict[str, Any]], dict[int, dict[str, Any]]]:
+        fast = self._fast.open(self.read_only) if self._fast is not None else {}
+        return self._durable.open(self.read_only), fast
 
-    def _remove_uncommitted(self) -> None:
-        """Remove what saves and deletions that did not finish left behind: a step's temporary
-        directory (or one being made), an uncommitted step folder, a half-deleted step. Each
-        only if no live process holds its lock (its lease, in an object store): a save in
-        progress, in any process, does."""
-        busy = _checkpoint.saves_in_flight(self.root)  # saves of this process: not leftovers
-        if not isinstance(self.root, Path):
-            self._remove_uncommitted_objects(busy)
-            return
-        for p in sorted(self.root.iterdir()):
-            name = p.name
-            partial = _is_step_name(name) and p.is_dir() and not p.is_symlink() and not _layout.is_committed(p)
-            making = name.startswith(".") and _ownership.NEW_MARKER in name and _is_step_name(name[1:].partition(".")[0])
-            if not (partial or making or (_leftover_of_step(name) and (p.is_dir() or p.is_symlink()))):
-                continue
-            if name.lstrip(".").partition(".")[0] in busy:
-                continue
-            if _ownership.remove_if_abandoned(p):
-                log.warning("milepost.training: removed %s, left by a save or deletion that did not finish", p)
-            else:
-                log.info("milepost.training: left %s alone: a live process holds it", p)
-
-    def _remove_uncommitted_objects(self, busy: set[str]) -> None:
-        """In an object store: a step folder without its commit marker whose save is gone (no
-        lease, or an expired one) is removed; one listing for the whole root."""
-        committed, folders = self._listing()
-        for name in sorted(folders - committed - busy):
-            path = self.root / name
-            if _workspace.remove_if_abandoned(path, self._lease_secs):
-                log.warning("milepost.training: removed %s, left by a save or deletion that did not finish", path)
-            else:
-                log.info("milepost.training: left %s alone: a live save owns it", path)
-
-    def _listing(self) -> tuple[set[str], set[str]]:
-        """Object stores: (committed step names, every step folder name), from one listing."""
-        committed, folders = set(), set()
-        for key in self.root.keys():  # type: ignore[union-attr]
-            head, _, rest = key.partition("/")
-            if rest and _is_step_name(head):
-                folders.add(head)
-                if rest == fmt.COMMIT_MARKER:
-                    committed.add(head)
-        return committed, folders
-
-    def _scan(self) -> dict[int, dict[str, Any]]:
-        out: dict[int, dict[str, Any]] = {}
-        if not self.root.exists():
-            return out
-        if isinstance(self.root, Path):
-            steps = [p for p in self.root.iterdir() if _is_step_name(p.name) and _layout.is_committed(p)]
-        else:
-            steps = [self.root / name for name in self._listing()[0]]
-        for p in steps:
-            try:
-                meta = fmt.read_json(p / fmt.CHECKPOINT_METADATA, "checkpoint metadata")
-            except (FileNotFoundError, ValueError) as e:
-                log.warning("milepost.training: ignoring step %s: %s", p.name, e)
-                continue
-            metrics = meta.get("metrics") if isinstance(meta, dict) else None
-            out[int(p.name)] = dict(metrics) if isinstance(metrics, dict) else {}
-        return out
+    def _scan(self) -> tuple[dict[int, dict[str, Any]], dict[int, dict[str, Any]]]:
+        return self._durable.scan(), (self._fast.scan() if self._fast is not None else {})
 
     def reload(self) -> None:
         """Wait for saves in flight, then list the root again (steps written by another job)."""
         self.wait()
-        listing = self._shared("reload", self._scan)
+        durable, fast = self._shared("reload", self._scan)
         with self._cond:
-            self._steps = {int(k): dict(v) for k, v in listing.items()}
+            self._steps = {int(k): dict(v) for k, v in durable.items()}
+            self._local_steps = {int(k): dict(v) for k, v in fast.items()}
 
     @property
     def steps(self) -> list[int]:
-        """Committed steps, oldest first (steps in flight are not listed until they commit)."""
+        """Committed steps of both tiers, oldest first (steps in flight are not listed until
+        they commit)."""
         with self._cond:
-            return sorted(self._steps)
+            return sorted(self._steps.keys() | self._local_steps.keys())
 
     @property
     def latest(self) -> int | None:
         """The newest committed step (None when there is none)."""
-        with self._cond:
-            return max(self._steps) if self._steps else None
+        steps = self.steps
+        return steps[-1] if steps else None
 
-    def path(self, step: int) -> Path:
-        """Where ``step`` is (or would be) stored: ``root/<step>``."""
+    @property
+    def durable_steps(self) -> list[int]:
+        """Steps committed in ``root`` (with a local tier: the ones mirrored)."""
+        with self._cond:
+            return sorted(self._steps)
+
+    def path(self, step: int) -> Path | _paths.ObjectPath:
+        """Where ``step`` is (or would be) stored durably: ``root/<step>``."""
         return self.root / str(_check_step(step))
+
+    def _where(self, step: int) -> Path | _paths.ObjectPath:
+        """Where to read ``step``: its local copy when there is one."""
+        with self._cond:
+            if self.local is not None and step in self._local_steps:
+                return self.local / str(step)
+        return self.root / str(step)
 
     # -- deciding -----------------------------------------------------------------------
     def _install_signal(self, sig: int) -> None:
@@ -343,7 +342,7 @@ class Checkpointer:
             if self._decision is not None and self._decision[0] == step:
                 return self._decision[1]
             seen = self._signals_seen
-            known = set(self._steps) | set(self._in_flight)
+            known = set(self._steps) | set(self._local_steps) | set(self._in_flight)
             ctx = SaveContext(
                 step=step,
                 latest_step=max(known) if known else None,
@@ -419,8 +418,10 @@ class Checkpointer:
             self._decision = None
             self._last_save_start = time.monotonic()
         try:
+            target = self.local / str(step) if self.local is not None else self.path(step)
+            group = _dispatch.host_group_for(_checkpoint._all_leaves(checkpointables))
             handle = _api.save_checkpointables_async(
-                self.path(step), checkpointables, custom_metadata=custom_metadata, metrics=plain_metrics
+                target, checkpointables, custom_metadata=custom_metadata, metrics=plain_metrics
             )
         except BaseException:
             with self._cond:
@@ -430,7 +431,7 @@ class Checkpointer:
         with self._cond:
             self._signals_served = max(self._signals_served, served)
             self._in_flight[step] = handle
-        handle.add_done_callback(lambda h: self._finish(step, h, plain_metrics))
+        handle.add_done_callback(lambda h: self._finish(step, h, plain_metrics, group))
         if not self.asynchronous:
             self.wait()
         return True
@@ -440,15 +441,15 @@ class Checkpointer:
             raise StepExistsError(
                 f"a save of step {step} is already in flight in {self.root}; wait() for it, or save another step"
             )
-        if step in self._steps:
+        if step in self._steps or step in self._local_steps:
             raise StepExistsError(
-                f"step {step} already has a committed checkpoint at {self.root / str(step)}; "
+                f"step {step} already has a committed checkpoint at {self._where(step)}; "
                 "delete(step) it first, or save another step"
             )
 
-    def _finish(self, step: int, handle: _checkpoint.SaveHandle, metrics: dict[str, Any]) -> None:
+    def _finish(self, step: int, handle: _checkpoint.SaveHandle, metrics: dict[str, Any], group: HostGroup) -> None:
         """The save of ``step`` ended (on the thread that finished it): record the step, or the
-        failure for the next call to raise, and ask for retention."""
+        failure for the next call to raise, and ask for retention (and its mirror)."""
         try:
             handle.result(0)
         except BaseException as e:
@@ -461,8 +462,47 @@ class Checkpointer:
                 self._cond.notify_all()
             return
         with self._cond:
-            self._steps[step] = metrics
+            if self.local is not None:
+                self._local_steps[step] = metrics
+                self._mirrors[step] = group
+            else:
+                self._steps[step] = metrics
             self._in_flight.pop(step, None)
+            self._gc_active += 1
+            self._cond.notify_all()
+        if self.local is not None:
+            self._mirror_worker.submit()
+        self._retention.submit()
+
+    def _mirror_next(self) -> None:
+        """Mirror the oldest local step waiting for it to ``root`` (on the mirror worker)."""
+        with self._cond:
+            if not self._mirrors:
+                return
+            step, group = next(iter(self._mirrors.items()))
+            metrics = self._local_steps.get(step, {})
+        assert self.local is not None
+        try:
+            if step not in self._steps:
+                # A mirror a killed process left may still hold its lease: wait for it to expire.
+                _copy.copy_with(
+                    group, self.local / str(step), self.path(step), overwrite=False, timeout=self._mirror_timeout,
+                    options=self._options,
+                    wait_for_writer_secs=min(self._mirror_timeout, 1.5 * self._lease_secs),
+                )
+        except Exception as e:
+            log.error("milepost.training: mirroring step %s to %s failed: %s: %s", step, self.root, type(e).__name__, e)
+            with self._cond:
+                if self._failure is None:
+                    self._failure = MirrorError(step, self.local, self.root, e)
+                    self._failure.__cause__ = e
+                self._unmirrored.add(step)
+                del self._mirrors[step]
+                self._cond.notify_all()
+            return
+        with self._cond:
+            self._steps[step] = metrics
+            del self._mirrors[step]
             self._gc_active += 1
             self._cond.notify_all()
         self._retention.submit()
@@ -475,31 +515,31 @@ class Checkpointer:
 
     # -- retention ----------------------------------------------------------------------
     def _collect_garbage(self) -> None:
-        """Apply the retention policy, on the retention worker (``_gc_active`` was raised by
+        """Apply the retention policies, on the retention worker (``_gc_active`` was raised by
         whoever asked for this run)."""
         try:
             with self._gc_lock:
                 with self._cond:
-                    infos = [StepInfo(step=s, metrics=self._steps[s]) for s in sorted(self._steps)]
-                    if not infos:
-                        return
-                    wanted = set(self.keep.keep(infos))
-                    protected = {infos[-1].step} | set(self._in_flight) | set(self._loading)
-                    doomed = [i.step for i in infos if i.step not in wanted and i.step not in protected]
-                    self._gc_deferred = any(i.step not in wanted and i.step in self._loading for i in infos)
+                    busy = set(self._in_flight) | set(self._loading) | set(self._mirrors)
+                    doomed = self._doomed(self.keep, self._steps, busy)
+                    # The local tier keeps every step not yet durable: rotation must never delete
+                    # the only copy that is to reach root.
+                    durable = set(self._steps) | (set(self._local_steps) - set(self._mirrors) - self._unmirrored)
+                    doomed_local = self._doomed(self.local_keep, self._local_steps, busy | (set(self._local_steps) - durable))
+                    letting_go = self._doomed(self.keep, self._steps, set()) + self._doomed(self.local_keep, self._local_steps, set())
+                    self._gc_deferred = any(s in self._loading for s in letting_go)
                     for s in doomed:
                         del self._steps[s]
-                if self._primary and not isinstance(self.root, Path):
-                    doomed = self._remove_step_objects(doomed)
-                elif self._primary:
-                    for s in list(doomed):
-                        try:
-                            self._remove_step_dir(s)
-                        except StepBusyError as e:
-                            log.warning("milepost.training: retention skipped step %s: %s", s, e)
-                            doomed.remove(s)
-                if doomed:
-                    log.info("milepost.training: retention deleted steps %s of %s", doomed, self.root)
+                    for s in doomed_local:
+                        del self._local_steps[s]
+                if not self._primary:
+                    return
+                for tier, steps in ((self._durable, doomed), (self._fast, doomed_local)):
+                    if tier is None or not steps:
+                        continue
+                    deleted = tier.delete(steps)
+                    if deleted:
+                        log.info("milepost.training: retention deleted steps %s of %s", deleted, tier)
         except Exception as e:  # retention must never break training
             log.error("milepost.training: retention in %s failed: %s: %s", self.root, type(e).__name__, e)
         finally:
@@ -507,49 +547,14 @@ class Checkpointer:
                 self._gc_active -= 1
                 self._cond.notify_all()
 
-    def _remove_step_dir(self, step: int) -> None:
-        path = self.root / str(step)
-        if not isinstance(path, Path):
-            self._remove_step_objects([step])
-            return
-        if not path.exists():
-            return
-        lock = _ownership.try_lock(path)
-        if lock is None:
-            raise StepBusyError(f"step {step} in {self.root} is held by another process (being committed); it was not deleted")
-        with lock:
-            # Rename first: a crash mid-delete leaves a name that is never listed, not half a step.
-            trash = path.with_name(path.name + DELETING_SUFFIX)
-            if trash.exists():
-                _ownership.remove_tree(trash)
-            os.rename(path, trash)
-            _ownership.remove_tree(trash)
-
-    def _remove_step_objects(self, steps: list[int]) -> list[int]:
-        """Object stores: delete committed steps, all at once. Under each step's lease, the
-        commit marker goes first (the step stops being loadable), then every key, in parallel;
-        a step another save owns is skipped. Returns the steps deleted."""
-        owned = []
-        for step in steps:
-            path = self.root / str(step)
-            assert isinstance(path, _paths.ObjectPath)
-            workspace = _workspace.ObjectWorkspace(path, overwrite=True, wait_secs=0.0, lease_secs=self._lease_secs)
-            try:
-                workspace.acquire()
-            except FileExistsError as e:
-                log.warning("milepost.training: retention skipped step %s: %s", step, e)
-                continue
-            owned.append((step, workspace))
-        try:
-            for step, _ in owned:
-                (self.root / str(step) / fmt.COMMIT_MARKER).unlink(missing_ok=True)
-            deletions = [(self.root / str(step)).delete_tree() for step, _ in owned]  # type: ignore[union-attr]
-            for deletion in deletions:
-                deletion.result()
-        finally:
-            for _, workspace in owned:
-                workspace.release()
-        return [step for step, _ in owned]
+    @staticmethod
+    def _doomed(policy: RetentionPolicy, steps: Mapping[int, dict[str, Any]], spared: set[int]) -> list[int]:
+        """The steps ``policy`` lets go, but the latest and ``spared``."""
+        infos = [StepInfo(step=s, metrics=steps[s]) for s in sorted(steps)]
+        if not infos:
+            return []
+        wanted = set(policy.keep(infos))
+        return [i.step for i in infos if i.step not in wanted and i.step != infos[-1].step and i.step not in spared]
 
     def delete(self, step: int) -> None:
         """Delete the committed ``step`` now (not while it is being saved or loaded)."""
@@ -560,24 +565,24 @@ class Checkpointer:
         def on_primary() -> None:
             with self._gc_lock:
                 with self._cond:
-                    if step in self._in_flight:
-                        raise StepBusyError(f"step {step} is being saved; wait() before deleting it")
+                    if step in self._in_flight or step in self._mirrors:
+                        raise StepBusyError(f"step {step} is being saved or mirrored; wait() before deleting it")
                     if self._loading[step]:
                         raise StepBusyError(f"step {step} is being loaded; delete it after the load returns")
-                    if step not in self._steps:
-                        raise StepNotFoundError(f"no committed step {step} in {self.root} (steps: {sorted(self._steps)})")
-                    metrics = self._steps.pop(step)
-                try:
-                    self._remove_step_dir(step)
-                except BaseException:
-                    with self._cond:
-                        self._steps[step] = metrics
-                    raise
+                    if step not in self._steps and step not in self._local_steps:
+                        raise StepNotFoundError(f"no committed step {step} in {self.root} (steps: {self.steps})")
+                for steps, tier in ((self._steps, self._durable), (self._local_steps, self._fast)):
+                    if tier is not None and step in steps:
+                        tier.delete_one(step)
+                        with self._cond:
+                            steps.pop(step, None)
+                            self._unmirrored.discard(step)
 
         self._shared(f"delete:{step}", on_primary)
         if not self._primary:
             with self._cond:
                 self._steps.pop(step, None)
+                self._local_steps.pop(step, None)
 
     # -- loading ------------------------------------------------------------------------
     def _protect(self, step: int | None) -> int:
@@ -587,16 +592,17 @@ class Checkpointer:
 
         def on_primary() -> int:
             with self._cond:
+                committed = self._steps.keys() | self._local_steps.keys()
                 if wanted is None:
-                    if not self._steps:
+                    if not committed:
                         raise StepNotFoundError(f"no committed checkpoint in {self.root} yet; nothing to load")
-                    resolved = max(self._steps)
-                elif wanted in self._steps:
+                    resolved = max(committed)
+                elif wanted in committed:
                     resolved = wanted
                 elif wanted in self._in_flight:
                     raise StepNotFoundError(f"step {wanted} is still being saved; wait() for it before loading it")
                 else:
-                    raise StepNotFoundError(f"no committed step {wanted} in {self.root} (steps: {sorted(self._steps)})")
+                    raise StepNotFoundError(f"no committed step {wanted} in {self.root} (steps: {sorted(committed)})")
                 self._loading[resolved] += 1
                 return resolved
 
@@ -627,7 +633,7 @@ class Checkpointer:
         self._raise_failure()
         s = self._protect(step)
         try:
-            return _api.load(self.root / str(s), abstract_state, partial=partial)
+            return _api.load(self._where(s), abstract_state, partial=partial)
         finally:
             self._release(s)
 
@@ -638,7 +644,7 @@ class Checkpointer:
         self._raise_failure()
         s = self._protect(step)
         try:
-            return _api.load_checkpointables(self.root / str(s), checkpointables, partial=partial)
+            return _api.load_checkpointables(self._where(s), checkpointables, partial=partial)
         finally:
             self._release(s)
 
@@ -648,24 +654,27 @@ class Checkpointer:
         self._raise_failure()
         s = self._protect(step)
         try:
-            return _api.metadata(self.root / str(s))
+            return _api.metadata(self._where(s))
         finally:
             self._release(s)
 
     # -- lifecycle ----------------------------------------------------------------------
     def wait(self) -> None:
-        """Wait for every save in flight and for retention; re-raise a background failure."""
+        """Wait for every save in flight, every mirror and retention; re-raise a background
+        failure."""
         with self._cond:
             self._wait_while(
-                lambda: bool(self._in_flight or self._gc_active),
-                lambda: f"the saves of steps {sorted(self._in_flight)} in {self.root} did not finish "
-                f"within {self._timeout}s",
+                lambda: bool(self._in_flight or self._gc_active or self._mirrors),
+                lambda: f"the saves of steps {sorted(self._in_flight)} (mirrors of {sorted(self._mirrors)}) in "
+                f"{self.root} did not finish within {self._timeout}s",
+                self._timeout + (self._mirror_timeout if self._mirrors else 0.0),
             )
         self._raise_failure()
 
-    def _wait_while(self, busy: Callable[[], bool], message: Callable[[], str]) -> None:
-        """With ``self._cond`` held: wait while ``busy()``, at most the Checkpointer's timeout."""
-        deadline = time.monotonic() + self._timeout
+    def _wait_while(self, busy: Callable[[], bool], message: Callable[[], str], timeout: float | None = None) -> None:
+        """With ``self._cond`` held: wait while ``busy()``, at most ``timeout`` (default: the
+        Checkpointer's)."""
+        deadline = time.monotonic() + (self._timeout if timeout is None else timeout)
         while busy():
             left = deadline - time.monotonic()
             if left <= 0:
@@ -692,6 +701,7 @@ class Checkpointer:
             self.wait()
         finally:
             self._closed = True
+            self._mirror_worker.stop(self._timeout)
             self._retention.stop(self._timeout)
             if threading.current_thread() is threading.main_thread():
                 for sig, previous in self._previous_handlers.items():
@@ -712,7 +722,8 @@ class Checkpointer:
 
     def __repr__(self) -> str:
         with self._cond:
-            return f"Checkpointer({str(self.root)!r}, steps={sorted(self._steps)}, in_flight={sorted(self._in_flight)})"
+            local = f", local={str(self.local)!r}, local_steps={sorted(self._local_steps)}" if self.local is not None else ""
+            return f"Checkpointer({str(self.root)!r}, steps={sorted(self._steps)}{local}, in_flight={sorted(self._in_flight)})"
 
 
 class _Worker:

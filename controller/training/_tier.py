@@ -1,0 +1,180 @@
+"""A place where a Checkpointer keeps its steps: ``<path>/<step>/`` folders, in a local folder
+or under an object-store prefix. The durable root is one; the optional local tier another.
+
+Only the primary lists and deletes. A step counts once it is committed; what an unfinished
+save or deletion left is removed only when no live process owns it (its lock, or in an object
+store its lease), so a save running in another process is never touched.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from milepost import _checkpoint, _layout, _ownership, _paths, _workspace
+from milepost import _format as fmt
+
+log = logging.getLogger("milepost.training")
+
+DELETING_SUFFIX = ".milepost-deleting"
+
+
+class StepBusyError(RuntimeError):
+    """The step is being saved or loaded right now, so it cannot be deleted."""
+
+
+def is_step_name(name: str) -> bool:
+    return name.isdigit() and str(int(name)) == name
+
+
+def _leftover_of_step(name: str) -> bool:
+    """``<step>.orbax-checkpoint-tmp[...]`` or ``<step>.milepost-deleting``."""
+    for marker in (fmt.TMP_SUFFIX, DELETING_SUFFIX):
+        head, found, _ = name.partition(marker)
+        if found and is_step_name(head):
+            return True
+    return False
+
+
+class Tier:
+    def __init__(self, path: Path | _paths.ObjectPath, lease_secs: float) -> None:
+        self.path = path
+        self.lease_secs = lease_secs
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    def step(self, step: int) -> Path | _paths.ObjectPath:
+        return self.path / str(step)
+
+    # -- listing ------------------------------------------------------------------------
+    def open(self, read_only: bool) -> dict[int, dict[str, Any]]:
+        """On the primary: make the folder, clean what unfinished saves left (unless
+        ``read_only``) and list the committed steps with their metrics."""
+        if self.path.exists() and not self.path.is_dir():
+            raise NotADirectoryError(f"checkpoint root {self.path} is a file; pass a directory (it is created if missing)")
+        if not read_only:
+            self.path.mkdir(parents=True, exist_ok=True)
+            self.remove_uncommitted()
+        return self.scan()
+
+    def scan(self) -> dict[int, dict[str, Any]]:
+        out: dict[int, dict[str, Any]] = {}
+        if not self.path.exists():
+            return out
+        if isinstance(self.path, Path):
+            steps = [p for p in self.path.iterdir() if is_step_name(p.name) and _layout.is_committed(p)]
+        else:
+            steps = [self.path / name for name in self._listing()[0]]
+        for p in steps:
+            try:
+                meta = fmt.read_json(p / fmt.CHECKPOINT_METADATA, "checkpoint metadata")
+            except (FileNotFoundError, ValueError) as e:
+                log.warning("milepost.training: ignoring step %s: %s", p.name, e)
+                continue
+            metrics = meta.get("metrics") if isinstance(meta, dict) else None
+            out[int(p.name)] = dict(metrics) if isinstance(metrics, dict) else {}
+        return out
+
+    def _listing(self) -> tuple[set[str], set[str]]:
+        """Object stores: (committed step names, every step folder name), from one listing."""
+        assert isinstance(self.path, _paths.ObjectPath)
+        committed, folders = set(), set()
+        for key in self.path.keys():
+            head, _, rest = key.partition("/")
+            if rest and is_step_name(head):
+                folders.add(head)
+                if rest == fmt.COMMIT_MARKER:
+                    committed.add(head)
+        return committed, folders
+
+    def remove_uncommitted(self) -> None:
+        """Remove what saves and deletions that did not finish left behind: a step's temporary
+        directory (or one being made), an uncommitted step folder, a half-deleted step. Each
+        only if no live process holds its lock (its lease, in an object store): a save in
+        progress, in any process, does."""
+        busy = _checkpoint.saves_in_flight(self.path)  # saves of this process: not leftovers
+        if not isinstance(self.path, Path):
+            committed, folders = self._listing()
+            for name in sorted(folders - committed - busy):
+                if _workspace.remove_if_abandoned(self.path / name, self.lease_secs):  # type: ignore[arg-type]
+                    log.warning("milepost.training: removed %s, left by a save or deletion that did not finish", self.path / name)
+                else:
+                    log.info("milepost.training: left %s alone: a live save owns it", self.path / name)
+            return
+        for p in sorted(self.path.iterdir()):
+            name = p.name
+            partial = is_step_name(name) and p.is_dir() and not p.is_symlink() and not _layout.is_committed(p)
+            making = name.startswith(".") and _ownership.NEW_MARKER in name and is_step_name(name[1:].partition(".")[0])
+            if not (partial or making or (_leftover_of_step(name) and (p.is_dir() or p.is_symlink()))):
+                continue
+            if name.lstrip(".").partition(".")[0] in busy:
+                continue
+            if _ownership.remove_if_abandoned(p):
+                log.warning("milepost.training: removed %s, left by a save or deletion that did not finish", p)
+            else:
+                log.info("milepost.training: left %s alone: a live process holds it", p)
+
+    # -- deleting -----------------------------------------------------------------------
+    def delete(self, steps: list[int]) -> list[int]:
+        """Delete committed steps; one another process holds is skipped (with a warning).
+        Returns the steps deleted."""
+        if not isinstance(self.path, Path):
+            return self._delete_objects(steps)
+        deleted = []
+        for step in steps:
+            try:
+                self.delete_one(step)
+            except StepBusyError as e:
+                log.warning("milepost.training: retention skipped step %s: %s", step, e)
+                continue
+            deleted.append(step)
+        return deleted
+
+    def delete_one(self, step: int) -> None:
+        """Delete the committed ``step``; StepBusyError if another process holds it."""
+        path = self.step(step)
+        if not isinstance(path, Path):
+            if self._delete_objects([step]) != [step]:
+                raise StepBusyError(f"step {step} in {self.path} is being written by another process; it was not deleted")
+            return
+        if not path.exists():
+            return
+        lock = _ownership.try_lock(path)
+        if lock is None:
+            raise StepBusyError(f"step {step} in {self.path} is held by another process (being committed); it was not deleted")
+        with lock:
+            # Rename first: a crash mid-delete leaves a name that is never listed, not half a step.
+            trash = path.with_name(path.name + DELETING_SUFFIX)
+            if trash.exists():
+                _ownership.remove_tree(trash)
+            os.rename(path, trash)
+            _ownership.remove_tree(trash)
+
+    def _delete_objects(self, steps: list[int]) -> list[int]:
+        """Object stores: delete committed steps, all at once. Under each step's lease, the
+        commit marker goes first (the step stops being loadable), then every key, in parallel;
+        a step another save owns is skipped."""
+        owned: list[tuple[int, _workspace.ObjectWorkspace]] = []
+        for step in steps:
+            path = self.step(step)
+            assert isinstance(path, _paths.ObjectPath)
+            workspace = _workspace.ObjectWorkspace(path, overwrite=True, wait_secs=0.0, lease_secs=self.lease_secs)
+            try:
+                workspace.acquire()
+            except FileExistsError as e:
+                log.warning("milepost.training: step %s not deleted: %s", step, e)
+                continue
+            owned.append((step, workspace))
+        try:
+            for step, _ in owned:
+                (self.step(step) / fmt.COMMIT_MARKER).unlink(missing_ok=True)
+            deletions: list[Any] = [self.step(step).delete_tree() for step, _ in owned]  # type: ignore[union-attr]
+            for deletion in deletions:
+                deletion.result()
+        finally:
+            for _, workspace in owned:
+                workspace.release()
+        return [step for step, _ in owned]

@@ -1,0 +1,99 @@
+"""Host job: copy files of a checkpoint from one place to another (a local tier to durable
+storage, a bucket to a local disk), each host the files the controller assigned to it (the
+ones it wrote). Bytes go from storage to storage through the host; never to the controller.
+
+Local to local is a kernel copy (``copy_file_range``/``sendfile`` under ``shutil.copyfile``),
+fsynced; anything involving an object store goes through TensorStore's kvstores, a few files at
+a time, each read whole and written whole (one request each way).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from milepost.workers._errors import CorruptCheckpointError
+from milepost.workers._storage import Location, context_for
+
+COPY_THREADS = 4
+"""Files copied at once per host: enough to overlap requests to an object store, few enough
+that at most this many files are held in memory."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CopyPlan:
+    source: str
+    """A folder (a path or URL)."""
+    target: str
+    names: tuple[str, ...]
+    """Files relative to ``source``, '/'-separated; each written to the same name under ``target``."""
+    timeout_secs: float
+    """The copy stops (TimeoutError) once this long has passed; files in progress finish."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CopyAck:
+    process_index: int | str
+    files: int
+    bytes_copied: int
+
+
+def copy_files(plan: CopyPlan, process_index: int | str = 0) -> CopyAck:
+    source, target = Location.of(plan.source), Location.of(plan.target)
+    deadline = time.monotonic() + plan.timeout_secs
+    if source.is_local and target.is_local:
+        copy_one = _local_copier(source, target)
+    else:
+        copy_one = _kvstore_copier(source, target)
+
+    for name in plan.names:
+        parts = name.split("/")
+        if not name or name.startswith("/") or any(p in ("", ".", "..") for p in parts):
+            raise ValueError(f"cannot copy {name!r}: a file of a checkpoint is a relative path without '..'")
+
+    def run(name: str) -> int:
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"host {process_index} did not finish copying {plan.source} to {plan.target} within "
+                f"{plan.timeout_secs:g}s (stopped before {name})"
+            )
+        return copy_one(name)
+
+    with ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="milepost-copy") as pool:
+        sizes = list(pool.map(run, plan.names))
+    return CopyAck(process_index=process_index, files=len(sizes), bytes_copied=sum(sizes))
+
+
+def _local_copier(source: Location, target: Location) -> Any:
+    def copy(name: str) -> int:
+        src, dst = os.path.join(source.key, name), os.path.join(target.key, name)
+        if os.path.islink(src):
+            raise CorruptCheckpointError(f"{src} is a symbolic link; a checkpoint holds only files, so it is not copied")
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        shutil.copyfile(src, dst)
+        with open(dst, "rb") as f:
+            os.fsync(f.fileno())
+        return os.path.getsize(dst)
+
+    return copy
+
+
+def _kvstore_copier(source: Location, target: Location) -> Any:
+    import tensorstore as ts
+
+    src = ts.KvStore.open(source.kvstore(), context=context_for(source)).result()
+    dst = ts.KvStore.open(target.kvstore(), context=context_for(target)).result()
+
+    def copy(name: str) -> int:
+        got = src.read(name).result()
+        if got.state != "value":
+            raise FileNotFoundError(f"{source / name} disappeared while it was being copied to {target / name}")
+        value = bytes(got.value)
+        dst.write(name, value).result()
+        return len(value)
+
+    return copy
