@@ -22,6 +22,7 @@ from milepost.colocated._errors import HostError
 from milepost.colocated._handles import AbstractArray, RemoteArray, SliceMesh, SliceSharding
 from milepost.colocated._ray_group import WAIT_GROUP, RayHostGroup, Traffic, pickled_size
 from milepost.colocated._ray_host import HostActor, Ref
+from milepost.workers._storage import storage_environment
 
 log = logging.getLogger("milepost.slice")
 
@@ -44,8 +45,19 @@ class SliceOptions:
     ray_object_store_bytes: int = 1 << 30
     """Object store size for a Ray runtime that ``Slice.start`` initializes (only ``put`` and
     ``fetch`` use it)."""
+    forward_storage_env: bool = True
+    """Give the host actors this process's storage variables (``milepost.workers._storage.
+    STORAGE_ENV_VARS``: S3 endpoint, region and credentials, GCS emulator and credentials; only
+    those set), so they reach the same ``gs://`` and ``s3://`` as the controller. They travel in
+    the actors' Ray ``runtime_env`` (visible to whoever can inspect the Ray cluster); set False
+    when the hosts' own environment (their nodes' roles, files, variables) should decide."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.forward_storage_env, bool):
+            raise TypeError(
+                f"SliceOptions.forward_storage_env must be True or False, got {self.forward_storage_env!r} "
+                f"({type(self.forward_storage_env).__name__})"
+            )
         for name in ("timeout_secs", "start_timeout_secs", "cpus_per_host"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float):
@@ -58,6 +70,16 @@ class SliceOptions:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise TypeError(f"SliceOptions.{name} must be a positive int{' or None' if optional else ''}, got {value!r}")
+
+
+def _actor_env(devices_per_host: int | None, options: SliceOptions) -> dict[str, str]:
+    """The host actors' environment variables (set before the actor process imports JAX): fake
+    CPU devices when asked, and the storage variables the controller has (the hosts open the
+    checkpoint paths themselves)."""
+    env = storage_environment() if options.forward_storage_env else {}
+    if devices_per_host:
+        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_host}")
+    return env
 
 
 class Slice:
@@ -127,9 +149,7 @@ class Slice:
                 + ("STRICT_SPREAD needs one node per host; " if strategy == "STRICT_SPREAD" else "")
                 + "lower SliceOptions.cpus_per_host or add resources"
             ) from None
-        # The environment must be set before the actor process imports JAX.
-        env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_host}"} \
-            if devices_per_host else {}
+        env = _actor_env(devices_per_host, options)
         remote = ray.remote(concurrency_groups={WAIT_GROUP: 4})(HostActor)
         actors = [
             remote.options(

@@ -263,8 +263,34 @@ def absent(root: str, timeout: str) -> dict:
     return out
 
 
+def object_store(url: str) -> dict:
+    """2 processes, a bucket: save (sync and async) and load resharded, a Checkpointer with
+    retention; memory:// is refused (the other process cannot reach this one's memory)."""
+    from milepost.training import Checkpointer, KeepLatest
+
+    out: dict = {}
+    tree = make_tree(mesh_a())
+    mp.save(f"{url}/c", tree)
+    out["checked_same"] = check(mp.load(f"{url}/c"), {k: tree[k].sharding for k in SHAPES})
+    mp.save_async(f"{url}/d", tree).result(120)
+    out["checked_resharded"] = check(mp.load(f"{url}/d", resharded_abstract(mesh_b())))
+    with Checkpointer(f"{url}/run", keep=KeepLatest(n=2)) as ckpt:
+        for step in range(4):
+            ckpt.save_checkpointables(step, {"state": tree, "data": {"step": step}})
+        ckpt.wait()
+        out["ckpt_steps"] = ckpt.steps
+    with Checkpointer(f"{url}/run", read_only=True) as reader:
+        latest = reader.load_checkpointables(None, {"state": resharded_abstract(mesh_b()), "data": None})
+        out["ckpt_latest"] = [reader.latest, latest["data"]["step"], check(latest["state"])]
+    out["memory_save"] = outcome(lambda: mp.save("memory://mc/1", tree))
+    out["memory_load"] = outcome(lambda: mp.load("memory://mc/1", resharded_abstract(mesh_b())))
+    out["memory_checkpointer"] = outcome(lambda: Checkpointer("memory://mc/run"))
+    return out
+
+
 SCENARIOS: dict[str, Callable[..., dict]] = {
     "two_save": two_save, "four": four, "load": lambda root, *paths: _load(paths), "die": die, "absent": absent,
+    "object_store": object_store,
 }
 
 

@@ -27,6 +27,20 @@ SCHEMES = ("file", "gs", "s3", "memory")
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):(//?)(.*)$")
 
 
+STORAGE_ENV_VARS: tuple[str, ...] = (
+    "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_EC2_METADATA_DISABLED",
+    "TENSORSTORE_GCS_HTTP_URL", "STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS", "GOOGLE_AUTH_TOKEN_FOR_TESTING",
+)
+"""The variables that decide how this module and TensorStore reach gs:// and s3:// (endpoints,
+regions, credentials, emulators): a host process must see the controller's to open its paths."""
+
+
+def storage_environment() -> dict[str, str]:
+    """The :data:`STORAGE_ENV_VARS` set in this process, to give to host processes it starts."""
+    return {name: value for name in STORAGE_ENV_VARS if (value := os.environ.get(name)) is not None}
+
+
 class UnknownStorageError(ValueError):
     """A path names a storage milepost does not write to (or cannot reach)."""
 
