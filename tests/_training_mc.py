@@ -97,6 +97,18 @@ def main(scenario: str, index: int, count: int, port: int, root: str) -> dict:
             out.update(saved=saved, stopped=stopped, steps=ckpt.steps)
             if ckpt.latest is not None:
                 out["exact"] = exact(ckpt.load(), ckpt.latest)
+    elif scenario == "tiered":
+        # a local tier: every process commits locally, then all mirror together to root
+        local = f"{root}-local"
+        with Checkpointer(root, local=local, keep=KeepLatest(n=3), local_keep=KeepLatest(n=1)) as ckpt:
+            for step in range(4):
+                ckpt.save(step, state(step))
+            ckpt.wait()
+            out.update(steps=ckpt.steps, durable=ckpt.durable_steps, exact=exact(ckpt.load(), 3))
+        with Checkpointer(root, read_only=True) as durable:
+            out["exact_durable"] = exact(durable.load(1), 1)
+        out["on_disk"] = sorted(os.listdir(root))
+        out["local_on_disk"] = sorted(os.listdir(local))
     else:
         raise ValueError(f"unknown scenario {scenario}")
     return out

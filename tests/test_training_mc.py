@@ -21,3 +21,10 @@ def test_sigterm_to_one_process_makes_every_process_save_the_same_step(tmp_path:
     assert len(stopped) == 1 and None not in stopped, outs
     for o in outs:
         assert o["saved"] == [o["stopped"]] and o["steps"] == [o["stopped"]] and o["exact"] == 4, o
+
+
+def test_a_local_tier_mirrors_collectively(tmp_path: Path) -> None:
+    outs = _training_mc.launch("tiered", tmp_path / "run")
+    for o in outs:
+        assert o["steps"] == [1, 2, 3] and o["durable"] == [1, 2, 3] and o["exact"] == 4 and o["exact_durable"] == 4, o
+    assert outs[0]["on_disk"] == ["1", "2", "3"] and outs[0]["local_on_disk"] == ["3"], outs[0]
