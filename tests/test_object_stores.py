@@ -206,3 +206,16 @@ def test_s3_requests_grow_with_files_not_chunks(s3_endpoint: Any, mesh24: jax.sh
     assert save_many <= save_few + 4, counts  # 32x the chunks, the same files
     assert load_many <= load_few + 8, counts
     assert os.environ["AWS_ENDPOINT_URL"] == endpoint
+
+
+def test_s3_loads_of_many_small_arrays_coalesce_their_reads(s3_endpoint: Any, mesh24: jax.sharding.Mesh) -> None:
+    endpoint, log = s3_endpoint
+    bucket = new_s3_bucket(endpoint)
+    loads = {}
+    for n in (8, 64):  # each array: 8 shards of 2 KiB, all in the hosts' few data files
+        value = {f"w{i}": put(np.full((64, 64), i, np.float32), mesh24, P("data", "model")) for i in range(n)}
+        mp.save(f"s3://{bucket}/{n}", value)
+        before = log.count()
+        assert_tree_equal(mp.load(f"s3://{bucket}/{n}"), value)
+        loads[n] = log.count() - before
+    assert loads[64] <= loads[8] + 24, loads  # 8x the shards (448 more), a handful more requests

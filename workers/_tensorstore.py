@@ -30,6 +30,15 @@ OCDBT_CONFIG = {
     "manifest_kind": "single",
 }
 
+REMOTE_READ_COALESCING = {
+    # In an object store every read is a request: reads of one data file less than 1 MiB apart
+    # (the inner chunks of a shard, small arrays written together) are merged into one ranged
+    # GET of at most 256 MiB, issued after waiting 1 ms for neighbours.
+    "experimental_read_coalescing_threshold_bytes": 1 << 20,
+    "experimental_read_coalescing_merged_bytes": 1 << 28,
+    "experimental_read_coalescing_interval": "1ms",
+}
+
 
 def new_context(where: Any = None, file_io_concurrency: int = 64) -> ts.Context:
     """A context for I/O at ``where`` (a path or URL; the shared one for memory://)."""
@@ -54,6 +63,8 @@ def ocdbt_kvstore(path: Any, *, writable: bool = False) -> dict[str, Any]:
     spec: dict[str, Any] = {"driver": "ocdbt", "base": file_kvstore(path)}
     if writable:
         spec["config"] = OCDBT_CONFIG
+    elif not Location.of(path).is_local:
+        spec.update(REMOTE_READ_COALESCING)
     return spec
 
 
