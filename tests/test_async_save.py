@@ -7,6 +7,7 @@ import gc
 import json
 import shutil
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -249,3 +250,69 @@ def test_failure_leaves_no_temporary_directory_behind_in_flight_writes(tmp_path:
     assert listing(tmp_path) == []
     mp.save(tmp_path / "ok", {"x": np.arange(3)})  # some time later, still nothing stray
     assert listing(tmp_path) == sorted(["ok", *(f"ok/{p}" for p in listing(tmp_path / "ok"))])
+
+
+# ------------------------------------------------------------------------------------------
+# Staging buffers kept between saves
+# ------------------------------------------------------------------------------------------
+
+
+def test_consecutive_saves_reuse_staging_memory_and_keep_every_checkpoint_exact(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
+    from milepost.workers import _staging
+
+    _staging.POOL.clear()
+    states = [big_state(mesh24, mib=4) for _ in range(3)]
+    for k, s in enumerate(states):  # same shapes, different values
+        states[k] = jax.tree.map(lambda a, k=k: a + k, s)
+    first = mp.save_async(tmp_path / "0", states[0])
+    first.result(60)
+    pooled = _staging.POOL.pooled_bytes
+    assert pooled >= 4 << 20, "the first save's buffers are kept for the next"
+    taken: list[int] = []
+    real_take = _staging.POOL.take
+
+    def take(shape: Any, dtype: Any) -> Any:
+        view, raw = real_take(shape, dtype)
+        taken.append(raw.ctypes.data)
+        return view, raw
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(_staging.POOL, "take", take)
+        for k in (1, 2):
+            mp.save_async(tmp_path / str(k), states[k]).result(60)
+    assert len(set(taken)) == len(taken) // 2, "the second and third saves copied into the same buffers"
+    for k, s in enumerate(states):  # reusing a buffer never changed what an earlier save wrote
+        assert_tree_equal(mp.load(tmp_path / str(k)), s)
+
+
+def test_a_buffer_still_referenced_is_not_reused_and_idle_buffers_are_freed() -> None:
+    from milepost.workers._staging import StagingPool
+
+    pool = StagingPool(idle_secs=0.2)
+    view, raw = pool.take((256, 256), np.dtype(np.float32))
+    assert view.ctypes.data % 64 == 0 and view.shape == (256, 256)
+    nbytes = raw.nbytes
+    raws = [raw]
+    del raw  # the pool's caller holds its raw buffers in a list only
+    pool.give_back(raws, keep_bytes=1 << 30)
+    assert pool.pooled_bytes == 0, "a live view (as TensorStore may still hold) keeps its buffer out of the pool"
+    view, raw = pool.take((256, 256), np.dtype(np.float32))
+    raws = [raw]
+    del raw, view
+    pool.give_back(raws, keep_bytes=1 << 30)
+    assert pool.pooled_bytes == nbytes
+    again, raw = pool.take((256, 256), np.dtype(np.float32))
+    assert pool.pooled_bytes == 0
+    other, raw3 = pool.take((128, 128), np.dtype(np.float32))  # another size: a new buffer
+    assert raw3.ctypes.data != raw.ctypes.data
+    raws = [raw, raw3]
+    del raw, raw3, again, other
+    pool.give_back(raws, keep_bytes=nbytes)  # at most one save's bytes are kept
+    assert pool.pooled_bytes == nbytes
+    reused, raw = pool.take((256, 256), np.dtype(np.float32))
+    assert reused.ctypes.data - raw.ctypes.data < 64 and raw.nbytes == nbytes
+    raws = [raw]
+    del raw, reused
+    pool.give_back(raws, keep_bytes=nbytes)
+    time.sleep(0.5)
+    assert pool.pooled_bytes == 0, "freed after the idle time"

@@ -9,8 +9,10 @@ a time, each read whole and written whole (one request each way).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -63,9 +65,16 @@ def copy_files(plan: CopyPlan, process_index: int | str = 0) -> CopyAck:
             )
         return copy_one(name)
 
-    with ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="milepost-copy") as pool:
+    with ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="milepost-copy", initializer=_behind) as pool:
         sizes = list(pool.map(run, plan.names))
     return CopyAck(process_index=process_index, files=len(sizes), bytes_copied=sum(sizes))
+
+
+def _behind() -> None:
+    """Copies run behind the work that waits (a training step's save, its loads): the copying
+    threads get the lowest CPU priority, and with it the lowest I/O priority of their class."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 def _local_copier(source: Location, target: Location) -> Any:

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from milepost.workers import _checksum, _direct, _keys, _safetensors
+from milepost.workers import _checksum, _direct, _keys, _safetensors, _staging
 from milepost.workers import _tensorstore as tsu
 from milepost.workers._errors import CorruptCheckpointError, from_tensorstore
 from milepost.workers._messages import (
@@ -57,6 +57,9 @@ class PendingSave:
         """(array name, future of its chunks' checksums), computed while the writes run."""
         self._lock = threading.Lock()
         self._ack: SaveAck | None = None
+        self._staged: list[np.ndarray] = []
+        """Raw buffers of the staging copies, returned to the pool once the writes are durable."""
+        self._staged_bytes = 0
 
     def _track(self, future: Any, nbytes: int = 0) -> None:
         assert self._inflight is not None
@@ -85,6 +88,7 @@ class PendingSave:
                 for name, future in self._checksums:
                     checksums[name].extend(future.result())
                 self._checksums = []
+                _staging.POOL.give_back(self._staged, keep_bytes=self._staged_bytes)
                 arrays = tuple(
                     WrittenArray(
                         name=t.spec.name, write_shape=t.spec.write_shape, chunk_shape=t.spec.chunk_shape,
@@ -195,7 +199,9 @@ def _issue_writes(plan: SavePlan, sources: Sequence[Any], parts: list[_Part], op
             if plan.copy and _may_alias_caller_memory(source, region.device_id):
                 # Our own copy into aligned memory: TensorStore then references it until the
                 # write is durable instead of copying again, and the caller's arrays are free.
-                staged = aligned_empty(data.shape, data.dtype)
+                staged, raw = _staging.POOL.take(data.shape, data.dtype)
+                pending._staged.append(raw)
+                pending._staged_bytes += raw.nbytes
                 copies.append((staged, data))
                 data = staged
             writes.append((store, region.index, data, task.spec))
