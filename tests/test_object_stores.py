@@ -219,3 +219,34 @@ def test_s3_loads_of_many_small_arrays_coalesce_their_reads(s3_endpoint: Any, me
         assert_tree_equal(mp.load(f"s3://{bucket}/{n}"), value)
         loads[n] = log.count() - before
     assert loads[64] <= loads[8] + 24, loads  # 8x the shards (448 more), a handful more requests
+
+
+def test_a_slow_retention_delete_never_stalls_saves(s3_endpoint: Any, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from milepost.training import Checkpointer, KeepLatest, _tier
+
+    url = f"s3://{new_s3_bucket(s3_endpoint[0])}/run"
+    gate, deleting = threading.Event(), threading.Event()
+    real = _tier.Tier.delete
+
+    def slow_delete(self: Any, steps: list[int]) -> list[int]:
+        deleting.set()
+        assert gate.wait(60)
+        return real(self, steps)
+
+    monkeypatch.setattr(_tier.Tier, "delete", slow_delete)
+    with Checkpointer(url, keep=KeepLatest(n=1)) as ckpt:
+        ckpt.save(0, state(mesh24, 0))
+        ckpt.save(1, state(mesh24, 1))
+        assert deleting.wait(60)  # retention is stuck deleting step 0
+        for step in range(2, 5):  # saves go on, and commit
+            ckpt.save(step, state(mesh24, step))
+        deadline = time.monotonic() + 60
+        while ckpt.latest != 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ckpt.latest == 4 and "0/commit_success.txt" in objects(url)
+        gate.set()
+        ckpt.wait()
+        assert ckpt.steps == [4]
+    assert sorted({n.split("/")[0] for n in objects(url)}) == ["4"]
