@@ -221,9 +221,11 @@ def _plan_device_array(out: TreeSavePlan, leaf: Leaf, group: HostGroup) -> tuple
 # ------------------------------------------------------------------------------------------
 
 
-def start(planned: TreeSavePlan, directory: Path, call: SaveCall) -> PendingTree:
+def start(planned: TreeSavePlan, directory: Path, call: SaveCall, *, first_writer: int = 0, finish: bool = True) -> PendingTree:
     """Stage every host's shards and the controller's own leaves (the blocking part of a save);
-    the returned pending write finishes the checkpointable."""
+    the returned pending write finishes the checkpointable. ``first_writer`` numbers the OCDBT
+    databases written from there; ``finish=False``: the pending write only waits for the data
+    (a caller writing one tree in several parts writes the format files once, at the end)."""
     store = workers.StoreSpec(directory=str(directory), use_ocdbt=planned.options.use_ocdbt)
     writers = planned.options.ocdbt_writers_per_host
     timeout = call.options.async_.timeout_secs
@@ -231,7 +233,9 @@ def start(planned: TreeSavePlan, directory: Path, call: SaveCall) -> PendingTree
     hosts: workers.PendingWrite[list[workers.SaveAck]] | None = None
     if planned.host_tasks:
         plans = {
-            p: workers.SavePlan(store=store, process_index=p, tasks=tuple(tasks), copy=call.copy, writers=writers)
+            p: workers.SavePlan(
+                store=store, process_index=p, tasks=tuple(tasks), copy=call.copy, writers=writers, first_writer=first_writer
+            )
             for p, tasks in planned.host_tasks.items()
         }
         hosts = group.start_save(plans, planned.host_sources, timeout)
@@ -239,14 +243,15 @@ def start(planned: TreeSavePlan, directory: Path, call: SaveCall) -> PendingTree
     try:
         if planned.controller_tasks and group.is_primary():
             plan = workers.SavePlan(
-                store=store, process_index=CONTROLLER, tasks=tuple(planned.controller_tasks), copy=call.copy, writers=writers
+                store=store, process_index=CONTROLLER, tasks=tuple(planned.controller_tasks), copy=call.copy, writers=writers,
+                first_writer=first_writer,
             )
             own = _dispatch.controller_host().start_save({CONTROLLER: plan}, planned.controller_sources, timeout)
     except BaseException:
         workers.settle_all([hosts], timeout)
         raise
     planned.controller_sources = []
-    return PendingTree(directory, planned.files, group, hosts, own, timeout)
+    return PendingTree(directory, planned.files, group, hosts, own, timeout, finish)
 
 
 class PendingTree:
@@ -261,7 +266,11 @@ class PendingTree:
         hosts: workers.PendingWrite[list[workers.SaveAck]] | None,
         own: workers.PendingWrite[list[workers.SaveAck]] | None,
         timeout: float,
+        finish: bool = True,
     ) -> None:
+        self.finish = finish
+        self.acks: list[workers.SaveAck] = []
+        """Every host's ack (on the primary), once waited for."""
         self.directory = directory
         self.files = files
         self.group = group
@@ -287,11 +296,18 @@ class PendingTree:
         except BaseException:
             self.settle(timeout)
             raise
-        platform = jax.devices()[0].platform if jax.device_count() else "cpu"
-        tree_format.write(self.directory, self.files, acks, platform)
-        if self.files.use_ocdbt:
-            workers.merge_ocdbt(self.directory)
+        self.acks = list(acks)
+        if self.finish:
+            finish_tree(self.directory, self.files, self.acks)
 
     def settle(self, timeout: float | None = None) -> None:
         """Local only: let this process's writes land (no host coordination)."""
         workers.settle_all([self.hosts, self.own], self.timeout if timeout is None else timeout)
+
+
+def finish_tree(directory: Path, files: tree_format.TreeFiles, acks: list[workers.SaveAck]) -> None:
+    """On the primary, once every write landed: the format files, then one OCDBT root view."""
+    platform = jax.devices()[0].platform if jax.device_count() else "cpu"
+    tree_format.write(directory, files, acks, platform)
+    if files.use_ocdbt:
+        workers.merge_ocdbt(directory)

@@ -127,7 +127,7 @@ def start_save(plan: SavePlan, sources: Sequence[Any]) -> PendingSave:
     sources = _key_data(plan, sources)
     opens = []
     for writer, task, _ in parts:
-        spec = tsu.create_spec(tsu.write_kvstore(plan.store, plan.process_index, writer), task.spec)
+        spec = tsu.create_spec(tsu.write_kvstore(plan.store, plan.process_index, plan.first_writer + writer), task.spec)
         opens.append(ts.open(spec, create=True, open=True, context=context))
         pending._track(opens[-1])
     try:

@@ -76,6 +76,9 @@ class SavePlan:
     not to touch its arrays until the write is committed)."""
     writers: int = 1
     """With OCDBT: spread the arrays over up to this many databases written in parallel."""
+    first_writer: int = 0
+    """Number the databases from here (``ocdbt.process_<i>.<first_writer + w>``): several plans
+    written into one checkpoint one after another (a surgery's groups) use distinct ones."""
 
 
 @dataclass(frozen=True, kw_only=True)
