@@ -75,8 +75,13 @@ def load(path: PathLike, abstract_state: Any = None, *, partial: bool = False) -
     ``path`` may also be a ``.safetensors`` file or a folder of HF-style shards: tensor names are
     matched to the leaves' key paths joined by '.', and each host reads only the byte ranges its
     devices need. Orbax v0 checkpoints (CheckpointManager steps, Standard/PyTree checkpointers)
-    load too.
+    load too. ``path`` may also be a tree from ``milepost.surgery``: it is computed onto the
+    devices (see ``surgery.materialize``).
     """
+    if not isinstance(path, str | os.PathLike) and not hasattr(path, "location"):
+        from milepost.surgery import _run  # a surgery's tree: computed onto the devices
+
+        return _run.materialize(path, abstract_state)
     where = _paths.as_path(path)
     if _safetensors.is_safetensors(where):
         return _safetensors.load(where, abstract_state, partial)

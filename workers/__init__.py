@@ -29,6 +29,7 @@ from milepost.workers._messages import (
     WrittenArray,
 )
 from milepost.workers._pending import Done, PendingWrite, settle_all
+from milepost.workers._preview import BoxPlan
 from milepost.workers._safetensors import CODES as SAFETENSORS_CODES
 from milepost.workers._safetensors import INDEX_FILE as SAFETENSORS_INDEX
 from milepost.workers._safetensors import Tensor
@@ -56,6 +57,7 @@ __all__ = [
     "SAFETENSORS_INDEX",
     "ZARR3_DTYPES",
     "ArraySpec",
+    "BoxPlan",
     "CheckpointNotFoundError",
     "CopyAck",
     "CopyPlan",

@@ -1,0 +1,123 @@
+"""``surgery.open``: a lazy view of a checkpoint (only its metadata is read)."""
+
+from __future__ import annotations
+
+import html
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from milepost import _checkpoint, _dispatch, _layout, _options, _paths, _pytree_load
+from milepost import _format as fmt
+from milepost import _pytree_format as tree_format
+from milepost._tree import PLACEHOLDER, ValueType
+from milepost.surgery._lazy import LazyArray, Source, flat, nest
+from milepost.surgery._placement import Placement
+
+
+@dataclass(frozen=True, eq=False)
+class Checkpoint:
+    """An opened checkpoint: ``tree`` holds a :class:`LazyArray` per array (strings and
+    scalars as values); ``files`` what the loads and previews check against."""
+
+    path: Path | _paths.ObjectPath
+    item: str
+    folder: Path | _paths.ObjectPath
+    files: tree_format.TreeFiles
+    placement: Placement
+    tree: Any
+    custom_metadata: dict[str, Any]
+
+    @property
+    def arrays(self) -> dict[str, LazyArray]:
+        return {k: v for k, v in flat(self.tree).items() if isinstance(v, LazyArray)}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
+
+    def rows(self) -> list[tuple[str, str, str, str, int]]:
+        """(name, shape, dtype, sharding, bytes) of every leaf."""
+        out = []
+        for name, leaf in flat(self.tree).items():
+            if isinstance(leaf, LazyArray):
+                where = leaf.sharding.describe() if leaf.sharding is not None else "host (NumPy)"
+                out.append((name, str(leaf.shape), str(leaf.dtype), where, leaf.nbytes))
+            else:
+                out.append((name, "", type(leaf).__name__, repr(leaf)[:40], 0))
+        return out
+
+    def __repr__(self) -> str:
+        rows = self.rows()
+        width = max((len(r[0]) for r in rows), default=4)
+        lines = [f"Checkpoint({str(self.path)!r}, item={self.item!r}, {len(self.arrays)} arrays, {self.nbytes / 2**20:.1f} MiB)"]
+        lines += [f"  {n:<{width}}  {s:<16} {d:<10} {b / 2**20:>9.2f} MiB  {w}" for n, s, d, w, b in rows]
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        cells = "".join(
+            f"<tr><td><code>{html.escape(n)}</code></td><td>{html.escape(s)}</td><td>{html.escape(d)}</td>"
+            f"<td>{html.escape(w)}</td><td style='text-align:right'>{b / 2**20:.2f} MiB</td></tr>"
+            for n, s, d, w, b in self.rows()
+        )
+        return (
+            f"<p><b>{html.escape(str(self.path))}</b> ({html.escape(self.item)}): {len(self.arrays)} arrays, "
+            f"{self.nbytes / 2**20:.1f} MiB</p><table><tr><th>leaf</th><th>shape</th><th>dtype</th><th>sharding</th>"
+            f"<th>bytes</th></tr>{cells}</table>"
+        )
+
+
+def open(path: str | os.PathLike[str], *, slice: Any = None, item: str | None = None) -> Checkpoint:
+    """Open the checkpoint at ``path`` for surgery: a lazy view, nothing but metadata is read.
+
+    ``slice``: a :class:`milepost.Slice` whose hosts will read, compute and write (default:
+    this process's devices, or every process of a multi-controller job). ``item``: which
+    checkpointable (default: the main tree, e.g. ``state``).
+
+    >>> ck = milepost.surgery.open("/ckpt/1000")
+    >>> np.asarray(ck.tree["params"]["w"][:4, :8])   # reads only the chunks of that box
+    """
+    placement = Placement(slice)
+    root = _paths.as_path(path)
+    _dispatch.check_storage(placement.group, root)
+    options = _options.current()
+
+    def read() -> tuple[str, Any, tree_format.TreeFiles, Any, dict[str, Any]]:
+        with _checkpoint._unchanged(root):
+            meta, items, _, checksums = _checkpoint._read_items(root)
+            name = item if item is not None else _layout.main_tree(root, items)
+            if name not in items:
+                raise KeyError(f"{root} has no checkpointable {name!r} (it has {sorted(items)}); pass item=one of those")
+            folder = items[name].folder
+            with fmt.verifying(checksums):
+                files = _pytree_load._read_checked(folder)
+                described = _pytree_load.metadata(folder)
+        return name, folder, files, described, dict(meta.get("custom_metadata") or {})
+
+    name, folder, files, described, custom = _dispatch.shared(
+        placement.group, f"surgery-open:{root}", read, options.async_.timeout_secs
+    )
+    ck = Checkpoint(root, name, folder, files, placement, None, custom)
+    leaves: dict[str, Any] = {}
+    scalars: dict[str, Any] = {}
+    for leaf_name, leaf in flat(described).items():
+        if isinstance(leaf, _pytree_load.LeafMetadata) and leaf.value_type in (ValueType.JAX_ARRAY, ValueType.NP_ARRAY):
+            spec = leaf.sharding if placement.usable(leaf.sharding, leaf.shape or ()) else None
+            leaves[leaf_name] = LazyArray(Source(ck, leaf_name), leaf.shape or (), np.dtype(leaf.dtype), spec)
+        elif isinstance(leaf, _pytree_load.LeafMetadata) and leaf.value_type is ValueType.STRING:
+            leaves[leaf_name] = files.strings.get(leaf_name, "")
+        elif isinstance(leaf, _pytree_load.LeafMetadata) and leaf.value_type is ValueType.SCALAR:
+            scalars[leaf_name] = np.empty(leaf.shape or (), leaf.dtype)
+            leaves[leaf_name] = None
+        else:
+            leaves[leaf_name] = leaf
+    if scalars:  # tiny: read now, by the controller
+        abstract = nest({n: scalars.get(n, PLACEHOLDER) for n in leaves})
+        got = flat(_checkpoint.load_checkpointables(root, {name: abstract}, partial=True)[name])
+        for n in scalars:
+            leaves[n] = _pytree_load._to_scalar(np.asarray(got[n]), files.python_types.get(n), None)
+    object.__setattr__(ck, "tree", nest(leaves))
+    return ck

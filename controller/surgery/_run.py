@@ -1,0 +1,375 @@
+"""Running a surgery: groups of output leaves, each read by the hosts, computed jitted where
+the data is, and written, then freed before the next group.
+
+The output leaves are cut into groups whose bytes per host (inputs and outputs) fit the memory
+budget; a leaf larger than the budget is a group of its own (and the log says so). For each
+group the hosts load the stored leaves it needs (only those, resharded as planned), one jitted
+function computes every output of the group on the devices, and the outputs are written into
+the checkpoint being made, each group into OCDBT databases of its own; the format files and
+the merged root view are written once, at the end, by the same commit as any save.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from milepost import (
+    _api,
+    _checkpoint,
+    _dispatch,
+    _handlers,
+    _options,
+    _paths,
+    _pytree_load,
+    _pytree_save,
+    workers,
+)
+from milepost import _format as fmt
+from milepost.surgery._lazy import LazyArray, Op, Source, flat, nest
+from milepost.surgery._placement import Placement
+from milepost.workers import ShardingSpec
+
+log = logging.getLogger("milepost.surgery")
+
+DEFAULT_BUDGET = 1 << 30
+
+
+# ------------------------------------------------------------------------------------------
+# Expressions to one function
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Program:
+    """The outputs of one group as one function of the stored leaves it reads."""
+
+    fn: Callable[..., list[Any]]
+    sources: list[tuple[Source, LazyArray]]
+    """Each input: the stored leaf, and a lazy array of it (shape, dtype, preferred sharding)."""
+
+
+def compile_outputs(outputs: list[LazyArray]) -> Program:
+    index: dict[int, int] = {}
+    sources: list[tuple[Source, LazyArray]] = []
+
+    def node(x: LazyArray) -> Any:
+        if isinstance(x.expr, Source):
+            key = id(x.expr)
+            if key not in index:
+                index[key] = len(sources)
+                sources.append((x.expr, x))
+            return index[key]
+        assert isinstance(x.expr, Op)
+        return (x.expr.fn, tuple(node(i) for i in x.expr.inputs))
+
+    nodes = [node(x) for x in outputs]
+
+    def run(*inputs: Any) -> list[Any]:
+        def ev(n: Any) -> Any:
+            if isinstance(n, int):
+                return inputs[n]
+            fn, kids = n
+            return fn(*(ev(k) for k in kids))
+
+        return [ev(n) for n in nodes]
+
+    return Program(run, sources)
+
+
+def placement_of(leaves: list[LazyArray]) -> Placement:
+    places = {s.expr.checkpoint.placement for leaf in leaves for s in _sources_of(leaf)}
+    if len(places) > 1:
+        raise ValueError(
+            f"the surgery mixes checkpoints opened on different hosts ({', '.join(p.describe() for p in places)}); open every "
+            "source with the same slice= (or none)"
+        )
+    return next(iter(places)) if places else Placement()
+
+
+def _sources_of(x: LazyArray) -> list[LazyArray]:
+    if isinstance(x.expr, Source):
+        return [x]
+    return [s for i in x.expr.inputs for s in _sources_of(i)]
+
+
+def load_inputs(program: Program, placement: Placement) -> list[Any]:
+    """The stored leaves ``program`` reads, loaded by the hosts with their planned shardings."""
+    by_checkpoint: dict[int, tuple[Any, dict[str, Any]]] = {}
+    for source, lazy in program.sources:
+        spec = placement.spec_for(lazy.sharding, lazy.shape)
+        ck = source.checkpoint
+        by_checkpoint.setdefault(id(ck), (ck, {}))[1][source.name] = placement.abstract(lazy.shape, lazy.dtype, spec)
+    loaded: dict[tuple[int, str], Any] = {}
+    for key, (ck, wanted) in by_checkpoint.items():
+        got = _checkpoint.load_checkpointables(ck.path, {ck.item: nest(wanted)}, partial=True)[ck.item]
+        for name, value in flat(got).items():
+            if name in wanted:
+                loaded[(key, name)] = value
+    return [loaded[(id(s.checkpoint), s.name)] for s, _ in program.sources]
+
+
+def compute(outputs: dict[str, LazyArray], placement: Placement, specs: Mapping[str, ShardingSpec]) -> dict[str, Any]:
+    """Every output computed on the devices, placed with ``specs``."""
+    if not outputs:
+        return {}
+    names = list(outputs)
+    program = compile_outputs([outputs[n] for n in names])
+    inputs = load_inputs(program, placement)
+    values = placement.run(program.fn, inputs, [specs[n] for n in names])
+    del inputs
+    return dict(zip(names, values, strict=True))
+
+
+# ------------------------------------------------------------------------------------------
+# Groups under a budget
+# ------------------------------------------------------------------------------------------
+
+
+def groups(outputs: dict[str, LazyArray], specs: Mapping[str, ShardingSpec], placement: Placement, budget: int) -> list[list[str]]:
+    out: list[list[str]] = []
+    current: list[str] = []
+    held = 0
+    seen: set[int] = set()
+    for name, x in outputs.items():
+        cost = placement.bytes_per_host(x.shape, x.dtype, specs[name])
+        new_sources = {id(s.expr): s for s in _sources_of(x)}
+        extra = sum(
+            placement.bytes_per_host(s.shape, s.dtype, placement.spec_for(s.sharding, s.shape))
+            for k, s in new_sources.items() if k not in seen
+        )
+        if current and held + cost + extra > budget:
+            out.append(current)
+            current, held, seen = [], 0, set()
+            extra = sum(placement.bytes_per_host(s.shape, s.dtype, placement.spec_for(s.sharding, s.shape)) for s in new_sources.values())
+        if not current and cost + extra > budget:
+            log.info(
+                "leaf %r needs %.1f MiB per host, more than the memory budget (%.1f MiB); it is processed on its own",
+                name, (cost + extra) / 2**20, budget / 2**20,
+            )
+        current.append(name)
+        held += cost + extra
+        seen.update(new_sources)
+    if current:
+        out.append(current)
+    return out
+
+
+def output_specs(outputs: dict[str, LazyArray], placement: Placement, shardings: Any) -> dict[str, ShardingSpec]:
+    """Where each output goes: ``shardings`` (None, one sharding for all, or ``{regex:
+    sharding}``, first match), else the sharding the operations suggest, else spread over every
+    device."""
+    import re
+
+    from milepost import _planning
+
+    out = {}
+    for name, x in outputs.items():
+        chosen: Any = None
+        if isinstance(shardings, Mapping):
+            for pattern, sharding in shardings.items():
+                if re.search(pattern, name):
+                    chosen = sharding
+                    break
+        elif shardings is not None:
+            chosen = shardings
+        if chosen is not None:
+            spec = _planning.sharding_spec(chosen)
+            if spec is None or not placement.usable(spec, x.shape):
+                raise ValueError(f"the sharding given for {name!r} ({chosen!r}) cannot hold an array of shape {x.shape} on {placement.describe()}")
+            out[name] = spec
+        else:
+            out[name] = placement.spec_for(x.sharding, x.shape)
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# Writing: a checkpointable handler that streams the groups
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Job:
+    """A surgery's output tree, to be written by :class:`SurgeryHandler`."""
+
+    arrays: dict[str, LazyArray]
+    values: dict[str, Any]
+    placement: Placement
+    specs: dict[str, ShardingSpec]
+    budget: int
+    written: dict[str, int] = field(default_factory=dict)
+    """Groups written and bytes computed (for the caller's report)."""
+
+    @property
+    def __milepost_host_group__(self) -> Any:  # the save runs on the surgery's hosts
+        return self.placement.group if self.placement.slice is not None else None
+
+    def write(self, directory: Path, call: _handlers.SaveCall) -> None:
+        options = call.options.saving
+        step = max(1, options.ocdbt_writers_per_host)
+        files = _pytree_save.TreeSavePlan(options)
+        acks: list[workers.SaveAck] = []
+        parts = groups(self.arrays, self.specs, self.placement, self.budget) or [[]]
+        for g, names in enumerate(parts):
+            values = compute({n: self.arrays[n] for n in names}, self.placement, self.specs)
+            if g == 0:
+                values.update(self.values)
+            planned = _pytree_save.plan(nest(values), options, call.group)
+            pending = _pytree_save.start(planned, directory, call, first_writer=g * step, finish=False)
+            pending.wait()
+            acks.extend(pending.acks)
+            for name in ("leaves", "shardings", "strings", "python_types", "key_impls"):
+                getattr(files, name).update(getattr(planned, name))
+            del values, pending, planned
+            log.debug("group %d of %d written: %s", g + 1, len(parts), names)
+        self.written["groups"] = len(parts)
+        if call.group.is_primary():
+            _pytree_save.finish_tree(directory, files.files, acks)
+
+
+class SurgeryHandler:
+    """Writes a :class:`Job` in the PyTree layout (so it loads, in milepost and Orbax, as any
+    PyTree checkpointable)."""
+
+    typestr = fmt.PYTREE_HANDLER_TYPESTR
+
+    def is_handleable(self, obj: Any) -> bool:
+        return isinstance(obj, Job)
+
+    def save(self, directory: Path, obj: Any, call: _handlers.SaveCall) -> Any:
+        return _handlers.Deferred(lambda: obj.write(directory, call))
+
+    def load(self, directory: Path, abstract: Any, call: _handlers.LoadCall) -> Any:
+        return _handlers.PyTreeHandler().load(directory, abstract, call)
+
+    def metadata(self, directory: Path) -> Any:
+        return _handlers.PyTreeHandler().metadata(directory)
+
+
+def split_tree(tree: Any) -> tuple[dict[str, LazyArray], dict[str, Any]]:
+    leaves = flat(tree)
+    arrays = {n: v for n, v in leaves.items() if isinstance(v, LazyArray)}
+    others = {n: v for n, v in leaves.items() if not isinstance(v, LazyArray)}
+    bad = [n for n, v in others.items() if hasattr(v, "shape") and not isinstance(v, np.generic)]
+    if bad:
+        raise TypeError(
+            f"{bad[:5]} are arrays, not lazy arrays of opened checkpoints; a surgery's tree holds LazyArrays, strings and "
+            "scalars (save in-memory arrays with milepost.save)"
+        )
+    return arrays, others
+
+
+def provenance(arrays: dict[str, LazyArray]) -> dict[str, Any]:
+    sources = sorted({f"{s.expr.checkpoint.path}" for x in arrays.values() for s in _sources_of(x)})
+    operations = list(dict.fromkeys(h for x in arrays.values() for h in x.history))
+    return {"sources": sources, "operations": operations}
+
+
+def write(
+    path: str | os.PathLike[str],
+    tree: Any,
+    *,
+    shardings: Any = None,
+    memory_budget_bytes: int | None = None,
+    overwrite: bool = False,
+    item: str = "state",
+    custom_metadata: Mapping[str, Any] | None = None,
+) -> Path | _paths.ObjectPath:
+    """Write the surgery ``tree`` as a committed checkpoint at ``path`` (Orbax-readable), group
+    by group: each host holds at most ``memory_budget_bytes`` (default 1 GiB) of inputs and
+    outputs at once. ``shardings``: where the outputs go (None: as the operations suggest, else
+    spread over every device; one sharding for all; or ``{regex: sharding}``). Its
+    ``custom_metadata`` records the sources and the operations (``milepost.surgery``).
+
+    >>> ms.write("gs://out/1000", t)
+    """
+    if memory_budget_bytes is not None and (isinstance(memory_budget_bytes, bool) or not isinstance(memory_budget_bytes, int) or memory_budget_bytes <= 0):
+        raise ValueError(f"memory_budget_bytes must be a positive int, got {memory_budget_bytes!r}")
+    arrays, values = split_tree(tree)
+    placement = placement_of(list(arrays.values()))
+    _dispatch.check_storage(placement.group, _paths.as_path(path))
+    specs = output_specs(arrays, placement, shardings)
+    job = Job(arrays, values, placement, specs, memory_budget_bytes or DEFAULT_BUDGET)
+    meta = {**dict(custom_metadata or {}), "milepost.surgery": provenance(arrays)}
+    with _options.Context(handlers=(SurgeryHandler(),)):
+        return _api.save_checkpointables(path, {item: job}, overwrite=overwrite, custom_metadata=meta)
+
+
+def materialize(tree: Any, abstract: Any = None) -> Any:
+    """The surgery ``tree`` computed onto devices (a slice's, for checkpoints opened on one):
+    jax arrays or RemoteArrays, placed as ``abstract``'s shardings say (else as ``write``
+    would). Everything is held at once: for what does not fit, ``write`` it and load parts.
+    """
+    arrays, values = split_tree(tree)
+    placement = placement_of(list(arrays.values()))
+    shardings: Any = None
+    if abstract is not None:
+        wanted = flat(abstract)
+        unknown = [n for n in wanted if n not in arrays and n not in values]
+        if unknown:
+            raise ValueError(f"the abstract tree names {unknown[:5]}, which the surgery's tree lacks")
+        shardings = {f"^{_escape(n)}$": s for n, a in wanted.items() if (s := getattr(a, "sharding", None)) is not None}
+    specs = output_specs(arrays, placement, shardings)
+    return nest({**compute(arrays, placement, specs), **values})
+
+
+def _escape(name: str) -> str:
+    import re
+
+    return re.escape(name)
+
+
+# ------------------------------------------------------------------------------------------
+# A look at values
+# ------------------------------------------------------------------------------------------
+
+
+def _box(x: LazyArray) -> tuple[Source, LazyArray, tuple[tuple[int, int], ...], tuple[int, ...]] | None:
+    """A stored leaf and the box of it a plain slice ``x`` is (with the int-indexed axes to
+    drop); None when ``x`` is more than that."""
+    if isinstance(x.expr, Source):
+        return x.expr, x, tuple((0, n) for n in x.shape), ()
+    if x.expr.name != "getitem" or not isinstance(x.expr.inputs[0].expr, Source):
+        return None
+    base = x.expr.inputs[0]
+    index = x.expr.params
+    box, drop = [], []
+    for d, part in enumerate(index):
+        if d >= base.ndim or part is None or part is Ellipsis:
+            return None
+        if isinstance(part, slice):
+            start, stop, stride = part.indices(base.shape[d])
+            if stride != 1:
+                return None
+            box.append((start, max(start, stop)))
+        else:
+            i = int(part) + (base.shape[d] if int(part) < 0 else 0)
+            box.append((i, i + 1))
+            drop.append(d)
+    box.extend((0, n) for n in base.shape[len(index):])
+    return base.expr, base, tuple(box), tuple(drop)  # type: ignore[return-value]
+
+
+def to_numpy(x: LazyArray) -> np.ndarray:
+    """``x``'s values on the controller. A plain slice of a stored leaf reads only the chunks it
+    touches (checked against their checksums), on a host that can see the storage."""
+    found = _box(x)
+    if found is None:
+        (value,) = flat(materialize({"x": x})).values()
+        return placement_of([x]).fetch([value])[0]
+    source, _, box, drop = found
+    ck = source.checkpoint
+    plan = workers.BoxPlan(store=ck.files.store(ck.folder), name=source.name, box=box, checksums=_pytree_load._checksums(ck.files, source.name))
+    group = ck.placement.group
+    timeout = _options.current().async_.timeout_secs
+    if ck.placement.slice is not None:
+        (data,) = group.run("read_box", {group.processes()[0]: plan}, timeout)
+    else:
+        data = _dispatch.shared(group, f"surgery-preview:{ck.path}:{source.name}:{box}", lambda: workers.run_job("read_box", plan, "controller"), timeout)
+    return np.squeeze(data, axis=drop) if drop else data
