@@ -252,3 +252,26 @@ def test_groups_stream_under_the_memory_budget(tmp_path: Path, mesh24: jax.shard
     got = mp.load(out)
     for k, v in big.items():
         assert same_bits(got[k], v.astype(ml_dtypes.bfloat16)), k
+
+
+def test_a_rename_only_surgery_moves_no_array_bytes(source: tuple[Path, dict[str, Any]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from orbax.checkpoint.experimental import v1 as ocp
+
+    from milepost.surgery import _run
+
+    path, want = source
+    monkeypatch.setattr(_run, "compute", lambda *a: pytest.fail("a rename-only surgery computed arrays"))
+    t = ms.rename(ms.open(path).tree, {r"^params\.(.*)": r"model.\1", r"^opt_state\.mu$": None})
+    out = ms.write(tmp_path / "out", ms.drop(t, r"^model\.v$"))
+    monkeypatch.undo()
+    got = mp.load(out)
+    assert sorted(got) == ["model", "note", "opt_state", "step"] and "v" not in got["model"]
+    for i in range(LAYERS):
+        assert same_bits(got["model"][f"layer{i}"]["w"], want["params"][f"layer{i}"]["w"])
+    assert same_bits(got["opt_state"]["count"], want["opt_state"]["count"]) and got["step"] == 100
+    data = [p for p in (out / "state").rglob("*") if p.is_file() and p.parent.name == "d" and p.parent.parent.name.startswith("ocdbt.process_")]
+    linked = [p for p in data if p.stat().st_nlink > 1]
+    assert linked and sum(p.stat().st_size for p in linked) >= sum(v["w"].nbytes for k, v in want["params"].items() if k.startswith("layer"))
+    assert mp.verify(out).ok and mp.verify(path).ok  # the source is untouched
+    assert same_bits(mp.load(path)["params"]["layer0"]["w"], want["params"]["layer0"]["w"])
+    assert same_bits(ocp.load_pytree(out)["model"]["q"], want["params"]["q"])

@@ -30,6 +30,8 @@ class Checkpoint:
     placement: Placement
     tree: Any
     custom_metadata: dict[str, Any]
+    leaf_meta: dict[str, _pytree_load.LeafMetadata]
+    """What ``milepost.metadata`` says of each stored array (write and chunk shapes)."""
 
     @property
     def arrays(self) -> dict[str, LazyArray]:
@@ -100,7 +102,8 @@ def open(path: str | os.PathLike[str], *, slice: Any = None, item: str | None = 
     name, folder, files, described, custom = _dispatch.shared(
         placement.group, f"surgery-open:{root}", read, options.async_.timeout_secs
     )
-    ck = Checkpoint(root, name, folder, files, placement, None, custom)
+    meta_by_name = {n: m for n, m in flat(described).items() if isinstance(m, _pytree_load.LeafMetadata)}
+    ck = Checkpoint(root, name, folder, files, placement, None, custom, meta_by_name)
     leaves: dict[str, Any] = {}
     scalars: dict[str, Any] = {}
     for leaf_name, leaf in flat(described).items():

@@ -203,6 +203,9 @@ class Job:
     placement: Placement
     specs: dict[str, ShardingSpec]
     budget: int
+    order: list[str] = field(default_factory=list)
+    """Every leaf name of the output tree, in its order."""
+    shardings_given: bool = False
     written: dict[str, int] = field(default_factory=dict)
     """Groups written and bytes computed (for the caller's report)."""
 
@@ -211,7 +214,27 @@ class Job:
         return self.placement.group if self.placement.slice is not None else None
 
     def write(self, directory: Path, call: _handlers.SaveCall) -> None:
+        from milepost.surgery import _relink
+
         options = call.options.saving
+        fast = _relink.plan(self.arrays, self.shardings_given) if isinstance(directory, Path) else None
+        if fast is not None:
+            ck, renames = fast
+            timeout = call.options.async_.timeout_secs
+            _dispatch.shared(call.group, f"surgery-link:{directory}", lambda: _relink.link_databases(ck, renames, directory), timeout)
+            files = _pytree_save.TreeSavePlan(options)
+            acks: list[workers.SaveAck] = []
+            if self.values:
+                planned = _pytree_save.plan(nest(self.values), options, call.group)
+                pending = _pytree_save.start(planned, directory, call, first_writer=1 << 16, finish=False)
+                pending.wait()
+                acks.extend(pending.acks)
+                for name in ("leaves", "shardings", "strings", "python_types", "key_impls"):
+                    getattr(files, name).update(getattr(planned, name))
+            self.written["groups"] = 0
+            if call.group.is_primary():
+                _relink.finish(ck, renames, self.order, files, acks, directory)
+            return
         step = max(1, options.ocdbt_writers_per_host)
         files = _pytree_save.TreeSavePlan(options)
         acks: list[workers.SaveAck] = []
@@ -227,6 +250,7 @@ class Job:
             for name in ("leaves", "shardings", "strings", "python_types", "key_impls"):
                 getattr(files, name).update(getattr(planned, name))
             del values, pending, planned
+            files.leaves = {n: files.leaves[n] for n in self.order if n in files.leaves}
             log.debug("group %d of %d written: %s", g + 1, len(parts), names)
         self.written["groups"] = len(parts)
         if call.group.is_primary():
@@ -295,7 +319,10 @@ def write(
     placement = placement_of(list(arrays.values()))
     _dispatch.check_storage(placement.group, _paths.as_path(path))
     specs = output_specs(arrays, placement, shardings)
-    job = Job(arrays, values, placement, specs, memory_budget_bytes or DEFAULT_BUDGET)
+    job = Job(
+        arrays, values, placement, specs, memory_budget_bytes or DEFAULT_BUDGET, order=list(flat(tree)),
+        shardings_given=shardings is not None,
+    )
     meta = {**dict(custom_metadata or {}), "milepost.surgery": provenance(arrays)}
     with _options.Context(handlers=(SurgeryHandler(),)):
         return _api.save_checkpointables(path, {item: job}, overwrite=overwrite, custom_metadata=meta)

@@ -1,0 +1,101 @@
+"""A surgery that only renames, drops or selects stored leaves moves no array bytes.
+
+The source's per-process OCDBT databases are rebuilt in the output: their data files are hard
+links to the source's (OCDBT never changes a data file once written), their manifests copies;
+inside each copy the kept arrays' keys are renamed and the others deleted (``copy_range_to``
+within one database copies index entries, not data), then the root view is merged and the
+format files written from the source's, renamed. The source is never modified. Anything else
+(another storage than local files, a new sharding, names that collide) takes the general path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import tensorstore as ts
+
+from milepost import _pytree_format as tree_format
+from milepost import _pytree_save, _tree, workers
+from milepost.surgery._lazy import LazyArray, Source, nest
+from milepost.workers import _tensorstore as tsu
+
+log = logging.getLogger("milepost.surgery")
+
+
+def plan(arrays: dict[str, LazyArray], shardings_given: bool) -> tuple[Any, dict[str, str]] | None:
+    """(the source checkpoint, {old name: new name}) when the output is stored leaves of one
+    local OCDBT checkpoint, kept as they are; else None."""
+    if shardings_given or not arrays or not all(isinstance(x.expr, Source) for x in arrays.values()):
+        return None
+    checkpoints = {id(x.expr.checkpoint): x.expr.checkpoint for x in arrays.values()}  # type: ignore[union-attr]
+    if len(checkpoints) != 1:
+        return None
+    (ck,) = checkpoints.values()
+    if not isinstance(ck.folder, Path) or not ck.files.use_ocdbt or ck.files.zarr_format != 3 or ck.files.key_impls:
+        return None
+    renames: dict[str, str] = {}
+    for new, x in arrays.items():
+        old = x.expr.name  # type: ignore[union-attr]
+        if old in renames:  # one stored leaf under two names: a copy, not a rename
+            return None
+        renames[old] = new
+    moved_away = set(ck.files.leaves) - {o for o, n in renames.items() if o == n}
+    if set(renames.values()) & moved_away:
+        return None  # a new name another stored key still holds until it is renamed itself
+    return ck, renames
+
+
+def link_databases(ck: Any, renames: dict[str, str], directory: Path) -> None:
+    """On the primary: the source's databases in ``directory``, renamed (no data copied)."""
+    source = Path(ck.folder)
+    databases = sorted(p for p in source.iterdir() if p.is_dir() and p.name.startswith(workers.PROCESS_PREFIX))
+    context = tsu.new_context(directory)
+    for db in databases:
+        target = directory / db.name
+        for dirpath, _dirs, files in os.walk(db):
+            here = Path(dirpath)
+            rel = here.relative_to(db)
+            (target / rel).mkdir(parents=True, exist_ok=True)
+            for f in files:
+                if rel.parts[:1] == ("d",):
+                    os.link(here / f, target / rel / f)  # data files: immutable, shared
+                else:
+                    shutil.copyfile(here / f, target / rel / f)  # the manifest: rewritten below
+        kv = ts.KvStore.open({"driver": "ocdbt", "base": tsu.file_kvstore(target)}, context=context).result()
+        present = {k.decode().split("/", 1)[0] for k in kv.list().result()}
+        for old in sorted(present):
+            new = renames.get(old)
+            if new == old:
+                continue
+            if new is not None:
+                (kv / f"{old}/").experimental_copy_range_to(kv / f"{new}/").result()
+            kv.delete_range(ts.KvStore.KeyRange(f"{old}/", f"{old}0")).result()  # '0' follows '/'
+
+
+def finish(
+    ck: Any, renames: dict[str, str], order: list[str], files: _pytree_save.TreeSavePlan, acks: list[workers.SaveAck], directory: Path
+) -> None:
+    """On the primary: the format files (the renamed arrays' from the source's) and the root view."""
+    src = ck.files
+    keyed = {leaf.name: leaf for leaf in _tree.flatten(nest(dict.fromkeys(renames.values(), 0)))[0]}
+    written = []
+    for old, new in renames.items():
+        saved = src.leaves[old]
+        files.leaves[new] = tree_format.SavedLeaf.of(keyed[new], saved.value_type, saved.write_shape)
+        if old in src.shardings:
+            files.shardings[new] = src.shardings[old]
+        meta = ck.leaf_meta[old]
+        written.append(
+            workers.WrittenArray(
+                name=new, write_shape=tuple(meta.write_shape or ()), chunk_shape=tuple(meta.chunk_shape or ()),
+                chunk_crc32c=tuple(sorted(src.chunk_crc32c.get(old, {}).items())),
+            )
+        )
+    acks = [*acks, workers.SaveAck(process_index=0, bytes_written=0, arrays=tuple(written))]
+    files.leaves = {n: files.leaves[n] for n in order if n in files.leaves}
+    _pytree_save.finish_tree(directory, files.files, acks)
+    log.info("relinked %d arrays of %s into %s (no array bytes moved)", len(renames), ck.path, directory)
