@@ -69,8 +69,17 @@ def compile_outputs(outputs: list[LazyArray]) -> Program:
         assert isinstance(x.expr, Op)
         return (x.expr.fn, tuple(node(i) for i in x.expr.inputs))
 
-    nodes = [node(x) for x in outputs]
+    nodes = tuple(node(x) for x in outputs)
+    signature = _signature(nodes)
+    fn = _programs.get(signature) if signature is not None else None
+    if fn is None:
+        fn = _program(nodes)
+        if signature is not None:
+            _programs[signature] = fn
+    return Program(fn, sources)
 
+
+def _program(nodes: tuple[Any, ...]) -> Callable[..., list[Any]]:
     def run(*inputs: Any) -> list[Any]:
         def ev(n: Any) -> Any:
             if isinstance(n, int):
@@ -80,7 +89,41 @@ def compile_outputs(outputs: list[LazyArray]) -> Program:
 
         return [ev(n) for n in nodes]
 
-    return Program(run, sources)
+    return run
+
+
+_programs: dict[Any, Callable[..., list[Any]]] = {}
+"""One Python function per program structure: groups doing the same thing to leaves of the same
+shapes hit jax.jit's cache (its key is the function) instead of compiling again. Bounded below."""
+_PROGRAMS_KEPT = 256
+
+
+def _signature(nodes: Any) -> Any:
+    """What makes two programs the same computation: each operation's code and the values it
+    closes over, and the wiring; None when a value cannot be compared (never shared then)."""
+
+    def of(n: Any) -> Any:
+        if isinstance(n, int):
+            return n
+        fn, kids = n
+        code = getattr(fn, "__code__", None)
+        if code is None:
+            return None
+        typed = lambda values: tuple((type(v), v) for v in values or ())  # noqa: E731 - 1 and 1.0 differ
+        cells = typed(c.cell_contents for c in (fn.__closure__ or ()))
+        key = (code, typed(fn.__defaults__), cells, tuple(of(k) for k in kids))
+        try:
+            hash(key)
+        except TypeError:
+            return None
+        return None if None in key[3] else key
+
+    key = tuple(of(n) for n in nodes)
+    if None in key:
+        return None
+    if len(_programs) >= _PROGRAMS_KEPT:
+        _programs.clear()
+    return key
 
 
 def placement_of(leaves: list[LazyArray]) -> Placement:
@@ -150,7 +193,8 @@ def groups(outputs: dict[str, LazyArray], specs: Mapping[str, ShardingSpec], pla
             extra = sum(placement.bytes_per_host(s.shape, s.dtype, placement.spec_for(s.sharding, s.shape)) for s in new_sources.values())
         if not current and cost + extra > budget:
             log.info(
-                "leaf %r needs %.1f MiB per host, more than the memory budget (%.1f MiB); it is processed on its own",
+                "leaf %r needs %.1f MiB per host, more than a group may hold (%.1f MiB: half the memory budget, as a "
+                "group is computed while the previous one is written); it is processed on its own",
                 name, (cost + extra) / 2**20, budget / 2**20,
             )
         current.append(name)
@@ -238,20 +282,39 @@ class Job:
         step = max(1, options.ocdbt_writers_per_host)
         files = _pytree_save.TreeSavePlan(options)
         acks: list[workers.SaveAck] = []
-        parts = groups(self.arrays, self.specs, self.placement, self.budget) or [[]]
-        for g, names in enumerate(parts):
-            values = compute({n: self.arrays[n] for n in names}, self.placement, self.specs)
-            if g == 0:
-                values.update(self.values)
-            planned = _pytree_save.plan(nest(values), options, call.group)
-            pending = _pytree_save.start(planned, directory, call, first_writer=g * step, finish=False)
-            pending.wait()
+        # Group g is computed while group g - 1 is written: the two share the budget.
+        parts = groups(self.arrays, self.specs, self.placement, self.budget // 2) or [[]]
+        writing: tuple[Any, Any, Any] | None = None  # (pending write, its plan, its arrays)
+
+        def finish_writing() -> None:
+            nonlocal writing
+            if writing is None:
+                return
+            pending, planned, _ = writing
+            try:
+                pending.wait()
+            finally:
+                writing = None
             acks.extend(pending.acks)
             for name in ("leaves", "shardings", "strings", "python_types", "key_impls"):
                 getattr(files, name).update(getattr(planned, name))
-            del values, pending, planned
-            files.leaves = {n: files.leaves[n] for n in self.order if n in files.leaves}
-            log.debug("group %d of %d written: %s", g + 1, len(parts), names)
+
+        try:
+            for g, names in enumerate(parts):
+                values = compute({n: self.arrays[n] for n in names}, self.placement, self.specs)
+                if g == 0:
+                    values.update(self.values)
+                finish_writing()
+                planned = _pytree_save.plan(nest(values), options, call.group)
+                writing = (_pytree_save.start(planned, directory, call, first_writer=g * step, finish=False), planned, values)
+                del values, planned
+                log.debug("group %d of %d computed, being written: %s", g + 1, len(parts), names)
+            finish_writing()
+        except BaseException:
+            if writing is not None:
+                writing[0].settle()
+            raise
+        files.leaves = {n: files.leaves[n] for n in self.order if n in files.leaves}
         self.written["groups"] = len(parts)
         if call.group.is_primary():
             _pytree_save.finish_tree(directory, files.files, acks)
