@@ -291,3 +291,50 @@ def test_programs_are_shared_only_when_they_compute_the_same(tmp_path: Path, mes
     assert same_bits(by_int, np.arange(64, dtype=np.int32).reshape(8, 8) * 3)
     assert same_bits(by_float, np.arange(64, dtype=np.float32).reshape(8, 8) * 3)
     assert same_bits(by_bool, np.arange(64, dtype=np.int32).reshape(8, 8))
+
+
+PEAK = r"""
+import json, numpy as np, jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+import milepost as mp
+from milepost import surgery as ms
+
+def hwm():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:"))
+
+def rss():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmRSS:"))
+
+root = ROOT
+sharding = NamedSharding(jax.make_mesh((2, 4), ("data", "model")), P("data", "model"))
+for name, rows in (("small", 64), ("big", 2048)):  # 8 leaves of 32 KiB, then of 32 MiB (256 MiB in all)
+    mp.save(f"{root}/{name}", {f"w{i}": jax.device_put(jnp.full((rows, 4096), i, jnp.float32), sharding) for i in range(8)})
+jax.clear_caches()
+budget = 64 << 20
+ms.write(f"{root}/small-out", ms.cast(ms.open(f"{root}/small").tree, jnp.bfloat16), memory_budget_bytes=budget)  # warm
+import gc; gc.collect()
+base = rss()
+open("/proc/self/clear_refs", "w").write("5")
+ms.write(f"{root}/big-out", ms.cast(ms.open(f"{root}/big").tree, jnp.bfloat16), memory_budget_bytes=budget)
+print(json.dumps({"growth": hwm() - base}))
+"""
+
+
+def test_peak_memory_stays_within_the_budget(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    from tests import _subproc
+
+    proc = subprocess.run([sys.executable, "-c", PEAK.replace("ROOT", repr(str(tmp_path)))], env=_subproc.env(8),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    growth = json.loads(proc.stdout.strip().splitlines()[-1])["growth"]
+    budget, largest, checkpoint = 64 << 20, 32 << 20, 256 << 20
+    assert growth < 2 * (budget + largest), f"peak RSS grew {growth >> 20} MiB for a {budget >> 20} MiB budget"
+    assert growth < checkpoint * 0.75, "the surgery held most of the checkpoint at once"
+    got = mp.load(tmp_path / "big-out")
+    assert same_bits(got["w5"], np.full((2048, 4096), 5, ml_dtypes.bfloat16))
