@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import milepost.workers as workers
+from milepost.colocated import _views
 
 
 class SliceSharding:
@@ -51,7 +52,7 @@ class SliceSharding:
         return hash(self.milepost_spec)
 
     def __repr__(self) -> str:
-        return f"SliceSharding({self.milepost_spec.describe()})"
+        return f"SliceSharding({_views.sharding_str(self.milepost_spec)})"
 
 
 class SliceMesh:
@@ -126,5 +127,24 @@ class RemoteArray:
             "use slice.fetch(x) for its values or milepost.save to checkpoint it"
         )
 
+    def _facts(self) -> dict[str, str]:
+        spec = self.sharding.milepost_spec
+        return {
+            "shape": _views.shape_str(self.shape),
+            "dtype": str(self.dtype),
+            "bytes": _views.human_bytes(self.nbytes),
+            "sharding": _views.sharding_str(spec),
+            "shard shape": _views.shape_str(spec.shard_shape(self.shape)),
+            "devices": ", ".join(map(str, spec.device_ids)),
+            "id": self.id,
+        }
+
     def __repr__(self) -> str:
-        return f"RemoteArray(shape={self.shape}, dtype={self.dtype}, sharding={self.sharding.milepost_spec.describe()})"
+        facts = self._facts()
+        return (
+            f"RemoteArray({facts['dtype']}{facts['shape']}, {facts['bytes']}, sharding={facts['sharding']}, "
+            f"shard shape {facts['shard shape']})"
+        )
+
+    def _repr_html_(self) -> str:
+        return _views.html_fields("RemoteArray (on the slice's hosts)", self._facts())

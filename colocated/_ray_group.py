@@ -26,6 +26,7 @@ from milepost.colocated._errors import HostError
 from milepost.colocated._handles import RemoteArray
 from milepost.colocated._hostgroup import HostLoad
 from milepost.colocated._ray_host import Ref
+from milepost.workers import _progress
 
 log = logging.getLogger("milepost.slice")
 
@@ -194,6 +195,7 @@ class RayHostGroup:
                 else:
                     results[i] = value
                     self._count(from_hosts=pickled_size(value))
+                    _progress.acked(i, value)  # a progress bar counts the host's bytes as it finishes
         if not failures and pending:
             dead = True
             self._failed.update(pending.values())
@@ -206,7 +208,7 @@ class RayHostGroup:
                 try:
                     ray.cancel(ref)
                 except Exception as e:
-                    log.info("milepost slice: could not cancel a call to a failed slice: %s", e)
+                    log.info("could not cancel a call to a failed slice: %s", e)
         if failures:
             if dead:
                 self._healthy = False
@@ -376,17 +378,17 @@ class RayHostGroup:
             try:
                 ray.get([a.shutdown.remote() for a in self._actors], timeout=30)
             except Exception as e:
-                log.info("milepost slice: hosts did not all shut down cleanly: %s", e)
+                log.info("hosts did not all shut down cleanly: %s", e)
         for a in self._actors:
             try:
                 ray.kill(a)
             except Exception as e:
-                log.info("milepost slice: could not kill a host actor: %s", e)
+                log.info("could not kill a host actor: %s", e)
         if placement_group is not None:
             try:
                 remove_placement_group(placement_group)
             except Exception as e:
-                log.info("milepost slice: could not remove the placement group: %s", e)
+                log.info("could not remove the placement group: %s", e)
 
     def __repr__(self) -> str:
         return f"RayHostGroup(hosts={self.hosts}, healthy={self.healthy})"

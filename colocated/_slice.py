@@ -179,7 +179,7 @@ class Slice:
             remove_placement_group(pg)
             raise HostError(f"starting the slice's {hosts} hosts failed: {type(e).__name__}: {e}") from e
         group = RayHostGroup(actors, identities, device_ids, options.timeout_secs)
-        log.info("milepost slice started: %d hosts, devices %s", hosts, device_ids)
+        log.info("slice started: %d hosts, devices %s", hosts, device_ids)
         return cls(group, pg, options)
 
     def __enter__(self) -> Slice:
@@ -318,8 +318,31 @@ class Slice:
             )
         return x
 
+    def _host_rows(self) -> list[tuple[str, ...]]:
+        rows = []
+        per_host = getattr(self.group, "_device_ids", None) or [[] for _ in range(self.hosts)]
+        for i, ident in enumerate(self.host_identities()):
+            rows.append((str(i), str(ident.get("node", ""))[:12], str(ident.get("ip", "")), str(ident.get("pid", "")),
+                         ", ".join(map(str, per_host[i]))))
+        return rows
+
     def __repr__(self) -> str:
-        return f"Slice(hosts={self.hosts}, devices={len(self.device_ids)}, healthy={self.healthy})"
+        per_host = getattr(self.group, "_device_ids", None)
+        devices = f"{len(per_host[0])} devices each" if per_host and len({len(d) for d in per_host}) == 1 else f"{len(self.device_ids)} devices"
+        state = "healthy" if self.healthy else "unhealthy or shut down"
+        hosts = "; ".join(f"host {r[0]}: {r[2]} pid {r[3]}, devices [{r[4]}]" for r in self._host_rows())
+        return f"Slice({self.hosts} hosts x {devices}, {state}; {hosts})"
+
+    def _repr_html_(self) -> str:
+        from milepost.colocated import _views
+
+        state = "healthy" if self.healthy else "unhealthy or shut down"
+        traffic = self.traffic()
+        title = (
+            f"Slice: {self.hosts} hosts, {len(self.device_ids)} devices, {state}; controller traffic so far: "
+            f"{traffic.messages} messages, {_views.human_bytes(traffic.total_bytes)}"
+        )
+        return _views.html_table(("host", "node", "ip", "pid", "devices (global ids)"), self._host_rows(), title=title)
 
 
 

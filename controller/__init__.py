@@ -36,7 +36,7 @@ from milepost._handlers import (
     StatefulCheckpointable,
     register_handler,
 )
-from milepost._options import AsyncOptions, Context, LoadOptions, SaveOptions
+from milepost._options import AsyncOptions, Context, LoadOptions, ProgressOptions, SaveOptions
 from milepost._pytree_load import LeafMetadata
 from milepost._tree import PLACEHOLDER
 from milepost._verify import VerifyReport, verify
@@ -61,6 +61,7 @@ __all__ = [
     "LeafMetadata",
     "LoadOptions",
     "PendingWrite",
+    "ProgressOptions",
     "PyTreeHandler",
     "RemoteArray",
     "SaveHandle",

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from milepost import _checkpoint, _paths, _safetensors
+from milepost import _checkpoint, _dispatch, _paths, _progress, _safetensors
 from milepost._checkpoint import CheckpointMetadata, SaveHandle
 
 PathLike = str | os.PathLike[str]
@@ -83,18 +83,30 @@ def load(path: PathLike, abstract_state: Any = None, *, partial: bool = False) -
 
         return _run.materialize(path, abstract_state)
     where = _paths.as_path(path)
-    if _safetensors.is_safetensors(where):
-        return _safetensors.load(where, abstract_state, partial)
-    loaded = _checkpoint.load_checkpointables(path, {None: abstract_state}, partial=partial, default_pytree=True)  # type: ignore[dict-item]
+    with _progress.operation("load", where, primary=_primary()):
+        if _safetensors.is_safetensors(where):
+            return _safetensors.load(where, abstract_state, partial)
+        loaded = _checkpoint.load_checkpointables(path, {None: abstract_state}, partial=partial, default_pytree=True)  # type: ignore[dict-item]
     (value,) = loaded.values()
     return value
+
+
+def _primary() -> bool:
+    """Whether this process shows progress and logs loads (not the other processes of a
+    multi-controller job)."""
+    return _dispatch.host_group_for([]).is_primary()
 
 
 def load_checkpointables(
     path: PathLike, checkpointables: Mapping[str, Any] | None = None, *, partial: bool = False
 ) -> dict[str, Any]:
-    """Load the named checkpointables (all when None); the others are not read."""
-    return _checkpoint.load_checkpointables(path, checkpointables, partial=partial)
+    """Load the named checkpointables (all when None); the others are not read.
+
+    >>> parts = milepost.load_checkpointables("/ckpt/300", {"state": abstract_state, "dataset": None})
+    >>> parts["dataset"]          # {'position': 1234}
+    """
+    with _progress.operation("load", _paths.as_path(path), primary=_primary()):
+        return _checkpoint.load_checkpointables(path, checkpointables, partial=partial)
 
 
 def metadata(path: PathLike) -> CheckpointMetadata:

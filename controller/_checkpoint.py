@@ -23,6 +23,7 @@ from milepost import (
     _options,
     _ownership,
     _paths,
+    _progress,
     _workspace,
     workers,
 )
@@ -47,11 +48,18 @@ def saves_in_flight(under: Path) -> set[str]:
 
 class SaveHandle:
     """The background part of a save. ``result()`` waits for the commit and re-raises its
-    failure on your thread; ``add_done_callback(fn)`` calls ``fn(handle)`` when it ends."""
+    failure on your thread; ``add_done_callback(fn)`` calls ``fn(handle)`` when it ends.
 
-    def __init__(self, path: Path, future: futures.Future[Path]) -> None:
+    >>> handle = milepost.save_async("/ckpt/200", state)
+    >>> handle                       # SaveHandle('/ckpt/200', running: 96.0 MiB of 512.0 MiB written, 0.3 s)
+    >>> handle.result()              # waits for the commit; re-raises a failure
+    >>> handle                       # SaveHandle('/ckpt/200', committed: 512.0 MiB in 1.21 s (0.44 GB/s), blocking 0.118 s)
+    """
+
+    def __init__(self, path: Path, future: futures.Future[Path], operation: _progress.Operation | None = None) -> None:
         self.path = path
         self._future = future
+        self._op = operation
 
     def done(self) -> bool:
         return self._future.done()
@@ -67,15 +75,24 @@ class SaveHandle:
         the thread that finished it. Exceptions ``fn`` raises are logged, not raised."""
         self._future.add_done_callback(lambda _: fn(self))
 
-    def __repr__(self) -> str:
+    def _state(self) -> str:
+        op = self._op
         if not self._future.done():
-            state = "running"
-        elif self._future.exception() is None:
-            state = "committed"
-        else:
-            error = self._future.exception()
-            state = f"failed: {type(error).__name__}: {error}"
-        return f"SaveHandle({str(self.path)!r}, {state})"
+            if op is None:
+                return "running"
+            return f"running: {_progress.human_bytes(op.done)} of {_progress.human_bytes(op.total)} written, {op.seconds:.1f} s"
+        error = self._future.exception()
+        if error is None:
+            return "committed" + (f": {op.summary()}" if op is not None and op.ended is not None else "")
+        return f"failed: {type(error).__name__}: {error}"
+
+    def __repr__(self) -> str:
+        return f"SaveHandle({str(self.path)!r}, {self._state()})"
+
+    def _repr_html_(self) -> str:
+        from milepost import _views
+
+        return _views.html_fields("SaveHandle", {"path": str(self.path), "state": self._state()})
 
 
 def _check_name(name: str) -> None:
@@ -129,17 +146,21 @@ def start_save(
             raise SaveInProgressError(f"another save to {final} is still in flight; wait for it (handle.result()) first")
         _in_flight.add(final)
     save = _Save(final, handlers, group, options, overwrite, custom_json, metrics_json)
+    op = save.op
     try:
-        save.stage(objs, copy=asynchronous)
+        with op.active():
+            save.stage(objs, copy=asynchronous)
     except BaseException:
+        op.close(ok=False)
         with _in_flight_lock:
             _in_flight.discard(final)
         raise
     if asynchronous:
-        return SaveHandle(final, _background.saves.submit(str(final), save.finish, save.timeout))
+        op.blocked()
+        return SaveHandle(final, _background.saves.submit(str(final), save.finish, save.timeout), op)
     future: futures.Future[Any] = futures.Future()
     future.set_result(save.finish())
-    return SaveHandle(final, future)
+    return SaveHandle(final, future, op)
 
 
 class _Save:
@@ -168,6 +189,8 @@ class _Save:
         self.custom_json = custom_json
         self.metrics_json = metrics_json
         self.pending: list[workers.PendingWrite[Any]] = []
+        self.op = _progress.Operation("save", final, options.progress if group.is_primary() else None)
+        """Bytes planned and written, times, and the progress bar (on the primary)."""
         self.prepared = False
         """True on the primary once it owns the workspace (until it committed or abandoned it)."""
         self.init_ns = 0
@@ -212,6 +235,20 @@ class _Save:
 
     # -- the background part ------------------------------------------------------------
     def finish(self) -> Path | _paths.ObjectPath:
+        try:
+            with self.op.active():
+                self._finish()
+        except BaseException:
+            self.op.close(ok=False)
+            raise
+        if self.op.blocking_secs is None:
+            self.op.blocked()  # a blocking save: the caller waited for all of it
+        self.op.close(ok=True)
+        if self.group.is_primary():
+            self.op.log()
+        return self.final
+
+    def _finish(self) -> None:
         group, final, timeout = self.group, self.final, self.timeout
         try:
             failure: Exception | None = None
@@ -227,7 +264,6 @@ class _Save:
                 workers.settle_all(self.pending[done:], timeout)
             # The primary commits, or reports why not; every process gets the same outcome.
             _agree(group, f"commit:{final}", failure, timeout, then=self.commit)
-            return final
         except BaseException:
             self._abandon(f"abandon-commit:{final}")
             raise
@@ -416,7 +452,16 @@ def _replaced(root: Path) -> CheckpointReplacedError:
 
 
 class CheckpointMetadata:
-    """What ``milepost.metadata`` returns: the tree and the checkpoint-level facts."""
+    """What ``milepost.metadata`` returns: the tree and the checkpoint-level facts.
+
+    ``tree`` is the main pytree (``state``, or the only one) with a :class:`LeafMetadata` per
+    leaf; ``checkpointables`` has every checkpointable's metadata by name; ``custom_metadata``,
+    ``metrics`` and the timestamps come from the checkpoint's ``_CHECKPOINT_METADATA``. Its
+    ``repr`` (and its table in a notebook) lists every leaf with its bytes.
+
+    >>> meta = milepost.metadata("/ckpt/100")
+    >>> meta.tree["params"]["w"].shape, meta.nbytes, meta.custom_metadata
+    """
 
     def __init__(self, path: Path, meta: dict[str, Any], checkpointables: dict[str, Any], tree_name: str | None) -> None:
         self.path = path
@@ -429,11 +474,63 @@ class CheckpointMetadata:
         handlers = meta.get("item_handlers") or {}
         self.item_handlers: dict[str, str] = handlers if isinstance(handlers, dict) else {_layout.DEFAULT_ITEM: handlers}
 
+    def leaves(self, checkpointable: str | None = None) -> list[Any]:
+        """Every :class:`LeafMetadata` of the main tree (or of the pytree ``checkpointable``),
+        in tree order."""
+        from milepost import _views
+
+        tree = self.tree if checkpointable is None else self.checkpointables[checkpointable]
+        return _views.flat_leaves(tree)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every array of every pytree checkpointable."""
+        from milepost import _views
+
+        return sum(_views.totals(_views.flat_leaves(part))[2] for part in self.checkpointables.values())
+
+    def _facts(self) -> dict[str, str]:
+        from milepost import _views
+
+        facts = {"path": str(self.path)}
+        if self.commit_timestamp_nsecs:
+            facts["committed"] = _views.timestamp_str(self.commit_timestamp_nsecs)
+            if self.init_timestamp_nsecs:
+                facts["save took"] = f"{(self.commit_timestamp_nsecs - self.init_timestamp_nsecs) / 1e9:.2f} s"
+        facts["checkpointables"] = ", ".join(f"{n} ({self.item_handlers.get(n, '?').rpartition('.')[2]})" for n in self.checkpointables)
+        facts["custom_metadata"] = _views.short_json(self.custom_metadata)
+        if self.metrics:
+            facts["metrics"] = _views.short_json(self.metrics)
+        return facts
+
+    def _tables(self) -> list[tuple[str, list[Any]]]:
+        from milepost import _views
+
+        out = []
+        for name, part in self.checkpointables.items():
+            leaves = _views.flat_leaves(part)
+            if leaves:
+                n, arrays, nbytes = _views.totals(leaves)
+                out.append((f"{name}: {n} leaves, {arrays} arrays, {_views.human_bytes(nbytes)}", leaves))
+        return out
+
     def __repr__(self) -> str:
-        return (
-            f"CheckpointMetadata(path={str(self.path)!r}, checkpointables={sorted(self.checkpointables)}, "
-            f"custom_metadata={self.custom_metadata}, commit_timestamp_nsecs={self.commit_timestamp_nsecs})"
-        )
+        from milepost import _views
+
+        lines = [f"CheckpointMetadata({str(self.path)!r})"]
+        lines += [f"  {k}: {v}" for k, v in self._facts().items() if k != "path"]
+        text = "\n".join(lines)
+        for title, leaves in self._tables():
+            text += "\n" + _views.text_table(_views.LEAF_COLUMNS, [_views.leaf_row(leaf) for leaf in leaves], title=title)
+        return text
+
+    def _repr_html_(self) -> str:
+        from milepost import _views
+
+        out = _views.html_fields("CheckpointMetadata", self._facts())
+        for title, leaves in self._tables():
+            out += _views.html_table(_views.LEAF_COLUMNS, [_views.leaf_row(leaf) for leaf in leaves], title=title)
+        return out
 
 
 def metadata(path: str | os.PathLike[str]) -> CheckpointMetadata:

@@ -105,6 +105,39 @@ class AsyncOptions:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ProgressOptions:
+    """How saves, loads and verifies show their progress: bytes done of bytes planned, with the
+    rate and the time left. Off in library calls unless a context turns it on
+    (``milepost.Context(progress=True)``); on in the ``milepost`` command.
+
+    In a terminal the bar is redrawn in place (``rich``); in Jupyter it is an HTML bar in the
+    cell's output, updated in place; in a file or a pipe only the final line is written. In a
+    slice the controller counts the hosts' bytes as each host acknowledges (per host, when it
+    finishes); in a multi-controller job only the primary process shows a bar.
+
+    >>> with milepost.Context(progress=milepost.ProgressOptions(delay_secs=0)):
+    ...     milepost.save(path, state)
+    """
+
+    file: Any = None
+    """A text stream to draw on (None: standard error, or the notebook's output in Jupyter)."""
+    delay_secs: float = 1.0
+    """Show a bar only once the operation has run this long (0: at once), so quick calls stay quiet."""
+    refresh_secs: float = 0.1
+    """Redraw at most this often (0: at every update)."""
+
+    def __post_init__(self) -> None:
+        if self.file is not None and not callable(getattr(self.file, "write", None)):
+            raise TypeError(f"ProgressOptions.file must be a text stream (with .write) or None, got {type(self.file).__name__}")
+        for name in ("delay_secs", "refresh_secs"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise TypeError(f"ProgressOptions.{name} must be a number of seconds, got {value!r} ({type(value).__name__})")
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"ProgressOptions.{name} must be a finite number of seconds >= 0, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class Options:
     """A snapshot of everything a call needs from the context."""
 
@@ -112,6 +145,8 @@ class Options:
     loading: LoadOptions = field(default_factory=LoadOptions)
     async_: AsyncOptions = field(default_factory=AsyncOptions)
     handlers: tuple[Any, ...] = ()
+    progress: ProgressOptions | None = None
+    """None: no progress bars (the default for library calls)."""
 
 
 _CURRENT: contextvars.ContextVar[Options] = contextvars.ContextVar("milepost_options", default=Options())  # noqa: B039 (frozen)
@@ -132,6 +167,13 @@ class Context:
     ``handlers``: :class:`~milepost.CheckpointableHandler` objects tried before the registered
     and built-in ones. An entry may also be a pair ``(handler, name)``: then the handler is
     used only for the checkpointable called ``name``.
+
+    ``progress``: True (a :class:`ProgressOptions` with its defaults) or a
+    :class:`ProgressOptions` shows progress bars for long saves, loads and verifies; False turns
+    them off inside an enclosing context that turned them on.
+
+    >>> with milepost.Context(progress=True):
+    ...     state = milepost.load("/ckpt/100", abstract_state)
     """
 
     def __init__(
@@ -141,11 +183,18 @@ class Context:
         loading: LoadOptions | None = None,
         async_: AsyncOptions | None = None,
         handlers: Sequence[Any] = (),
+        progress: bool | ProgressOptions | None = None,
     ) -> None:
         for name, value, cls in (("saving", saving, SaveOptions), ("loading", loading, LoadOptions), ("async_", async_, AsyncOptions)):
             if value is not None and not isinstance(value, cls):
                 raise TypeError(f"Context({name}=...) takes a {cls.__name__}, got {type(value).__name__}")
-        self._changes = {k: v for k, v in (("saving", saving), ("loading", loading), ("async_", async_)) if v is not None}
+        if progress is not None and not isinstance(progress, bool | ProgressOptions):
+            raise TypeError(f"Context(progress=...) takes True, False or a ProgressOptions, got {type(progress).__name__}")
+        self._changes: dict[str, Any] = {
+            k: v for k, v in (("saving", saving), ("loading", loading), ("async_", async_)) if v is not None
+        }
+        if progress is not None:
+            self._changes["progress"] = ProgressOptions() if progress is True else (progress or None)
         self._handlers = tuple(handlers)
         self._tokens: list[contextvars.Token[Options]] = []
 

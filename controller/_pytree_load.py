@@ -9,6 +9,7 @@ assembles the result in the abstract tree's structure (or the saved one).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,29 +18,67 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from milepost import _dispatch, _tree, workers
+from milepost import _dispatch, _progress, _tree, workers
 from milepost import _format as fmt
 from milepost import _pytree_format as tree_format
 from milepost._errors import CheckpointNotFoundError, CorruptCheckpointError, StructureMismatchError
 from milepost._pytree_save import CONTROLLER, SCALAR_TYPES
 from milepost._tree import PLACEHOLDER, ValueType
 from milepost.workers import ShardingSpec
+from milepost.workers import _progress as workers_progress
 
 if TYPE_CHECKING:
     from milepost._handlers import LoadCall
 
+log = logging.getLogger("milepost")
+
 
 @dataclass(frozen=True, kw_only=True)
 class LeafMetadata:
-    """What ``milepost.metadata`` reports for one leaf (no array data read)."""
+    """What ``milepost.metadata`` reports for one leaf (no array data read).
+
+    >>> leaf = milepost.metadata("/ckpt/100").tree["params"]["w"]
+    >>> leaf.shape, leaf.dtype, leaf.nbytes
+    ((1024, 1024), dtype('float32'), 4194304)
+    """
 
     name: str
+    """The key path, parts joined by '.' (``params.layer0.kernel``)."""
     value_type: ValueType
     shape: tuple[int, ...] | None = None
     dtype: np.dtype | None = None
     sharding: ShardingSpec | None = None
+    """How it was sharded when saved (None: a NumPy array, a scalar, or not recorded)."""
     write_shape: tuple[int, ...] | None = None
+    """The shape of the boxes it was written in (a shard, or a replica's share of one)."""
     chunk_shape: tuple[int, ...] | None = None
+    """The shape of its stored chunks (smaller than ``write_shape`` when subchunked)."""
+
+    @property
+    def nbytes(self) -> int | None:
+        """Bytes of its values (None for strings and other leaves that are not arrays)."""
+        if self.shape is None or self.dtype is None:
+            return None
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+    def __repr__(self) -> str:
+        from milepost import _views
+
+        if self.shape is None:
+            return f"LeafMetadata({self.name!r}: {self.value_type})"
+        parts = [f"{self.name!r}: {self.value_type} {self.dtype}{_views.shape_str(self.shape)}", _views.human_bytes(self.nbytes)]
+        if self.sharding is not None:
+            parts.append(f"sharding={_views.sharding_str(self.sharding)}")
+        if self.write_shape is not None:
+            parts.append(f"write_shape={_views.shape_str(self.write_shape)}")
+        if self.chunk_shape is not None and self.chunk_shape != self.write_shape:
+            parts.append(f"chunk_shape={_views.shape_str(self.chunk_shape)}")
+        return f"LeafMetadata({', '.join(parts)})"
+
+    def _repr_html_(self) -> str:
+        from milepost import _views
+
+        return _views.html_table(_views.LEAF_COLUMNS, [_views.leaf_row(self)], title="LeafMetadata")
 
 
 def _header_shape_dtype(header: dict[str, Any]) -> tuple[tuple[int, ...], np.dtype]:
@@ -275,6 +314,14 @@ def load(directory: Path, abstract: Any, call: LoadCall) -> Any:
             (host_tasks if task.sharding is None else device_tasks).append(task)
 
     loading = call.options.loading
+    device_bytes = _progress.read_bytes(device_tasks, group)
+    own_bytes = _progress.read_bytes(host_tasks, group)
+    workers_progress.expect(device_bytes + own_bytes)
+    log.debug(
+        "load plan for %s: %d arrays read by %d hosts (%d bytes), %d by the controller (%d bytes), memory budget %s per host",
+        directory, len(device_tasks), len(group.processes()), device_bytes, len(host_tasks), own_bytes,
+        loading.memory_budget_bytes,
+    )
 
     def plan_of(tasks: list[workers.LoadTask]) -> workers.LoadPlan:
         return workers.LoadPlan(

@@ -10,6 +10,8 @@ hands the plans to the host groups and returns a :class:`PendingTree`.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,10 +27,13 @@ from milepost import _pytree_format as tree_format
 from milepost._errors import InvalidKeyError, UnsupportedLeafError
 from milepost._options import SaveOptions
 from milepost._tree import Leaf, ValueType
+from milepost.workers import _progress as progress
 
 if TYPE_CHECKING:
     from milepost._handlers import SaveCall
     from milepost.colocated import HostGroup
+
+log = logging.getLogger("milepost")
 
 CONTROLLER = _dispatch.CONTROLLER
 """Name of the store the controller writes its own (host-memory) leaves into."""
@@ -230,6 +235,14 @@ def start(planned: TreeSavePlan, directory: Path, call: SaveCall, *, first_write
     writers = planned.options.ocdbt_writers_per_host
     timeout = call.options.async_.timeout_secs
     group = call.group
+    host_bytes = {p: _task_bytes(tasks) for p, tasks in planned.host_tasks.items()}
+    own_bytes = _task_bytes(planned.controller_tasks) if group.is_primary() else 0
+    progress.expect(sum(host_bytes.values()) + own_bytes)
+    log.debug(
+        "save plan for %s: %d leaves; %d arrays on %d hosts (bytes by host: %s); %d leaves written by the controller "
+        "(%d bytes); %d strings", directory, len(planned.leaves), len({t.spec.name for ts in planned.host_tasks.values() for t in ts}),
+        len(host_bytes), host_bytes, len(planned.controller_tasks), own_bytes, len(planned.strings),
+    )
     hosts: workers.PendingWrite[list[workers.SaveAck]] | None = None
     if planned.host_tasks:
         plans = {
@@ -252,6 +265,10 @@ def start(planned: TreeSavePlan, directory: Path, call: SaveCall, *, first_write
         raise
     planned.controller_sources = []
     return PendingTree(directory, planned.files, group, hosts, own, timeout, finish)
+
+
+def _task_bytes(tasks: list[workers.SaveTask]) -> int:
+    return sum(math.prod(b - a for a, b in r.index) * np.dtype(t.spec.dtype).itemsize for t in tasks for r in t.regions)
 
 
 class PendingTree:

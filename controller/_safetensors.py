@@ -28,6 +28,7 @@ from milepost import (
     _layout,
     _options,
     _paths,
+    _progress,
     _pytree_format,
     _pytree_load,
     _tree,
@@ -36,6 +37,7 @@ from milepost import (
 from milepost import _format as fmt
 from milepost._errors import CheckpointExistsError, CheckpointNotFoundError, StructureMismatchError
 from milepost._tree import PLACEHOLDER
+from milepost.workers import _progress as workers_progress
 
 SUFFIX = ".safetensors"
 
@@ -117,6 +119,7 @@ def load(path: Path, abstract: Any, partial: bool) -> Any:
         task = _task(tensors[name], name, abst, group)
         (host_tasks if task.sharding is None else device_tasks).append(task)
     store = workers.StoreSpec(directory=str(path if path.is_dir() else path.parent))
+    workers_progress.expect(_progress.read_bytes(device_tasks, group) + _progress.read_bytes(host_tasks, group))
 
     def plan_of(tasks: list[workers.LoadTask]) -> workers.LoadPlan:
         return workers.LoadPlan(store=store, tasks=tuple(tasks), memory_budget_bytes=options.loading.memory_budget_bytes)

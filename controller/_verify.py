@@ -9,6 +9,7 @@ is raised for what is damaged: the report lists it.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
@@ -16,7 +17,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from milepost import _checkpoint, _dispatch, _layout, _options, _paths, _pytree_load, workers
+from milepost import (
+    _checkpoint,
+    _dispatch,
+    _layout,
+    _options,
+    _paths,
+    _progress,
+    _pytree_load,
+    workers,
+)
 from milepost import _format as fmt
 from milepost import _pytree_format as tree_format
 from milepost._errors import CheckpointNotFoundError
@@ -64,8 +74,10 @@ def verify(path: str | os.PathLike[str], *, slice: Any = None) -> VerifyReport:
     root = _paths.as_path(path)
     group = _dispatch.check_storage(slice.group if slice is not None else _dispatch.host_group_for([]), root)
     timeout = options.async_.timeout_secs
-    planned = _dispatch.shared(group, f"verify-plan:{root}", lambda: _plan(root, group.processes(), options), timeout)
-    acks = group.run("verify", planned.plans, timeout) if planned.plans else []
+    with _progress.operation("verify", root, primary=group.is_primary()) as op:
+        planned = _dispatch.shared(group, f"verify-plan:{root}", lambda: _plan(root, group.processes(), options), timeout)
+        op.expect(planned.nbytes)
+        acks = group.run("verify", planned.plans, timeout) if planned.plans else []
     problems = [*planned.problems, *(p for ack in acks for p in ack.problems)]
     report = VerifyReport(
         path=root,
@@ -86,6 +98,8 @@ class _Planned:
     notes: list[str] = field(default_factory=list)
     files: int = 0
     arrays: int = 0
+    nbytes: int = 0
+    """Bytes of every array's chunks (what the hosts read)."""
 
 
 def _plan(root: Path, processes: Any, options: _options.Options) -> _Planned:
@@ -152,6 +166,8 @@ def _plan_tree(directory: Path, processes: Any, options: _options.Options, out: 
             out.problems.append(f"the header of array {name!r} in {directory} is malformed ({e})")
             continue
         grid = [tuple(g) for g in itertools.product(*(range(math.ceil(n / c)) for n, c in zip(shape, chunk, strict=True)))]
+        with contextlib.suppress(KeyError, TypeError, ValueError):
+            out.nbytes += math.prod(shape) * _pytree_load._header_shape_dtype(header)[1].itemsize
         if math.prod(shape) == 0:
             grid = []
         recorded = files.chunk_crc32c.get(name)

@@ -339,7 +339,7 @@ class ObjectWorkspace:
                 self.final.delete_tree().result()
             except Exception as e:
                 # Keep the lease (it expires): it marks what is left as a dead save's, to remove.
-                log.warning("milepost: could not remove what the failed save to %s wrote: %s", self.final, e)
+                log.warning("could not remove what the failed save to %s wrote: %s", self.final, e)
                 self._lost = "abandoned"
         self.release()
 

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from milepost.workers import _checksum, _direct, _keys, _safetensors, _staging
+from milepost.workers import _checksum, _direct, _keys, _progress, _safetensors, _staging
 from milepost.workers import _tensorstore as tsu
 from milepost.workers._errors import CorruptCheckpointError, from_tensorstore
 from milepost.workers._messages import (
@@ -208,9 +208,12 @@ def _issue_writes(plan: SavePlan, sources: Sequence[Any], parts: list[_Part], op
     # Every copy before any write: the writes would compete with the copies for memory
     # bandwidth and cores, and the copies are what the caller waits for.
     parallel_copy(copies)
+    progress = _progress.counter()
     for store, box, data, spec in writes:
         written = store[tsu.box_to_slices(box)].write(data, can_reference_source_data_indefinitely=True)
         pending._track(written.commit, data.nbytes)
+        if progress is not None:  # a progress bar counts each write once durable
+            written.commit.add_done_callback(lambda f, n=data.nbytes: f.exception() is None and progress(n))
         pending._checksum(spec, box, data)
 
 
@@ -604,6 +607,7 @@ class _BudgetedReader:
         self.inflight: collections.deque[_Read | _TensorRead] = collections.deque()
         self.inflight_bytes = 0
         self.bytes_read = 0
+        self.progress = _progress.counter()
 
     def read(
         self,
@@ -680,6 +684,8 @@ class _BudgetedReader:
         asm.take(read.devices, read.out)
         self.inflight_bytes -= read.nbytes
         self.bytes_read += read.nbytes
+        if self.progress is not None:
+            self.progress(read.nbytes)
 
     def _check(self, read: _Read) -> None:
         """Check every chunk of a box read through TensorStore, then cut the box out."""
@@ -732,6 +738,7 @@ class _Verifier:
         self.budget = plan.memory_budget_bytes or (256 << 20)
         self.problems: list[str] = []
         self.checked = self.nbytes = 0
+        self.progress = _progress.counter()
 
     def check_array(self, task: VerifyTask) -> None:
         spec = tsu.open_spec(tsu.read_kvstore(task.store), task.name, task.fill_missing, task.store.zarr_format)
@@ -764,6 +771,8 @@ class _Verifier:
             return out.nbytes
         self.checked += 1
         self.nbytes += out.nbytes
+        if self.progress is not None:
+            self.progress(out.nbytes)
         if expected is not None:
             try:
                 _checksum.check(name, grid, _checksum.values_crc32c(out), expected, task.store.directory)

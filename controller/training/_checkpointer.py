@@ -240,7 +240,7 @@ class Checkpointer:
         self._local_steps = {int(k): dict(v) for k, v in fast.items()}
         if not self.read_only:
             for step in sorted(set(self._local_steps) - set(self._steps)):  # a mirror that did not finish
-                log.warning("milepost.training: step %s is only in %s; mirroring it to %s", step, self.local, self.root)
+                log.warning("step %s is only in %s; mirroring it to %s", step, self.local, self.root)
                 self._mirrors[step] = self._group
                 self._mirror_worker.submit()
 
@@ -306,7 +306,7 @@ class Checkpointer:
     def _install_signal(self, sig: int) -> None:
         if threading.current_thread() is not threading.main_thread():
             log.warning(
-                "milepost.training: the Checkpointer was opened off the main thread, so it cannot handle "
+                "the Checkpointer was opened off the main thread, so it cannot handle "
                 "signal %s; call ckpt.preempt() from your own handler instead", signal.Signals(sig).name
             )
             return
@@ -365,6 +365,10 @@ class Checkpointer:
             self._decision = (step, answer, seen)
             if preempted and answer:
                 self._preempted = True
+        if preempted and answer:
+            log.warning("preempted: saving step %s, after which training should stop (ckpt.preempted is True)", step)
+        elif not answer:
+            log.debug("skipped step %s: the save policy %r does not ask for it", step, self.save_policy)
         return answer
 
     # -- saving -------------------------------------------------------------------------
@@ -428,6 +432,7 @@ class Checkpointer:
                 del self._in_flight[step]
                 self._cond.notify_all()
             raise
+        log.debug("saving step %s to %s", step, target)
         with self._cond:
             self._signals_served = max(self._signals_served, served)
             self._in_flight[step] = handle
@@ -453,7 +458,7 @@ class Checkpointer:
         try:
             handle.result(0)
         except BaseException as e:
-            log.error("milepost.training: the save of step %s failed: %s: %s", step, type(e).__name__, e)
+            log.error("the save of step %s failed: %s: %s", step, type(e).__name__, e)
             with self._cond:
                 if self._failure is None:
                     self._failure = BackgroundSaveError(step, e)
@@ -461,6 +466,11 @@ class Checkpointer:
                 self._in_flight.pop(step, None)
                 self._cond.notify_all()
             return
+        shown = f" ({', '.join(f'{k}={v}' for k, v in metrics.items())})" if metrics else ""
+        if self.local is not None:
+            log.info("saved step %s to %s%s; mirroring it to %s", step, self.local, shown, self.root)
+        else:
+            log.info("saved step %s to %s%s", step, self.root, shown)
         with self._cond:
             if self.local is not None:
                 self._local_steps[step] = metrics
@@ -491,7 +501,7 @@ class Checkpointer:
                     wait_for_writer_secs=min(self._mirror_timeout, 1.5 * self._lease_secs),
                 )
         except Exception as e:
-            log.error("milepost.training: mirroring step %s to %s failed: %s: %s", step, self.root, type(e).__name__, e)
+            log.error("mirroring step %s to %s failed: %s: %s", step, self.root, type(e).__name__, e)
             with self._cond:
                 if self._failure is None:
                     self._failure = MirrorError(step, self.local, self.root, e)
@@ -500,6 +510,7 @@ class Checkpointer:
                 del self._mirrors[step]
                 self._cond.notify_all()
             return
+        log.info("mirrored step %s to %s", step, self.root)
         with self._cond:
             self._steps[step] = metrics
             del self._mirrors[step]
@@ -539,9 +550,10 @@ class Checkpointer:
                         continue
                     deleted = tier.delete(steps)
                     if deleted:
-                        log.info("milepost.training: retention deleted steps %s of %s", deleted, tier)
+                        policy = self.keep if tier is self._durable else self.local_keep
+                        log.info("deleted steps %s of %s (retention: %r)", deleted, tier, policy)
         except Exception as e:  # retention must never break training
-            log.error("milepost.training: retention in %s failed: %s: %s", self.root, type(e).__name__, e)
+            log.error("retention in %s failed: %s: %s", self.root, type(e).__name__, e)
         finally:
             with self._cond:
                 self._gc_active -= 1
@@ -579,6 +591,8 @@ class Checkpointer:
                             self._unmirrored.discard(step)
 
         self._shared(f"delete:{step}", on_primary)
+        if self._primary:
+            log.info("deleted step %s of %s (asked)", step, self.root)
         if not self._primary:
             with self._cond:
                 self._steps.pop(step, None)
@@ -718,12 +732,66 @@ class Checkpointer:
         try:  # do not mask the original error with a save failure
             self.close()
         except Exception as e:
-            log.error("milepost.training: while closing after an error: %s: %s", type(e).__name__, e)
+            log.error("while closing after an error: %s: %s", type(e).__name__, e)
+
+    def _step_rows(self) -> list[dict[str, Any]]:
+        """One row per step this Checkpointer knows (committed, being saved or mirrored), oldest
+        first: ``step``, ``tier`` (``durable``, ``local`` or both), ``state`` and ``metrics``.
+        What the steps table in a notebook shows; ``milepost ls ROOT`` lists the folders."""
+        with self._cond:
+            steps = sorted(set(self._steps) | set(self._local_steps) | set(self._in_flight) | set(self._mirrors) | self._unmirrored)
+            rows = []
+            for s in steps:
+                tiers = [name for name, known in (("local", self._local_steps), ("durable", self._steps)) if s in known]
+                if s in self._in_flight:
+                    state = "saving"
+                elif s in self._mirrors:
+                    state = "committed, mirroring"
+                elif s in self._unmirrored:
+                    state = "committed, mirror failed"
+                else:
+                    state = "committed"
+                metrics = self._steps.get(s) or self._local_steps.get(s) or {}
+                rows.append({"step": s, "tier": " + ".join(tiers) or "-", "state": state, "metrics": dict(metrics)})
+            return rows
+
+    def _table(self) -> tuple[str, tuple[str, ...], list[tuple[Any, ...]]]:
+
+        rows = self._step_rows()
+        names = sorted({k for r in rows for k in r["metrics"]})
+        columns = ("step", "tier", "state", *names)
+        table = [(r["step"], r["tier"], r["state"], *(_metric(r["metrics"].get(k)) for k in names)) for r in rows]
+        where = repr(str(self.root)) + (f", local={str(self.local)!r}" if self.local is not None else "")
+        mode = ", read_only=True" if self.read_only else ""
+        title = (
+            f"Checkpointer({where}{mode}): {len(rows)} step{'' if len(rows) == 1 else 's'}, latest {self.latest}; "
+            f"save_policy={self.save_policy!r}, "
+            f"keep={self.keep!r}" + (f", local_keep={self.local_keep!r}" if self.local is not None else "")
+            + (", preempted" if self._preempted else "") + (", closed" if self._closed else "")
+        )
+        return title, columns, table
 
     def __repr__(self) -> str:
-        with self._cond:
-            local = f", local={str(self.local)!r}, local_steps={sorted(self._local_steps)}" if self.local is not None else ""
-            return f"Checkpointer({str(self.root)!r}, steps={sorted(self._steps)}{local}, in_flight={sorted(self._in_flight)})"
+        from milepost import _views
+
+        title, columns, rows = self._table()
+        if not rows:
+            return f"{title}"
+        shown = rows[-_views.MAX_ROWS :]
+        text = title + ("" if len(shown) == len(rows) else f" (the last {len(shown)} shown)")
+        return text + "\n" + _views.text_table(columns, shown)
+
+    def _repr_html_(self) -> str:
+        from milepost import _views
+
+        title, columns, rows = self._table()
+        return _views.html_table(columns, rows, title=title)
+
+
+def _metric(value: Any) -> str:
+    if value is None:
+        return ""
+    return f"{value:.6g}" if isinstance(value, float) else str(value)
 
 
 class _Worker:

@@ -72,7 +72,7 @@ class Tier:
             try:
                 meta = fmt.read_json(p / fmt.CHECKPOINT_METADATA, "checkpoint metadata")
             except (FileNotFoundError, ValueError) as e:
-                log.warning("milepost.training: ignoring step %s: %s", p.name, e)
+                log.warning("ignoring step %s: %s", p.name, e)
                 continue
             metrics = meta.get("metrics") if isinstance(meta, dict) else None
             out[int(p.name)] = dict(metrics) if isinstance(metrics, dict) else {}
@@ -100,9 +100,9 @@ class Tier:
             committed, folders = self._listing()
             for name in sorted(folders - committed - busy):
                 if _workspace.remove_if_abandoned(self.path / name, self.lease_secs):  # type: ignore[arg-type]
-                    log.warning("milepost.training: removed %s, left by a save or deletion that did not finish", self.path / name)
+                    log.warning("removed %s, left by a save or deletion that did not finish", self.path / name)
                 else:
-                    log.info("milepost.training: left %s alone: a live save owns it", self.path / name)
+                    log.info("left %s alone: a live save owns it", self.path / name)
             return
         for p in sorted(self.path.iterdir()):
             name = p.name
@@ -113,9 +113,9 @@ class Tier:
             if name.lstrip(".").partition(".")[0] in busy:
                 continue
             if _ownership.remove_if_abandoned(p):
-                log.warning("milepost.training: removed %s, left by a save or deletion that did not finish", p)
+                log.warning("removed %s, left by a save or deletion that did not finish", p)
             else:
-                log.info("milepost.training: left %s alone: a live process holds it", p)
+                log.info("left %s alone: a live process holds it", p)
 
     # -- deleting -----------------------------------------------------------------------
     def delete(self, steps: list[int]) -> list[int]:
@@ -128,7 +128,7 @@ class Tier:
             try:
                 self.delete_one(step)
             except StepBusyError as e:
-                log.warning("milepost.training: retention skipped step %s: %s", step, e)
+                log.warning("retention skipped step %s: %s", step, e)
                 continue
             deleted.append(step)
         return deleted
@@ -165,7 +165,7 @@ class Tier:
             try:
                 workspace.acquire()
             except FileExistsError as e:
-                log.warning("milepost.training: step %s not deleted: %s", step, e)
+                log.warning("step %s not deleted: %s", step, e)
                 continue
             owned.append((step, workspace))
         try:
