@@ -36,6 +36,7 @@ from milepost._handlers import (
     StatefulCheckpointable,
     register_handler,
 )
+from milepost._iostats import HostIoStats, IoStats, io_stats
 from milepost._options import AsyncOptions, Context, LoadOptions, ProgressOptions, SaveOptions
 from milepost._pytree_load import LeafMetadata
 from milepost._tree import PLACEHOLDER
@@ -56,7 +57,9 @@ __all__ = [
     "CopyReport",
     "CorruptCheckpointError",
     "HostError",
+    "HostIoStats",
     "InvalidKeyError",
+    "IoStats",
     "JsonHandler",
     "LeafMetadata",
     "LoadOptions",
@@ -75,6 +78,7 @@ __all__ = [
     "UnsupportedLeafError",
     "VerifyReport",
     "copy",
+    "io_stats",
     "load",
     "load_checkpointables",
     "metadata",

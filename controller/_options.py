@@ -89,10 +89,37 @@ class LoadOptions:
     files into the memory the device arrays adopt, skipping TensorStore's intermediate buffer.
     The shard index and its checksum are checked as TensorStore would. Other arrays, and every
     array when this is False, are read through TensorStore."""
+    load_and_broadcast: bool = False
+    """Read each array replicated along ``replica_axis`` once: only the hosts holding replica 0
+    (index 0 of that mesh axis) read storage, and the other replicas receive their shards from
+    them by collectives among the hosts (never through the controller). For slices and
+    multi-controller jobs; in one process it changes nothing (replicas there are read once and
+    copied in memory anyway). Every target sharding on a mesh must have the axis (else
+    ValueError); arrays sharded along it, or on one device, load as usual (they hold no replicas
+    along it)."""
+    replica_axis: str | None = None
+    """The mesh axis (by name) along which arrays are replicated, e.g. ``"data"``; required with
+    ``load_and_broadcast``."""
 
     def __post_init__(self) -> None:
         _int("LoadOptions", "memory_budget_bytes", self.memory_budget_bytes, minimum=1, optional=True)
         _bool("LoadOptions", "direct_reads", self.direct_reads)
+        _bool("LoadOptions", "load_and_broadcast", self.load_and_broadcast)
+        if self.replica_axis is not None and (not isinstance(self.replica_axis, str) or not self.replica_axis):
+            raise TypeError(
+                f"LoadOptions.replica_axis must be a mesh axis name (a non-empty str) or None, got {self.replica_axis!r} "
+                f"({type(self.replica_axis).__name__})"
+            )
+        if self.load_and_broadcast and self.replica_axis is None:
+            raise ValueError(
+                "LoadOptions(load_and_broadcast=True) needs the mesh axis the replicas lie along: add "
+                "replica_axis='data' (the name of that axis in your mesh)"
+            )
+        if self.replica_axis is not None and not self.load_and_broadcast:
+            raise ValueError(
+                f"LoadOptions(replica_axis={self.replica_axis!r}) does nothing without load_and_broadcast=True; add "
+                "it, or drop replica_axis"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

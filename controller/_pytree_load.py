@@ -23,6 +23,7 @@ from milepost import _format as fmt
 from milepost import _pytree_format as tree_format
 from milepost._errors import CheckpointNotFoundError, CorruptCheckpointError, StructureMismatchError
 from milepost._pytree_save import CONTROLLER, SCALAR_TYPES
+from milepost._replicas import mark as mark_replicas
 from milepost._tree import PLACEHOLDER, ValueType
 from milepost.workers import ShardingSpec
 from milepost.workers import _progress as workers_progress
@@ -314,6 +315,7 @@ def load(directory: Path, abstract: Any, call: LoadCall) -> Any:
             (host_tasks if task.sharding is None else device_tasks).append(task)
 
     loading = call.options.loading
+    device_tasks = mark_replicas(device_tasks, loading, group)  # load-and-broadcast
     device_bytes = _progress.read_bytes(device_tasks, group)
     own_bytes = _progress.read_bytes(host_tasks, group)
     workers_progress.expect(device_bytes + own_bytes)

@@ -36,6 +36,7 @@ from milepost import (
 )
 from milepost import _format as fmt
 from milepost._errors import CheckpointExistsError, CheckpointNotFoundError, StructureMismatchError
+from milepost._replicas import mark as mark_replicas
 from milepost._tree import PLACEHOLDER
 from milepost.workers import _progress as workers_progress
 
@@ -118,6 +119,7 @@ def load(path: Path, abstract: Any, partial: bool) -> Any:
             continue
         task = _task(tensors[name], name, abst, group)
         (host_tasks if task.sharding is None else device_tasks).append(task)
+    device_tasks = mark_replicas(device_tasks, options.loading, group)  # load-and-broadcast
     store = workers.StoreSpec(directory=str(path if path.is_dir() else path.parent))
     workers_progress.expect(_progress.read_bytes(device_tasks, group) + _progress.read_bytes(host_tasks, group))
 

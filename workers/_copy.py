@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from milepost.workers._errors import CorruptCheckpointError
+from milepost.workers._iostats import count_read, count_write
 from milepost.workers._storage import Location, context_for
 
 COPY_THREADS = 4
@@ -86,7 +87,10 @@ def _local_copier(source: Location, target: Location) -> Any:
         shutil.copyfile(src, dst)
         with open(dst, "rb") as f:
             os.fsync(f.fileno())
-        return os.path.getsize(dst)
+        size = os.path.getsize(dst)
+        count_read(size)
+        count_write(size)
+        return size
 
     return copy
 

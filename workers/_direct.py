@@ -29,6 +29,7 @@ import tensorstore as ts
 from milepost.workers import _checksum
 from milepost.workers import _tensorstore as tsu
 from milepost.workers._errors import CorruptCheckpointError
+from milepost.workers._iostats import count_read
 from milepost.workers._messages import StoreSpec
 
 _INDEX_ENTRY = struct.Struct("<QQ")
@@ -350,6 +351,7 @@ def _pread_exactly(fd: int, buffers: list[memoryview], position: int, key: str, 
             pending.append(b[skip:])
             skip = 0
         got = os.preadv(fd, pending, position + done)
+        count_read(max(got, 0))
         if got <= 0:
             raise CorruptCheckpointError(f"shard {key!r} is cut short in {path}")
         done += got

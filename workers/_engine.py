@@ -310,7 +310,21 @@ def load(plan: LoadPlan, process_index: int | str = 0) -> tuple[list[Any], LoadA
 
     Returns one entry per task — a ``jax.Array`` (its addressable shards filled) or, for tasks
     without a sharding, a NumPy array — and this host's :class:`LoadAck`.
+
+    Tasks with a ``broadcast_axis`` (load-and-broadcast) are read only by the devices at index 0
+    of that axis and reach the others by a collective every host runs, in plan order. A host
+    whose part fails still joins the collectives it has not run (with placeholders) before it
+    raises, so the other hosts are not left waiting in them.
     """
+    broadcasts = _Broadcasts(plan)
+    try:
+        return _load(plan, process_index, broadcasts)
+    except Exception:
+        broadcasts.abandon()
+        raise
+
+
+def _load(plan: LoadPlan, process_index: int | str, broadcasts: _Broadcasts) -> tuple[list[Any], LoadAck]:
     _check_device_dtypes(plan.tasks)
     stores = _open_stores(plan)
     layouts: list[_direct.ShardLayout | None] = [None] * len(stores)
@@ -323,6 +337,7 @@ def load(plan: LoadPlan, process_index: int | str = 0) -> tuple[list[Any], LoadA
     reader = _BudgetedReader(plan.memory_budget_bytes, plan.store.directory, locator)
     results: list[Any] = [None] * len(plan.tasks)
     assemblers: list[_Assembler] = []
+    waiting: list[_Assembler] = []  # broadcast arrays whose collectives run once their reads are done
     try:
         for i, (task, store, layout) in enumerate(zip(plan.tasks, stores, layouts, strict=True)):
             if task.sharding is None:
@@ -330,21 +345,32 @@ def load(plan: LoadPlan, process_index: int | str = 0) -> tuple[list[Any], LoadA
             else:
                 sharding = task.sharding.to_jax() if isinstance(task.sharding, ShardingSpec) else task.sharding
                 index_map = sharding.addressable_devices_indices_map(task.shape)
-                # Each distinct box is read once; its replicas get copies in memory.
+                readers = broadcasts.readers(i, task, sharding)
+                # Each distinct box is read once; its replicas get copies in memory (or, with
+                # load-and-broadcast, from the devices that read it).
                 by_box: dict[tuple[tuple[int, int], ...], list[Any]] = {}
                 for device, index in index_map.items():
-                    by_box.setdefault(_slices_to_box(index, task.shape), []).append(device)
-                asm = _Assembler(task, sharding, results, i, [(tuple(d), box) for box, d in by_box.items()])
+                    if readers is None or device.id in readers:
+                        by_box.setdefault(_slices_to_box(index, task.shape), []).append(device)
+                pieces = [(tuple(d), box) for box, d in by_box.items()]
+                asm = _Assembler(task, sharding, results, i, pieces) if readers is None else _BroadcastAssembler(
+                    task, sharding, results, i, pieces, broadcasts
+                )
             assemblers.append(asm)
             if task.tensor is not None:
                 reader.read_tensor(task.tensor, asm)
-                continue
-            checked = None
-            if task.checksums is not None:
-                inner, shard = _chunk_shapes(store)
-                checked = _Checked(task.name, task.shape, inner, dict(task.checksums), shard)
-            for devices, box in asm.pieces:
-                reader.read(store, layout, box, asm, devices, checked)
+            else:
+                checked = None
+                if task.checksums is not None:
+                    inner, shard = _chunk_shapes(store)
+                    checked = _Checked(task.name, task.shape, inner, dict(task.checksums), shard)
+                for devices, box in asm.pieces:
+                    reader.read(store, layout, box, asm, devices, checked)
+            # The collectives of the arrays before this one run while its reads are in flight.
+            for earlier in waiting:
+                reader.complete(earlier)
+                earlier.finish()
+            waiting = [asm] if isinstance(asm, _BroadcastAssembler) else []
         reader.drain()
     finally:
         reader.close()
@@ -461,12 +487,16 @@ class _Assembler:
         self.placed: list[Any] = []
         self.unplaced: list[tuple[np.ndarray, Any]] = []
 
-    def take(self, devices: tuple[Any, ...], data: np.ndarray) -> None:
+    def _cast(self, data: np.ndarray) -> np.ndarray:
         target = np.dtype(self.task.dtype)
         if data.dtype != target:
             cast = aligned_empty(data.shape, target)
             parallel_copy([(cast, data)])
             data = cast
+        return data
+
+    def take(self, devices: tuple[Any, ...], data: np.ndarray) -> None:
+        data = self._cast(data)
         if self.sharding is None:
             self.results[self.slot] = data
             return
@@ -504,6 +534,82 @@ class _Assembler:
             self.task.shape, self.sharding, self.placed
         )
         self.placed = []
+
+
+class _BroadcastAssembler(_Assembler):
+    """An array loaded by load-and-broadcast: ``pieces`` are the boxes of this host's reading
+    devices only; ``finish`` runs the collective that gives every device its shard."""
+
+    def __init__(self, task: LoadTask, sharding: Any, results: list[Any], slot: int, pieces: list[Any],
+                 broadcasts: _Broadcasts) -> None:
+        super().__init__(task, sharding, results, slot, pieces)
+        self.broadcasts = broadcasts
+        self.data: dict[int, Any] = {}
+        self.finished = False
+
+    def take(self, devices: tuple[Any, ...], data: np.ndarray) -> None:
+        import jax
+
+        data = self._cast(data)
+        extras = [aligned_empty(data.shape, data.dtype) for _ in devices[1:]]
+        parallel_copy([(extra, data) for extra in extras])
+        for buffer, device in zip([data, *extras], devices, strict=True):
+            # Off CPU the shard goes to its device now, so host buffers stay within the budget.
+            self.data[device.id] = buffer if device.platform == "cpu" else jax.device_put(buffer, device)
+
+    def finish(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.results[self.slot] = self.broadcasts.run(self.slot, self.task, self.sharding, self.data)
+            self.data = {}
+
+
+class _Broadcasts:
+    """The load-and-broadcast arrays of one load on this host. Every host runs their collectives
+    in plan order; ``abandon`` runs the ones not yet run with placeholders, after a failure here."""
+
+    def __init__(self, plan: LoadPlan) -> None:
+        self.plan = plan
+        self.pending = [i for i, t in enumerate(plan.tasks) if t.broadcast_axis is not None and t.sharding is not None]
+        self.routes: dict[int, Any] = {}
+        self.broken = False
+        """A collective itself failed: the others would fail (or wait) the same way."""
+
+    def readers(self, slot: int, task: LoadTask, sharding: Any) -> frozenset[int] | None:
+        """The ids of this host's devices that read task ``slot`` (None: every device, as usual)."""
+        if task.broadcast_axis is None:
+            return None
+        return self._route(slot, task, sharding).readers
+
+    def _route(self, slot: int, task: LoadTask, sharding: Any) -> Any:
+        from milepost.workers import _broadcast
+
+        if slot not in self.routes:
+            self.routes[slot] = _broadcast.route(sharding, task.shape, np.dtype(task.dtype).itemsize, task.broadcast_axis)  # type: ignore[arg-type]
+        return self.routes[slot]
+
+    def run(self, slot: int, task: LoadTask, sharding: Any, data: dict[int, Any]) -> Any:
+        from milepost.workers import _broadcast
+
+        route = self._route(slot, task, sharding)
+        self.pending.remove(slot)
+        try:
+            return _broadcast.broadcast(task.shape, np.dtype(task.dtype), sharding, task.broadcast_axis, route, data)  # type: ignore[arg-type]
+        except Exception:
+            self.broken = True
+            raise
+
+    def abandon(self) -> None:
+        """After a failure on this host: join the collectives not run yet, so the other hosts
+        finish theirs (and report their own outcome) instead of waiting for this one."""
+        while self.pending and not self.broken:
+            slot = self.pending[0]
+            task = self.plan.tasks[slot]
+            try:
+                sharding = task.sharding.to_jax() if isinstance(task.sharding, ShardingSpec) else task.sharding
+                self.run(slot, task, sharding, {})
+            except Exception:
+                return
 
 
 @dataclass(frozen=True)
@@ -706,6 +812,11 @@ class _BudgetedReader:
 
     def drain(self) -> None:
         while self.inflight:
+            self._complete_one()
+
+    def complete(self, asm: _Assembler) -> None:
+        """Finish the reads in flight for ``asm`` (and the reads issued before them)."""
+        while any(read.asm is asm for read in self.inflight):
             self._complete_one()
 
     def close(self) -> None:

@@ -8,13 +8,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from milepost.workers import _copy, _engine, _export, _preview
+from milepost.workers import _copy, _engine, _export, _iostats, _preview
 
 JOBS: dict[str, Callable[[Any, int | str], Any]] = {
     "verify": _engine.verify,
     "export_safetensors": _export.export_safetensors,
     "copy_files": _copy.copy_files,
     "read_box": _preview.read_box,
+    "io_stats": _iostats.io_stats,
 }
 
 

@@ -121,6 +121,10 @@ class LoadTask:
     this implementation."""
     tensor: Tensor | None = None
     """Read from a safetensors file instead of the plan's store."""
+    broadcast_axis: str | None = None
+    """Load-and-broadcast along this axis of the sharding's mesh (the array is replicated along
+    it): only the devices at index 0 of the axis read; the others receive their shards from them
+    by a collective among the hosts. None: every host reads what its devices need."""
 
     @property
     def result_shape(self) -> tuple[int, ...]:

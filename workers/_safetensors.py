@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from milepost.workers._errors import CorruptCheckpointError
+from milepost.workers._iostats import count_read, count_write
 
 DTYPES = {
     "BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16", "F16": "float16",
@@ -145,6 +146,7 @@ def _pread_into(fd: int, view: memoryview, position: int, where: str) -> None:
     done = 0
     while done < len(view):
         got = os.preadv(fd, [view[done:]], position + done)
+        count_read(max(got, 0))
         if got <= 0:
             raise CorruptCheckpointError(f"{where} is cut short at byte {position + done}")
         done += got
@@ -226,14 +228,15 @@ def _merge(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
 def write_file(path: str, header: bytes, arrays: Iterable[np.ndarray]) -> int:
     """Write a file: ``header``, then each array's bytes in order (the header's order); fsync.
     Returns the bytes written."""
-    written = 0
     with open(path, "wb") as f:
         f.write(header)
-        written += len(header)
+        written, requests = len(header), 1
         for array in arrays:
             data = np.ascontiguousarray(array)
             f.write(memoryview(data.reshape(-1).view(np.uint8)))
             written += data.nbytes
+            requests += 1
         f.flush()
         os.fsync(f.fileno())
+    count_write(written, requests)
     return written
