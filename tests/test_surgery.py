@@ -338,3 +338,25 @@ def test_peak_memory_stays_within_the_budget(tmp_path: Path) -> None:
     assert growth < checkpoint * 0.75, "the surgery held most of the checkpoint at once"
     got = mp.load(tmp_path / "big-out")
     assert same_bits(got["w5"], np.full((2048, 4096), 5, ml_dtypes.bfloat16))
+
+
+def test_rechunking_rewrites_every_array(source: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    path, want = source
+    with mp.Context(saving=mp.SaveOptions(chunk_byte_size=256)):
+        out = ms.write(tmp_path / "out", ms.open(path).tree)
+    meta = mp.metadata(out)
+    w = meta.tree["params"]["layer0"]["w"]
+    assert w.write_shape == (8, 8) and np.prod(w.chunk_shape) * 4 <= 256  # subchunked shards
+    assert same_bits(mp.load(out)["params"]["layer0"]["w"], want["params"]["layer0"]["w"])
+    linked = [p for p in (out / "state").rglob("*") if p.is_file() and p.stat().st_nlink > 1]
+    assert not linked, "re-chunking must rewrite, not relink"
+
+
+def test_the_same_surgery_in_a_multi_controller_job(tmp_path: Path) -> None:
+    from tests import _mc
+
+    outs = _mc.launch("run", 2, 4, str(tmp_path), module="tests._mc_surgery")
+    for r in outs:
+        assert r.returncode == 0 and "exception" not in r.out, f"{r.out.get('exception')}\n{r.stderr}"
+        assert r.out["exact"] == 8 and r.out["step"] == 5 and r.out["equal"], r.out
+        assert r.out["preview"] == [float(x) for x in (np.arange(64, 67) * 3 - 7)], r.out

@@ -261,7 +261,10 @@ class Job:
         from milepost.surgery import _relink
 
         options = call.options.saving
-        fast = _relink.plan(self.arrays, self.shardings_given) if isinstance(directory, Path) else None
+        # Stored leaves kept as stored (no SaveOptions asking for another chunking or compression)
+        # are relinked; anything else is rewritten.
+        keep_layout = options.use_ocdbt and options.compression is None and options.chunk_byte_size is None
+        fast = _relink.plan(self.arrays, self.shardings_given) if isinstance(directory, Path) and keep_layout else None
         if fast is not None:
             ck, renames = fast
             timeout = call.options.async_.timeout_secs
@@ -373,6 +376,11 @@ def write(
     outputs at once. ``shardings``: where the outputs go (None: as the operations suggest, else
     spread over every device; one sharding for all; or ``{regex: sharding}``). Its
     ``custom_metadata`` records the sources and the operations (``milepost.surgery``).
+
+    A tree of stored leaves only renamed, dropped or selected is written without moving array
+    bytes (local files: the data files are hard-linked). To re-chunk or compress instead, write
+    inside ``milepost.Context(saving=SaveOptions(chunk_byte_size=..., compression=...))``: every
+    array is then rewritten (e.g. adding subchunking for a new topology, one group at a time).
 
     >>> ms.write("gs://out/1000", t)
     """
