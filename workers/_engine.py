@@ -771,6 +771,8 @@ class _BudgetedReader:
         if isinstance(read, _TensorRead):
             self.bytes_read += read.finish()
             self.inflight_bytes -= read.nbytes
+            if self.progress is not None:
+                self.progress(read.nbytes)
             return
         asm = read.asm
         try:
@@ -791,7 +793,7 @@ class _BudgetedReader:
         self.inflight_bytes -= read.nbytes
         self.bytes_read += read.nbytes
         if self.progress is not None:
-            self.progress(read.nbytes)
+            self.progress(read.out.nbytes)  # the box delivered (a checked read may read whole chunks around it)
 
     def _check(self, read: _Read) -> None:
         """Check every chunk of a box read through TensorStore, then cut the box out."""

@@ -250,6 +250,8 @@ class Job:
     order: list[str] = field(default_factory=list)
     """Every leaf name of the output tree, in its order."""
     shardings_given: bool = False
+    relink: bool = True
+    """Stored leaves only renamed, dropped or selected may be relinked rather than rewritten."""
     written: dict[str, int] = field(default_factory=dict)
     """Groups written and bytes computed (for the caller's report)."""
 
@@ -264,7 +266,7 @@ class Job:
         # Stored leaves kept as stored (no SaveOptions asking for another chunking or compression)
         # are relinked; anything else is rewritten.
         keep_layout = options.use_ocdbt and options.compression is None and options.chunk_byte_size is None
-        fast = _relink.plan(self.arrays, self.shardings_given) if isinstance(directory, Path) and keep_layout else None
+        fast = _relink.plan(self.arrays, self.shardings_given) if isinstance(directory, Path) and keep_layout and self.relink else None
         if fast is not None:
             ck, renames = fast
             timeout = call.options.async_.timeout_secs
@@ -370,6 +372,7 @@ def write(
     overwrite: bool = False,
     item: str = "state",
     custom_metadata: Mapping[str, Any] | None = None,
+    relink: bool = True,
 ) -> Path | _paths.ObjectPath:
     """Write the surgery ``tree`` as a committed checkpoint at ``path`` (Orbax-readable), group
     by group: each host holds at most ``memory_budget_bytes`` (default 1 GiB) of inputs and
@@ -378,25 +381,49 @@ def write(
     ``custom_metadata`` records the sources and the operations (``milepost.surgery``).
 
     A tree of stored leaves only renamed, dropped or selected is written without moving array
-    bytes (local files: the data files are hard-linked). To re-chunk or compress instead, write
-    inside ``milepost.Context(saving=SaveOptions(chunk_byte_size=..., compression=...))``: every
-    array is then rewritten (e.g. adding subchunking for a new topology, one group at a time).
+    bytes (local files: the data files are hard-linked, and keep their chunking and
+    compression); ``relink=False`` rewrites them instead. To re-chunk or compress, write inside
+    ``milepost.Context(saving=SaveOptions(chunk_byte_size=..., compression=...))``: every array
+    is then rewritten (e.g. adding subchunking for a new topology, one group at a time).
 
     >>> ms.write("gs://out/1000", t)
     """
+    return write_items(
+        path, {item: tree}, shardings=shardings, memory_budget_bytes=memory_budget_bytes, overwrite=overwrite,
+        custom_metadata=custom_metadata, relink=relink,
+    )
+
+
+def write_items(
+    path: str | os.PathLike[str],
+    trees: Mapping[str, Any],
+    *,
+    shardings: Any = None,
+    memory_budget_bytes: int | None = None,
+    overwrite: bool = False,
+    custom_metadata: Mapping[str, Any] | None = None,
+    relink: bool = True,
+) -> Path | _paths.ObjectPath:
+    """:func:`write` of several surgery trees, one checkpointable each, in one checkpoint."""
     if memory_budget_bytes is not None and (isinstance(memory_budget_bytes, bool) or not isinstance(memory_budget_bytes, int) or memory_budget_bytes <= 0):
         raise ValueError(f"memory_budget_bytes must be a positive int, got {memory_budget_bytes!r}")
-    arrays, values = split_tree(tree)
-    placement = placement_of(list(arrays.values()))
-    _dispatch.check_storage(placement.group, _paths.as_path(path))
-    specs = output_specs(arrays, placement, shardings)
-    job = Job(
-        arrays, values, placement, specs, memory_budget_bytes or DEFAULT_BUDGET, order=list(flat(tree)),
-        shardings_given=shardings is not None,
-    )
-    meta = {**dict(custom_metadata or {}), "milepost.surgery": provenance(arrays)}
+    if not isinstance(relink, bool):
+        raise TypeError(f"relink must be True or False, got {relink!r}")
+    jobs: dict[str, Job] = {}
+    every: dict[str, LazyArray] = {}
+    for item, tree in trees.items():
+        arrays, values = split_tree(tree)
+        placement = placement_of(list(arrays.values()))
+        _dispatch.check_storage(placement.group, _paths.as_path(path))
+        specs = output_specs(arrays, placement, shardings)
+        jobs[item] = Job(
+            arrays, values, placement, specs, memory_budget_bytes or DEFAULT_BUDGET, order=list(flat(tree)),
+            shardings_given=shardings is not None, relink=relink,
+        )
+        every.update({f"{item}/{n}": x for n, x in arrays.items()})
+    meta = {**dict(custom_metadata or {}), "milepost.surgery": provenance(every)}
     with _options.Context(handlers=(SurgeryHandler(),)):
-        return _api.save_checkpointables(path, {item: job}, overwrite=overwrite, custom_metadata=meta)
+        return _api.save_checkpointables(path, jobs, overwrite=overwrite, custom_metadata=meta)
 
 
 def materialize(tree: Any, abstract: Any = None) -> Any:
