@@ -87,7 +87,12 @@ class SliceMesh:
 
 @dataclasses.dataclass(frozen=True)
 class AbstractArray:
-    """Shape, dtype and (slice or JAX) sharding of an array to load."""
+    """Shape, dtype and (slice or JAX) sharding of an array to load: the leaf of an abstract
+    tree when the target devices belong to a slice (``jax.ShapeDtypeStruct`` otherwise).
+
+    >>> mesh = s.mesh({"data": 2, "model": 4})
+    >>> abstract = {"w": mp.AbstractArray((1024, 1024), np.float32, mesh.sharding(P("data")))}
+    """
 
     shape: tuple[int, ...]
     dtype: Any

@@ -31,7 +31,10 @@ __all__ = ["AbstractArray", "RemoteArray", "Slice", "SliceMesh", "SliceOptions",
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SliceOptions:
-    """How a slice starts and how long it waits for its hosts."""
+    """How a slice starts and how long it waits for its hosts.
+
+    >>> s = mp.Slice.start(hosts=4, devices_per_host=2, options=mp.SliceOptions(timeout_secs=600))
+    """
 
     timeout_secs: float = 300.0
     """How long any host may take to answer a call (``run``, ``put``, ``fetch``, staging) before

@@ -15,7 +15,21 @@ STATE = "state"
 
 
 def save(path: PathLike, state: Any, *, overwrite: bool = False, custom_metadata: Mapping[str, Any] | None = None) -> Path:
-    """Save a tree of arrays, scalars and strings to ``path``; returns once it is committed."""
+    """Save a tree of arrays, scalars and strings to ``path``; returns once it is committed.
+
+    ``state`` is any pytree (dicts, lists, tuples, dataclasses registered with JAX) of
+    ``jax.Array`` (sharded or not; typed PRNG keys too), NumPy arrays, Python/NumPy scalars and
+    strings. Every host writes the shards it owns (one replica of each, split among replicas);
+    the checkpoint appears at ``path`` all at once, or not at all (a crash leaves only a
+    temporary folder that the next save cleans up). ``path``: a local folder, ``gs://``,
+    ``s3://`` or ``memory://``. An existing checkpoint is an error unless ``overwrite=True``.
+    ``custom_metadata``: JSON you get back from :func:`metadata`. How it writes (layout,
+    compression, subchunking) comes from ``SaveOptions`` in a :class:`Context`.
+
+    >>> mp.save("/ckpt/1000", {"params": params, "step": 1000})
+    >>> with mp.Context(saving=mp.SaveOptions(chunk_byte_size=4 << 20)):
+    ...     mp.save("/ckpt/1000", state, overwrite=True)
+    """
     return save_checkpointables(path, {STATE: state}, overwrite=overwrite, custom_metadata=custom_metadata)
 
 
@@ -39,7 +53,16 @@ def save_checkpointables(
     custom_metadata: Mapping[str, Any] | None = None,
     metrics: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Save several separable checkpointables, each in its own folder of one checkpoint."""
+    """Save several separable checkpointables, each in its own folder of one checkpoint.
+
+    Each value of ``checkpointables`` goes to a handler (a pytree, a JSON-able value, a
+    :class:`StatefulCheckpointable`, or one you registered) and to the folder of its name; load
+    any of them alone later with :func:`load_checkpointables`. ``metrics`` (numbers) are stored
+    with the checkpoint, as Orbax does, for the Checkpointer's best-step policies.
+
+    >>> mp.save_checkpointables("/ckpt/1000", {"state": state, "dataset": {"position": 1234}},
+    ...                         metrics={"loss": 0.25})
+    """
     return _checkpoint.start_save(
         path, checkpointables, overwrite=overwrite, custom_metadata=custom_metadata, metrics=metrics, asynchronous=False
     ).result()

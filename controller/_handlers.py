@@ -201,7 +201,15 @@ _lock = threading.Lock()
 
 
 def register_handler(handler: CheckpointableHandler, *, name: str | None = None) -> None:
-    """Register ``handler`` globally, for every checkpointable or only the one called ``name``."""
+    """Register ``handler`` globally, for every checkpointable or only the one called ``name``.
+
+    A handler (the :class:`CheckpointableHandler` protocol: ``typestr``, ``is_handleable``,
+    ``save``, ``load``, ``metadata``) writes and reads one checkpointable's folder; the newest
+    registration that can handle an object wins, before the built-in ones. To use a handler for
+    one call only, pass it in ``Context(handlers=(...))`` instead.
+
+    >>> mp.register_handler(MyTokenizerHandler(), name="tokenizer")
+    """
     if not isinstance(handler, CheckpointableHandler):
         raise TypeError(f"{handler!r} is not a CheckpointableHandler (it needs typestr, is_handleable, save, load, metadata)")
     with _lock:

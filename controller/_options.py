@@ -40,6 +40,13 @@ def _bool(owner: str, name: str, value: Any) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class SaveOptions:
+    """How saves write: layout, compression, chunking, replica-parallel writing, and how a save
+    meets another writer of the same path. Set them for a block of calls with a Context:
+
+    >>> with mp.Context(saving=mp.SaveOptions(compression="zstd", chunk_byte_size=4 << 20)):
+    ...     mp.save("/ckpt/1000", state)
+    """
+
     use_ocdbt: bool = True
     """Write each host's data into an OCDBT database and merge them (Orbax's default layout).
     False writes one plain zarr3 folder per array."""
@@ -78,6 +85,13 @@ class SaveOptions:
 
 @dataclass(frozen=True, kw_only=True)
 class LoadOptions:
+    """How loads read: the memory budget per host, direct reads, and load-and-broadcast of
+    replicated arrays. Set them for a block of calls with a Context:
+
+    >>> with mp.Context(loading=mp.LoadOptions(load_and_broadcast=True, replica_axis="data")):
+    ...     params = mp.load("/ckpt/7", abstract_params)
+    """
+
     memory_budget_bytes: int | None = 128 << 20
     """At most this many bytes of reads in flight on each host (None: no cap). A direct read
     (see ``direct_reads``) fills the final buffer and holds nothing else; a read through
@@ -124,6 +138,13 @@ class LoadOptions:
 
 @dataclass(frozen=True, kw_only=True)
 class AsyncOptions:
+    """How long milepost waits for other processes (hosts, the other processes of a
+    multi-controller job) before it fails with an error naming the one that did not answer.
+
+    >>> with mp.Context(async_=mp.AsyncOptions(timeout_secs=1800)):
+    ...     mp.load("gs://huge/1000", abstract)
+    """
+
     timeout_secs: float = 600.0
     """How long to wait for hosts (staging, writing, reading) before failing with a clear error."""
 

@@ -11,7 +11,8 @@ import jax
 from milepost._errors import InvalidKeyError
 
 PLACEHOLDER = ...
-"""A leaf of an abstract tree that is skipped on load (it comes back as ``...``)."""
+"""A leaf of an abstract tree that is skipped on load (it comes back as ``...``): nothing of it
+is read. E.g. ``mp.load(path, {"params": abstract_params, "opt_state": mp.PLACEHOLDER})``."""
 
 KEY_SEQUENCE = 1
 KEY_DICT = 2

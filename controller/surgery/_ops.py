@@ -88,7 +88,11 @@ def rename(tree: Any, mapping: Mapping[str, str | None]) -> Any:
 
 
 def drop(tree: Any, *patterns: str) -> Any:
-    """The tree without the leaves any pattern matches (``re.search``)."""
+    r"""The tree without the leaves any pattern matches (``re.search`` on the dotted path); a
+    pattern that matches nothing is an error.
+
+    >>> t = ms.drop(ck.tree, r"^opt_state\.", r"\.ema$")
+    """
     leaves = flat(tree)
     doomed: set[str] = set()
     for p in patterns:
@@ -97,7 +101,11 @@ def drop(tree: Any, *patterns: str) -> Any:
 
 
 def select(tree: Any, *patterns: str) -> Any:
-    """Only the leaves some pattern matches."""
+    r"""Only the leaves some pattern matches (``re.search`` on the dotted path); a pattern that
+    matches nothing is an error.
+
+    >>> params = ms.select(ck.tree, r"^params\.")
+    """
     leaves = flat(tree)
     kept: set[str] = set()
     for p in patterns:

@@ -170,6 +170,8 @@ class RetentionPolicy(Protocol):
 
 @dataclass(frozen=True, kw_only=True)
 class KeepAll:
+    """Keep every committed step (no retention): ``Checkpointer(root, keep=KeepAll())``."""
+
     def keep(self, steps: Sequence[StepInfo]) -> set[int]:
         return {s.step for s in steps}
 
