@@ -124,3 +124,23 @@ def test_checkpointer_shows_a_step_in_flight(tmp_path: Path, monkeypatch: pytest
         rows = [line.split() for line in repr(ckpt).splitlines()[3:]]
         assert rows == [["5", "-", "saving"]], repr(ckpt)
         gate.set()
+
+
+def test_every_public_name_has_a_docstring() -> None:
+    import inspect
+
+    import milepost.safetensors
+    import milepost.surgery
+    import milepost.training
+
+    missing = []
+    for module in (mp, milepost.training, milepost.surgery, milepost.safetensors):
+        for name in module.__all__:
+            obj = getattr(module, name)
+            if inspect.ismodule(obj) or obj is mp.PLACEHOLDER:
+                continue
+            doc = inspect.getdoc(obj) or ""
+            if not doc.strip() or doc.startswith(f"{name}("):  # absent, or a dataclass's generated signature
+                missing.append(f"{module.__name__}.{name}")
+    assert not missing, missing
+    assert len((inspect.getdoc(mp.save) or "").splitlines()) > 5
