@@ -26,13 +26,13 @@ from tests._helpers import abstract_of, assert_tree_equal, put
 def direct_spy(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Records the chunk key of every direct read."""
     keys: list[str] = []
-    real = _direct.DirectReader.submit
+    real = _direct.DirectReader.read_box
 
-    def submit(self: Any, value: Any, read: Any, out: np.ndarray, *args: Any) -> Any:
-        keys.append(read.key)
-        return real(self, value, read, out, *args)
+    def read_box(self: Any, values: Any, reads: Any, out: np.ndarray, *args: Any) -> Any:
+        keys.extend(read.key for read in reads)
+        return real(self, values, reads, out, *args)
 
-    monkeypatch.setattr(_direct.DirectReader, "submit", submit)
+    monkeypatch.setattr(_direct.DirectReader, "read_box", read_box)
     return keys
 
 
@@ -158,8 +158,7 @@ def test_a_missing_chunk_in_the_shard_index_falls_back(tmp_path: Path) -> None:
         value = _direct.Locator(mp.workers.StoreSpec(directory=str(tmp_path), use_ocdbt=False)).locate("shard")
         assert value is not None and value.length == 36
         read = _direct.BoxRead(key="shard", offset_in_chunk=0, chunk_nbytes=16)
-        with pytest.raises(_direct.FallBack):
-            reader.submit(value, read, np.empty(16, np.uint8)).result()
+        assert reader.read_box([value], [read], np.empty(16, np.uint8), [None]).result() is True  # fall back
     finally:
         reader.close()
 
@@ -172,13 +171,17 @@ def test_a_missing_chunk_in_the_shard_index_falls_back(tmp_path: Path) -> None:
         (((2, 3), (1, 4)), [("a/c/0/0", 4 * (2 * 6 + 1), 0)]),  # part of a single row
         (((2, 6), (0, 6)), [("a/c/0/0", 4 * 2 * 6, 0), ("a/c/1/0", 0, 4 * 2 * 6)]),  # rows across two shards
         (((0, 4), (0, 3)), None),  # strided columns
-        (((0, 4), (0, 12)), None),  # whole shards side by side: strided in the box buffer
+        # whole shards side by side: each is strided in the box buffer, so it is placed there
+        (((0, 4), (0, 12)), [("a/c/0/0", 0, ((0, 4), (0, 6))), ("a/c/0/1", 0, ((0, 4), (6, 12)))]),
+        (((0, 8), (3, 6)), None),  # a column strip of two shards: strided in each chunk
     ],
 )
 def test_box_reads_find_contiguous_ranges(box: Any, expected: Any) -> None:
     layout = _direct.ShardLayout(name="a", shard_shape=(4, 6), dtype=np.dtype(np.float32), separator="/")
     got = _direct.box_reads(layout, box)
-    assert (None if got is None else [(p.key, p.offset_in_chunk, p.offset_in_box) for p in got]) == expected
+    assert (
+        None if got is None else [(p.key, p.offset_in_chunk, p.scatter or p.offset_in_box) for p in got]
+    ) == expected
 
 
 def test_locator_walks_a_deep_btree(tmp_path: Path) -> None:
@@ -264,3 +267,64 @@ def test_loads_work_when_no_mapping_can_be_made(
     monkeypatch.setattr(mmap, "mmap", no_mapping)
     assert _engine.read_buffer((2048, 1024), np.dtype(np.float32)).ctypes.data % 64 == 0
     assert_tree_equal(mp.load(tmp_path / "c", abstract_of(state)), state)
+
+
+def test_shards_side_by_side_are_read_directly_into_place(
+    tmp_path: Path, mesh24: jax.sharding.Mesh, direct_spy: list[str]
+) -> None:
+    """A replicated array saved replica-parallel along its columns (its rows do not split among
+    the replicas) is stored as column strips: loading it whole reads each strip directly and
+    places it in the box; values exact, and a flipped byte in a strip is still caught."""
+    from tests.test_integrity import chunk_value, flip
+
+    x = np.random.default_rng(3).standard_normal((5, 1024), dtype=np.float32)  # 5 rows: cut along columns
+    state = {"r": put(x, mesh24, P())}
+    mp.save(tmp_path / "c", state)
+    assert mp.metadata(tmp_path / "c").tree["r"].write_shape == (5, 128)
+    assert_tree_equal(mp.load(tmp_path / "c", abstract_of(state)), state)
+    assert sorted(direct_spy) == [f"r/c/0/{k}" for k in range(8)]
+    file, offset, _ = chunk_value(tmp_path / "c", "r/c/0/3")
+    flip(file, offset + 7)
+    with pytest.raises(mp.CorruptCheckpointError, match=r"array 'r'.*chunk"):
+        mp.load(tmp_path / "c", abstract_of(state))
+
+
+def test_many_small_arrays_are_read_in_batches_and_errors_stay_with_their_array(
+    tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Small boxes are handed to the read threads in batches, and values lying back to back in
+    a data file are read with one preadv: far fewer system calls than shards. A damaged chunk
+    fails the load naming its own array, not another of its batch."""
+    from tests.test_integrity import chunk_value, flip
+
+    rng = np.random.default_rng(5)
+    specs = [P("data", "model"), P(None, ("data", "model")), P()]
+    state = {f"a{i:02d}": put(rng.standard_normal((16, 256), dtype=np.float32), mesh24, specs[i % 3]) for i in range(30)}
+    mp.save(tmp_path / "c", state)
+    calls: list[int] = []
+    real = os.preadv
+
+    def preadv(fd: int, buffers: Any, offset: int) -> int:
+        calls.append(len(buffers))
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    batches: list[int] = []
+    real_batch = _direct.DirectReader._read_batch
+
+    def read_batch(self: Any, boxes: Any) -> Any:
+        batches.append(len(boxes))
+        return real_batch(self, boxes)
+
+    monkeypatch.setattr(_direct.DirectReader, "_read_batch", read_batch)
+    assert_tree_equal(mp.load(tmp_path / "c", abstract_of(state)), state)
+    shards = 10 * 8 + 10 * 8 + 10 * 8  # the replicated arrays' boxes span 8 replica-parallel shards each
+    assert sum(batches) == 10 * 8 + 10 * 8 + 10 and len(batches) < 10
+    assert sum(n // 2 for n in calls) == shards  # every value read once, with its index
+    assert len(calls) < shards // 4, calls
+    monkeypatch.setattr(os, "preadv", real)
+    file, offset, length = chunk_value(tmp_path / "c", "a12/c/1/2")
+    flip(file, offset + length // 2)
+    with pytest.raises(mp.CorruptCheckpointError) as info:
+        mp.load(tmp_path / "c", abstract_of(state))
+    assert str(info.value).startswith("array 'a12'"), info.value

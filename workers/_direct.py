@@ -12,6 +12,7 @@ TensorStore.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import os
@@ -39,26 +40,9 @@ _PACKED_DTYPES = frozenset({"int2", "int4", "uint2", "uint4", "float4_e2m1fn"})
 _READ_THREADS = 4
 
 
-def _crc32c_table() -> list[int]:
-    table = []
-    for n in range(256):
-        c = n
-        for _ in range(8):
-            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
-        table.append(c)
-    return table
-
-
-_CRC32C = _crc32c_table()
-
-
 def crc32c(data: bytes) -> int:
-    """CRC-32C (Castagnoli), as zarr3's ``crc32c`` codec appends it. Used on shard indexes only,
-    which are a few bytes long."""
-    c = 0xFFFFFFFF
-    for byte in data:
-        c = _CRC32C[(c ^ byte) & 0xFF] ^ (c >> 8)
-    return c ^ 0xFFFFFFFF
+    """CRC-32C (Castagnoli), as zarr3's ``crc32c`` codec appends it (checked on shard indexes)."""
+    return _checksum.crc32c(data)
 
 
 class FallBack(Exception):
@@ -75,11 +59,13 @@ class ShardLayout:
     separator: str
 
 
-def shard_layout(name: str, store: Any) -> ShardLayout | None:
-    """The array's layout when its shards can be read directly, else None."""
+def shard_layout(name: str, store: Any, metadata: dict[str, Any] | None = None) -> ShardLayout | None:
+    """The array's layout when its shards can be read directly, else None. ``metadata``: the
+    array's zarr metadata, if the caller has it (else it is taken from ``store``'s spec)."""
     if sys.byteorder != "little":
         return None
-    metadata = store.spec().to_json().get("metadata", {})
+    if metadata is None:
+        metadata = store.spec().to_json().get("metadata", {})
     try:
         grid = metadata["chunk_grid"]
         if grid.get("name") != "regular":
@@ -130,6 +116,9 @@ class BoxRead:
     """Bytes of the piece (-1: the whole destination)."""
     grid: tuple[int, ...] = ()
     """The chunk's index in the array's chunk grid."""
+    scatter: tuple[tuple[int, int], ...] | None = None
+    """Where the piece lands in the box, when that is not one range of the box's buffer (shards
+    side by side): it is then read into a buffer of its own, checked, and copied there."""
 
     @property
     def whole(self) -> bool:
@@ -141,14 +130,21 @@ _MAX_PIECES = 4096
 
 def box_reads(layout: ShardLayout, box: tuple[tuple[int, int], ...]) -> list[BoxRead] | None:
     """The pieces of ``box``, one per shard it touches, when each piece is one contiguous range
-    both in its chunk and in the box's own C-order buffer; else None.
+    of its chunk; else None. A piece that is not one range of the box's own C-order buffer too
+    gets its place in the box (``scatter``).
 
     That covers a box equal to a saved shard, a run of whole rows of one, and a box that spans
-    the shards replica-parallel saving cut along its first axis.
+    the shards replica-parallel saving cut along any axis.
     """
     if not box or any(b <= a for a, b in box):
         return None
     shape = layout.shard_shape
+    if all(a % s == 0 and b - a == s for (a, b), s in zip(box, shape, strict=True)):
+        # exactly one saved shard (the usual case): its whole chunk
+        nbytes = math.prod(shape) * layout.dtype.itemsize
+        grid = tuple(a // s for (a, _), s in zip(box, shape, strict=True))
+        key = layout.name + "/c" + "".join(layout.separator + str(g) for g in grid)
+        return [BoxRead(key=key, offset_in_chunk=0, chunk_nbytes=nbytes, offset_in_box=0, nbytes=nbytes, grid=grid)]
     box_shape = tuple(b - a for a, b in box)
     spans = [range(a // s, (b - 1) // s + 1) for (a, b), s in zip(box, shape, strict=True)]
     if math.prod(len(r) for r in spans) > _MAX_PIECES:
@@ -163,16 +159,18 @@ def box_reads(layout: ShardLayout, box: tuple[tuple[int, int], ...]) -> list[Box
         ]
         in_chunk = [(a - g * s, b - g * s) for (a, b), g, s in zip(piece, grid, shape, strict=True)]
         in_box = [(a - ba, b - ba) for (a, b), (ba, _) in zip(piece, box, strict=True)]
-        if not (_contiguous(in_chunk, shape) and _contiguous(in_box, box_shape)):
+        if not _contiguous(in_chunk, shape):
             return None
+        strided = not _contiguous(in_box, box_shape)
         pieces.append(
             BoxRead(
                 key=layout.name + "/c" + "".join(layout.separator + str(g) for g in grid),
                 offset_in_chunk=_offset(in_chunk, shape) * itemsize,
                 chunk_nbytes=chunk_nbytes,
-                offset_in_box=_offset(in_box, box_shape) * itemsize,
+                offset_in_box=0 if strided else _offset(in_box, box_shape) * itemsize,
                 nbytes=math.prod(b - a for a, b in piece) * itemsize,
                 grid=tuple(grid),
+                scatter=tuple(in_box) if strided else None,
             )
         )
     return pieces
@@ -206,6 +204,7 @@ class Locator:
         self.use_ocdbt = store.use_ocdbt
         self._values: dict[str, _Value] = {}
         self._indexed: set[str] = set()
+        self._first: dict[str, tuple[str, int]] = {}
 
     def index(self, names: Iterable[str]) -> None:
         """Learn the value locations of every chunk of these arrays (one B-tree walk)."""
@@ -216,23 +215,32 @@ class Locator:
         manifest = ts.ocdbt.dump(base).result()
         root = manifest["versions"][-1]["root"].get("location") if manifest.get("versions") else None
         if root is not None:
-            wanted = [p.encode() for p in prefixes]
-            self._walk(base, root, b"", wanted)
+            self._walk(base, root, b"", _Prefixes(p.encode() for p in prefixes))
         self._indexed.update(prefixes)
 
-    def _walk(self, base: Any, location: str, prefix: bytes, wanted: list[bytes]) -> None:
+    def _walk(self, base: Any, location: str, prefix: bytes, wanted: _Prefixes) -> None:
         node = ts.ocdbt.dump(base, location).result()
         entries = node["entries"]
         for i, entry in enumerate(entries):
             key = prefix + entry["key"]
             if "location" in entry:  # interior: the child holds keys in [key, next key)
                 upper = prefix + entries[i + 1]["key"] if i + 1 < len(entries) else None
-                if any(_overlaps(key, upper, w) for w in wanted):
+                if wanted.overlaps(key, upper):
                     self._walk(base, entry["location"], prefix + entry.get("subtree_common_prefix", b""), wanted)
-            elif "indirect_value" in entry and any(key.startswith(w) for w in wanted):
+            elif "indirect_value" in entry and wanted.match(key):
                 value = _parse_value(self.directory, entry["indirect_value"])
                 if value is not None:
-                    self._values[key.decode()] = value
+                    name = key.decode()
+                    self._values[name] = value
+                    array = name.rsplit("/c", 1)[0]
+                    first = self._first.get(array)
+                    if first is None or (value.path, value.offset) < first:
+                        self._first[array] = (value.path, value.offset)
+
+    def first_location(self, name: str) -> tuple[str, int] | None:
+        """The file and offset of the array's first stored value (None: not indexed, or no
+        value in a data file): reading arrays in this order reads each file front to back."""
+        return self._first.get(name)
 
     def locate(self, key: str) -> _Value | None:
         if self.use_ocdbt:
@@ -244,15 +252,34 @@ class Locator:
             return None
 
 
-def _overlaps(low: bytes, high: bytes | None, prefix: bytes) -> bool:
-    """Whether some key in [low, high) starts with ``prefix``."""
-    if low <= prefix:
-        smallest = prefix
-    elif low.startswith(prefix):
-        smallest = low
-    else:  # low sorts after every key that starts with prefix
-        return False
-    return high is None or smallest < high
+class _Prefixes:
+    """A set of key prefixes, asked per B-tree entry in O(log n) rather than O(n).
+
+    Prefixes that extend another one are dropped (the shorter one matches all their keys). In
+    the sorted rest, the keys starting with each prefix form disjoint intervals in the same
+    order, and a key's only candidate is the greatest prefix not after it: any prefix between
+    a matching prefix and the key would extend the matching one.
+    """
+
+    def __init__(self, prefixes: Iterable[bytes]) -> None:
+        kept: list[bytes] = []
+        for p in sorted(set(prefixes)):
+            if not (kept and p.startswith(kept[-1])):
+                kept.append(p)
+        self.sorted = kept
+
+    def match(self, key: bytes) -> bool:
+        """Whether ``key`` starts with one of the prefixes."""
+        i = bisect.bisect_right(self.sorted, key) - 1
+        return i >= 0 and key.startswith(self.sorted[i])
+
+    def overlaps(self, low: bytes, high: bytes | None) -> bool:
+        """Whether some key in [low, high) starts with one of the prefixes."""
+        if self.match(low):
+            return True
+        # Otherwise the first prefix after ``low`` is the smallest matching key at or after it.
+        i = bisect.bisect_right(self.sorted, low)
+        return i < len(self.sorted) and (high is None or self.sorted[i] < high)
 
 
 def _parse_value(directory: str, reference: str) -> _Value | None:
@@ -271,18 +298,78 @@ def _parse_value(directory: str, reference: str) -> _Value | None:
     return _Value(path=os.path.join(directory, inside), offset=int(offset), length=int(length))
 
 
+_BATCH_BYTES = 4 << 20
+"""Boxes are handed to the read threads in batches of about this many bytes: a small box's
+read costs less than its hand-over to a thread."""
+_IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024)
+_INDEX_SIZE = _INDEX_ENTRY.size + 4
+
+
+class BoxHandle:
+    """The direct reads of one box: ``result()`` waits for its batch and returns True if the
+    box must be read through TensorStore after all (its chunk is missing), or raises what its
+    own reads raised (another box's failure in the same batch is not its own)."""
+
+    def __init__(self, reader: DirectReader, batch: _Batch, slot: int) -> None:
+        self._reader = reader
+        self._batch = batch
+        self._slot = slot
+
+    def result(self) -> bool:
+        if self._batch.future is None:
+            self._reader.flush()
+        assert self._batch.future is not None
+        outcome = self._batch.future.result()[self._slot]
+        if outcome is None:
+            return False
+        if isinstance(outcome, FallBack):
+            return True
+        raise outcome
+
+
+@dataclass
+class _Batch:
+    boxes: list[tuple[list[_Value], list[BoxRead], np.ndarray, list[int | None], str]]
+    nbytes: int = 0
+    future: Future[list[BaseException | None]] | None = None
+
+
 class DirectReader:
-    """Runs direct reads on a few threads (``preadv`` releases the GIL); one per load."""
+    """Runs direct reads on a few threads (``preadv`` releases the GIL); one per load.
+
+    Boxes (:meth:`read_box`) are gathered into batches of about ``_BATCH_BYTES``; a read
+    thread takes a whole batch and reads the values that lie back to back in one file with one
+    ``preadv`` (each value's chunk into its place in the box, its index into a scratch buffer),
+    so thousands of small arrays cost a few hundred system calls and hand-overs, not one each.
+    """
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="milepost-read")
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
+        self._batch = _Batch([])
 
-    def submit(self, value: _Value, read: BoxRead, out: np.ndarray, expected: int | None = None, name: str = "") -> Future[None]:
-        """Read ``read`` into its range of ``out`` (the whole box's buffer); with ``expected``
-        (-1: none recorded for this chunk) check the chunk's checksum before returning."""
-        return self._pool.submit(self._read, value, read, out, expected, name)
+    def read_box(
+        self, values: list[_Value], reads: list[BoxRead], out: np.ndarray, expected: list[int | None], name: str = ""
+    ) -> BoxHandle:
+        """Read every piece of one box (``reads[i]`` from ``values[i]``) into ``out``, checking
+        each whole chunk against ``expected[i]`` (its recorded CRC32C; -1: none was recorded for
+        it, which fails; None: not checked). Queued into the current batch,
+        which is handed to a thread once it is large enough (or :meth:`flush`, or a wait)."""
+        batch = self._batch
+        batch.boxes.append((values, reads, out, expected, name))
+        batch.nbytes += out.nbytes
+        handle = BoxHandle(self, batch, len(batch.boxes) - 1)
+        if batch.nbytes >= _BATCH_BYTES:
+            self.flush()
+        return handle
+
+    def flush(self) -> None:
+        """Hand the current batch to a read thread."""
+        batch = self._batch
+        if batch.boxes:
+            self._batch = _Batch([])
+            batch.future = self._pool.submit(self._read_batch, batch.boxes)
 
     def _fd(self, path: str) -> int:
         with self._lock:
@@ -291,42 +378,103 @@ class DirectReader:
                 fd = self._fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
             return fd
 
-    def _read(self, value: _Value, read: BoxRead, out: np.ndarray, expected: int | None = None, name: str = "") -> None:
-        self._read_piece(value, read, out)
-        if expected is not None:
-            target = memoryview(out.reshape(-1).view(np.uint8))[read.offset_in_box : read.offset_in_box + read.nbytes]
-            recorded = {read.grid: expected} if expected >= 0 else {}
-            where = f"{value.path} at byte {value.offset}"
-            _checksum.check(name, read.grid, _checksum.crc32c(target), recorded, where)
+    @staticmethod
+    def _check(value: _Value, read: BoxRead, target: memoryview, expected: int, name: str) -> None:
+        recorded = {read.grid: expected} if expected >= 0 else {}
+        where = f"{value.path} at byte {value.offset}"
+        _checksum.check(name, read.grid, _checksum.crc32c(target), recorded, where)
 
-    def _read_piece(self, value: _Value, read: BoxRead, out: np.ndarray) -> None:
+    def _read_batch(self, boxes: list[tuple[list[_Value], list[BoxRead], np.ndarray, list[int | None], str]]) -> list[BaseException | None]:
+        """Read a batch; per box, None or the exception its reads raised (FallBack included)."""
+        outcomes: list[BaseException | None] = [None] * len(boxes)
+        # Pieces that are a whole shard value (chunk first, then its index) are read in runs of
+        # values that lie back to back in one file; other pieces one by one.
+        runs: dict[str, list[tuple[_Value, BoxRead, memoryview, int]]] = {}
+        targets: list[list[memoryview]] = []  # per box, per piece: where its bytes are read to
+        for slot, (values, reads, out, _, _) in enumerate(boxes):
+            mine = _targets(reads, out)
+            targets.append(mine)
+            for value, read, target in zip(values, reads, mine, strict=True):
+                if read.offset_in_chunk == 0 and len(target) == read.chunk_nbytes == value.length - _INDEX_SIZE:
+                    runs.setdefault(value.path, []).append((value, read, target, slot))
+                else:
+                    try:
+                        self._read_piece(value, read, target)
+                    except Exception as e:
+                        outcomes[slot] = outcomes[slot] or e
+        indexes: dict[int, bytearray] = {}  # id of a whole piece's target -> its index bytes
+        for path, pieces in runs.items():
+            pieces.sort(key=lambda p: p[0].offset)
+            start = 0
+            while start < len(pieces):
+                end = start + 1
+                while (
+                    end < len(pieces) and end - start < _IOV_MAX // 2
+                    and pieces[end][0].offset == pieces[end - 1][0].offset + pieces[end - 1][0].length
+                ):
+                    end += 1
+                run = pieces[start:end]
+                buffers: list[memoryview] = []
+                for _, _, target, _ in run:
+                    index = indexes[id(target)] = bytearray(_INDEX_SIZE)
+                    buffers += [target, memoryview(index)]
+                try:
+                    _pread_exactly(self._fd(path), buffers, run[0][0].offset, run[0][1].key, path)
+                except Exception:
+                    # Each piece again on its own, so each box gets its own error (a file cut
+                    # short fails only the values past its end).
+                    for value, read, target, slot in run:
+                        try:
+                            _pread_exactly(self._fd(path), [target, memoryview(indexes[id(target)])], value.offset, read.key, path)
+                        except Exception as e:
+                            outcomes[slot] = outcomes[slot] or e
+                start = end
+        for pieces in runs.values():
+            for value, read, target, slot in pieces:
+                if outcomes[slot] is not None:
+                    continue
+                try:
+                    chunk_offset = _checked_index(value, read, indexes[id(target)])
+                    if chunk_offset != 0:
+                        _pread_exactly(self._fd(value.path), [target], value.offset + chunk_offset, read.key, value.path)
+                except Exception as e:
+                    outcomes[slot] = e
+        for slot, (values, reads, out, expected, name) in enumerate(boxes):
+            if outcomes[slot] is not None:
+                continue
+            try:
+                for value, read, target, e in zip(values, reads, targets[slot], expected, strict=True):
+                    if e is not None:
+                        self._check(value, read, target, e, name)
+                    if read.scatter is not None:
+                        shape = tuple(b - a for a, b in read.scatter)
+                        place = tuple(slice(a, b) for a, b in read.scatter)
+                        np.copyto(out[place], np.frombuffer(target, dtype=out.dtype).reshape(shape))
+            except Exception as e:
+                outcomes[slot] = e
+        return outcomes
+
+    def _read_piece(self, value: _Value, read: BoxRead, out: np.ndarray | memoryview) -> None:
+        """Read one piece into ``out``: the whole box's buffer, or (a memoryview) the piece's own
+        bytes."""
         fd = self._fd(value.path)
-        target = memoryview(out.reshape(-1).view(np.uint8))
-        if read.nbytes >= 0:
-            target = target[read.offset_in_box : read.offset_in_box + read.nbytes]
-        index_size = _INDEX_ENTRY.size + 4
-        if value.length < index_size:
+        if isinstance(out, memoryview):
+            target = out
+        else:
+            target = memoryview(out.reshape(-1).view(np.uint8))
+            if read.nbytes >= 0:
+                target = target[read.offset_in_box : read.offset_in_box + read.nbytes]
+        if value.length < _INDEX_SIZE:
             raise CorruptCheckpointError(f"shard {read.key!r} is {value.length} bytes, too short to hold its index")
-        whole = read.offset_in_chunk == 0 and len(target) == read.chunk_nbytes == value.length - index_size
+        whole = read.offset_in_chunk == 0 and len(target) == read.chunk_nbytes == value.length - _INDEX_SIZE
+        index = bytearray(_INDEX_SIZE)
         if whole:
             # TensorStore puts a shard's only chunk first, then the index: one sequential read
             # gets both; the index then confirms where the chunk was.
-            index = bytearray(index_size)
             _pread_exactly(fd, [target, memoryview(index)], value.offset, read.key, value.path)
         else:
-            index = bytearray(index_size)
-            _pread_exactly(fd, [memoryview(index)], value.offset + value.length - index_size, read.key, value.path)
-        (checksum,) = struct.unpack("<I", index[-4:])
-        if crc32c(bytes(index[:-4])) != checksum:
-            raise CorruptCheckpointError(f"shard {read.key!r} has a damaged index (CRC32C mismatch) in {value.path}")
-        chunk_offset, chunk_nbytes = _INDEX_ENTRY.unpack(index[:-4])
-        if chunk_offset == _MISSING and chunk_nbytes == _MISSING:
-            raise FallBack
-        if chunk_nbytes != read.chunk_nbytes or chunk_offset + chunk_nbytes > value.length - index_size:
-            raise CorruptCheckpointError(
-                f"shard {read.key!r} in {value.path} says its chunk is {chunk_nbytes} bytes at {chunk_offset}, "
-                f"but an uncompressed chunk is {read.chunk_nbytes} bytes within a {value.length}-byte shard"
-            )
+            _pread_exactly(fd, [memoryview(index)], value.offset + value.length - _INDEX_SIZE, read.key, value.path)
+        chunk_offset = _checked_index(value, read, index)
         if not whole or chunk_offset != 0:
             _pread_exactly(fd, [target], value.offset + chunk_offset + read.offset_in_chunk, read.key, value.path)
 
@@ -336,6 +484,36 @@ class DirectReader:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
+
+
+def _targets(reads: list[BoxRead], out: np.ndarray) -> list[memoryview]:
+    """Where each piece of a box is read to: its range of the box's buffer, or a buffer of its
+    own (scattered into the box once checked)."""
+    flat = memoryview(out.reshape(-1).view(np.uint8))
+    return [
+        memoryview(np.empty(read.nbytes, np.uint8)) if read.scatter is not None
+        else flat[read.offset_in_box : read.offset_in_box + read.nbytes] if read.nbytes >= 0 else flat
+        for read in reads
+    ]
+
+
+def _checked_index(value: _Value, read: BoxRead, index: bytearray) -> int:
+    """Where the shard's index (its last bytes, ``index``) says the chunk starts; raises if the
+    index is damaged or disagrees with an uncompressed chunk, FallBack if the chunk is missing."""
+    if value.length < _INDEX_SIZE:
+        raise CorruptCheckpointError(f"shard {read.key!r} is {value.length} bytes, too short to hold its index")
+    (checksum,) = struct.unpack("<I", index[-4:])
+    if crc32c(bytes(index[:-4])) != checksum:
+        raise CorruptCheckpointError(f"shard {read.key!r} has a damaged index (CRC32C mismatch) in {value.path}")
+    chunk_offset, chunk_nbytes = _INDEX_ENTRY.unpack(index[:-4])
+    if chunk_offset == _MISSING and chunk_nbytes == _MISSING:
+        raise FallBack
+    if chunk_nbytes != read.chunk_nbytes or chunk_offset + chunk_nbytes > value.length - _INDEX_SIZE:
+        raise CorruptCheckpointError(
+            f"shard {read.key!r} in {value.path} says its chunk is {chunk_nbytes} bytes at {chunk_offset}, "
+            f"but an uncompressed chunk is {read.chunk_nbytes} bytes within a {value.length}-byte shard"
+        )
+    return int(chunk_offset)
 
 
 def _pread_exactly(fd: int, buffers: list[memoryview], position: int, key: str, path: str) -> None:

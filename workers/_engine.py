@@ -218,6 +218,8 @@ def _issue_writes(plan: SavePlan, sources: Sequence[Any], parts: list[_Part], op
 
 
 _COPY_BLOCK_BYTES = 32 << 20
+_INLINE_COPY_BYTES = 2 << 20
+"""Copies of fewer bytes in all run on the calling thread: handing them to threads costs more."""
 
 
 @functools.cache
@@ -239,7 +241,7 @@ def parallel_copy(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
             blocks.append((dst, src))
         else:
             blocks.extend((dst[i : i + step], src[i : i + step]) for i in range(0, rows, step))
-    if len(blocks) <= 1 or (os.cpu_count() or 1) == 1:
+    if len(blocks) <= 1 or (os.cpu_count() or 1) == 1 or sum(dst.nbytes for dst, _ in blocks) < _INLINE_COPY_BYTES:
         for dst, src in blocks:
             np.copyto(dst, src, casting="unsafe")
         return
@@ -327,10 +329,14 @@ def load(plan: LoadPlan, process_index: int | str = 0) -> tuple[list[Any], LoadA
 def _load(plan: LoadPlan, process_index: int | str, broadcasts: _Broadcasts) -> tuple[list[Any], LoadAck]:
     _check_device_dtypes(plan.tasks)
     stores = _open_stores(plan)
+    metadatas = [_metadata(s) if s is not None else None for s in stores]
     layouts: list[_direct.ShardLayout | None] = [None] * len(stores)
     locator = None
     if plan.direct_reads and Location.of(plan.store.directory).is_local:  # straight from local files only
-        layouts = [_direct.shard_layout(t.name, s) if s is not None else None for t, s in zip(plan.tasks, stores, strict=True)]
+        layouts = [
+            _direct.shard_layout(t.name, s, m) if s is not None else None
+            for t, s, m in zip(plan.tasks, stores, metadatas, strict=True)
+        ]
         if any(layouts):
             locator = _direct.Locator(plan.store)
             locator.index([layout.name for layout in layouts if layout is not None])
@@ -338,31 +344,45 @@ def _load(plan: LoadPlan, process_index: int | str, broadcasts: _Broadcasts) -> 
     results: list[Any] = [None] * len(plan.tasks)
     assemblers: list[_Assembler] = []
     waiting: list[_Assembler] = []  # broadcast arrays whose collectives run once their reads are done
+    # Arrays of the same shape and sharding (the layers of a model) share one device layout.
+    layouts_seen: dict[Any, Any] = {}
+
+    def boxes_of(sharding: Any, shape: tuple[int, ...]) -> Any:
+        try:
+            return layouts_seen[sharding, shape]
+        except TypeError:  # an unhashable sharding
+            return _device_boxes(sharding, shape)
+        except KeyError:
+            found = layouts_seen[sharding, shape] = _device_boxes(sharding, shape)
+            return found
+
+    order = list(range(len(plan.tasks)))
+    if locator is not None and not broadcasts.pending:
+        # Read the arrays in the order their data lies in the files (front to back, file by
+        # file), so the reads of neighbouring arrays are sequential (and coalesce) instead of
+        # jumping around each file in tree order. Collectives (load-and-broadcast) keep plan order.
+        unknown = ("", -1)
+        order.sort(key=lambda i: locator.first_location(plan.tasks[i].name) or unknown)
     try:
-        for i, (task, store, layout) in enumerate(zip(plan.tasks, stores, layouts, strict=True)):
+        for i in order:
+            task, store, layout, metadata = plan.tasks[i], stores[i], layouts[i], metadatas[i]
             if task.sharding is None:
                 asm = _Assembler(task, None, results, i, [((), (tuple((0, n) for n in task.shape)))])
             else:
                 sharding = task.sharding.to_jax() if isinstance(task.sharding, ShardingSpec) else task.sharding
-                index_map = sharding.addressable_devices_indices_map(task.shape)
                 readers = broadcasts.readers(i, task, sharding)
-                # Each distinct box is read once; its replicas get copies in memory (or, with
-                # load-and-broadcast, from the devices that read it).
-                by_box: dict[tuple[tuple[int, int], ...], list[Any]] = {}
-                for device, index in index_map.items():
-                    if readers is None or device.id in readers:
-                        by_box.setdefault(_slices_to_box(index, task.shape), []).append(device)
-                pieces = [(tuple(d), box) for box, d in by_box.items()]
-                asm = _Assembler(task, sharding, results, i, pieces) if readers is None else _BroadcastAssembler(
-                    task, sharding, results, i, pieces, broadcasts
-                )
+                if readers is None:
+                    asm = _Assembler(task, sharding, results, i, *boxes_of(sharding, task.shape))
+                else:
+                    pieces, _ = _device_boxes(sharding, task.shape, readers)
+                    asm = _BroadcastAssembler(task, sharding, results, i, pieces, broadcasts)
             assemblers.append(asm)
             if task.tensor is not None:
                 reader.read_tensor(task.tensor, asm)
             else:
                 checked = None
                 if task.checksums is not None:
-                    inner, shard = _chunk_shapes(store)
+                    inner, shard = _chunk_shapes(store, metadata)
                     checked = _Checked(task.name, task.shape, inner, dict(task.checksums), shard)
                 for devices, box in asm.pieces:
                     reader.read(store, layout, box, asm, devices, checked)
@@ -433,6 +453,24 @@ def _check_device_dtypes(tasks: Sequence[LoadTask]) -> None:
             )
 
 
+_Box = tuple[tuple[int, int], ...]
+
+
+def _device_boxes(
+    sharding: Any, shape: tuple[int, ...], readers: frozenset[int] | None = None
+) -> tuple[list[tuple[tuple[Any, ...], _Box]], dict[Any, _Box]]:
+    """The distinct boxes this host's devices hold (each with its devices; each box is read
+    once, its replicas get copies in memory), and every device's box. ``readers``: only these
+    device ids read (load-and-broadcast)."""
+    by_box: dict[_Box, list[Any]] = {}
+    of_device: dict[Any, _Box] = {}
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        box = of_device[device] = _slices_to_box(index, shape)
+        if readers is None or device.id in readers:
+            by_box.setdefault(box, []).append(device)
+    return [(tuple(d), box) for box, d in by_box.items()], of_device
+
+
 def _slices_to_box(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
     return tuple(
         (s.start or 0, n if s.stop is None else s.stop) for s, n in zip(index, shape, strict=True)
@@ -478,14 +516,21 @@ def read_buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 class _Assembler:
     """Collects the pieces of one array as they are read and builds the result."""
 
-    def __init__(self, task: LoadTask, sharding: Any, results: list[Any], slot: int, pieces: list[Any]) -> None:
+    def __init__(
+        self, task: LoadTask, sharding: Any, results: list[Any], slot: int, pieces: list[Any],
+        device_boxes: dict[Any, _Box] | None = None,
+    ) -> None:
         self.task = task
         self.sharding = sharding
         self.results = results
         self.slot = slot
         self.pieces = pieces
+        self.device_boxes = device_boxes
+        """Every addressable device's box (None: worked out when needed)."""
         self.placed: list[Any] = []
         self.unplaced: list[tuple[np.ndarray, Any]] = []
+        self.copying: list[tuple[Any, tuple[Any, ...]]] = []
+        """Replicas of a box being copied on a copy thread, and their devices."""
 
     def _cast(self, data: np.ndarray) -> np.ndarray:
         target = np.dtype(self.task.dtype)
@@ -503,13 +548,23 @@ class _Assembler:
 
         # A device array adopts an aligned buffer without a copy (CPU), so every device gets
         # its own: two devices sharing memory would clobber each other on donation.
+        on_cpu = all(d.platform == "cpu" for d in devices)
+        if len(devices) > 1 and on_cpu:
+            # Made on a copy thread while this one goes on reading; finish() collects them.
+            self.copying.append((_copy_pool().submit(_replicas_of, data, len(devices) - 1), devices[1:]))
+            devices = devices[:1]
         extras = [aligned_empty(data.shape, data.dtype) for _ in devices[1:]]
         parallel_copy([(extra, data) for extra in extras])
         self.unplaced.extend(zip([data, *extras], devices, strict=True))
         # On CPU the buffer becomes the device memory, so placing the whole array in one call
         # costs nothing extra; elsewhere place now, so host buffers stay within the budget.
-        if any(d.platform != "cpu" for d in devices):
+        if not on_cpu:
             self._place()
+
+    def _collect_copies(self) -> None:
+        for future, devices in self.copying:
+            self.unplaced.extend(zip(future.result(), devices, strict=True))
+        self.copying = []
 
     def _place(self) -> None:
         import jax
@@ -529,11 +584,35 @@ class _Assembler:
             return
         import jax
 
+        self._collect_copies()
+        if not self.placed and self.unplaced and not self.sharding.is_fully_replicated:
+            # Every buffer is still on the host (CPU devices): one batched transfer for the whole
+            # array, several times cheaper per array than placing each buffer on its own. Each
+            # device still gets its own buffer (replicas of a box included).
+            of_device = self.device_boxes
+            if of_device is None:
+                of_device = _device_boxes(self.sharding, self.task.shape)[1]
+            by_box: dict[_Box, list[np.ndarray]] = {}
+            for buffer, device in self.unplaced:
+                by_box.setdefault(of_device[device], []).append(buffer)
+            self.unplaced = []
+            self.results[self.slot] = jax.make_array_from_callback(
+                self.task.shape, self.sharding, lambda index: by_box[_slices_to_box(index, self.task.shape)].pop()
+            )
+            return
         self._place()
         self.results[self.slot] = jax.make_array_from_single_device_arrays(
             self.task.shape, self.sharding, self.placed
         )
         self.placed = []
+
+
+def _replicas_of(data: np.ndarray, n: int) -> list[np.ndarray]:
+    """``n`` aligned copies of ``data``."""
+    out = [aligned_empty(data.shape, data.dtype) for _ in range(n)]
+    for extra in out:
+        np.copyto(extra, data)
+    return out
 
 
 class _BroadcastAssembler(_Assembler):
@@ -629,10 +708,16 @@ class _Checked:
         return f"{self.name}/c" + "".join(f"/{g * c // s}" for g, c, s in zip(grid, self.chunk_shape, shard, strict=True))
 
 
-def _chunk_shapes(store: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _metadata(store: Any) -> dict[str, Any]:
+    """An opened array's zarr metadata (from its spec's JSON, which costs tens of microseconds:
+    a load takes it once per array)."""
+    return store.spec().to_json().get("metadata", {})
+
+
+def _chunk_shapes(store: Any, metadata: dict[str, Any] | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The shape of the array's stored chunks (inner chunks of a sharded zarr3 array) and of
     its shards."""
-    return tsu.header_chunks(store.spec().to_json().get("metadata", {}))
+    return tsu.header_chunks(_metadata(store) if metadata is None else metadata)
 
 
 def _inner_chunk_shape(store: Any) -> tuple[int, ...]:
@@ -644,21 +729,24 @@ class _DirectRead:
     if one of them turns out not to be directly readable (its chunk is missing), the whole box
     is read through TensorStore instead."""
 
-    def __init__(self, futures: list[Any], source: Any, out: np.ndarray) -> None:
-        self.futures = futures
-        self.source = source
+    def __init__(self, handle: _direct.BoxHandle, store: Any, box: tuple[tuple[int, int], ...], out: np.ndarray) -> None:
+        self.handle = handle
+        self.store = store
+        self.box = box
         self.out = out
 
     def result(self) -> bool:
         """Wait; True if the box was read through TensorStore after all."""
-        futures_wait(self.futures)
-        try:
-            for future in self.futures:
-                future.result()
-        except _direct.FallBack:
-            ts.array(self.out).write(self.source).result()
+        if self.handle.result():
+            ts.array(self.out).write(_box_view(self.store, self.box)).result()
             return True
         return False
+
+
+def _box_view(store: Any, box: tuple[tuple[int, int], ...]) -> Any:
+    """The TensorStore view of ``box`` (indexing a TensorStore costs tens of microseconds: done
+    only for reads that go through it)."""
+    return store[tsu.box_to_slices(box)] if box else store
 
 
 class _TensorRead:
@@ -694,6 +782,8 @@ class _Read:
     """The chunk-aligned box read (when checked), into ``staged`` if it is larger than the box."""
     box: tuple[tuple[int, int], ...] = ()
     staged: np.ndarray | None = None
+    scratch: int = 0
+    """Bytes held while in flight beyond ``nbytes`` (direct pieces read beside the box first)."""
 
 
 class _BudgetedReader:
@@ -725,36 +815,39 @@ class _BudgetedReader:
         checked: _Checked | None = None,
     ) -> None:
         dtype = store.dtype.numpy_dtype
-        whole = _checksum.aligned_box(box, checked.chunk_shape, checked.shape) if checked is not None else box
         nbytes = math.prod(b - a for a, b in box) * dtype.itemsize
-        if whole != box:
-            nbytes += math.prod(b - a for a, b in whole) * dtype.itemsize
-        if self.budget is not None:
-            while self.inflight and self.inflight_bytes + nbytes > self.budget:
-                self._complete_one()
-        out = read_buffer(tuple(b - a for a, b in box), dtype)
-        source = store[tsu.box_to_slices(box)] if box else store
-        read = _Read(None, out, asm, devices, nbytes)
+        direct: tuple[list[_direct.BoxRead], list[Any]] | None = None
+        scratch = 0
         if layout is not None and self.locator is not None:
             pieces = _direct.box_reads(layout, box) or []
             if checked is not None and not all(p.whole for p in pieces):
                 pieces = []  # a partial chunk cannot be checked: read it whole, below
             values = [self.locator.locate(piece.key) for piece in pieces]
             if pieces and all(v is not None for v in values):
-                submit = self.direct.submit  # type: ignore[union-attr]
-                expected = [checked.expected.get(p.grid, -1) if checked is not None else None for p in pieces]
-                futures = [submit(v, p, out, e, asm.task.name) for v, p, e in zip(values, pieces, expected, strict=True)]  # type: ignore[arg-type]
-                read.future = _DirectRead(futures, source, out)
-                read.checked, read.whole, read.box = checked, box, box  # checked again only after a fallback
-        if read.future is None:
-            read.checked, read.whole, read.box = checked, whole, box
-            if whole == box:
-                read.future = ts.array(out).write(source)
-            else:
-                read.staged = read_buffer(tuple(b - a for a, b in whole), dtype)
-                read.future = ts.array(read.staged).write(store[tsu.box_to_slices(whole)])
+                direct = pieces, values
+                scratch = sum(p.nbytes for p in pieces if p.scatter is not None)  # read beside the box first
+        whole = box
+        if direct is None and checked is not None:
+            whole = _checksum.aligned_box(box, checked.chunk_shape, checked.shape)
+            if whole != box:
+                nbytes += math.prod(b - a for a, b in whole) * dtype.itemsize
+        if self.budget is not None:
+            while self.inflight and self.inflight_bytes + nbytes + scratch > self.budget:
+                self._complete_one()
+        out = read_buffer(tuple(b - a for a, b in box), dtype)
+        read = _Read(None, out, asm, devices, nbytes, checked, whole, box, scratch=scratch)
+        if direct is not None:
+            pieces, values = direct
+            expected = [checked.expected.get(p.grid, -1) if checked is not None else None for p in pieces]
+            handle = self.direct.read_box(values, pieces, out, expected, asm.task.name)  # type: ignore[union-attr]
+            read.future = _DirectRead(handle, store, box, out)  # checked again only after a fallback
+        elif whole == box:
+            read.future = ts.array(out).write(_box_view(store, box))
+        else:
+            read.staged = read_buffer(tuple(b - a for a, b in whole), dtype)
+            read.future = ts.array(read.staged).write(_box_view(store, whole))
         self.inflight.append(read)
-        self.inflight_bytes += nbytes
+        self.inflight_bytes += nbytes + scratch
 
     def read_tensor(self, tensor: _safetensors.Tensor, asm: _Assembler) -> None:
         """Read every box ``asm`` needs of a safetensors tensor."""
@@ -790,7 +883,7 @@ class _BudgetedReader:
                 "checkpoint's data files are missing or damaged. Load an earlier checkpoint."
             ) from e
         asm.take(read.devices, read.out)
-        self.inflight_bytes -= read.nbytes
+        self.inflight_bytes -= read.nbytes + read.scratch
         self.bytes_read += read.nbytes
         if self.progress is not None:
             self.progress(read.out.nbytes)  # the box delivered (a checked read may read whole chunks around it)
