@@ -110,6 +110,28 @@ def test_save_moves_no_array_bytes_through_the_controller(slice42: mp.Slice, tmp
     assert per_array[4096] <= per_array[64] * 1.1 + 64
 
 
+def test_save_messages_grow_with_hosts_not_arrays(slice42: mp.Slice, tmp_path: Path) -> None:
+    """A save sends each host one plan (every array of it) and one wait, whatever the number of
+    arrays: 20 and 200 small arrays cost the same controller<->host messages. Bytes grow with
+    the arrays' metadata only (the plans' task lists, the acks' chunk checksums)."""
+    mesh = slice42.mesh({"data": 2, "model": 4})
+    moved = {}
+    for n in (20, 200):
+        values = host_values(n, 16)  # 16 KiB arrays
+        tree = slice42.put(values, {k: mesh.sharding(P("data", "model")) for k in values})
+        gc.collect()
+        slice42.group.all("held", doing="counting")  # sends any pending releases of dropped handles now
+        before = slice42.traffic()
+        mp.save(tmp_path / f"c{n}", tree)
+        moved[n] = slice42.traffic() - before
+        restored = mp.load(tmp_path / f"c{n}", {k: mp.AbstractArray(v.shape, v.dtype, mesh.sharding(P())) for k, v in values.items()})
+        assert np.array_equal(slice42.fetch(restored[f"w{n - 1}"]), values[f"w{n - 1}"])
+    assert moved[20].messages == moved[200].messages == 2 * slice42.hosts, moved  # start_save + wait_save per host
+    per_array = (moved[200].total_bytes - moved[20].total_bytes) / 180
+    assert 0 < per_array < 4096, f"{per_array:.0f} bytes per array of metadata through the controller"
+    assert moved[200].total_bytes < 16 * 1024 * 200 / 4, "array bytes must not pass through the controller"
+
+
 def test_reshard_across_topologies(saved_from_slice: tuple[Path, dict[str, np.ndarray]], tmp_path: Path) -> None:
     path, values = saved_from_slice
 
