@@ -15,7 +15,9 @@ Array data lives beside them, in the per-process OCDBT stores and the merged roo
 from __future__ import annotations
 
 import base64
+import json
 from collections.abc import Sequence
+from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -107,17 +109,26 @@ def write(directory: Path, files: TreeFiles, acks: Sequence[workers.SaveAck], pl
         },
     )
     if files.shardings:
+        texts: dict[ShardingSpec, str] = {}  # the leaves of a model share a few shardings
         fmt.write_json(
             directory / fmt.SHARDING,
-            {base64.b64encode(n.encode()).decode(): spec.to_orbax_json(platform) for n, spec in files.shardings.items()},
+            {
+                base64.b64encode(n.encode()).decode(): texts.get(spec) or texts.setdefault(spec, spec.to_orbax_json(platform))
+                for n, spec in files.shardings.items()
+            },
         )
     if files.strings:
         fmt.write_json(directory / fmt.STRINGS, files.strings)
     checksums: dict[str, dict[str, int]] = {}
+    grid_keys: dict[tuple[int, ...], str] = {}
     for ack in acks:
         for written in ack.arrays:
             mine = checksums.setdefault(written.name, {})
-            mine.update((workers.grid_key(grid), crc) for grid, crc in written.chunk_crc32c)
+            for grid, crc in written.chunk_crc32c:
+                key = grid_keys.get(grid)
+                if key is None:
+                    key = grid_keys[grid] = workers.grid_key(grid)
+                mine[key] = crc
     info: dict[str, Any] = {}
     if files.python_types:
         info["python_types"] = files.python_types
@@ -127,21 +138,43 @@ def write(directory: Path, files: TreeFiles, acks: Sequence[workers.SaveAck], pl
         info["chunk_crc32c"] = checksums
     if info:
         fmt.write_json(directory / fmt.MILEPOST_INFO, info)
-    array_dir = directory / fmt.ARRAY_METADATAS
-    array_dir.mkdir(exist_ok=True)
-    for ack in sorted((a for a in acks if isinstance(a.process_index, int)), key=lambda a: a.process_index):
-        entries = [
-            {
-                "array_metadata": {
-                    "param_name": a.name,
-                    "write_shape": list(a.write_shape),
-                    "chunk_shape": list(a.chunk_shape),
-                    "ext_metadata": {"random_key_impl": a.random_key_impl} if a.random_key_impl else None,
+    _write_array_metadatas(directory / fmt.ARRAY_METADATAS, acks)
+
+
+def _write_array_metadatas(folder: Path, acks: Sequence[workers.SaveAck]) -> None:
+    """``array_metadatas/process_<i>``: every array host i wrote (Orbax's per-process files).
+
+    With H hosts sharing every array these are H files listing the same entries, so each
+    array's entry is encoded once and the files (``json.dumps``'s exact output) are joined from
+    those and written on a few threads (each file is synced).
+    """
+    folder.mkdir(exist_ok=True)
+    encoded: dict[Any, str] = {}
+
+    def entry(a: workers.WrittenArray) -> str:
+        key = (a.name, a.write_shape, a.chunk_shape, a.random_key_impl)
+        text = encoded.get(key)
+        if text is None:
+            text = encoded[key] = json.dumps(
+                {
+                    "array_metadata": {
+                        "param_name": a.name,
+                        "write_shape": list(a.write_shape),
+                        "chunk_shape": list(a.chunk_shape),
+                        "ext_metadata": {"random_key_impl": a.random_key_impl} if a.random_key_impl else None,
+                    }
                 }
-            }
-            for a in ack.arrays
-        ]
-        fmt.write_json(array_dir / f"process_{ack.process_index}", {"array_metadatas": entries})
+            )
+        return text
+
+    hosts = sorted((a for a in acks if isinstance(a.process_index, int)), key=lambda a: a.process_index)
+    contents = [(folder / f"process_{ack.process_index}", '{"array_metadatas": [' + ", ".join(map(entry, ack.arrays)) + "]}") for ack in hosts]
+    if len(contents) <= 2:
+        for path, text in contents:
+            fmt.write_file(path, text)
+        return
+    with futures.ThreadPoolExecutor(min(16, len(contents)), thread_name_prefix="milepost-commit") as pool:
+        list(pool.map(lambda item: fmt.write_file(*item), contents))
 
 
 # ------------------------------------------------------------------------------------------

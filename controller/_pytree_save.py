@@ -216,8 +216,11 @@ def _plan_device_array(out: TreeSavePlan, leaf: Leaf, group: HostGroup) -> tuple
         by_process[group.process_of_device(region.device_id)].append(region)
     if not by_process:  # zero-size: someone must still create the array's metadata
         by_process[group.processes()[0]] = []
+    header_by = min(by_process)  # one host writes the array's zarr.json; the others chunks only
     for process, mine in by_process.items():
-        out.host_tasks[process].append(workers.SaveTask(source=source, spec=array_spec, regions=tuple(mine), create=not mine))
+        out.host_tasks[process].append(
+            workers.SaveTask(source=source, spec=array_spec, regions=tuple(mine), create=not mine, write_metadata=process == header_by)
+        )
     return write_shape
 
 

@@ -132,6 +132,32 @@ def test_save_messages_grow_with_hosts_not_arrays(slice42: mp.Slice, tmp_path: P
     assert moved[200].total_bytes < 16 * 1024 * 200 / 4, "array bytes must not pass through the controller"
 
 
+def test_each_array_header_is_written_by_one_host(slice42: mp.Slice, tmp_path: Path) -> None:
+    """Every host writes its chunks, but only one writes an array's zarr.json: the commit merges
+    one header per array, not one per host (and the merged view still has them all)."""
+    import tensorstore as ts
+
+    mesh = slice42.mesh({"data": 2, "model": 4})
+    values = host_values(6, 16)
+    tree = slice42.put(values, {k: mesh.sharding(P("data", "model") if k != "w5" else P()) for k in values})
+    mp.save(tmp_path / "c", tree)
+    headers: dict[str, int] = {}
+    chunks = 0
+    dbs = sorted((tmp_path / "c" / "state").glob("ocdbt.process_*"))
+    assert len({db.name.split(".")[1] for db in dbs}) == slice42.hosts
+    for db in dbs:
+        kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{db}/"}).result()
+        for key in (k.decode() for k in kv.list().result()):
+            if key.endswith("/zarr.json"):
+                headers[key] = headers.get(key, 0) + 1
+            else:
+                chunks += 1
+    assert headers == {f"w{i}/zarr.json": 1 for i in range(6)}, headers
+    assert chunks == 5 * 8 + 8  # 8 shards each; the replicated w5 is cut among its 8 replicas
+    loaded = mp.load(tmp_path / "c", {k: mp.AbstractArray(v.shape, v.dtype, mesh.sharding(P())) for k, v in values.items()})
+    assert all(np.array_equal(slice42.fetch(loaded[k]), v) for k, v in values.items())
+
+
 def test_reshard_across_topologies(saved_from_slice: tuple[Path, dict[str, np.ndarray]], tmp_path: Path) -> None:
     path, values = saved_from_slice
 

@@ -126,9 +126,14 @@ def start_save(plan: SavePlan, sources: Sequence[Any]) -> PendingSave:
     pending = PendingSave(plan)
     sources = _key_data(plan, sources)
     opens = []
+    headers: set[str] = set()  # arrays whose zarr.json one of our writers writes
     for writer, task, _ in parts:
         spec = tsu.create_spec(tsu.write_kvstore(plan.store, plan.process_index, plan.first_writer + writer), task.spec)
-        opens.append(ts.open(spec, create=True, open=True, context=context))
+        if task.write_metadata and task.spec.name not in headers:
+            headers.add(task.spec.name)
+            opens.append(ts.open(spec, create=True, open=True, context=context))
+        else:  # chunks only: the array's header is written by another writer or host
+            opens.append(ts.open(spec, assume_metadata=True, context=context))
         pending._track(opens[-1])
     try:
         _start_device_to_host(plan, sources)

@@ -62,6 +62,10 @@ class SaveTask:
     regions: tuple[Region, ...]
     create: bool = False
     """Create the array's metadata even if this host writes no region (zero-size arrays)."""
+    write_metadata: bool = True
+    """Write the array's ``zarr.json`` into this host's database. The controller asks one host
+    per array to: the others write chunks only, so the commit's merge does not carry one copy
+    of every header per host (with H hosts, H times the arrays' keys to merge)."""
 
 
 @dataclass(frozen=True, kw_only=True)
