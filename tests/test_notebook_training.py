@@ -1,0 +1,58 @@
+"""The training-Checkpointer notebook runs top to bottom (so it cannot rot), and shows what it says."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "training_checkpointer.ipynb"
+
+
+def test_training_checkpointer_notebook_executes(tmp_path: Path) -> None:
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    for module in ("matplotlib", "flax", "optax"):
+        pytest.importorskip(module)
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), "save the notebook without outputs"
+    client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
+    try:
+        client.execute()
+    finally:  # a failed cell must not leave the notebook's directory behind
+        outs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+        written = re.findall(r"writing under (\S+)", "".join(o.get("text", "") for o in outs))
+        left = [w for w in written if "milepost-training-notebook-" in w and Path(w).exists()]
+        for where in left:
+            shutil.rmtree(where, ignore_errors=True)
+    assert not left, f"the notebook left {left} behind"
+    text = "".join(o.get("text", "") + str(o.get("data", {}).get("text/plain", "")) for o in outs)
+    html = "".join(str(o.get("data", {}).get("text/html", "")) for o in outs)
+    assert "Traceback" not in text and not any(o.get("output_type") == "error" for o in outs)
+
+    # the preemption: a save at the step the signal arrived, then the loop stopped
+    assert "preempted: saved step 37, stopping" in text
+    assert "committed steps: [30, 35, 37] - latest step after the preemption: 37" in text
+    # the steps table (text and HTML), with the loss of each step and the preemption noted
+    tables = [str(o["data"]["text/plain"]) for o in outs if str(o.get("data", {}).get("text/plain", "")).startswith("Checkpointer(")]
+    assert len(tables) == 3
+    steps = [[int(line.split()[0]) for line in table.splitlines()[3:]] for table in tables]
+    assert steps == [[30, 35, 37], [50, 55, 60], [50, 55, 60]]  # KeepLatest(n=3)
+    assert re.search(r"latest 37; .*keep=KeepLatest\(n=3\), preempted", tables[0])
+    assert "latest 60;" in tables[1] and "preempted" not in tables[1] and "read_only=True" in tables[2]
+    assert all(table.splitlines()[1].split() == ["step", "tier", "state", "loss"] for table in tables)
+    assert "<table" in html and "loss" in html
+
+    # the resume: from the preempted step, and the run then matches one never interrupted, bit for bit
+    assert "resumed from step 37 - optimizer step count: 37" in text
+    assert "losses after the resume identical to the uninterrupted run: True" in text
+    assert "final state identical to the uninterrupted run: True" in text
+    assert sum("image/png" in o.get("data", {}) for o in outs) == 1
+    # a read-only watcher sees the retained steps and their metrics
+    assert re.search(r"\{50: [\d.]+, 55: [\d.]+, 60: [\d.]+\}", text)
+
+    work = re.search(r"removed (\S+) - still there: False", text).group(1)
+    assert written == [work]
+    assert "milepost-training-notebook-" in work and not Path(work).exists()
