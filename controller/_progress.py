@@ -29,7 +29,7 @@ from milepost.workers import _progress as sink
 
 log = logging.getLogger("milepost")
 
-_VERBS = {"save": "saved", "load": "loaded", "verify": "verified", "copy": "copied"}
+_VERBS = {"save": "saved", "load": "loaded", "verify": "verified", "copy": "copied", "stats": "computed statistics of", "diff": "compared"}
 
 
 def _clock(seconds: float | None) -> str:

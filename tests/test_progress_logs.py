@@ -65,6 +65,23 @@ def test_save_load_verify_bars_show_bytes_advancing(tmp_path: Path, mesh24: jax.
         _advancing(_frames(text), 16.0)
 
 
+def test_surgery_bars_count_every_byte_read_and_written_from_the_start(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
+    from milepost import surgery as ms
+
+    mp.save(tmp_path / "c", _state(mesh24))  # 16 MiB of float32
+    stream = Terminal()
+    with mp.Context(progress=mp.ProgressOptions(file=stream, delay_secs=0, refresh_secs=0)):
+        ms.write(tmp_path / "half", ms.cast(ms.open(tmp_path / "c").tree, np.float16), memory_budget_bytes=4 << 20)
+    frames = _frames(stream.getvalue())
+    assert {t for _, t in frames} == {24.0}, frames  # 16 MiB read + 8 MiB written, known before the first group
+    _advancing(frames, 24.0)
+    stream = Terminal()
+    with mp.Context(progress=mp.ProgressOptions(file=stream, delay_secs=0, refresh_secs=0)):
+        ms.stats(ms.open(tmp_path / "c").tree, memory_budget_bytes=4 << 20)
+    assert "stats c" in stream.getvalue()
+    _advancing(_frames(stream.getvalue()), 16.0)
+
+
 def test_progress_is_off_by_default_and_waits_for_its_delay(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     mp.save(tmp_path / "a", {"x": np.arange(1000)})
     mp.load(tmp_path / "a")

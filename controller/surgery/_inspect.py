@@ -11,9 +11,17 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from milepost import _progress
 from milepost.surgery._lazy import LazyArray, apply, flat
 from milepost.surgery._placement import Placement
-from milepost.surgery._run import DEFAULT_BUDGET, compute, groups, placement_of
+from milepost.surgery._run import (
+    DEFAULT_BUDGET,
+    _sources_of,
+    compute,
+    counted,
+    groups,
+    placement_of,
+)
 from milepost.workers import ShardingSpec
 
 
@@ -65,17 +73,20 @@ def _replicated(placement: Placement) -> ShardingSpec:
     return ShardingSpec.named((len(placement.device_ids),), ("all",), placement.device_ids, ())
 
 
-def _run_small(outputs: dict[str, LazyArray], budget: int) -> dict[str, np.ndarray]:
-    """Compute small (replicated) outputs group by group and bring them to the controller."""
+def _run_small(kind: str, outputs: dict[str, LazyArray], budget: int) -> dict[str, np.ndarray]:
+    """Compute small (replicated) outputs group by group and bring them to the controller (one
+    operation ``kind`` for the progress bar and the log)."""
     if not outputs:
         return {}
     placement = placement_of(list(outputs.values()))
     specs = {n: _replicated(placement) for n in outputs}
     out: dict[str, np.ndarray] = {}
-    for names in groups(outputs, specs, placement, budget):
-        values = compute({n: outputs[n] for n in names}, placement, specs)
-        fetched = placement.fetch([values[n] for n in names])
-        out.update(zip(names, fetched, strict=True))
+    path = next(s.expr.checkpoint.path for x in outputs.values() for s in _sources_of(x))  # type: ignore[union-attr]
+    with _progress.operation(kind, path, primary=placement.group.is_primary()), counted(outputs, written=False):
+        for names in groups(outputs, specs, placement, budget):
+            values = compute({n: outputs[n] for n in names}, placement, specs)
+            fetched = placement.fetch([values[n] for n in names])
+            out.update(zip(names, fetched, strict=True))
     return out
 
 
@@ -103,7 +114,7 @@ def stats(tree: Any, *, where: str | None = None, memory_budget_bytes: int | Non
     leaves = {n: v for n, v in flat(tree).items() if isinstance(v, LazyArray) and (where is None or re.search(where, n))}
     if where is not None and not leaves:
         raise ValueError(f"stats: {where!r} matches no array of the tree")
-    computed = _run_small({n: apply("stats", _summary, (x,), where=repr(n)) for n, x in leaves.items() if x.size}, memory_budget_bytes or DEFAULT_BUDGET)
+    computed = _run_small("stats", {n: apply("stats", _summary, (x,), where=repr(n)) for n, x in leaves.items() if x.size}, memory_budget_bytes or DEFAULT_BUDGET)
     rows = []
     for name, x in leaves.items():
         s = computed.get(name)
@@ -180,7 +191,7 @@ def diff(a: Any, b: Any, *, memory_budget_bytes: int | None = None) -> Diff:
             rows[name] = (name, False, math.nan, "an array vs a value")
         else:
             rows[name] = (name, _same(x, y), math.nan, "" if _same(x, y) else f"{x!r} vs {y!r}")
-    for name, r in _run_small(work, memory_budget_bytes or DEFAULT_BUDGET).items():
+    for name, r in _run_small("diff", work, memory_budget_bytes or DEFAULT_BUDGET).items():
         rows[name] = (name, bool(r[0]), float(r[1]), "")
     ordered = tuple(rows[n] for n in fa if n in rows)
     return Diff(only_a, only_b, Table("diff", ("leaf", "equal", "max_abs_diff", "note"), ordered))

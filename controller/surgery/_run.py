@@ -35,10 +35,42 @@ from milepost import _format as fmt
 from milepost.surgery._lazy import LazyArray, Op, Source, flat, nest
 from milepost.surgery._placement import Placement
 from milepost.workers import ShardingSpec
+from milepost.workers import _progress as progress_sink
 
 log = logging.getLogger("milepost.surgery")
 
 DEFAULT_BUDGET = 1 << 30
+
+
+class _Counted:
+    """A progress sink for a whole surgery, whose total (every input read and every output
+    written) is known up front: the estimates of its group loads and writes are not added
+    again, and each host's ack of a group adds to what that host did before."""
+
+    def __init__(self, op: Any) -> None:
+        self.op = op
+
+    def expect(self, nbytes: int) -> None:
+        pass
+
+    def add(self, nbytes: int) -> None:
+        self.op.add(nbytes)
+
+    def acked(self, host: Any, nbytes: int) -> None:
+        self.op.add(nbytes)
+
+
+def counted(outputs: Mapping[str, LazyArray], *, written: bool) -> Any:
+    """Count a surgery's progress into the current operation (a save's, or one opened by
+    ``stats``/``diff``): the bytes of its inputs, and of its outputs when they are written."""
+    import contextlib
+
+    op = progress_sink.current()
+    if op is None:
+        return contextlib.nullcontext()
+    inputs = {(id(s.expr.checkpoint), s.expr.name): s.nbytes for x in outputs.values() for s in _sources_of(x)}  # type: ignore[union-attr]
+    op.expect(sum(inputs.values()) + (sum(x.nbytes for x in outputs.values()) if written else 0))
+    return progress_sink.reporting(_Counted(op))
 
 
 # ------------------------------------------------------------------------------------------
@@ -284,6 +316,11 @@ class Job:
             if call.group.is_primary():
                 _relink.finish(ck, renames, self.order, files, acks, directory)
             return
+        with counted(self.arrays, written=True):
+            self._write_groups(directory, call)
+
+    def _write_groups(self, directory: Path, call: _handlers.SaveCall) -> None:
+        options = call.options.saving
         step = max(1, options.ocdbt_writers_per_host)
         files = _pytree_save.TreeSavePlan(options)
         acks: list[workers.SaveAck] = []
