@@ -7,7 +7,10 @@ chooses. It receives plans and ids, never array bytes (except when the user expl
 
 from __future__ import annotations
 
+import builtins
+import collections
 import os
+import pickle
 import socket
 import uuid
 from typing import Any
@@ -27,6 +30,23 @@ class Ref:
         return (Ref, (self.id,))
 
 
+_JITTED_KEPT = 64
+
+
+def _portable(error: Exception) -> Exception:
+    """``error`` as the controller can unpickle it: itself when it can, else (JAX's tracer
+    errors, say) its nearest builtin type with its type's name and message."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        base = next(c for c in type(error).__mro__ if c.__module__ == builtins.__name__)
+        try:
+            return base(f"{type(error).__name__}: {error}")
+        except Exception:
+            return RuntimeError(f"{type(error).__name__}: {error}")
+
+
 class HostActor:
     """Runs in the worker host's process; imports JAX only after its environment is set."""
 
@@ -36,6 +56,9 @@ class HostActor:
         self.devices_per_host = devices_per_host
         self.arrays: dict[str, Any] = {}
         self.pending: dict[str, workers.PendingSave] = {}
+        self.jitted: collections.OrderedDict[bytes, Any] = collections.OrderedDict()
+        """``jax.jit`` of the functions ``run`` was given, by their pickled bytes and output
+        shardings: the same function sent again reuses its compiled program."""
 
     # -- start-up -------------------------------------------------------------------------
     def identity(self) -> dict[str, Any]:
@@ -125,12 +148,24 @@ class HostActor:
         import cloudpickle
         import jax
 
-        function = cloudpickle.loads(fn)
-        if out_shardings is not None:
-            out_shardings = jax.tree_util.tree_map(
-                lambda s: s.to_jax(), out_shardings, is_leaf=lambda x: isinstance(x, workers.ShardingSpec)
-            )
-        out = jax.jit(function, out_shardings=out_shardings)(*self._resolve(args), **self._resolve(kwargs))
+        key = fn + cloudpickle.dumps(out_shardings)
+        jitted = self.jitted.get(key)
+        if jitted is None:
+            function = cloudpickle.loads(fn)
+            if out_shardings is not None:
+                out_shardings = jax.tree_util.tree_map(
+                    lambda s: s.to_jax(), out_shardings, is_leaf=lambda x: isinstance(x, workers.ShardingSpec)
+                )
+            jitted = jax.jit(function, out_shardings=out_shardings)
+            self.jitted[key] = jitted
+            while len(self.jitted) > _JITTED_KEPT:
+                self.jitted.popitem(last=False)
+        else:
+            self.jitted.move_to_end(key)
+        try:
+            out = jitted(*self._resolve(args), **self._resolve(kwargs))
+        except Exception as e:
+            raise _portable(e) from None
         return self._register(out, prefix)
 
     def release(self, ids: list[str]) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 
 import cloudpickle
 import jax
+import jax.numpy as jnp
 import numpy as np
 import psutil
 import pytest
@@ -91,6 +92,32 @@ def test_programming_model_and_handles(slice42: mp.Slice) -> None:
     with pytest.raises(ValueError, match="cuts a dimension of size 6 into 4 parts"):
         slice42.put(np.arange(6.0, dtype=np.float32), mesh.sharding(P("model")))
 
+
+
+def _traces_so_far(x: Any) -> Any:
+    import builtins
+
+    return x * 0 + getattr(builtins, "_milepost_test_traces", 0)
+
+
+def _counts_its_traces(x: Any) -> Any:
+    import builtins
+
+    builtins._milepost_test_traces = getattr(builtins, "_milepost_test_traces", 0) + 1  # type: ignore[attr-defined]
+    return x + 1
+
+
+def test_run_reuses_the_compiled_function_and_reports_tracer_errors(slice42: mp.Slice) -> None:
+    mesh = slice42.mesh({"data": 2, "model": 4})
+    x = slice42.put(np.zeros((8, 8), np.float32), mesh.sharding(P("data", "model")))
+    for _ in range(3):
+        y = slice42.run(_counts_its_traces, x)
+    assert np.array_equal(slice42.fetch(y), np.ones((8, 8), np.float32))
+    assert np.all(slice42.fetch(slice42.run(_traces_so_far, x)) == 1), "the same function sent again was traced again"
+    # An error JAX raises on a host (its types do not unpickle) arrives as its builtin base, named.
+    with pytest.raises(mp.HostError, match="failed while running <lambda>: TypeError: ConcretizationTypeError"):
+        slice42.run(lambda a, n: jnp.arange(n) + a[0, 0], x, 3)
+    assert np.array_equal(slice42.fetch(slice42.run(lambda a: a * 2, y)), 2 * np.ones((8, 8), np.float32))
 
 def test_save_moves_no_array_bytes_through_the_controller(slice42: mp.Slice, tmp_path: Path) -> None:
     mesh = slice42.mesh({"data": 2, "model": 4})
