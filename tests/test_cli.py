@@ -204,3 +204,24 @@ def test_stats_diff_and_convert(ckpt: Path, tmp_path: Path) -> None:
     assert sorted(tensors) == ["bias", "kernel"] and np.array_equal(tensors["kernel"], np.ones((256, 128), np.float32))
     bad = run("convert", str(ckpt), str(tmp_path / "st2"), "--to", "safetensors", "--chunk-bytes", "10")
     assert bad.returncode == _cli.USAGE and "--chunk-bytes" in bad.stderr and not (tmp_path / "st2").exists()
+
+
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+def test_inspect_ls_and_verify_on_object_stores(scheme: str, request: pytest.FixtureRequest) -> None:
+    from tests._object_stores import new_gcs_bucket, new_s3_bucket
+
+    if scheme == "s3":
+        endpoint, _ = request.getfixturevalue("s3_endpoint")
+        root = f"s3://{new_s3_bucket(endpoint)}/run"
+    else:
+        root = f"gs://{new_gcs_bucket(request.getfixturevalue('gcs_endpoint'))}/run"
+    with Checkpointer(root) as ckpt:
+        ckpt.save(5, {"w": np.arange(64, dtype=np.float32).reshape(8, 8)}, metrics={"loss": 0.5})
+    shown = run("inspect", f"{root}/5", "--json")  # the subprocess finds the endpoint in the environment
+    assert shown.returncode == 0, shown.stderr
+    (leaf,) = json.loads(shown.stdout)["checkpointables"]["state"]["leaves"]
+    assert leaf["path"] == "w" and leaf["shape"] == [8, 8] and leaf["dtype"] == "float32"
+    listed = json.loads(run("ls", root, "--json").stdout)
+    assert [(r["step"], r["state"], r["metrics"]) for r in listed] == [(5, "committed", {"loss": 0.5})]
+    assert run("verify", f"{root}/5").returncode == _cli.OK
+    assert run("inspect", f"{root}/6").returncode == _cli.NOT_FOUND
