@@ -536,9 +536,11 @@ class _Assembler:
         self.unplaced: list[tuple[np.ndarray, Any]] = []
         self.copying: list[tuple[Any, tuple[Any, ...]]] = []
         """Replicas of a box being copied on a copy thread, and their devices."""
+        self.dtype = np.dtype(task.dtype)
+        self.on_cpu = all(d.platform == "cpu" for devices, _ in pieces for d in devices)
 
     def _cast(self, data: np.ndarray) -> np.ndarray:
-        target = np.dtype(self.task.dtype)
+        target = self.dtype
         if data.dtype != target:
             cast = aligned_empty(data.shape, target)
             parallel_copy([(cast, data)])
@@ -553,17 +555,19 @@ class _Assembler:
 
         # A device array adopts an aligned buffer without a copy (CPU), so every device gets
         # its own: two devices sharing memory would clobber each other on donation.
-        on_cpu = all(d.platform == "cpu" for d in devices)
-        if len(devices) > 1 and on_cpu:
+        if len(devices) == 1:
+            self.unplaced.append((data, devices[0]))
+        elif self.on_cpu:
             # Made on a copy thread while this one goes on reading; finish() collects them.
             self.copying.append((_copy_pool().submit(_replicas_of, data, len(devices) - 1), devices[1:]))
-            devices = devices[:1]
-        extras = [aligned_empty(data.shape, data.dtype) for _ in devices[1:]]
-        parallel_copy([(extra, data) for extra in extras])
-        self.unplaced.extend(zip([data, *extras], devices, strict=True))
+            self.unplaced.append((data, devices[0]))
+        else:
+            extras = [aligned_empty(data.shape, data.dtype) for _ in devices[1:]]
+            parallel_copy([(extra, data) for extra in extras])
+            self.unplaced.extend(zip([data, *extras], devices, strict=True))
         # On CPU the buffer becomes the device memory, so placing the whole array in one call
         # costs nothing extra; elsewhere place now, so host buffers stay within the budget.
-        if not on_cpu:
+        if not self.on_cpu:
             self._place()
 
     def _collect_copies(self) -> None:
