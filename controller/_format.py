@@ -15,6 +15,7 @@ import contextvars
 import json
 import os
 from collections.abc import Iterator
+from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -168,7 +169,7 @@ class Checksums:
         below an OCDBT database's ``d/`` or a zarr3 array's ``c/``)."""
         keys = root.keys()
         present = set(keys)
-        files: dict[str, tuple[int, int]] = {}
+        wanted = []
         for key in keys:
             parts = key.split("/")
             chunk = any(
@@ -177,9 +178,16 @@ class Checksums:
                 for i, part in enumerate(parts[:-1])
             )
             if not chunk:
-                raw = (root / key).read_bytes()
-                files[key] = (len(raw), workers.crc32c(raw))
-        return Checksums(root, files)
+                wanted.append(key)
+
+        def checksum(key: str) -> tuple[int, int]:
+            raw = (root / key).read_bytes()
+            return len(raw), workers.crc32c(raw)
+
+        # A few files per host (its databases' manifests, its array_metadatas file): read them
+        # concurrently, or a thousand hosts cost thousands of round trips one after another.
+        with futures.ThreadPoolExecutor(min(32, max(1, len(wanted))), thread_name_prefix="milepost-checksums") as pool:
+            return Checksums(root, dict(zip(wanted, pool.map(checksum, wanted), strict=True)))
 
     def write(self) -> None:
         body = {"format": 1, "algorithm": "crc32c", "files": {k: list(v) for k, v in sorted(self.files.items())}}
