@@ -18,8 +18,10 @@ and ``_checkpoint._commit``'s checksums), each step apart:
 * ``metadata``: ``_METADATA``, ``_sharding``, ``_milepost.json`` and ``array_metadatas/process_<p>``
   (``_pytree_format.write``);
 * ``merge``: the root OCDBT view referencing every per-process database (``workers.merge_ocdbt``);
-* ``checksums``: ``_milepost_checksums.json`` over every file but array data (``Checksums.compute``).
+* ``checksums``: the checkpoint's own files and ``_milepost_checksums.json`` over every file but
+  array data (``Checksums.compute``), then the commit marker;
 
+and, once committed, ``mp.metadata(path)`` (which reads every format file back),
 and checks the result: the root view lists every key of every database, and a read of one
 array through it returns every host's shard exactly. Prints times, sizes and file counts per H,
 and the growth from one H to the next against linear.
@@ -41,6 +43,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
+import milepost as mp
 from milepost import _format as fmt
 from milepost import _pytree_format as tree_format
 from milepost import _tree, workers
@@ -143,10 +146,22 @@ def simulate(root: Path, hosts: int, n_arrays: int, devices_per_host: int, write
     workers.merge_ocdbt(directory)
     out["merge_secs"] = time.perf_counter() - t0
     t0 = time.perf_counter()
+    fmt.write_file(ckpt / fmt.ORBAX_MARKER, b"")  # the checkpoint's own files, as _checkpoint._commit writes them
+    fmt.write_json(
+        ckpt / fmt.CHECKPOINT_METADATA,
+        {"item_handlers": {"state": fmt.PYTREE_HANDLER_TYPESTR}, "metrics": {}, "performance_metrics": {},
+         "init_timestamp_nsecs": time.time_ns(), "commit_timestamp_nsecs": time.time_ns(), "custom_metadata": {}},
+    )
     checksums = fmt.Checksums.compute(ckpt)
     checksums.write()
+    fmt.write_file(ckpt / fmt.COMMIT_MARKER, "Checkpoint commit was successful")
     out["checksums_secs"] = time.perf_counter() - t0
     out["commit_secs"] = out["metadata_secs"] + out["merge_secs"] + out["checksums_secs"]
+    # What every later load and metadata call pays for these files: mp.metadata reads them all.
+    t0 = time.perf_counter()
+    meta = mp.metadata(ckpt)
+    out["read_metadata_secs"] = time.perf_counter() - t0
+    assert len(meta.leaves()) == n_arrays
 
     def size(path: Path) -> int:
         return path.stat().st_size if path.exists() else 0
@@ -198,7 +213,7 @@ def main() -> int:
             print(
                 f"H={hosts}: {res['databases']} databases written in {res['write_secs']:.1f} s; commit {res['commit_secs']:.2f} s "
                 f"(metadata {res['metadata_secs']:.2f}, merge {res['merge_secs']:.2f}, checksums {res['checksums_secs']:.2f}); "
-                f"{res['keys']} keys listed in {res['list_secs']:.2f} s; {res['files']} files",
+                f"{res['keys']} keys listed in {res['list_secs']:.2f} s; {res['files']} files; mp.metadata {res['read_metadata_secs']:.2f} s",
                 flush=True,
             )
             if not args.keep:
@@ -210,13 +225,16 @@ def main() -> int:
         f"\n{args.arrays} arrays, {args.devices_per_host} devices per host, {args.writers} writer(s) per host, "
         + ("every host writes every zarr.json" if args.headers_everywhere else "one zarr.json per array")
     )
-    print(f"{'H':>5} {'metadata s':>11} {'merge s':>8} {'checksums s':>12} {'commit s':>9} {'x prev':>7} {'H x prev':>9}")
+    print(
+        f"{'H':>5} {'metadata s':>11} {'merge s':>8} {'checksums s':>12} {'commit s':>9} {'x prev':>7} {'H x prev':>9}"
+        f" {'mp.metadata s':>14}"
+    )
     for i, r in enumerate(results):
         growth = r["commit_secs"] / results[i - 1]["commit_secs"] if i else float("nan")
         hosts_growth = r["hosts"] / results[i - 1]["hosts"] if i else float("nan")
         print(
             f"{r['hosts']:>5} {r['metadata_secs']:>11.2f} {r['merge_secs']:>8.2f} {r['checksums_secs']:>12.2f} "
-            f"{r['commit_secs']:>9.2f} {growth:>7.1f} {hosts_growth:>9.1f}"
+            f"{r['commit_secs']:>9.2f} {growth:>7.1f} {hosts_growth:>9.1f} {r['read_metadata_secs']:>14.2f}"
         )
     print("\nsizes (MiB):")
     for r in results:

@@ -220,22 +220,36 @@ def _read(directory: Path) -> TreeFiles:
         )
     shardings: dict[str, ShardingSpec] = {}
     if fmt.present(directory / fmt.SHARDING):
+        # The leaves of a model share a few shardings, each listing every device id: parse each
+        # distinct text once (with thousands of devices, parsing it per leaf took seconds).
+        parsed: dict[str, ShardingSpec | None] = {}
         for encoded, text in fmt.read_json_object(directory / fmt.SHARDING, "sharding metadata").items():
             if not isinstance(text, str):
                 raise TypeError(f"the sharding of {encoded!r} is a {type(text).__name__}, not a JSON string")
-            try:
-                shardings[base64.b64decode(encoded).decode()] = ShardingSpec.from_orbax_json(text)
-            except (ValueError, KeyError):
-                continue  # a sharding kind we do not know: loading it needs an abstract tree
+            if text not in parsed:
+                try:
+                    parsed[text] = ShardingSpec.from_orbax_json(text)
+                except (ValueError, KeyError):
+                    parsed[text] = None  # a sharding kind we do not know: loading it needs an abstract tree
+            spec = parsed[text]
+            if spec is not None:
+                shardings[base64.b64decode(encoded).decode()] = spec
     strings = fmt.read_json_object(directory / fmt.STRINGS, "string leaves") if fmt.present(directory / fmt.STRINGS) else {}
     info = (
         fmt.read_json_object(directory / fmt.MILEPOST_INFO, "milepost info")
         if fmt.present(directory / fmt.MILEPOST_INFO)
         else {}
     )
+    grids: dict[str, tuple[int, ...]] = {}  # the same grid keys recur in every array
+
+    def grid(key: str) -> tuple[int, ...]:
+        found = grids.get(key)
+        if found is None:
+            found = grids[key] = workers.parse_grid_key(key)
+        return found
+
     checksums = {
-        name: {workers.parse_grid_key(key): int(crc) for key, crc in chunks.items()}
-        for name, chunks in info.get("chunk_crc32c", {}).items()
+        name: {grid(key): int(crc) for key, crc in chunks.items()} for name, chunks in info.get("chunk_crc32c", {}).items()
     }
     if "random_key_impl" in info:
         key_impls = {str(k): str(v) for k, v in info["random_key_impl"].items()}
