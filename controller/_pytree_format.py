@@ -167,8 +167,18 @@ def _write_array_metadatas(folder: Path, acks: Sequence[workers.SaveAck]) -> Non
             )
         return text
 
-    hosts = sorted((a for a in acks if isinstance(a.process_index, int)), key=lambda a: a.process_index)
-    contents = [(folder / f"process_{ack.process_index}", '{"array_metadatas": [' + ", ".join(map(entry, ack.arrays)) + "]}") for ack in hosts]
+    # One file per host, listing every array it wrote: a tree written in parts (a surgery's
+    # groups) has several acks from each host.
+    by_host: dict[int, dict[str, workers.WrittenArray]] = {}
+    for ack in acks:
+        if isinstance(ack.process_index, int):
+            arrays = by_host.setdefault(ack.process_index, {})
+            for a in ack.arrays:
+                arrays.setdefault(a.name, a)
+    contents = [
+        (folder / f"process_{index}", '{"array_metadatas": [' + ", ".join(map(entry, arrays.values())) + "]}")
+        for index, arrays in sorted(by_host.items())
+    ]
     if len(contents) <= 2:
         for path, text in contents:
             fmt.write_file(path, text)

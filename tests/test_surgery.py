@@ -252,6 +252,11 @@ def test_groups_stream_under_the_memory_budget(tmp_path: Path, mesh24: jax.shard
     got = mp.load(out)
     for k, v in big.items():
         assert same_bits(got[k], v.astype(ml_dtypes.bfloat16)), k
+    # One array_metadatas file for the host, listing the arrays of every group (not the last one's).
+    import json
+
+    (listed,) = [json.loads(p.read_text()) for p in (out / "state" / "array_metadatas").iterdir()]
+    assert sorted(e["array_metadata"]["param_name"] for e in listed["array_metadatas"]) == sorted(big)
 
 
 def test_a_rename_only_surgery_moves_no_array_bytes(source: tuple[Path, dict[str, Any]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
