@@ -333,18 +333,28 @@ def load(plan: LoadPlan, process_index: int | str = 0) -> tuple[list[Any], LoadA
 
 def _load(plan: LoadPlan, process_index: int | str, broadcasts: _Broadcasts) -> tuple[list[Any], LoadAck]:
     _check_device_dtypes(plan.tasks)
-    stores = _open_stores(plan)
+    opens = _start_opens(plan)
+    direct = plan.direct_reads and Location.of(plan.store.directory).is_local  # straight from local files only
+    locator = _direct.Locator(plan.store) if direct else None
+    if locator is not None:
+        # Walk the B-tree while TensorStore opens the arrays (every array's chunks: which of
+        # them can be read directly is known once they are open).
+        try:
+            locator.index([t.name for t in plan.tasks if t.tensor is None])
+        except Exception:  # (a damaged database: the opens below report it, or the walk again)
+            locator = _direct.Locator(plan.store)
+    stores = _finish_opens(plan, opens)
     metadatas = [_metadata(s) if s is not None else None for s in stores]
     layouts: list[_direct.ShardLayout | None] = [None] * len(stores)
-    locator = None
-    if plan.direct_reads and Location.of(plan.store.directory).is_local:  # straight from local files only
+    if locator is not None:
         layouts = [
             _direct.shard_layout(t.name, s, m) if s is not None else None
             for t, s, m in zip(plan.tasks, stores, metadatas, strict=True)
         ]
         if any(layouts):
-            locator = _direct.Locator(plan.store)
             locator.index([layout.name for layout in layouts if layout is not None])
+        else:
+            locator = None
     reader = _BudgetedReader(plan.memory_budget_bytes, plan.store.directory, locator)
     results: list[Any] = [None] * len(plan.tasks)
     assemblers: list[_Assembler] = []
@@ -407,15 +417,19 @@ def _load(plan: LoadPlan, process_index: int | str, broadcasts: _Broadcasts) -> 
     return results, LoadAck(process_index=process_index, bytes_read=reader.bytes_read, arrays=len(results))
 
 
-def _open_stores(plan: LoadPlan) -> list[Any]:
-    """Every task's array opened with TensorStore (None for tasks read from safetensors files)."""
+def _start_opens(plan: LoadPlan) -> list[Any]:
+    """Start opening every task's array with TensorStore (None for tasks read from safetensors
+    files); :func:`_finish_opens` waits for them."""
     context = tsu.new_context(plan.store.directory)
     kvstore = tsu.read_kvstore(plan.store)
-    opens = [
+    return [
         None if t.tensor is not None
         else ts.open(tsu.open_spec(kvstore, t.name, plan.fill_missing, plan.store.zarr_format), open=True, read=True, context=context)
         for t in plan.tasks
     ]
+
+
+def _finish_opens(plan: LoadPlan, opens: list[Any]) -> list[Any]:
     stores = []
     for task, opening in zip(plan.tasks, opens, strict=True):
         if opening is None:
