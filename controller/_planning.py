@@ -67,16 +67,24 @@ def write_regions(boxes: dict[int, Box], replica_parallel: bool) -> tuple[tuple[
 
 
 def inner_chunk_shape(write_shape: tuple[int, ...], itemsize: int, chunk_byte_size: int | None) -> tuple[int, ...]:
-    """Cut ``write_shape`` into inner chunks of at most ``chunk_byte_size`` bytes that divide it."""
+    """Cut ``write_shape`` into inner chunks of at most ``chunk_byte_size`` bytes that divide it.
+
+    The outermost dimension is divided first (by its smallest prime factor, again and again),
+    then the next: chunks are bands of whole rows, each one contiguous in the written shard. A
+    load onto more devices along the first axis (the paper's (2, 4) -> (8, 1)) then reads only
+    the bands it keeps, and the chunks are written, checked and read without strided copies.
+    Measured (benchmarks/subchunk_bench.py, 0.5 GiB): cutting the largest dimension first
+    instead gave (256, 256) chunks that loaded 1.65x slower than one chunk per shard; row bands
+    of the same size cost 1.12x.
+    """
     shape = list(write_shape)
     if chunk_byte_size is None:
         return tuple(shape)
     while math.prod(shape) * itemsize > chunk_byte_size:
-        candidates = [(n, i) for i, n in enumerate(shape) if n > 1]
-        if not candidates:
+        i = next((i for i, n in enumerate(shape) if n > 1), None)
+        if i is None:
             break
-        n, i = max(candidates)
-        shape[i] = n // _smallest_factor(n)
+        shape[i] //= _smallest_factor(shape[i])
     return tuple(shape)
 
 

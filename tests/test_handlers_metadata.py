@@ -73,7 +73,7 @@ def test_metadata_reports_everything_without_reading_array_data(
     assert w.sharding == mp.ShardingSpec.from_jax(state["params"]["w"].sharding)
     assert w.sharding.to_jax() == state["params"]["w"].sharding
     assert w.write_shape == (32, 32)  # the shard shape
-    assert w.chunk_shape == (32, 16) and 32 * 16 * 4 <= 2048  # cut to chunk_byte_size
+    assert w.chunk_shape == (16, 32) and 16 * 32 * 4 <= 2048  # cut to chunk_byte_size: bands of whole rows
 
     emb = tree["params"]["emb"]
     assert emb.dtype == jnp.bfloat16 and emb.shape == (32, 64)

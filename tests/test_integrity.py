@@ -32,7 +32,7 @@ LAYOUTS = {
     "ocdbt": mp.SaveOptions(),
     "zarr3": mp.SaveOptions(use_ocdbt=False),
     "zstd": mp.SaveOptions(compression="zstd"),
-    # 4 KiB shards cut into 1 KiB inner chunks (16 x 16 float32)
+    # 4 KiB shards (32 x 32 float32) cut into 1 KiB inner chunks (bands of 8 x 32)
     "subchunked": mp.SaveOptions(chunk_byte_size=1024),
 }
 
@@ -285,10 +285,10 @@ def test_subchunked_damage_names_the_damaged_shard(saved: dict[str, tuple[Path, 
     base, state = saved["subchunked"]
     ckpt = copy_of(base, tmp_path / "c")
     file, offset, _ = chunk_value(ckpt, "w/c/1/2")
-    flip(file, offset + 10)  # the first inner chunk (16 x 16) of shard (1, 2): inner chunk (2, 4)
+    flip(file, offset + 10)  # the first inner chunk (8 x 32) of shard (1, 2): inner chunk (4, 2)
     with pytest.raises(mp.CorruptCheckpointError) as info:
         mp.load(ckpt, abstract_of(state))
-    assert "chunk (2, 4)" in str(info.value)  # the inner chunk, right
+    assert "chunk (4, 2)" in str(info.value)  # the inner chunk, right
     assert "'w/c/1/2'" in str(info.value), info.value  # the stored key (the shard) that is damaged
 
 

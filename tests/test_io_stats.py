@@ -200,11 +200,11 @@ def test_a_resharded_load_of_a_subchunked_checkpoint_reads_what_it_needs(slice42
     rng = np.random.default_rng(2)
     values = {f"w{i}": rng.standard_normal((512, 1024)).astype(np.float32) for i in range(2)}  # 2 MiB each
     tree = slice42.put(values, {k: mesh.sharding(P("data", "model")) for k in values})
-    # shards of 256 x 256 floats in inner chunks of 64 x 64 (16 KiB): a target shard's 64 rows
-    # cover the chunks it touches whole, so checking their checksums needs no other bytes
+    # shards of 256 x 256 floats in inner chunks of 16 x 256 (16 KiB bands of rows): a target
+    # shard's 64 rows cover the chunks it touches whole, so checking them needs no other bytes
     with mp.Context(saving=mp.SaveOptions(chunk_byte_size=16 << 10)):
         mp.save(tmp_path / "c", tree)
-    assert mp.metadata(tmp_path / "c").tree["w0"].chunk_shape == (64, 64)
+    assert mp.metadata(tmp_path / "c").tree["w0"].chunk_shape == (16, 256)
     rows = slice42.mesh({"x": 8})
     abstract = {k: mp.AbstractArray(v.shape, v.dtype, rows.sharding(P("x"))) for k, v in values.items()}
     before = mp.io_stats(slice=slice42)
