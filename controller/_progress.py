@@ -197,6 +197,15 @@ def read_bytes(tasks: Any, group: Any) -> int:
     from milepost.workers import ShardingSpec
 
     total = 0
+    elements: dict[Any, int] = {}  # (sharding, shape) -> elements read: the layers of a model share them
+
+    def read_elements(sharding: Any, shape: tuple[int, ...]) -> int:
+        spec = sharding if isinstance(sharding, ShardingSpec) else ShardingSpec.from_jax(sharding)
+        boxes: set[tuple[Any, Any]] = set()
+        for device, box in spec.device_indices(shape).items():
+            boxes.add((group.process_of_device(device), box))
+        return sum(math.prod(max(0, min(b, n) - a) for (a, b), n in zip(box, shape, strict=True)) for _, box in boxes)
+
     for task in tasks:
         itemsize = np.dtype(task.dtype).itemsize
         whole = math.prod(task.shape) * itemsize
@@ -204,13 +213,15 @@ def read_bytes(tasks: Any, group: Any) -> int:
         if sharding is None:
             total += whole
             continue
+        shape = tuple(task.shape)
         try:
-            spec = sharding if isinstance(sharding, ShardingSpec) else ShardingSpec.from_jax(sharding)
-            boxes: set[tuple[Any, Any]] = set()
-            shape = tuple(task.shape)
-            for device, box in spec.device_indices(shape).items():
-                boxes.add((group.process_of_device(device), box))
-            total += sum(math.prod(max(0, min(b, n) - a) for (a, b), n in zip(box, shape, strict=True)) for _, box in boxes) * itemsize
+            try:
+                n = elements[sharding, shape]
+            except KeyError:
+                n = elements[sharding, shape] = read_elements(sharding, shape)
+            except TypeError:  # an unhashable sharding
+                n = read_elements(sharding, shape)
+            total += n * itemsize
         except Exception:  # a sharding this cannot describe: count the array once
             total += whole
     return total
