@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import re
-import shutil
 from pathlib import Path
 
 import pytest
 
-NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "single_controller.ipynb"
+from tests._notebooks import execute
 
 
 def _number(pattern: str, text: str) -> int:
@@ -18,23 +17,9 @@ def _number(pattern: str, text: str) -> int:
 
 
 def test_single_controller_notebook_executes(tmp_path: Path) -> None:
-    nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
     pytest.importorskip("matplotlib")
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), "save the notebook without outputs"
-    client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
-    try:
-        client.execute()
-    finally:  # a failed cell must not leave the notebook's directory behind
-        outs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
-        written = re.findall(r"writing under (\S+)", "".join(o.get("text", "") for o in outs))
-        left = [w for w in written if "milepost-notebook-" in w and Path(w).exists()]
-        for where in left:
-            shutil.rmtree(where, ignore_errors=True)
-    assert not left, f"the notebook left {left} behind"
-    text = "".join(o.get("text", "") + str(o.get("data", {}).get("text/plain", "")) for o in outs)
-    assert "Traceback" not in text and not any(o.get("output_type") == "error" for o in outs)
+    run = execute("single_controller.ipynb", tmp_path, "milepost-notebook-")
+    outs, text = run.outputs, run.text
 
     # the sharding pictures and the loss curve were drawn
     assert sum("image/png" in o.get("data", {}) for o in outs) >= 3
@@ -61,5 +46,5 @@ def test_single_controller_notebook_executes(tmp_path: Path) -> None:
 
     # everything it wrote (checkpoint, Ray's session files) is gone
     work = re.search(r"removed (\S+) - still there: False", text).group(1)
-    assert written == [work]
+    assert run.written == [work]
     assert "milepost-notebook-" in work and not Path(work).exists()

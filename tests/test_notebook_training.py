@@ -3,34 +3,18 @@
 from __future__ import annotations
 
 import re
-import shutil
 from pathlib import Path
 
 import pytest
 
-NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "training_checkpointer.ipynb"
+from tests._notebooks import execute
 
 
 def test_training_checkpointer_notebook_executes(tmp_path: Path) -> None:
-    nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
     for module in ("matplotlib", "flax", "optax"):
         pytest.importorskip(module)
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), "save the notebook without outputs"
-    client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
-    try:
-        client.execute()
-    finally:  # a failed cell must not leave the notebook's directory behind
-        outs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
-        written = re.findall(r"writing under (\S+)", "".join(o.get("text", "") for o in outs))
-        left = [w for w in written if "milepost-training-notebook-" in w and Path(w).exists()]
-        for where in left:
-            shutil.rmtree(where, ignore_errors=True)
-    assert not left, f"the notebook left {left} behind"
-    text = "".join(o.get("text", "") + str(o.get("data", {}).get("text/plain", "")) for o in outs)
-    html = "".join(str(o.get("data", {}).get("text/html", "")) for o in outs)
-    assert "Traceback" not in text and not any(o.get("output_type") == "error" for o in outs)
+    run = execute("training_checkpointer.ipynb", tmp_path, "milepost-training-notebook-")
+    outs, text, html = run.outputs, run.text, run.html
 
     # the preemption: a save at the step the signal arrived, then the loop stopped
     assert "preempted: saved step 37, stopping" in text
@@ -54,5 +38,5 @@ def test_training_checkpointer_notebook_executes(tmp_path: Path) -> None:
     assert re.search(r"\{50: [\d.]+, 55: [\d.]+, 60: [\d.]+\}", text)
 
     work = re.search(r"removed (\S+) - still there: False", text).group(1)
-    assert written == [work]
+    assert run.written == [work]
     assert "milepost-training-notebook-" in work and not Path(work).exists()
