@@ -1,9 +1,14 @@
 """Slice mode (4 hosts x 2 devices on Ray) against the embedded mode on the same data size.
 
-    python benchmarks/slice_bench.py [--gib 2.0] [--hosts 4] [--devices-per-host 2] [--repeat 2]
+    python benchmarks/slice_bench.py [--gib 2.0 ...] [--hosts 4] [--devices-per-host 2] [--repeat 2] [--rounds 1]
 
 Reports save blocking and total time, cold load time, the controller's peak RSS growth and the
-bytes that passed between controller and hosts, and the slice/embedded ratios.
+bytes that passed between controller and hosts, and the slice/embedded ratios. ``load repl bc``
+is the replicated load with load-and-broadcast (``LoadOptions(load_and_broadcast=True,
+replica_axis='data')``): in a slice only replica 0's hosts read, the others receive by a
+collective; embedded it changes nothing. Bytes read from storage and moved between hosts per
+load come from ``milepost.io_stats``. With ``--rounds N`` the embedded and slice workers (fresh
+processes) alternate N times, order flipped each round, and the figures are medians over rounds.
 """
 
 from __future__ import annotations
@@ -19,14 +24,16 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import PeakRss, evict, run_worker
+from _common import PeakRss, evict, median, run_worker
 
 N_ARRAYS = 8
 COLS = 4096
-LOADS = {"load": ("model", "data"), "load_repl": ("model",)}
-"""Cold loads, both resharded from the saved P('data', 'model'): every device a distinct box, and
+LOADS = {"load": ("model", "data"), "load_repl": ("model",), "load_repl_bc": ("model",)}
+"""Cold loads, all resharded from the saved P('data', 'model'): every device a distinct box, and
 replicated over 'data' (the embedded mode reads each box once and copies it to both devices; a
-slice's hosts each read the boxes of their own devices, twice the reading in all)."""
+slice's hosts each read the boxes of their own devices, twice the reading in all), and the same
+with load-and-broadcast (a slice's replica-0 hosts read, the others receive)."""
+BROADCAST = {"load_repl_bc"}
 
 
 def rows_for(gib: float) -> int:
@@ -51,8 +58,8 @@ def embedded(directory: str, gib: float, repeat: int) -> dict:
     out: dict = {"bytes": sum(x.nbytes for x in tree.values())}
     out.update(timed_save(mp, path, tree, repeat))
     del tree
-    for key, abstract in abstracts.items():
-        out.update(timed_load(key, path, lambda a=abstract: jax.block_until_ready(mp.load(path, a)), repeat))
+    loads = {key: lambda a=abstract: jax.block_until_ready(mp.load(path, a)) for key, abstract in abstracts.items()}
+    out.update(timed_loads(mp, path, loads, repeat, lambda: mp.io_stats()))
     shutil.rmtree(path)
     return out
 
@@ -77,18 +84,26 @@ def timed_save(mp: Any, path: str, tree: Any, repeat: int) -> dict:
     return {**best, "save_rss_growth": growth}
 
 
-def timed_load(key: str, path: str, load: Any, repeat: int) -> dict:
-    """Best of ``repeat`` cold loads; the largest peak RSS growth."""
-    best, growth = float("inf"), 0
+def timed_loads(mp: Any, path: str, loads: dict[str, Any], repeat: int, io_stats: Any) -> dict:
+    """Best of ``repeat`` cold loads of each kind (kinds interleaved within a repeat); the
+    largest peak RSS growth; the storage bytes read and bytes moved between hosts (last repeat)."""
+    best = dict.fromkeys(loads, float("inf"))
+    out: dict = {f"{key}_rss_growth": 0 for key in loads}
     for _ in range(repeat):
-        evict(path)
-        with PeakRss() as rss:
-            t0 = time.perf_counter()
-            loaded = load()
-            best = min(best, time.perf_counter() - t0)
-        del loaded
-        growth = max(growth, rss.growth)
-    return {key: best, f"{key}_rss_growth": growth}
+        for key, load in loads.items():
+            options = mp.LoadOptions(load_and_broadcast=True, replica_axis="data") if key in BROADCAST else mp.LoadOptions()
+            evict(path)
+            before = io_stats()
+            with mp.Context(loading=options), PeakRss() as rss:
+                t0 = time.perf_counter()
+                loaded = load()
+                best[key] = min(best[key], time.perf_counter() - t0)
+            moved = io_stats() - before
+            del loaded
+            out[f"{key}_rss_growth"] = max(out[f"{key}_rss_growth"], rss.growth)
+            out[f"{key}_read"] = moved.bytes_read
+            out[f"{key}_between_hosts"] = moved.bytes_between_hosts
+    return {**out, **best}
 
 
 def on_slice(directory: str, gib: float, hosts: int, per_host: int, repeat: int) -> dict:
@@ -113,10 +128,10 @@ def on_slice(directory: str, gib: float, hosts: int, per_host: int, repeat: int)
         out.update(timed_save(mp, path, tree, repeat))
         out["save_controller_bytes"] = (s.traffic() - b0).total_bytes // repeat
         del tree
-        for key, abstract in abstracts.items():
-            b0 = s.traffic()
-            out.update(timed_load(key, path, lambda a=abstract: mp.load(path, a), repeat))
-            out[f"{key}_controller_bytes"] = (s.traffic() - b0).total_bytes // repeat
+        b0 = s.traffic()
+        loads = {key: lambda a=abstract: mp.load(path, a) for key, abstract in abstracts.items()}
+        out.update(timed_loads(mp, path, loads, repeat, lambda: mp.io_stats(slice=s)))
+        out["loads_controller_bytes"] = (s.traffic() - b0).total_bytes // repeat
         shutil.rmtree(path)
     ray.shutdown()
     return out
@@ -124,46 +139,69 @@ def on_slice(directory: str, gib: float, hosts: int, per_host: int, repeat: int)
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gib", type=float, default=2.0)
+    parser.add_argument("--gib", type=float, nargs="+", default=[2.0], help="checkpoint sizes, each run on its own")
     parser.add_argument("--hosts", type=int, default=4)
     parser.add_argument("--devices-per-host", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=2, help="best of N saves and of N loads (shared machines are noisy)")
+    parser.add_argument("--rounds", type=int, default=1, help="alternate embedded and slice workers N times; medians over rounds")
     parser.add_argument("--dir", default=None)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker == "embedded":
-        print(json.dumps(embedded(args.dir, args.gib, args.repeat)))
+        print(json.dumps(embedded(args.dir, args.gib[0], args.repeat)))
         return 0
     if args.worker == "slice":
-        print(json.dumps(on_slice(args.dir, args.gib, args.hosts, args.devices_per_host, args.repeat)))
+        print(json.dumps(on_slice(args.dir, args.gib[0], args.hosts, args.devices_per_host, args.repeat)))
         return 0
+    for gib in args.gib:
+        report(gib, args)
+    return 0
+
+
+def report(gib_wanted: float, args: argparse.Namespace) -> None:
     directory = args.dir or tempfile.mkdtemp(prefix="milepost-slicebench-")
-    common = ["--dir", directory, "--gib", str(args.gib), "--hosts", str(args.hosts), "--devices-per-host", str(args.devices_per_host),
-              "--repeat", str(args.repeat)]
+    common = ["--dir", directory, "--gib", str(gib_wanted), "--hosts", str(args.hosts), "--devices-per-host",
+              str(args.devices_per_host), "--repeat", str(args.repeat)]
+    runs: dict[str, list[dict]] = {"embedded": [], "slice": []}
+    loadavg = [os.getloadavg()[0]]
     try:
-        emb = run_worker(__file__, ["--worker", "embedded", *common], devices=args.hosts * args.devices_per_host)
-        sl = run_worker(__file__, ["--worker", "slice", *common], devices=1)
+        for r in range(args.rounds):
+            for side in ("embedded", "slice") if r % 2 == 0 else ("slice", "embedded"):
+                devices = args.hosts * args.devices_per_host if side == "embedded" else 1
+                runs[side].append(run_worker(__file__, ["--worker", side, *common], devices=devices))
+                loadavg.append(os.getloadavg()[0])
     finally:
         if not args.dir:
             shutil.rmtree(directory, ignore_errors=True)
+    emb = {k: median([run[k] for run in runs["embedded"]]) for k in runs["embedded"][0]}
+    sl = {k: median([run[k] for run in runs["slice"]]) for k in runs["slice"][0]}
     gib = sl["bytes"] / 2**30
-    print(f"{gib:.2f} GiB in {N_ARRAYS} float32 arrays; slice {args.hosts} hosts x {args.devices_per_host} devices vs embedded "
-          f"{args.hosts * args.devices_per_host} devices")
-    print(f"{'':<10} {'save block':>11} {'save total':>11} {'load':>9} {'load repl':>10} {'ctrl RSS growth save/load/repl':>32}")
+    print(f"\n{gib:.3f} GiB in {N_ARRAYS} float32 arrays; slice {args.hosts} hosts x {args.devices_per_host} devices vs embedded "
+          f"{args.hosts * args.devices_per_host} devices; medians of {args.rounds} round(s), each the best of {args.repeat}; "
+          f"1-min load average {min(loadavg):.2f}-{max(loadavg):.2f}")
+    times = ("save_block", "save_total", "load", "load_repl", "load_repl_bc")
+    print(f"{'':<10}" + "".join(f"{k.replace('_', ' '):>14}" for k in times))
     for name, r in (("embedded", emb), ("slice", sl)):
-        print(f"{name:<10} {r['save_block']:>10.3f}s {r['save_total']:>10.3f}s {r['load']:>8.3f}s {r['load_repl']:>9.3f}s "
-              f"{r['save_rss_growth'] / 2**20:>12.1f} / {r['load_rss_growth'] / 2**20:.1f} / {r['load_repl_rss_growth'] / 2**20:.1f} MiB")
-    print("(load: cold, resharded to P('model', 'data'); load repl: cold, to P('model'), replicated over 'data')")
-    print(f"controller<->host bytes: save {sl['save_controller_bytes']} ({sl['save_controller_bytes'] / N_ARRAYS:.0f}/array), "
-          f"load {sl['load_controller_bytes']} ({sl['load_controller_bytes'] / N_ARRAYS:.0f}/array), "
-          f"load repl {sl['load_repl_controller_bytes']} ({sl['load_repl_controller_bytes'] / N_ARRAYS:.0f}/array)")
+        print(f"{name:<10}" + "".join(f"{r[k]:>13.3f}s" for k in times))
+    if args.rounds > 1:
+        for name in ("embedded", "slice"):
+            spread = "".join(f"{min(x[k] for x in runs[name]):>6.3f}-{max(x[k] for x in runs[name]):<7.3f}" for k in times)
+            print(f"{name + ' range':<10}{spread}")
+    print("(load: cold, resharded to P('model', 'data'); load repl: cold, to P('model'), replicated over 'data'; "
+          "load repl bc: the same with load-and-broadcast)")
+    for name, r in (("embedded", emb), ("slice", sl)):
+        read = " / ".join(f"{r[f'{k}_read'] / r['bytes']:.2f}x" for k in LOADS)
+        print(f"{name:<10} storage bytes read per load (load / repl / repl bc), of the checkpoint: {read}; "
+              f"moved between hosts by repl bc: {r['load_repl_bc_between_hosts'] / r['bytes']:.2f}x")
+    print(f"controller<->host bytes: save {sl['save_controller_bytes']:.0f} ({sl['save_controller_bytes'] / N_ARRAYS:.0f}/array), "
+          f"{len(LOADS)} loads {sl['loads_controller_bytes']:.0f} ({sl['loads_controller_bytes'] / N_ARRAYS / len(LOADS):.0f}/array/load)")
     ratios = {key: sl[key] / emb[key] for key in ("save_total", "load", "load_repl")}
+    ratios["load_repl_bc (vs embedded load_repl)"] = sl["load_repl_bc"] / emb["load_repl"]
     ratios["save_total+load"] = (sl["save_total"] + sl["load"]) / (emb["save_total"] + emb["load"])
     for key, ratio in ratios.items():
         print(f"  {'PASS' if ratio <= 1.3 else 'FAIL'}  slice/embedded {key}: {ratio:.2f} (target <= 1.3)")
-    growth = max(sl["save_rss_growth"], sl["load_rss_growth"], sl["load_repl_rss_growth"]) / 2**20
+    growth = max(sl["save_rss_growth"], *(sl[f"{k}_rss_growth"] for k in LOADS)) / 2**20
     print(f"  {'PASS' if growth <= 100 else 'FAIL'}  controller peak RSS growth {growth:.1f} MiB (bound 100 MiB)")
-    return 0
 
 
 if __name__ == "__main__":
