@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
+from milepost.surgery._placement import fits
 from milepost.workers import ShardingSpec
 
 if TYPE_CHECKING:
@@ -155,17 +156,7 @@ def apply(
     if not isinstance(out, jax.ShapeDtypeStruct):
         raise TypeError(f"{name}{f' of {where}' if where else ''} must return one array, got {type(out).__name__}")
     history = (*tuple(dict.fromkeys(h for x in inputs for h in x.history)), name)
-    return LazyArray(Op(name, fn, inputs, params), out.shape, out.dtype, sharding if _fits(sharding, out.shape) else None, history)
-
-
-def _fits(spec: ShardingSpec | None, shape: tuple[int, ...]) -> bool:
-    if spec is None:
-        return False
-    try:
-        spec.shard_shape(tuple(shape))
-    except ValueError:
-        return False
-    return True
+    return LazyArray(Op(name, fn, inputs, params), out.shape, out.dtype, sharding if fits(sharding, out.shape) else None, history)
 
 
 def _permuted(spec: ShardingSpec | None, order: tuple[int, ...], ndim: int) -> ShardingSpec | None:

@@ -15,6 +15,17 @@ from milepost.colocated import HostGroup
 from milepost.workers import ShardingSpec
 
 
+def fits(spec: ShardingSpec | None, shape: tuple[int, ...]) -> bool:
+    """Whether ``spec`` can shard an array of ``shape`` (its mesh divides the sharded dims)."""
+    if spec is None:
+        return False
+    try:
+        spec.shard_shape(tuple(shape))
+    except ValueError:
+        return False
+    return True
+
+
 class Placement:
     def __init__(self, slice: Any = None) -> None:
         self.slice = slice
@@ -33,13 +44,7 @@ class Placement:
     # -- shardings ----------------------------------------------------------------------
     def usable(self, spec: ShardingSpec | None, shape: tuple[int, ...]) -> bool:
         """Whether arrays of ``shape`` can be placed with ``spec`` here."""
-        if spec is None or not set(spec.device_ids) <= set(self.device_ids):
-            return False
-        try:
-            spec.shard_shape(tuple(shape))
-        except ValueError:
-            return False
-        return True
+        return spec is not None and set(spec.device_ids) <= set(self.device_ids) and fits(spec, shape)
 
     def default_spec(self, shape: tuple[int, ...]) -> ShardingSpec:
         """Over every device: the first dimension the device count divides is split, else the
