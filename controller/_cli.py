@@ -402,7 +402,7 @@ def convert(src: str, dst: str, to: str, compression: str, chunk_bytes: int | No
     names = list(record["checkpointables"])
     opened = {name: ms.open(src, item=name) for name in names}
     options = mp.SaveOptions(use_ocdbt=to == "ocdbt", compression=None if compression == "none" else compression, chunk_byte_size=chunk_bytes)
-    meta = {**next(iter(opened.values())).custom_metadata} if opened else {}
+    meta = dict(record["custom_metadata"] or {})
     meta.pop("milepost.surgery", None)
     meta["milepost.convert"] = {"to": to, "compression": compression, "chunk_byte_size": chunk_bytes}
     from milepost.surgery import _run

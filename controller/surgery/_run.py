@@ -11,6 +11,7 @@ the merged root view are written once, at the end, by the same commit as any sav
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -63,8 +64,6 @@ class _Counted:
 def counted(outputs: Mapping[str, LazyArray], *, written: bool) -> Any:
     """Count a surgery's progress into the current operation (a save's, or one opened by
     ``stats``/``diff``): the bytes of its inputs, and of its outputs when they are written."""
-    import contextlib
-
     op = progress_sink.current()
     if op is None:
         return contextlib.nullcontext()
