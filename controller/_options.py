@@ -71,8 +71,20 @@ class SaveOptions:
     """On object stores (no locks): how long a save owns its path without renewing its lease (it
     renews every quarter of this). A path whose writer died can be saved again after this."""
 
+    host_staging_budget_bytes: int | None = None
+    """``save_async`` copies every shard into host memory of its own so that it can return while
+    the writes go on (the caller may then change or donate its arrays). With a budget, each host
+    copies at most this many bytes; the shards beyond it are written straight from the caller's
+    arrays, and ``save_async`` returns once those writes are durable and the rest is copied. The
+    host memory a save adds then stays within the budget (plus TensorStore's small buffers),
+    at the price of a longer blocking part. None: copy everything; 0: copy nothing (the whole
+    write happens before ``save_async`` returns; only the commit runs in the background).
+    Counted for shards in host memory (CPU devices, NumPy leaves, pinned_host arrays); on
+    accelerators the device-to-host transfers are not budgeted. Plain ``save`` never copies."""
+
     def __post_init__(self) -> None:
         _bool("SaveOptions", "use_ocdbt", self.use_ocdbt)
+        _int("SaveOptions", "host_staging_budget_bytes", self.host_staging_budget_bytes, minimum=0, optional=True)
         _seconds("SaveOptions", "lease_secs", self.lease_secs)
         if self.wait_for_writer_secs != 0:
             _seconds("SaveOptions", "wait_for_writer_secs", self.wait_for_writer_secs)

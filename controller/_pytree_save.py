@@ -250,7 +250,8 @@ def start(planned: TreeSavePlan, directory: Path, call: SaveCall, *, first_write
     if planned.host_tasks:
         plans = {
             p: workers.SavePlan(
-                store=store, process_index=p, tasks=tuple(tasks), copy=call.copy, writers=writers, first_writer=first_writer
+                store=store, process_index=p, tasks=tuple(tasks), copy=call.copy, writers=writers, first_writer=first_writer,
+                staging_budget_bytes=planned.options.host_staging_budget_bytes,
             )
             for p, tasks in planned.host_tasks.items()
         }
@@ -260,7 +261,7 @@ def start(planned: TreeSavePlan, directory: Path, call: SaveCall, *, first_write
         if planned.controller_tasks and group.is_primary():
             plan = workers.SavePlan(
                 store=store, process_index=CONTROLLER, tasks=tuple(planned.controller_tasks), copy=call.copy, writers=writers,
-                first_writer=first_writer,
+                first_writer=first_writer, staging_budget_bytes=planned.options.host_staging_budget_bytes,
             )
             own = _dispatch.controller_host().start_save({CONTROLLER: plan}, planned.controller_sources, timeout)
     except BaseException:

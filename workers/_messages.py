@@ -83,6 +83,9 @@ class SavePlan:
     first_writer: int = 0
     """Number the databases from here (``ocdbt.process_<i>.<first_writer + w>``): several plans
     written into one checkpoint one after another (a surgery's groups) use distinct ones."""
+    staging_budget_bytes: int | None = None
+    """With ``copy``: copy at most this many bytes; write the other regions from the caller's
+    memory and return only once they are durable (None: copy every region)."""
 
 
 @dataclass(frozen=True, kw_only=True)

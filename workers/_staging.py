@@ -62,6 +62,23 @@ class StagingPool:
                 self._timer.name = "milepost-staging-idle"
                 self._timer.start()
 
+    def keep_only(self, sizes: list[int]) -> None:
+        """Free the pooled buffers that a save taking buffers of these byte sizes would not
+        use, so that what the pool holds plus what that save allocates stays within what it
+        stages."""
+        wanted: dict[int, int] = {}
+        for n in sizes:
+            wanted[n] = wanted.get(n, 0) + 1
+        with self._lock:
+            for n in list(self._free):
+                free = self._free[n]
+                keep = wanted.get(n, 0)
+                for raw in free[keep:]:
+                    self._pooled -= raw.nbytes
+                del free[keep:]
+                if not free:
+                    del self._free[n]
+
     def clear(self) -> None:
         """Free every pooled buffer."""
         with self._lock:
