@@ -9,7 +9,6 @@ from __future__ import annotations
 import collections
 import functools
 import math
-import mmap
 import os
 import threading
 import time
@@ -22,7 +21,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from milepost.workers import _checksum, _direct, _keys, _progress, _safetensors, _staging
+from milepost.workers import _checksum, _direct, _keys, _progress, _readpool, _safetensors, _staging
 from milepost.workers import _tensorstore as tsu
 from milepost.workers._errors import CorruptCheckpointError, from_tensorstore
 from milepost.workers._messages import (
@@ -552,21 +551,20 @@ _MAPPED_MIN_BYTES = 1 << 20
 def read_buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """An uninitialized, aligned array for file reads to fill (see :func:`aligned_empty`).
 
-    Buffers of a MiB or more are private anonymous mappings of their own, unmapped when the last
-    view is gone: NumPy marks its large allocations MADV_HUGEPAGE, and with that hint cold loads
-    were about twice as slow (benchmarks/NOTES.md has the figures). A mapping of our own follows
-    the system's huge-page policy. In-memory copies (staging, casts) keep NumPy's allocation:
-    there the hint made save_async's copies faster.
+    Buffers of a MiB or more are private anonymous mappings, from the read pool
+    (:mod:`._readpool`): a mapping whose arrays are all gone serves the next load of the same
+    size instead of faulting in fresh memory. NumPy marks its large allocations MADV_HUGEPAGE,
+    and with that hint cold loads were about twice as slow (benchmarks/NOTES.md has the
+    figures); a mapping of our own follows the system's huge-page policy. In-memory copies
+    (staging, casts) keep NumPy's allocation: there the hint made save_async's copies faster.
     """
     dtype = np.dtype(dtype)
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes >= _MAPPED_MIN_BYTES:
         try:
-            mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            return _readpool.POOL.take(nbytes).view(dtype).reshape(shape)
         except OSError:  # e.g. vm.max_map_count reached: NumPy's allocator still works
             pass
-        else:
-            return np.frombuffer(mapping, dtype=np.uint8).view(dtype).reshape(shape)
     return aligned_empty(shape, dtype)
 
 
