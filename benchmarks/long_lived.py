@@ -16,13 +16,15 @@ The data is 8 float32 arrays of (rows, 8192), every byte on exactly one of 8 fak
   high-water mark, reset before the call). Target: growth <= budget + 10%.
 * ``loads``: cold loads (page cache evicted) of the same checkpoint by milepost and Orbax v1,
   alternating, ``rounds`` each, the loaded arrays deleted after each; every load checked
-  exact. Target: milepost's loads 2..n <= 0.6x Orbax's, same run.
+  exact; the page faults each load took. Target: milepost's loads 2..n <= 0.6x Orbax's, same
+  run.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -148,15 +150,17 @@ def worker_loads(gib: float, rounds: int, directory: str) -> dict[str, Any]:
     abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in tree.items()}
     expected = {k: np.asarray(v) for k, v in tree.items()}
     del tree
-    times: dict[str, list[float]] = {"milepost": [], "orbax": []}
+    times: dict[str, list[float]] = {"milepost": [], "orbax": [], "milepost_faults": [], "orbax_faults": []}
     exact = True
     for r in range(rounds):
         for who in ("milepost", "orbax") if r % 2 == 0 else ("orbax", "milepost"):
             evict(path)
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0 = time.perf_counter()
             out = mp.load(path, abstract) if who == "milepost" else ocp.load_pytree(path, abstract)
             jax.block_until_ready(out)
             times[who].append(time.perf_counter() - t0)
+            times[f"{who}_faults"].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
             exact = exact and all(np.array_equal(np.asarray(out[k]), expected[k]) for k in expected)
             del out
     return times | {"exact": exact}
@@ -213,7 +217,8 @@ def main() -> int:
             t = run_worker(here, ["--worker", "loads", *common])
             later = [m / o for m, o in zip(t["milepost"][1:], t["orbax"][1:], strict=True)]
             print(f"loads:  milepost {[round(x, 3) for x in t['milepost']]}, Orbax {[round(x, 3) for x in t['orbax']]}; "
-                  f"loads 2..n milepost/Orbax median {statistics.median(later):.2f}x (target <= 0.6x); exact {t['exact']}")
+                  f"loads 2..n milepost/Orbax median {statistics.median(later):.2f}x (target <= 0.6x); exact {t['exact']}; "
+                  f"page faults per load: milepost {t['milepost_faults']}, Orbax {t['orbax_faults']}")
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     return 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -21,8 +22,14 @@ from tests._helpers import put, same_bits
 MIB = 1 << 20
 
 
-def test_a_mapping_returns_only_when_its_last_view_is_gone() -> None:
-    pool = ReadPool(idle_secs=60)
+@pytest.fixture
+def pool() -> Iterator[ReadPool]:
+    p = ReadPool(idle_secs=60)
+    yield p
+    p.close()
+
+
+def test_a_mapping_returns_only_when_its_last_view_is_gone(pool: ReadPool) -> None:
     buffer = pool.take(MIB)
     typed = buffer.view(np.float32).reshape(512, 512)
     rows = typed[::2]  # strided views, views of views
@@ -39,8 +46,7 @@ def test_a_mapping_returns_only_when_its_last_view_is_gone() -> None:
     assert type(again) is np.ndarray, "callers get plain arrays"
 
 
-def test_an_adopted_buffer_returns_only_when_the_device_array_is_gone() -> None:
-    pool = ReadPool(idle_secs=60)
+def test_an_adopted_buffer_returns_only_when_the_device_array_is_gone(pool: ReadPool) -> None:
     host = pool.take(4 * MIB).view(np.float32).reshape(1024, 1024)
     host[:] = 3.0
     pointer = host.ctypes.data
@@ -66,8 +72,7 @@ def test_an_adopted_buffer_returns_only_when_the_device_array_is_gone() -> None:
     assert float(doubled[0, 0]) == 6.0
 
 
-def test_a_finalizer_under_the_pools_own_lock_does_not_block() -> None:
-    pool = ReadPool(idle_secs=60)
+def test_a_finalizer_under_the_pools_own_lock_does_not_block(pool: ReadPool) -> None:
     buffer = pool.take(MIB)
     with pool._lock:  # e.g. a garbage collection inside take()
         del buffer
@@ -89,6 +94,14 @@ def test_a_miss_releases_pooled_memory_before_mapping_more_and_idle_memory_goes_
     while pool.pooled_bytes and time.monotonic() < deadline:
         time.sleep(0.05)
     assert pool.pooled_bytes == 0, "everything pooled is released once idle"
+    keeper = pool._keeper
+    assert keeper is not None and keeper.is_alive()
+    kept = pool.take(MIB)
+    pool.close()
+    assert not keeper.is_alive(), "close() stops the keeper"
+    del kept
+    gc.collect()
+    assert pool.pooled_bytes == 0, "a closed pool keeps nothing"
 
 
 def test_repeated_loads_reuse_the_read_buffers_and_stay_exact(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:

@@ -39,19 +39,21 @@ class _Owner(np.ndarray):
 
     def __del__(self) -> None:
         pool, mapping = self._pool, self._mapping
-        if pool is not None and mapping is not None:
+        if pool is not None and mapping is not None and not pool._closed:
             pool._returned.put(mapping)  # reentrant, never blocks
 
 
 class ReadPool:
     def __init__(self, idle_secs: float = IDLE_SECS) -> None:
         self._idle_secs = idle_secs
-        self._returned: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
+        self._returned: queue.SimpleQueue[mmap.mmap | None] = queue.SimpleQueue()
+        """Mappings whose arrays are gone (None: the keeper's stop signal)."""
         self._lock = threading.Lock()
         self._free: dict[int, list[mmap.mmap]] = {}
         self._pooled = 0
         self._last_take = 0.0
         self._keeper: threading.Thread | None = None
+        self._closed = False
         self.hits = self.misses = 0
 
     def take(self, nbytes: int) -> np.ndarray:
@@ -92,14 +94,30 @@ class ReadPool:
             self._drain()
             self._release(self._pooled)
 
+    def close(self) -> None:
+        """Stop the keeper thread (waiting for it) and release everything pooled; buffers
+        still in use are released when they come back."""
+        with self._lock:
+            keeper, self._keeper = self._keeper, None
+            self._closed = True
+            self._drain()
+            self._release(self._pooled)
+        if keeper is not None:
+            self._returned.put(None)
+            keeper.join()
+
     def _drain(self) -> None:
         while True:
             try:
                 mapping = self._returned.get_nowait()
             except queue.Empty:
                 return
-            self._free.setdefault(len(mapping), []).append(mapping)
-            self._pooled += len(mapping)
+            if mapping is None:  # the keeper's stop signal, not ours
+                self._returned.put(None)
+                return
+            if not self._closed:
+                self._free.setdefault(len(mapping), []).append(mapping)
+                self._pooled += len(mapping)
 
     def _release(self, nbytes: int) -> None:
         """Drop pooled mappings (largest first) until ``nbytes`` are released or none is left."""
@@ -116,20 +134,24 @@ class ReadPool:
                 return
 
     def _start_keeper(self) -> None:
-        if self._keeper is None:
+        if self._keeper is None and not self._closed:
             self._keeper = threading.Thread(target=self._keep, name="milepost-readpool", daemon=True)
             self._keeper.start()
 
     def _keep(self) -> None:
         """Release everything pooled once no buffer was taken for ``idle_secs`` (mappings that
-        come back later are released ``idle_secs`` after they came back, at the latest)."""
+        come back later are released ``idle_secs`` after they came back, at the latest); stops
+        at the None that :meth:`close` sends."""
         while True:
             try:
                 mapping = self._returned.get(timeout=self._idle_secs)
             except queue.Empty:
                 mapping = None
+            else:
+                if mapping is None:
+                    return
             with self._lock:
-                if mapping is not None:
+                if mapping is not None and not self._closed:
                     self._free.setdefault(len(mapping), []).append(mapping)
                     self._pooled += len(mapping)
                 if time.monotonic() - self._last_take >= self._idle_secs:
