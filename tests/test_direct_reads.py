@@ -83,37 +83,35 @@ def test_saved_layout_is_read_directly_and_exactly(
     assert_tree_equal(through_tensorstore, state)
 
 
-def test_resharded_boxes_use_direct_reads_only_where_contiguous(
+def test_resharded_boxes_read_the_chunks_they_touch_directly(
     tmp_path: Path, mesh24: jax.sharding.Mesh, direct_spy: list[str]
 ) -> None:
     x = np.arange(64 * 48, dtype=np.float32).reshape(64, 48)
-    mp.save(tmp_path / "c", {"x": put(x, mesh24, P("data", None))})  # two shards of 32 full rows
+    mp.save(tmp_path / "c", {"x": put(x, mesh24, P("data", None))})  # replica-parallel: shards of 8 full rows
     mesh81 = jax.make_mesh((8, 1), ("rows", "cols"))
     mesh18 = jax.make_mesh((1, 8), ("rows", "cols"))
-    # 8 rows x 48 columns: contiguous inside one shard -> direct
+    # 8 rows x 48 columns: one shard each -> one range each
     rows = mp.load(tmp_path / "c", {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh81, P("rows")))})
     assert len(direct_spy) == 8
     np.testing.assert_array_equal(np.asarray(rows["x"]), x)
     direct_spy.clear()
-    # 64 rows x 6 columns: spans both shards and is strided -> TensorStore
+    # 64 rows x 6 columns: each box keeps 6 columns of all 8 shards, strided in each: every
+    # chunk is read whole (checked), beside the box, and its columns copied into place
     cols = mp.load(
         tmp_path / "c", {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh18, P(None, "cols")))}
     )
-    assert direct_spy == []
+    assert sorted(direct_spy) == sorted(f"x/c/{i}/0" for i in range(8) for _ in range(8))
     np.testing.assert_array_equal(np.asarray(cols["x"]), x)
     # a cast reads the stored dtype directly and casts after
     cast = mp.load(tmp_path / "c", {"x": jax.ShapeDtypeStruct(x.shape, np.int32, sharding=NamedSharding(mesh81, P("rows")))})
     np.testing.assert_array_equal(np.asarray(cast["x"]), x.astype(np.int32))
 
 
-@pytest.mark.parametrize(
-    "options", [mp.SaveOptions(compression="zstd"), mp.SaveOptions(chunk_byte_size=256)], ids=["zstd", "subchunked"]
-)
-def test_compressed_or_subchunked_arrays_go_through_tensorstore(
-    tmp_path: Path, mesh24: jax.sharding.Mesh, direct_spy: list[str], options: mp.SaveOptions
+def test_compressed_arrays_go_through_tensorstore(
+    tmp_path: Path, mesh24: jax.sharding.Mesh, direct_spy: list[str]
 ) -> None:
     state = {"w": put(np.arange(256 * 8, dtype=np.float32).reshape(256, 8), mesh24, P("data"))}
-    with mp.Context(saving=options):
+    with mp.Context(saving=mp.SaveOptions(compression="zstd")):
         mp.save(tmp_path / "c", state)
     assert_tree_equal(mp.load(tmp_path / "c", abstract_of(state)), state)
     assert direct_spy == []
@@ -170,10 +168,12 @@ def test_a_missing_chunk_in_the_shard_index_falls_back(tmp_path: Path) -> None:
         (((5, 7), (0, 6)), [("a/c/1/0", 4 * 1 * 6, 0)]),  # whole rows inside the second shard row
         (((2, 3), (1, 4)), [("a/c/0/0", 4 * (2 * 6 + 1), 0)]),  # part of a single row
         (((2, 6), (0, 6)), [("a/c/0/0", 4 * 2 * 6, 0), ("a/c/1/0", 0, 4 * 2 * 6)]),  # rows across two shards
-        (((0, 4), (0, 3)), None),  # strided columns
+        # strided columns: the whole chunk is read, and the box's part placed
+        (((0, 4), (0, 3)), [("a/c/0/0", 0, ((0, 4), (0, 3)))]),
         # whole shards side by side: each is strided in the box buffer, so it is placed there
         (((0, 4), (0, 12)), [("a/c/0/0", 0, ((0, 4), (0, 6))), ("a/c/0/1", 0, ((0, 4), (6, 12)))]),
-        (((0, 8), (3, 6)), None),  # a column strip of two shards: strided in each chunk
+        # a column strip of two shards: strided in each chunk
+        (((0, 8), (3, 6)), [("a/c/0/0", 0, ((0, 4), (0, 3))), ("a/c/1/0", 0, ((4, 8), (0, 3)))]),
     ],
 )
 def test_box_reads_find_contiguous_ranges(box: Any, expected: Any) -> None:
@@ -328,3 +328,269 @@ def test_many_small_arrays_are_read_in_batches_and_errors_stay_with_their_array(
     with pytest.raises(mp.CorruptCheckpointError) as info:
         mp.load(tmp_path / "c", abstract_of(state))
     assert str(info.value).startswith("array 'a12'"), info.value
+
+
+# ------------------------------------------------------------------------------------------
+# Subchunked shards (SaveOptions.chunk_byte_size): several inner chunks per shard
+# ------------------------------------------------------------------------------------------
+
+BAND_BYTES = 32 << 10
+"""(64, 4096) float32 saved P('data', 'model') on (2, 4): shards of (32, 1024) (128 KiB), cut
+into four row bands of (8, 1024) (32 KiB; each row 4 KiB)."""
+
+
+def _banded(mesh: jax.sharding.Mesh, seed: int = 21) -> dict[str, Any]:
+    x = np.random.default_rng(seed).standard_normal((64, 4096), dtype=np.float32)
+    return {"w": put(x, mesh, P("data", "model"))}
+
+
+def _save_banded(path: Path, state: dict[str, Any], *, use_ocdbt: bool = True, band: int = BAND_BYTES) -> Path:
+    with mp.Context(saving=mp.SaveOptions(chunk_byte_size=band, use_ocdbt=use_ocdbt)):
+        mp.save(path, state)
+    return path
+
+
+@pytest.fixture
+def piece_spy(monkeypatch: pytest.MonkeyPatch) -> list[_direct.BoxRead]:
+    """Records every piece read directly (a box's part of one inner chunk)."""
+    pieces: list[_direct.BoxRead] = []
+    real = _direct.DirectReader.read_box
+
+    def read_box(self: Any, values: Any, reads: Any, out: np.ndarray, *args: Any) -> Any:
+        pieces.extend(reads)
+        return real(self, values, reads, out, *args)
+
+    monkeypatch.setattr(_direct.DirectReader, "read_box", read_box)
+    return pieces
+
+
+def _preadv_calls(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """Every os.preadv call's buffer lengths."""
+    calls: list[list[int]] = []
+    real = os.preadv
+
+    def preadv(fd: int, buffers: Any, offset: int) -> int:
+        calls.append([len(b) for b in buffers])
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    return calls
+
+
+def _target(state: dict[str, Any], mesh_shape: tuple[int, int], spec: P) -> tuple[Any, Any]:
+    sharding = NamedSharding(jax.make_mesh(mesh_shape, ("a", "b")), spec)
+    x = np.asarray(state["w"])
+    return {"w": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)}, {"w": jax.device_put(x, sharding)}
+
+
+@pytest.mark.parametrize("use_ocdbt", [True, False], ids=["ocdbt", "zarr3"])
+def test_subchunked_shards_are_read_directly_each_in_one_preadv(
+    tmp_path: Path, mesh24: jax.sharding.Mesh, piece_spy: list[_direct.BoxRead], monkeypatch: pytest.MonkeyPatch,
+    use_ocdbt: bool,
+) -> None:
+    """A box that is a saved shard of row bands: its bands lie one after another in the shard
+    value and in the box, so the value is read whole (bands, then index) with one preadv, and
+    every band is checked; values exact."""
+    state = _banded(mesh24)
+    _save_banded(tmp_path / "c", state, use_ocdbt=use_ocdbt)
+    assert mp.metadata(tmp_path / "c").tree["w"].chunk_shape == (8, 1024)
+    calls = _preadv_calls(monkeypatch)
+    assert_tree_equal(mp.load(tmp_path / "c", abstract_of(state)), state)
+    assert len(piece_spy) == 8 * 4 and all(p.whole and p.scatter is None for p in piece_spy)
+    assert sorted((p.key, p.chunk) for p in piece_spy) == sorted(
+        (f"w/c/{i}/{j}", k) for i in range(2) for j in range(4) for k in range(4)
+    )
+    index = 4 * 16 + 4
+    values = [c for c in calls if c[-1] == index]
+    assert sum(len(c) // 2 for c in values) == 8, calls  # each shard value once: its bands and its index
+    assert all(c == [4 * BAND_BYTES, index] * (len(c) // 2) for c in values), calls
+    assert len(calls) <= 8 + 2, calls  # (+ a couple of small reads of the controller's NumPy leaves, if any)
+
+
+@pytest.mark.parametrize(
+    ("target", "band", "mode"),
+    [
+        # the paper's (2, 4) -> (8, 1): 8 rows x 4096 per device, one whole band of each of four
+        # shards, each strided in the box: read straight into place, a row per iovec
+        (((8, 1), P("a", None)), BAND_BYTES, "in place"),
+        # the same with 16-row bands: each box keeps half of four bands, read whole for the check
+        # (the other half beside the box), its half straight into place
+        (((8, 1), P("a", None)), 2 * BAND_BYTES, "in place, half"),
+        # 64 rows x 512 columns: half of every row of a band, runs of 2 KiB: read beside the box,
+        # checked, copied into place
+        (((1, 8), P(None, "b")), BAND_BYTES, "copied"),
+        # 64 x 4096 on every device: every band of every shard, strided in the box
+        (((8, 1), P()), BAND_BYTES, "in place"),
+    ],
+    ids=["rows", "half-bands", "columns", "replicated"],
+)
+def test_subchunked_resharded_loads_read_the_bands_they_touch_directly(
+    tmp_path: Path, mesh24: jax.sharding.Mesh, piece_spy: list[_direct.BoxRead], target: Any, band: int, mode: str
+) -> None:
+    state = _banded(mesh24)
+    _save_banded(tmp_path / "c", state, band=band)
+    abstract, want = _target(state, *target)
+    before = mp.io_stats()
+    assert_tree_equal(mp.load(tmp_path / "c", abstract), want)
+    read = (mp.io_stats() - before).bytes_read
+    assert piece_spy and all(p.whole for p in piece_spy)  # every band read whole (and checked)
+    if mode == "in place":
+        assert all(p.in_place and p.scratch == 0 for p in piece_spy)
+        # each band once per distinct box that keeps it, plus a shard index per piece (and a
+        # few KiB of metadata): nothing read twice or beside the boxes
+        assert sum(p.nbytes for p in piece_spy) == np.asarray(state["w"]).nbytes
+        assert read <= sum(p.nbytes for p in piece_spy) + len(piece_spy) * (4 * 16 + 4) + (64 << 10), read
+    elif mode == "in place, half":
+        assert all(p.in_place and p.scratch == p.nbytes == BAND_BYTES for p in piece_spy)
+    else:
+        assert all(not p.in_place and p.scratch == p.chunk_nbytes for p in piece_spy)
+
+
+TARGETS = {
+    "same": None,  # each box a saved shard: read whole, the index after the bands
+    "rows": ((8, 1), P("a", None)),  # each box a band of four shards: the index first
+    "columns": ((1, 8), P(None, "b")),  # half of each row of a band: read beside the box
+}
+
+
+def _load_banded(path: Path, state: dict[str, Any], target: str) -> tuple[Any, Any]:
+    """(what the load returned, what it should have)."""
+    if TARGETS[target] is None:
+        return mp.load(path, abstract_of(state)), state
+    abstract, want = _target(state, *TARGETS[target])  # type: ignore[misc]
+    return mp.load(path, abstract), want
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_a_flipped_byte_in_one_inner_chunk_is_caught_on_the_direct_path(
+    tmp_path: Path, mesh24: jax.sharding.Mesh, piece_spy: list[_direct.BoxRead], target: str
+) -> None:
+    from tests.test_integrity import chunk_value, flip
+
+    state = _banded(mesh24)
+    _save_banded(tmp_path / "c", state)
+    file, offset, _ = chunk_value(tmp_path / "c", "w/c/1/2")
+    flip(file, offset + 2 * BAND_BYTES + 4 * 1024 + 3, 0x40)  # shard (1, 2), its third band (inner chunk (6, 2))
+    with pytest.raises(mp.CorruptCheckpointError) as info:
+        _load_banded(tmp_path / "c", state, target)
+    message = str(info.value)
+    assert message.startswith("array 'w': chunk (6, 2)"), message
+    assert f"{file} at byte {offset + 2 * BAND_BYTES}" in message and "'w/c/1/2'" in message, message
+    assert piece_spy, "the direct path was not taken"
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+@pytest.mark.parametrize("damage", ["index", "truncated", "cut-to-index"])
+def test_a_damaged_subchunked_shard_is_an_error_on_the_direct_path(
+    tmp_path: Path, mesh24: jax.sharding.Mesh, piece_spy: list[_direct.BoxRead], target: str, damage: str
+) -> None:
+    from tests.test_integrity import chunk_value, flip, truncate
+
+    state = _banded(mesh24)
+    _save_banded(tmp_path / "c", state, use_ocdbt=False)
+    file, offset, length = chunk_value(tmp_path / "c", "w/c/1/2")
+    if damage == "index":
+        flip(file, offset + length - 20)  # inside the 4 x 16-byte index: its CRC32C no longer matches
+    elif damage == "truncated":
+        truncate(file, offset + length // 2)
+    else:
+        truncate(file, offset + length - 4)  # every chunk there, the index's checksum cut off
+    with pytest.raises(mp.CorruptCheckpointError) as info:
+        _load_banded(tmp_path / "c", state, target)
+    message = str(info.value)
+    assert message.startswith("array 'w'"), message
+    assert "damaged index" in message if damage == "index" else "missing or damaged" in message, message
+    assert piece_spy, "the direct path was not taken"
+
+
+def _rewrite_shard(file: Path, chunks: int, change: Any) -> None:
+    """Rewrite a plain zarr3 shard file: ``change(chunk bytes by position) -> (stored order,
+    positions stored as missing)``; the index is rebuilt and resealed with its CRC32C."""
+    data = file.read_bytes()
+    size = (len(data) - chunks * 16 - 4) // chunks
+    parts = [data[k * size : (k + 1) * size] for k in range(chunks)]
+    order, missing = change(parts)
+    body, entries = b"", [(2**64 - 1, 2**64 - 1)] * chunks
+    for k in order:
+        if k in missing:
+            continue
+        entries[k] = (len(body), size)
+        body += parts[k]
+    index = b"".join(struct.pack("<QQ", *e) for e in entries)
+    file.write_bytes(body + index + struct.pack("<I", _direct.crc32c(index)))
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_inner_chunks_stored_out_of_order_are_found_through_the_index(
+    tmp_path: Path, mesh24: jax.sharding.Mesh, piece_spy: list[_direct.BoxRead], target: str
+) -> None:
+    """The shard layout is assumed (chunks in C order, then the index) only to read a shard in
+    one go: the index is checked after, and chunks stored elsewhere are read from there."""
+    state = _banded(mesh24)
+    _save_banded(tmp_path / "c", state, use_ocdbt=False)
+    _rewrite_shard(tmp_path / "c" / "state" / "w" / "c" / "1" / "2", 4, lambda parts: ([2, 0, 3, 1], set()))
+    got, want = _load_banded(tmp_path / "c", state, target)
+    assert_tree_equal(got, want)
+    assert piece_spy, "the direct path was not taken"
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_a_missing_inner_chunk_falls_back_to_tensorstore(
+    tmp_path: Path, mesh24: jax.sharding.Mesh, piece_spy: list[_direct.BoxRead], monkeypatch: pytest.MonkeyPatch,
+    target: str,
+) -> None:
+    """A band written as missing (its values equal the fill value, in a checkpoint that says it
+    skips those, as Orbax writes): the boxes that touch it are read through TensorStore, which
+    fills it, and are still checked (the recorded checksum is of the zeros); exact."""
+    import json
+
+    from tests._helpers import reseal
+
+    x = np.random.default_rng(5).standard_normal((64, 4096), dtype=np.float32)
+    x[48:56, 2048:3072] = 0  # shard (1, 2), its third band
+    state = {"w": put(x, mesh24, P("data", "model"))}
+    _save_banded(tmp_path / "c", state, use_ocdbt=False)
+    _rewrite_shard(tmp_path / "c" / "state" / "w" / "c" / "1" / "2", 4, lambda parts: ([0, 1, 2, 3], {2}))
+    tree_file = tmp_path / "c" / "state" / "_METADATA"
+    tree = json.loads(tree_file.read_text())
+    tree["store_array_data_equal_to_fill_value"] = False
+    tree_file.write_text(json.dumps(tree))
+    reseal(tmp_path / "c")
+    fallbacks: list[bool] = []
+    real = _direct.BoxHandle.result
+
+    def result(self: Any) -> bool:
+        fallbacks.append(real(self))
+        return fallbacks[-1]
+
+    monkeypatch.setattr(_direct.BoxHandle, "result", result)
+    got, want = _load_banded(tmp_path / "c", state, target)
+    assert_tree_equal(got, want)
+    assert piece_spy and any(fallbacks) and not all(fallbacks), fallbacks
+
+
+@pytest.mark.parametrize(
+    ("box", "expected"),
+    [
+        # a whole shard of four (1, 6) bands: each band one range of the box, in order
+        (((0, 4), (0, 6)), [("a/c/0/0", k, 0, 24 * k, True) for k in range(4)]),
+        # rows 2-5: the last two bands of shard 0 and the first two of shard 1
+        (((2, 6), (0, 6)), [("a/c/0/0", 2, 0, 0, True), ("a/c/0/0", 3, 0, 24, True), ("a/c/1/0", 0, 0, 48, True), ("a/c/1/0", 1, 0, 72, True)]),
+        # columns 0-2 of rows 0-1: strided in each band, read whole and placed (runs too short: beside the box)
+        (((0, 2), (0, 3)), [("a/c/0/0", 0, 0, ((0, 1), (0, 3)), False), ("a/c/0/0", 1, 0, ((1, 2), (0, 3)), False)]),
+    ],
+)
+def test_box_reads_of_subchunked_shards(box: Any, expected: Any) -> None:
+    layout = _direct.ShardLayout(
+        name="a", shard_shape=(4, 6), dtype=np.dtype(np.float32), separator="/", chunk_shape=(1, 6), shape=(8, 12)
+    )
+    got = _direct.box_reads(layout, box, whole_chunks=True)
+    assert got is not None
+    assert [(p.key, p.chunk, p.offset_in_chunk, p.scatter or p.offset_in_box, p.scatter is None) for p in got] == expected
+    assert all(p.whole and p.chunks == 4 for p in got)
+    # without checksums to check, a piece reads only what it keeps when that is one range
+    partial = _direct.box_reads(layout, ((0, 1), (2, 5)), whole_chunks=False)
+    assert partial is not None and [(p.offset_in_chunk, p.nbytes, p.whole) for p in partial] == [(8, 12, False)]
+    # with them, a chunk reaching past the array's edge (stored padding, unchecked) is not read directly
+    edge = _direct.ShardLayout(name="a", shard_shape=(4, 6), dtype=np.dtype(np.float32), separator="/", chunk_shape=(2, 6), shape=(7, 6))
+    assert _direct.box_reads(edge, ((6, 7), (0, 6)), whole_chunks=True) is None

@@ -515,7 +515,7 @@ DATA_DAMAGE = ["cut-in-chunk", "cut-to-zero", "deleted"]
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "tensorstore"])
 @pytest.mark.parametrize("damage", DATA_DAMAGE)
 @pytest.mark.parametrize("key", ["w/c/1/2", "host/c/0"])
-@pytest.mark.parametrize("layout", ["ocdbt", "zarr3", "zstd"])
+@pytest.mark.parametrize("layout", ["ocdbt", "zarr3", "zstd", "subchunked"])
 def test_truncated_or_deleted_data_is_an_error_not_zeros(
     saved: dict[str, tuple[Path, Any]], tmp_path: Path, layout: str, key: str, damage: str, direct: bool
 ) -> None:

@@ -788,16 +788,27 @@ class _DirectRead:
     if one of them turns out not to be directly readable (its chunk is missing), the whole box
     is read through TensorStore instead."""
 
-    def __init__(self, handle: _direct.BoxHandle, store: Any, box: tuple[tuple[int, int], ...], out: np.ndarray) -> None:
+    def __init__(
+        self, handle: _direct.BoxHandle, store: Any, box: tuple[tuple[int, int], ...], out: np.ndarray,
+        whole: tuple[tuple[int, int], ...],
+    ) -> None:
         self.handle = handle
         self.store = store
         self.box = box
         self.out = out
+        self.whole = whole
+        self.staged: np.ndarray | None = None
+        """After a fallback: the whole chunks the box touches, read to be checked (when more than the box)."""
 
     def result(self) -> bool:
-        """Wait; True if the box was read through TensorStore after all."""
+        """Wait; True if the box was read through TensorStore after all (as ``whole``, the
+        chunks a checked box touches, into ``staged`` when that is more than the box)."""
         if self.handle.result():
-            ts.array(self.out).write(_box_view(self.store, self.box)).result()
+            if self.whole != self.box:
+                self.staged = read_buffer(tuple(b - a for a, b in self.whole), self.out.dtype)
+                ts.array(self.staged).write(_box_view(self.store, self.whole)).result()
+            else:
+                ts.array(self.out).write(_box_view(self.store, self.box)).result()
             return True
         return False
 
@@ -878,17 +889,18 @@ class _BudgetedReader:
         direct: tuple[list[_direct.BoxRead], list[Any]] | None = None
         scratch = 0
         if layout is not None and self.locator is not None:
-            pieces = _direct.box_reads(layout, box) or []
+            # (with checksums, every chunk the box touches is read whole, and the box's part placed)
+            pieces = _direct.box_reads(layout, box, whole_chunks=checked is not None) or []
             if checked is not None and not all(p.whole for p in pieces):
                 pieces = []  # a partial chunk cannot be checked: read it whole, below
             values = [self.locator.locate(piece.key) for piece in pieces]
             if pieces and all(v is not None for v in values):
                 direct = pieces, values
-                scratch = sum(p.nbytes for p in pieces if p.scatter is not None)  # read beside the box first
+                scratch = sum(p.scratch for p in pieces)  # read beside the box
         whole = box
-        if direct is None and checked is not None:
+        if checked is not None:
             whole = _checksum.aligned_box(box, checked.chunk_shape, checked.shape)
-            if whole != box:
+            if whole != box and direct is None:
                 nbytes += math.prod(b - a for a, b in whole) * dtype.itemsize
         if self.budget is not None:
             while self.inflight and self.inflight_bytes + nbytes + scratch > self.budget:
@@ -899,7 +911,7 @@ class _BudgetedReader:
             pieces, values = direct
             expected = [checked.expected.get(p.grid, -1) if checked is not None else None for p in pieces]
             handle = self.direct.read_box(values, pieces, out, expected, asm.task.name)  # type: ignore[union-attr]
-            read.future = _DirectRead(handle, store, box, out)  # checked again only after a fallback
+            read.future = _DirectRead(handle, store, box, out, whole)  # checked again only after a fallback
         elif whole == box:
             read.future = ts.array(out).write(_box_view(store, box))
         else:
@@ -929,6 +941,8 @@ class _BudgetedReader:
         asm = read.asm
         try:
             fell_back = read.future.result()
+            if fell_back:
+                read.staged = read.future.staged
             if read.checked is not None and (not isinstance(read.future, _DirectRead) or fell_back):
                 self._check(read)
         except Exception as e:  # TensorStore's ValueError("NOT_FOUND: ..."), a bad checksum, a short file...
