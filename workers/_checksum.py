@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import crc32c as _crc32c
 import numpy as np
@@ -28,6 +28,15 @@ Grid = tuple[int, ...]
 def crc32c(data: np.ndarray | bytes | memoryview, value: int = 0) -> int:
     """CRC32C of a contiguous buffer, continuing from ``value``."""
     return int(_crc32c.crc32c(data, value))
+
+
+def crc32c_of(buffers: Iterable[np.ndarray | bytes | memoryview]) -> int:
+    """CRC32C of ``buffers`` one after another (e.g. the rows of a chunk read into place)."""
+    value = 0
+    compute = _crc32c.crc32c
+    for buffer in buffers:
+        value = compute(buffer, value)
+    return int(value)
 
 
 def _contiguous_tail(array: np.ndarray) -> int:

@@ -769,9 +769,7 @@ def _finish(piece: _Piece, value: _Value, out: np.ndarray, name: str) -> None:
     read beside the box."""
     read = piece.read
     if piece.expected is not None:
-        crc = 0
-        for buffer in piece.buffers:
-            crc = _checksum.crc32c(buffer, crc)
+        crc = _checksum.crc32c_of(piece.buffers)
         recorded = {read.grid: piece.expected} if piece.expected >= 0 else {}
         where = f"{value.path} at byte {value.offset + piece.entry}, key {read.key!r}"
         _checksum.check(name, read.grid, crc, recorded, where)
@@ -810,14 +808,18 @@ def _pread_all(fd: int, buffers: list[memoryview], position: int, key: str, path
     """Fill ``buffers`` from ``position`` on, at most ``_IOV_MAX`` buffers per call."""
     for start in range(0, len(buffers), _IOV_MAX):
         part = buffers[start : start + _IOV_MAX]
-        _pread_exactly(fd, part, position, key, path)
-        position += sum(len(b) for b in part)
+        position += _pread_exactly(fd, part, position, key, path)
 
 
-def _pread_exactly(fd: int, buffers: list[memoryview], position: int, key: str, path: str) -> None:
-    """Fill ``buffers`` from ``position`` on, however many short reads that takes."""
-    total = sum(len(b) for b in buffers)
-    done = 0
+def _pread_exactly(fd: int, buffers: list[memoryview], position: int, key: str, path: str) -> int:
+    """Fill ``buffers`` from ``position`` on, however many short reads that takes; their size."""
+    total = sum(map(len, buffers))
+    if total == 0:
+        return 0
+    done = os.preadv(fd, buffers, position)  # (almost always all of it)
+    count_read(max(done, 0))
+    if done <= 0:
+        raise CorruptCheckpointError(f"shard {key!r} is cut short in {path}")
     while done < total:
         pending, skip = [], done
         for b in buffers:
@@ -831,3 +833,4 @@ def _pread_exactly(fd: int, buffers: list[memoryview], position: int, key: str, 
         if got <= 0:
             raise CorruptCheckpointError(f"shard {key!r} is cut short in {path}")
         done += got
+    return total
