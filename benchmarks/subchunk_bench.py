@@ -1,6 +1,6 @@
 """Subchunking and resharding (Orbax paper, the (2, 4) -> (8, 1) case), side by side in one run.
 
-    python benchmarks/subchunk_bench.py [--gib 0.5] [--repeats 3] [--dir /tmp/x] [--chunk-mib 4 ...]
+    python benchmarks/subchunk_bench.py [--gib 0.5] [--repeats 3] [--dir /tmp/x] [--chunk-mib 4 ...] [--no-auto]
 
 8 float32 arrays of (rows, 8192) over 8 fake CPU devices, saved sharded ``P('data', 'model')`` on
 a (2, 4) mesh: each written shard is (rows/2, 2048). Loaded:
@@ -13,7 +13,9 @@ a (2, 4) mesh: each written shard is (rows/2, 2048). Loaded:
   cut into row bands (its first dimension halves first), and a device reads only the bands it
   keeps.
 
-Each checkpoint (no subchunking, and each ``--chunk-mib``) is saved once per repeat in a fresh
+Cases: ``none`` (``chunk_byte_size=None``: one chunk per shard), ``auto`` (the default: bands of
+about 1 MiB for shards of 2 MiB and more, here the same as 1 MiB), and each ``--chunk-mib``.
+Each checkpoint is saved once per repeat in a fresh
 process (the save time is reported too), and each load runs cold (page cache evicted) in a fresh
 process; storage bytes read come from ``milepost.io_stats()``. Prints time and bytes read per
 case, the ratios, and the issue's targets: subchunked resharded load <= 1.2x the same-topology
@@ -61,7 +63,7 @@ def shardings(kind: str) -> Any:
     return NamedSharding(jax.make_mesh((8,), ("x",)), P("x", None))
 
 
-def worker(op: str, path: str, gib: float, chunk: int | None) -> dict[str, Any]:
+def worker(op: str, path: str, gib: float, chunk: int | str | None) -> dict[str, Any]:
     import jax
 
     import milepost as mp
@@ -72,27 +74,27 @@ def worker(op: str, path: str, gib: float, chunk: int | None) -> dict[str, Any]:
         del data
         jax.block_until_ready(tree)
         with mp.Context(saving=mp.SaveOptions(chunk_byte_size=chunk)):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             mp.save(path, tree)
-            secs = time.perf_counter() - t0
+            secs, cpu = time.perf_counter() - t0, time.process_time() - c0
         chunk_shape = mp.metadata(path).tree["w0"].chunk_shape
-        return {"secs": secs, "chunk_shape": list(chunk_shape)}
+        return {"secs": secs, "cpu": cpu, "chunk_shape": list(chunk_shape)}
     kind = op.removeprefix("load-")
     rows = rows_for(gib)
     abstract = {f"w{i}": jax.ShapeDtypeStruct((rows, COLS), np.float32, sharding=shardings(kind)) for i in range(N)}
     evict(path)
     before = mp.io_stats()
     with PeakRss() as rss:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         got = jax.block_until_ready(mp.load(path, abstract))
-        secs = time.perf_counter() - t0
+        secs, cpu = time.perf_counter() - t0, time.process_time() - c0
     read = (mp.io_stats() - before).bytes_read
     expected = values(gib)
     exact = all(np.array_equal(np.asarray(got[k]), v) for k, v in expected.items())
     if not exact:
         raise SystemExit(f"{op} of {path} returned different values")
     needed = sum(v.nbytes for v in expected.values())  # every device keeps a distinct part: 1x in all
-    return {"secs": secs, "bytes_read": read, "needed": needed, "rss_growth": rss.growth}
+    return {"secs": secs, "cpu": cpu, "bytes_read": read, "needed": needed, "rss_growth": rss.growth}
 
 
 def main() -> None:
@@ -101,18 +103,22 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None)
     parser.add_argument("--chunk-mib", type=float, nargs="*", default=[4.0, 1.0])
+    parser.add_argument("--no-auto", action="store_true", help="leave out the default chunking ('auto')")
     parser.add_argument("--worker", default=None)
     parser.add_argument("--path", default=None)
-    parser.add_argument("--chunk", type=int, default=0)
+    parser.add_argument("--chunk", default="none")
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker, args.path, args.gib, args.chunk or None)))
+        chunk = None if args.chunk == "none" else "auto" if args.chunk == "auto" else int(args.chunk)
+        print(json.dumps(worker(args.worker, args.path, args.gib, chunk)))
         return
 
     script = os.path.abspath(__file__)
     base = Path(tempfile.mkdtemp(prefix="subchunk-", dir=args.dir))
-    cases: dict[str, int | None] = {"none": None, **{f"{m:g} MiB": int(m * 2**20) for m in args.chunk_mib}}
+    cases: dict[str, int | str | None] = {"none": None, **({} if args.no_auto else {"auto": "auto"})}
+    cases.update({f"{m:g} MiB": int(m * 2**20) for m in args.chunk_mib})
     results: dict[str, dict[str, list[float]]] = {c: {} for c in cases}
+    cpus: dict[str, dict[str, list[float]]] = {c: {} for c in cases}  # CPU seconds of the process (all threads)
     shapes: dict[str, Any] = {}
     reads: dict[str, dict[str, int]] = {c: {} for c in cases}
     needed = 0
@@ -122,14 +128,16 @@ def main() -> None:
             for case in order:
                 path = str(base / f"ckpt-{case.replace(' ', '')}")
                 shutil.rmtree(path, ignore_errors=True)
-                common = ["--gib", str(args.gib), "--path", path, "--chunk", str(cases[case] or 0)]
+                common = ["--gib", str(args.gib), "--path", path, "--chunk", str(cases[case] or "none")]
                 saved = run_worker(script, ["--worker", "save", *common])
                 results[case].setdefault("save", []).append(saved["secs"])
+                cpus[case].setdefault("save", []).append(saved["cpu"])
                 shapes[case] = saved["chunk_shape"]
                 kinds = ["same", "reshard"] if r % 2 == 0 else ["reshard", "same"]
                 for kind in kinds:
                     got = run_worker(script, ["--worker", f"load-{kind}", *common])
                     results[case].setdefault(kind, []).append(got["secs"])
+                    cpus[case].setdefault(kind, []).append(got["cpu"])
                     reads[case][kind] = got["bytes_read"]
                     needed = got["needed"]
                 shutil.rmtree(path, ignore_errors=True)
@@ -147,6 +155,11 @@ def main() -> None:
         print(f"{c:<10} {tuple(shapes[c])!s:<14} {m['save']:>7.3f} {m['same']:>7.3f} {m['reshard']:>10.3f} "
               f"{m['reshard'] / m['same']:>13.2f} {reads[c]['same'] / 2**30:>9.2f}G {reads[c]['reshard'] / 2**30:>12.2f}G "
               f"{reads[c]['reshard'] / needed:>20.2f}")
+    print("\nevery run, in the order run: seconds (CPU seconds of the process, all threads)")
+    for c in cases:
+        for k in ("save", "same", "reshard"):
+            runs = " ".join(f"{x:.3f} ({y:.2f})" for x, y in zip(results[c][k], cpus[c][k], strict=True))
+            print(f"  {c:<10} {k:<8} {runs}   median CPU {median(cpus[c][k]):.3f}")
     print("\ntargets (issue #16, part 3):")
     for c in cases:
         if cases[c] is None:
