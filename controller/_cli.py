@@ -363,13 +363,14 @@ def diff(a: str, b: str, item: str | None, budget_mib: int | None, as_json: bool
               help="ocdbt: one OCDBT database per host (milepost's and Orbax's default); zarr3: a plain zarr3 folder per array; "
                    "safetensors: HF-style shards plus model.safetensors.index.json.")
 @click.option("--compression", type=click.Choice(["none", "zstd"]), default="none", show_default=True, help="Compression of the chunks (ocdbt, zarr3).")
-@click.option("--chunk-bytes", type=int, default=None, metavar="BYTES",
-              help="Cut each written shard into chunks of at most this many bytes (subchunking: resharded and partial loads read less).")
+@click.option("--chunk-bytes", default="auto", show_default=True, metavar="BYTES|auto|none",
+              help="Cut each written shard into chunks of at most this many bytes (subchunking: resharded and partial loads read "
+                   "less); auto: bands of about 1 MiB for shards of 2 MiB and more (SaveOptions' default); none: one chunk per shard.")
 @click.option("--subtree", default=None, help="safetensors: export only the leaves under this dotted path (e.g. params).")
 @click.option("--max-shard-bytes", type=int, default=5 << 30, show_default=True, help="safetensors: bytes per file.")
 @_BUDGET_OPTION
 @click.option("--overwrite", is_flag=True, help="Replace DST if it exists.")
-def convert(src: str, dst: str, to: str, compression: str, chunk_bytes: int | None, subtree: str | None,
+def convert(src: str, dst: str, to: str, compression: str, chunk_bytes: str, subtree: str | None,
             max_shard_bytes: int, budget_mib: int | None, overwrite: bool) -> int:
     """Rewrite the checkpoint SRC at DST: every array of every tree checkpointable in the
     chosen layout, compression and chunking (a group of arrays at a time, never whole in
@@ -378,10 +379,9 @@ def convert(src: str, dst: str, to: str, compression: str, chunk_bytes: int | No
     import milepost as mp
     from milepost import _describe
 
-    if chunk_bytes is not None and chunk_bytes < 1:
-        raise CliError(f"--chunk-bytes {chunk_bytes}: give a positive number of bytes")
+    chunking = _chunking(chunk_bytes)
     if to == "safetensors":
-        if compression != "none" or chunk_bytes is not None:
+        if compression != "none" or chunk_bytes != "auto":
             raise CliError("safetensors files are neither compressed nor chunked: drop --compression and --chunk-bytes")
         with _progress():
             summary = mp.safetensors.export(src, dst, max_shard_bytes=max_shard_bytes, subtree=subtree, overwrite=overwrite)
@@ -401,19 +401,33 @@ def convert(src: str, dst: str, to: str, compression: str, chunk_bytes: int | No
     _exact_dtypes()
     names = list(record["checkpointables"])
     opened = {name: ms.open(src, item=name) for name in names}
-    options = mp.SaveOptions(use_ocdbt=to == "ocdbt", compression=None if compression == "none" else compression, chunk_byte_size=chunk_bytes)
+    options = mp.SaveOptions(use_ocdbt=to == "ocdbt", compression=None if compression == "none" else compression, chunk_byte_size=chunking)
     meta = dict(record["custom_metadata"] or {})
     meta.pop("milepost.surgery", None)
-    meta["milepost.convert"] = {"to": to, "compression": compression, "chunk_byte_size": chunk_bytes}
+    meta["milepost.convert"] = {"to": to, "compression": compression, "chunk_byte_size": chunking}
     from milepost.surgery import _run
 
     with _progress(), mp.Context(saving=options):
         out = _run.write_items(dst, {n: ck.tree for n, ck in opened.items()}, memory_budget_bytes=_budget(budget_mib),
                                overwrite=overwrite, custom_metadata=meta, relink=False)
     total = sum(ck.nbytes for ck in opened.values())
-    layout = f"{to}, {compression}" + (f", chunks <= {chunk_bytes} B" if chunk_bytes else "")
+    chunks = "~1 MiB bands" if chunking == "auto" else "one chunk per shard" if chunking is None else f"chunks <= {chunking} B"
+    layout = f"{to}, {compression}, {chunks}"
     click.echo(f"converted {src} -> {out} ({layout}): {', '.join(names)}; {total} array bytes rewritten")
     return OK
+
+
+def _chunking(chunk_bytes: str) -> int | str | None:
+    """--chunk-bytes as SaveOptions.chunk_byte_size: 'auto', None ('none') or a positive int."""
+    if chunk_bytes.lower() in ("auto", "none"):
+        return None if chunk_bytes.lower() == "none" else "auto"
+    try:
+        value = int(chunk_bytes)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise CliError(f"--chunk-bytes {chunk_bytes}: give a positive number of bytes, auto (the default) or none")
+    return value
 
 
 # ------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 from typing import Any
@@ -66,27 +67,67 @@ def write_regions(boxes: dict[int, Box], replica_parallel: bool) -> tuple[tuple[
     return tuple(max(1, n) for n in write_shape), regions
 
 
-def inner_chunk_shape(write_shape: tuple[int, ...], itemsize: int, chunk_byte_size: int | None) -> tuple[int, ...]:
-    """Cut ``write_shape`` into inner chunks of at most ``chunk_byte_size`` bytes that divide it.
+AUTO_BAND_BYTES = 1 << 20
+"""The band size the default chunking (``SaveOptions.chunk_byte_size="auto"``) aims at."""
+
+
+def inner_chunk_shape(write_shape: tuple[int, ...], itemsize: int, chunk_byte_size: int | str | None) -> tuple[int, ...]:
+    """Cut ``write_shape`` into inner chunks of at most ``chunk_byte_size`` bytes that divide it
+    (``"auto"``: :func:`auto_chunk_shape`; None: one chunk, the write shape).
 
     The outermost dimension is divided first (by its smallest prime factor, again and again),
     then the next: chunks are bands of whole rows, each one contiguous in the written shard. A
     load onto more devices along the first axis (the paper's (2, 4) -> (8, 1)) then reads only
     the bands it keeps, and the chunks are written, checked and read without strided copies.
-    Measured (benchmarks/subchunk_bench.py, 0.5 GiB, (2, 4) -> (8, 1)): 1 MiB bands make the
-    resharded load read exactly what it keeps (1.00x, against 3.06x with one chunk per shard) at
-    0.96x / 1.04x the same-topology save / load time; (256, 256) tiles of the largest-first rule
-    had cost 1.5x / 1.65x.
     """
     shape = list(write_shape)
     if chunk_byte_size is None:
         return tuple(shape)
+    if chunk_byte_size == "auto":
+        return auto_chunk_shape(tuple(write_shape), itemsize)
+    assert isinstance(chunk_byte_size, int)
     while math.prod(shape) * itemsize > chunk_byte_size:
         i = next((i for i, n in enumerate(shape) if n > 1), None)
         if i is None:
             break
         shape[i] //= _smallest_factor(shape[i])
     return tuple(shape)
+
+
+@functools.lru_cache(maxsize=4096)
+def auto_chunk_shape(write_shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    """The default chunking: a written shard of at least 2 MiB is cut into bands of whole rows
+    of about 1 MiB (``AUTO_BAND_BYTES``); smaller shards stay one chunk.
+
+    Dimensions are taken outermost first: one whose single index holds at least two bands is
+    cut to 1, and the next one is cut into bands of ``b`` indices, ``b`` the divisor of its size
+    that brings a band nearest 1 MiB (by ratio; at least 256 KiB). A band is then always one
+    range of the shard (it is read and checked in place), and a size without a fitting divisor
+    (a prime number of rows) makes fewer, larger bands rather than tiny ones.
+
+    Why (benchmarks/NOTES.md, "Subchunking for resharded loads"): with direct reads of banded
+    shards, same-topology saves and loads cost what they cost unchunked, and a resharded load
+    that keeps part of each saved shard reads only the bands it keeps (1.00x the bytes needed
+    instead of up to 4x).
+    """
+    total = math.prod(write_shape) * itemsize
+    if total < 2 * AUTO_BAND_BYTES:
+        return write_shape
+    shape = list(write_shape)
+    for d, n in enumerate(write_shape):
+        row = math.prod(write_shape[d + 1 :]) * itemsize  # bytes of one index of dimension d
+        if row >= 2 * AUTO_BAND_BYTES:
+            shape[d] = 1
+            continue
+        fits = [b for b in _divisors(n) if b * row >= AUTO_BAND_BYTES // 4]  # (n itself always fits)
+        shape[d] = min(fits, key=lambda b: (abs(math.log(b * row / AUTO_BAND_BYTES)), -b))
+        break
+    return tuple(shape)
+
+
+def _divisors(n: int) -> list[int]:
+    small = [k for k in range(1, math.isqrt(n) + 1) if n % k == 0]
+    return sorted(set(small + [n // k for k in small]))
 
 
 def _smallest_factor(n: int) -> int:
@@ -97,7 +138,7 @@ def _smallest_factor(n: int) -> int:
 
 
 def host_array_spec(
-    name: str, value: np.ndarray, compression: str | None, chunk_byte_size: int | None = None
+    name: str, value: np.ndarray, compression: str | None, chunk_byte_size: int | str | None = None
 ) -> workers.ArraySpec:
     shape = tuple(value.shape)
     write_shape = tuple(max(1, n) for n in shape)

@@ -204,6 +204,16 @@ def test_stats_diff_and_convert(ckpt: Path, tmp_path: Path) -> None:
     assert sorted(tensors) == ["bias", "kernel"] and np.array_equal(tensors["kernel"], np.ones((256, 128), np.float32))
     bad = run("convert", str(ckpt), str(tmp_path / "st2"), "--to", "safetensors", "--chunk-bytes", "10")
     assert bad.returncode == _cli.USAGE and "--chunk-bytes" in bad.stderr and not (tmp_path / "st2").exists()
+    for chunking in ("0", "x"):
+        bad = run("convert", str(ckpt), str(tmp_path / "bad"), "--chunk-bytes", chunking)
+        assert bad.returncode == _cli.USAGE and "--chunk-bytes" in bad.stderr and not (tmp_path / "bad").exists()
+    # --chunk-bytes none: one chunk per shard; recorded as asked
+    whole = run("convert", str(ckpt), str(tmp_path / "whole"), "--chunk-bytes", "none")
+    assert whole.returncode == 0, whole.stderr
+    record = json.loads(run("inspect", str(tmp_path / "whole"), "--json").stdout)
+    kernel = next(leaf for leaf in record["checkpointables"]["state"]["leaves"] if leaf["path"] == "params.kernel")
+    assert kernel["chunk_shape"] == kernel["write_shape"]
+    assert record["custom_metadata"]["milepost.convert"]["chunk_byte_size"] is None
 
 
 @pytest.mark.parametrize("scheme", ["s3", "gs"])

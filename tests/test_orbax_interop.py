@@ -166,6 +166,19 @@ def test_orbax_reads_every_leaf_kind(tmp_path: Path, mesh24: jax.sharding.Mesh, 
     assert ocp.metadata(tmp_path / "c").custom_metadata == {"run": "r", "n": [1, 2]}
 
 
+def test_orbax_reads_the_default_banded_chunks(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
+    """Shards of 2 MiB and more are written as bands of about 1 MiB by default: Orbax reads them
+    exactly, onto the saved sharding and resharded."""
+    x = np.random.default_rng(4).standard_normal((1024, 4096), dtype=np.float32)  # shards of (512, 1024): 2 MiB
+    state = {"w": jax.device_put(x, NamedSharding(mesh24, P("data", "model")))}
+    mp.save(tmp_path / "c", state)
+    assert mp.metadata(tmp_path / "c").tree["w"].chunk_shape == (256, 1024)  # two bands of 1 MiB
+    assert same_bits(ocp.load(tmp_path / "c")["w"], x)
+    rows = NamedSharding(jax.make_mesh((8,), ("x",)), P("x", None))
+    restored = ocp.load(tmp_path / "c", {"w": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rows)})
+    assert same_bits(restored["w"], x) and restored["w"].sharding == rows
+
+
 def test_orbax_metadata_of_a_milepost_checkpoint_matches_its_own(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
     """Same tree saved by each: Orbax describes both the same way (shapes, dtypes, shardings,
     write and chunk shapes)."""

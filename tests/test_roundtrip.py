@@ -478,11 +478,11 @@ def test_save_options(tmp_path: Path, mesh24: jax.sharding.Mesh, saving: mp.Save
     for name in ("w", "rep", "half", "odd", "n"):
         ws, cs = meta[name].write_shape, meta[name].chunk_shape
         assert all(w % c == 0 for w, c in zip(ws, cs, strict=True)), (name, ws, cs)
-        if saving.chunk_byte_size:
+        if isinstance(saving.chunk_byte_size, int):
             assert int(np.prod(cs)) * meta[name].dtype.itemsize <= saving.chunk_byte_size, (name, cs)
         else:
-            assert cs == ws
-    if saving.chunk_byte_size:
+            assert cs == ws  # (the default, "auto", keeps shards under 2 MiB whole)
+    if isinstance(saving.chunk_byte_size, int):
         assert meta["w"].chunk_shape != meta["w"].write_shape
         # A resharded read of subchunked data gives the same values.
         s = NamedSharding(jax.make_mesh((8,), ("z",)), P(None, "z"))
@@ -544,3 +544,63 @@ def test_64_bit_arrays_need_x64_on_load(tmp_path: Path, mesh24: jax.sharding.Mes
     with jax.enable_x64(True):
         exact = mp.load(tmp_path / "c")
         assert same_bits(exact["i"], big) and same_bits(exact["f"], np.full(8, 1 + 2**-40))
+
+
+def test_default_chunking_cuts_large_shards_into_bands(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
+    """SaveOptions' default chunking ("auto"): a shard of 2 MiB or more becomes bands of whole
+    rows of about 1 MiB, a smaller one stays one chunk. The bands are read directly (same
+    topology: a shard at a time; resharded along the rows: only the bands each device keeps)."""
+    from milepost.workers import _direct
+
+    rng = np.random.default_rng(8)
+    big = rng.integers(0, 255, (4096, 8192), dtype=np.uint8)  # shards of (2048, 2048): 4 MiB
+    state = {
+        "big": put(big, mesh24, P("data", "model")),
+        "small": put(rng.standard_normal((64, 256), dtype=np.float32), mesh24, P("data", "model")),
+    }
+    assert mp.SaveOptions().chunk_byte_size == "auto"
+    mp.save(tmp_path / "c", state)
+    meta = mp.metadata(tmp_path / "c").tree
+    assert meta["big"].write_shape == (2048, 2048) and meta["big"].chunk_shape == (512, 2048)  # 4 bands of 1 MiB
+    assert meta["small"].chunk_shape == meta["small"].write_shape
+    pieces: list[Any] = []
+    real = _direct.DirectReader.read_box
+
+    def read_box(self: Any, values: Any, reads: Any, *args: Any) -> Any:
+        pieces.extend(r for r in reads if r.key.startswith("big/"))
+        return real(self, values, reads, *args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_direct.DirectReader, "read_box", read_box)
+        assert_tree_equal(mp.load(tmp_path / "c", abstract_of(state)), state)
+        assert len(pieces) == 8 * 4 and all(p.scatter is None and p.whole for p in pieces)
+        pieces.clear()
+        rows = NamedSharding(jax.make_mesh((8,), ("x",)), P("x", None))
+        before = mp.io_stats()
+        out = mp.load(tmp_path / "c", {"big": jax.ShapeDtypeStruct(big.shape, big.dtype, sharding=rows)}, partial=True)
+        read = (mp.io_stats() - before).bytes_read
+    assert_shards_exact(out["big"], big)
+    # (the paper's (2, 4) -> (8, 1): a device keeps a quarter of the rows of four shards, one band of each)
+    assert len(pieces) == 8 * 4 and sum(p.nbytes for p in pieces) == big.nbytes  # each band once, all of it kept
+    assert read < 1.01 * big.nbytes, read
+
+
+@pytest.mark.parametrize(
+    ("write_shape", "itemsize", "chunk_shape"),
+    [
+        ((1024, 2048), 4, (128, 2048)),  # 8 MiB: eight 1 MiB bands
+        ((512, 512), 4, (512, 512)),  # 1 MiB: kept whole
+        ((1000,), 4, (1000,)),
+        ((8192, 8192), 2, (64, 8192)),
+        ((50257, 512), 4, (1733, 512)),  # 29 x 1733 rows: 29 bands of 3.4 MiB, not 50,257 rows of 2 KiB
+        ((64, 768, 512), 4, (1, 768, 512)),  # a layer (1.5 MiB) per band
+        ((3, 1000000), 4, (1, 250000)),  # one index of the first axis is 4 MB: bands of the second
+        ((4, 3, 1000003), 4, (1, 1, 1000003)),  # a prime length: its whole row (3.8 MiB)
+    ],
+)
+def test_auto_chunk_shape(write_shape: tuple[int, ...], itemsize: int, chunk_shape: tuple[int, ...]) -> None:
+    from milepost import _planning
+
+    got = _planning.inner_chunk_shape(write_shape, itemsize, "auto")
+    assert got == chunk_shape
+    assert all(w % c == 0 for w, c in zip(write_shape, got, strict=True))

@@ -345,13 +345,19 @@ def test_peak_memory_stays_within_the_budget(tmp_path: Path) -> None:
     assert same_bits(got["w5"], np.full((2048, 4096), 5, ml_dtypes.bfloat16))
 
 
-def test_rechunking_rewrites_every_array(source: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+@pytest.mark.parametrize("chunking", [256, None], ids=["subchunked", "one-chunk-per-shard"])
+def test_rechunking_rewrites_every_array(source: tuple[Path, dict[str, Any]], tmp_path: Path, chunking: int | None) -> None:
+    """A chunking asked for (a number of bytes, or None: one chunk per shard) rewrites every
+    array; only the default ("auto") keeps stored leaves as they are (relinked)."""
     path, want = source
-    with mp.Context(saving=mp.SaveOptions(chunk_byte_size=256)):
+    with mp.Context(saving=mp.SaveOptions(chunk_byte_size=chunking)):
         out = ms.write(tmp_path / "out", ms.open(path).tree)
     meta = mp.metadata(out)
     w = meta.tree["params"]["layer0"]["w"]
-    assert w.write_shape == (8, 8) and np.prod(w.chunk_shape) * 4 <= 256  # subchunked shards
+    if chunking is None:
+        assert w.write_shape == w.chunk_shape == (8, 8)
+    else:
+        assert w.write_shape == (8, 8) and np.prod(w.chunk_shape) * 4 <= 256  # subchunked shards
     assert same_bits(mp.load(out)["params"]["layer0"]["w"], want["params"]["layer0"]["w"])
     linked = [p for p in (out / "state").rglob("*") if p.is_file() and p.stat().st_nlink > 1]
     assert not linked, "re-chunking must rewrite, not relink"

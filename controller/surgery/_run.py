@@ -294,9 +294,9 @@ class Job:
         from milepost.surgery import _relink
 
         options = call.options.saving
-        # Stored leaves kept as stored (no SaveOptions asking for another chunking or compression)
-        # are relinked; anything else is rewritten.
-        keep_layout = options.use_ocdbt and options.compression is None and options.chunk_byte_size is None
+        # Stored leaves kept as stored (no SaveOptions asking for another chunking or compression:
+        # the default chunking, "auto", keeps what is stored) are relinked; anything else is rewritten.
+        keep_layout = options.use_ocdbt and options.compression is None and options.chunk_byte_size == "auto"
         fast = _relink.plan(self.arrays, self.shardings_given) if isinstance(directory, Path) and keep_layout and self.relink else None
         if fast is not None:
             ck, renames = fast
@@ -419,8 +419,9 @@ def write(
     A tree of stored leaves only renamed, dropped or selected is written without moving array
     bytes (local files: the data files are hard-linked, and keep their chunking and
     compression); ``relink=False`` rewrites them instead. To re-chunk or compress, write inside
-    ``milepost.Context(saving=SaveOptions(chunk_byte_size=..., compression=...))``: every array
-    is then rewritten (e.g. adding subchunking for a new topology, one group at a time).
+    ``milepost.Context(saving=SaveOptions(chunk_byte_size=..., compression=...))`` (a number of
+    bytes, or None for one chunk per shard; the default ``"auto"`` keeps what is stored): every
+    array is then rewritten (e.g. adding subchunking for a new topology, one group at a time).
 
     >>> ms.write("gs://out/1000", t)
     """
