@@ -1,6 +1,7 @@
-"""Direct reads: uncompressed single-chunk shards are read from their files straight into the
-destination buffers. They must give exactly what TensorStore gives, be used only where they
-apply, and fail as loudly as TensorStore on damaged data."""
+"""Direct reads: uncompressed shards (one chunk, or several inner chunks such as the default row
+bands) are read from their files straight into the destination buffers. They must give exactly
+what TensorStore gives, be used only where they apply, and fail as loudly as TensorStore on
+damaged data."""
 
 from __future__ import annotations
 
