@@ -15,7 +15,8 @@ inside this module while its lock is held).
 Memory: the pool never makes a process hold more than it would without it plus one buffer. A
 request it cannot serve with a mapping of the same size first releases pooled mappings of at
 least that many bytes, then maps new memory; and a keeper thread releases everything pooled
-once no load took a buffer for ``IDLE_SECS``.
+once no load took a buffer for ``IDLE_SECS``. The keeper never takes mappings off the queue
+itself: it wakes on a clock, so what a caller sees pooled does not depend on its timing.
 """
 
 from __future__ import annotations
@@ -46,13 +47,14 @@ class _Owner(np.ndarray):
 class ReadPool:
     def __init__(self, idle_secs: float = IDLE_SECS) -> None:
         self._idle_secs = idle_secs
-        self._returned: queue.SimpleQueue[mmap.mmap | None] = queue.SimpleQueue()
-        """Mappings whose arrays are gone (None: the keeper's stop signal)."""
+        self._returned: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
+        """Mappings whose arrays are gone, not yet moved to ``_free``."""
         self._lock = threading.Lock()
         self._free: dict[int, list[mmap.mmap]] = {}
         self._pooled = 0
         self._last_take = 0.0
         self._keeper: threading.Thread | None = None
+        self._stop = threading.Event()
         self._closed = False
         self.hits = self.misses = 0
 
@@ -103,7 +105,7 @@ class ReadPool:
             self._drain()
             self._release(self._pooled)
         if keeper is not None:
-            self._returned.put(None)
+            self._stop.set()
             keeper.join()
 
     def _drain(self) -> None:
@@ -111,9 +113,6 @@ class ReadPool:
             try:
                 mapping = self._returned.get_nowait()
             except queue.Empty:
-                return
-            if mapping is None:  # the keeper's stop signal, not ours
-                self._returned.put(None)
                 return
             if not self._closed:
                 self._free.setdefault(len(mapping), []).append(mapping)
@@ -139,21 +138,11 @@ class ReadPool:
             self._keeper.start()
 
     def _keep(self) -> None:
-        """Release everything pooled once no buffer was taken for ``idle_secs`` (mappings that
-        come back later are released ``idle_secs`` after they came back, at the latest); stops
-        at the None that :meth:`close` sends."""
-        while True:
-            try:
-                mapping = self._returned.get(timeout=self._idle_secs)
-            except queue.Empty:
-                mapping = None
-            else:
-                if mapping is None:
-                    return
+        """Every half ``idle_secs``: release everything pooled once no buffer was taken for
+        ``idle_secs`` (a mapping that comes back later goes at the next wake-up after it came
+        back); stops when :meth:`close` sets ``_stop``."""
+        while not self._stop.wait(self._idle_secs / 2):
             with self._lock:
-                if mapping is not None and not self._closed:
-                    self._free.setdefault(len(mapping), []).append(mapping)
-                    self._pooled += len(mapping)
                 if time.monotonic() - self._last_take >= self._idle_secs:
                     self._drain()
                     self._release(self._pooled)
