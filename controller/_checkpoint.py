@@ -72,7 +72,9 @@ class SaveHandle:
 
     def add_done_callback(self, fn: Callable[[SaveHandle], Any]) -> None:
         """Call ``fn(self)`` once the save committed or failed (at once if it already has), on
-        the thread that finished it. Exceptions ``fn`` raises are logged, not raised."""
+        the thread that finished it. Exceptions ``fn`` raises are logged, not raised. As with
+        ``concurrent.futures``, :meth:`result` may return while that thread still runs the
+        callbacks; :func:`milepost.wait_for_saves` returns only after them."""
         self._future.add_done_callback(lambda _: fn(self))
 
     def _state(self) -> str:

@@ -18,12 +18,22 @@ from tests._helpers import gate_merge, listing, same_bits
 def test_done_callbacks_run_once_with_the_handle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     gate = gate_merge(monkeypatch)
     seen: list[tuple[str, bool]] = []
+    called = threading.Event()
+
+    def first(h: mp.SaveHandle) -> None:
+        seen.append(("first", (tmp_path / "c").exists()))
+        called.set()
+
     handle = mp.save_async(tmp_path / "c", {"x": np.arange(10)})
-    handle.add_done_callback(lambda h: seen.append(("first", (tmp_path / "c").exists())))
+    handle.add_done_callback(first)
     assert seen == [] and "running" in repr(handle)
     gate.set()
     handle.result(timeout=60)
-    assert seen == [("first", True)]  # called once, after the commit
+    # As with concurrent.futures, result() may return while the finishing thread still runs the
+    # callbacks: wait for it, then check it was called once, after the commit.
+    assert called.wait(60)
+    mp.wait_for_saves(timeout=60)  # returns once the finishing thread is done with the save
+    assert seen == [("first", True)]
     handle.add_done_callback(lambda h: seen.append(("late", h is handle)))  # already done: at once
     assert seen == [("first", True), ("late", True)]
     assert repr(handle).startswith(f"SaveHandle({str((tmp_path / 'c').absolute())!r}, committed: ")
