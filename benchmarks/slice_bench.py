@@ -69,6 +69,7 @@ def timed_save(mp: Any, path: str, tree: Any, repeat: int) -> dict:
     largest peak RSS growth."""
     best: dict = {}
     growth = 0
+    every: list[float] = []
     for _ in range(repeat):
         if os.path.exists(path):
             shutil.rmtree(path)
@@ -79,9 +80,10 @@ def timed_save(mp: Any, path: str, tree: Any, repeat: int) -> dict:
             h.result()
             total = time.perf_counter() - t0
         growth = max(growth, rss.growth)
+        every.append(total)
         if not best or total < best["save_total"]:
             best = {"save_block": block, "save_total": total}
-    return {**best, "save_rss_growth": growth}
+    return {**best, "save_rss_growth": growth, "save_total_every": every, "loadavg_after_save": os.getloadavg()[0]}
 
 
 def timed_loads(mp: Any, path: str, loads: dict[str, Any], repeat: int, io_stats: Any) -> dict:
@@ -89,6 +91,7 @@ def timed_loads(mp: Any, path: str, loads: dict[str, Any], repeat: int, io_stats
     largest peak RSS growth; the storage bytes read and bytes moved between hosts (last repeat)."""
     best = dict.fromkeys(loads, float("inf"))
     out: dict = {f"{key}_rss_growth": 0 for key in loads}
+    out.update({f"{key}_every": [] for key in loads})
     for _ in range(repeat):
         for key, load in loads.items():
             options = mp.LoadOptions(load_and_broadcast=True, replica_axis="data") if key in BROADCAST else mp.LoadOptions()
@@ -98,11 +101,13 @@ def timed_loads(mp: Any, path: str, loads: dict[str, Any], repeat: int, io_stats
                 t0 = time.perf_counter()
                 loaded = load()
                 best[key] = min(best[key], time.perf_counter() - t0)
+            out[f"{key}_every"].append(time.perf_counter() - t0)
             moved = io_stats() - before
             del loaded
             out[f"{key}_rss_growth"] = max(out[f"{key}_rss_growth"], rss.growth)
             out[f"{key}_read"] = moved.bytes_read
             out[f"{key}_between_hosts"] = moved.bytes_between_hosts
+    out["loadavg_after_loads"] = os.getloadavg()[0]
     return {**out, **best}
 
 
@@ -173,8 +178,8 @@ def report(gib_wanted: float, args: argparse.Namespace) -> None:
     finally:
         if not args.dir:
             shutil.rmtree(directory, ignore_errors=True)
-    emb = {k: median([run[k] for run in runs["embedded"]]) for k in runs["embedded"][0]}
-    sl = {k: median([run[k] for run in runs["slice"]]) for k in runs["slice"][0]}
+    emb = {k: median([run[k] for run in runs["embedded"]]) for k in runs["embedded"][0] if not k.endswith("_every")}
+    sl = {k: median([run[k] for run in runs["slice"]]) for k in runs["slice"][0] if not k.endswith("_every")}
     gib = sl["bytes"] / 2**30
     print(f"\n{gib:.3f} GiB in {N_ARRAYS} float32 arrays; slice {args.hosts} hosts x {args.devices_per_host} devices vs embedded "
           f"{args.hosts * args.devices_per_host} devices; medians of {args.rounds} round(s), each the best of {args.repeat}; "
@@ -187,6 +192,13 @@ def report(gib_wanted: float, args: argparse.Namespace) -> None:
         for name in ("embedded", "slice"):
             spread = "".join(f"{min(x[k] for x in runs[name]):>6.3f}-{max(x[k] for x in runs[name]):<7.3f}" for k in times)
             print(f"{name + ' range':<10}{spread}")
+    # Every call of every round (the best of each round is what the medians take): the swings.
+    for name in ("embedded", "slice"):
+        for r, run in enumerate(runs[name]):
+            calls = "  ".join(f"{k.replace('_', ' ')} " + "/".join(f"{t:.3f}" for t in run[f"{k}_every"])
+                              for k in ("save_total", *LOADS))
+            print(f"  {name} round {r + 1} (load average {run['loadavg_after_save']:.1f} after the saves, "
+                  f"{run['loadavg_after_loads']:.1f} after the loads): {calls}")
     print("(load: cold, resharded to P('model', 'data'); load repl: cold, to P('model'), replicated over 'data'; "
           "load repl bc: the same with load-and-broadcast)")
     for name, r in (("embedded", emb), ("slice", sl)):

@@ -64,24 +64,17 @@ class Traffic:
 
 class _PendingRaySave:
     """The hosts' background writes of one save: a :class:`~milepost.workers.PendingWrite`
-    (see ``HostGroup.start_save``)."""
+    (see ``HostGroup.start_save``). Its ``wait_save`` calls were sent with the ``start_save``
+    calls, so a host answers as soon as its writes land (no round trip after the staging)."""
 
-    def __init__(self, group: RayHostGroup, tokens: Mapping[int, str]) -> None:
+    def __init__(self, group: RayHostGroup, token: str, waits: Mapping[int, Any]) -> None:
         self._group = group
-        self._tokens = dict(tokens)
-        self._waits: dict[int, Any] | None = None
-
-    def _issue(self, timeout: float) -> dict[int, Any]:
-        if self._waits is None:
-            self._waits = {
-                i: self._group.call(i, "wait_save", token, timeout, concurrency_group=WAIT_GROUP)
-                for i, token in self._tokens.items()
-            }
-        return self._waits
+        self._token = token
+        self._waits = dict(waits)
 
     def wait(self, timeout: float | None = None) -> list[workers.SaveAck]:
         t = self._group.timeout_secs if timeout is None else timeout
-        acks = self._group.gather(self._issue(t), t, "writing its checkpoint shards")
+        acks = self._group.gather(self._waits, t, "writing its checkpoint shards")
         return [acks[i] for i in sorted(acks)]
 
     def settle(self, timeout: float | None = None) -> None:
@@ -91,8 +84,8 @@ class _PendingRaySave:
         cancels a gather's pending calls, and a cancelled call reports done at once while the
         host may still be writing."""
         t = self._group.timeout_secs if timeout is None else timeout
-        live = {i: token for i, token in self._tokens.items() if i not in self._group.failed_hosts}
-        settles = {i: self._group.call(i, "settle_save", token, t, concurrency_group=WAIT_GROUP) for i, token in live.items()}
+        live = [i for i in self._waits if i not in self._group.failed_hosts]
+        settles = {i: self._group.call(i, "settle_save", self._token, t, concurrency_group=WAIT_GROUP) for i in live}
         self._group.settle(settles, t)
 
 
@@ -295,29 +288,28 @@ class RayHostGroup:
                     "save RemoteArrays of its own slice"
                 )
             refs.append(Ref(s.id))
-        calls = {i: self.call(i, "start_save", plan, refs) for i, plan in plans.items()}
+        # Each host's wait for its writes goes out with its plan (it runs in the host's wait
+        # group, and first waits for the staging): once staged, a host answers as soon as its
+        # writes land, without another round trip from the controller.
+        token = uuid.uuid4().hex
+        calls = {i: self.call(i, "start_save", plan, refs, token) for i, plan in plans.items()}
+        waits = {i: self.call(i, "wait_save", token, timeout, concurrency_group=WAIT_GROUP) for i in plans}
         try:
-            tokens = self.gather(calls, timeout, "copying its shards to host memory")
+            self.gather(calls, timeout, "copying its shards to host memory")
         except HostError:
-            # Hosts that staged have writes in flight: let them land before the caller removes
-            # the temporary directory (bounded; a dead host has nothing in flight).
-            self._settle_started(calls, timeout)
+            # Only once every live host's wait ended (its staging failed, or its writes landed;
+            # a host may still be staging now) may the caller remove the temporary directory.
+            # A staging call the failure cancelled before it ran never wakes its wait: the
+            # host's next call in order does (bounded; hosts that died or hung are skipped).
+            import ray
+
+            answered, _ = ray.wait(list(calls.values()), num_returns=len(calls), timeout=0)
+            for i, ref in calls.items():
+                if ref not in answered and i not in self._failed:
+                    self.call(i, "abandon_save", token)
+            self.settle(waits, timeout)
             raise
-        return _PendingRaySave(self, tokens)
-
-    def _settle_started(self, calls: Mapping[int, Any], timeout: float) -> None:
-        import ray
-
-        ready, _ = ray.wait(list(calls.values()), num_returns=len(calls), timeout=0)
-        settles = {}
-        for i, ref in calls.items():
-            if ref in ready:
-                try:
-                    token = ray.get(ref, timeout=0)
-                except Exception:
-                    continue
-                settles[i] = self.call(i, "settle_save", token, timeout, concurrency_group=WAIT_GROUP)
-        self.settle(settles, timeout)
+        return _PendingRaySave(self, token, waits)
 
     def load(self, plans: Mapping[int, workers.LoadPlan], timeout: float) -> HostLoad:
         """Every host reads the ranges its devices need and registers its part of each global

@@ -12,7 +12,7 @@ import collections
 import os
 import pickle
 import socket
-import uuid
+import threading
 from typing import Any
 
 import milepost.workers as workers
@@ -55,7 +55,12 @@ class HostActor:
         self.count = count
         self.devices_per_host = devices_per_host
         self.arrays: dict[str, Any] = {}
-        self.pending: dict[str, workers.PendingSave] = {}
+        self.pending: dict[str, workers.PendingSave | None] = {}
+        """Saves staged here by token (None: staging failed), until their ``wait_save`` ends."""
+        self.staged = threading.Condition()
+        """Notified when a save is staged (or fails to): its ``wait_save`` may be waiting already."""
+        self.started: collections.deque[str] = collections.deque(maxlen=256)
+        """The latest saves whose ``start_save`` ran here (see ``abandon_save``)."""
         self.jitted: collections.OrderedDict[bytes, Any] = collections.OrderedDict()
         """``jax.jit`` of the functions ``run`` was given, by their pickled bytes and output
         shardings: the same function sent again reuses its compiled program."""
@@ -176,19 +181,50 @@ class HostActor:
         return len(self.arrays)
 
     # -- checkpointing --------------------------------------------------------------------
-    def start_save(self, plan: workers.SavePlan, sources: list[Any]) -> str:
-        """Stage this host's shards (the blocking part of a save); returns a token for the
-        background writes."""
-        token = uuid.uuid4().hex
-        self.pending[token] = workers.start_save(plan, self._resolve(sources))
+    def start_save(self, plan: workers.SavePlan, sources: list[Any], token: str) -> str:
+        """Stage this host's shards (the blocking part of a save) under ``token``, the controller's
+        name for this save (its ``wait_save`` is sent at the same time and may already wait)."""
+        self.started.append(token)
+        pending = None  # if staging fails, the waiter has nothing to wait for: it ends at once
+        try:
+            pending = workers.start_save(plan, self._resolve(sources))
+        finally:
+            with self.staged:
+                self.pending[token] = pending
+                self.staged.notify_all()
         return token
 
     def wait_save(self, token: str, timeout: float) -> workers.SaveAck:
-        """Runs in the actor's wait group: other calls are served while the writes land."""
+        """Runs in the actor's wait group: other calls are served while the writes land. Sent
+        with ``start_save``, so it first waits (bounded) for that call to have staged the save; the
+        writes then get the whole ``timeout`` again, as when the controller asked after staging."""
+        with self.staged:
+            staged = self.staged.wait_for(lambda: token in self.pending, timeout)
+        if not staged:
+            raise TimeoutError(
+                f"host {self.index} was asked to wait for a save whose staging (start_save) did not run here within "
+                f"{timeout:g}s; the host was busy with an earlier call (raise AsyncOptions.timeout_secs if it is slow)"
+            )
         try:
-            return self.pending[token].wait(timeout)
+            pending = self.pending[token]
+            if pending is None:
+                raise RuntimeError(
+                    f"host {self.index} could not stage this save (its staging failed, or was dropped after a failure "
+                    "on another host): it wrote nothing"
+                )
+            return pending.wait(timeout)
         finally:
             self.pending.pop(token, None)
+
+    def abandon_save(self, token: str) -> None:
+        """After a failed staging elsewhere: runs after this save's ``start_save`` (the same call
+        order), or after the controller cancelled it before it ran; then its ``wait_save`` has
+        nothing to wait for and ends."""
+        if token in self.started:
+            return  # staging ran and woke the wait itself (which may be over already)
+        with self.staged:
+            self.pending[token] = None
+            self.staged.notify_all()
 
     def settle_save(self, token: str, timeout: float) -> None:
         """An abandoned save: let its writes land, ignoring their outcome. If a ``wait_save``
@@ -196,7 +232,7 @@ class HostActor:
         pending = self.pending.get(token)
         if pending is not None:
             pending.settle(timeout)
-            self.pending.pop(token, None)
+        self.pending.pop(token, None)
 
     def load(self, plan: workers.LoadPlan, prefix: str) -> workers.LoadAck:
         """Read exactly the ranges this host's devices need; register the arrays as

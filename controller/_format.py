@@ -281,14 +281,22 @@ def check_contained(root: Any) -> None:
     if not isinstance(root, Path):
         return
     top = root.resolve()
-    for dirpath, dirnames, filenames in os.walk(root):
-        here = Path(dirpath)
-        for name in (*dirnames, *filenames):
-            entry = here / name
-            if entry.is_symlink():
-                target = entry.resolve()
-                if target != top and top not in target.parents:
-                    raise CorruptCheckpointError(
-                        f"{entry} is a symlink to {target}, outside the checkpoint {root}; milepost does not read "
-                        "through it. Copy the files into the checkpoint instead of linking them"
-                    )
+    # Every load runs this over the whole checkpoint (each host's databases and data files):
+    # the entries' types come from the directory listings, with no stat per entry.
+    folders = [os.fspath(root)]
+    while folders:
+        try:
+            listing = os.scandir(folders.pop())
+        except OSError:  # gone or unreadable: the reads that need it report it
+            continue
+        with listing:
+            for entry in listing:
+                if entry.is_symlink():
+                    target = Path(entry.path).resolve()
+                    if target != top and top not in target.parents:
+                        raise CorruptCheckpointError(
+                            f"{entry.path} is a symlink to {target}, outside the checkpoint {root}; milepost does not "
+                            "read through it. Copy the files into the checkpoint instead of linking them"
+                        )
+                elif entry.is_dir(follow_symlinks=False):
+                    folders.append(entry.path)

@@ -122,6 +122,8 @@ class TreeSavePlan:
     controller_tasks: list[workers.SaveTask] = field(default_factory=list)
     controller_sources: list[np.ndarray] = field(default_factory=list)
     """NumPy arrays and scalars the controller holds, written by the controller."""
+    headers_by_host: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    """How many arrays' ``zarr.json`` each host writes (see ``SaveTask.write_metadata``)."""
 
     @property
     def files(self) -> tree_format.TreeFiles:
@@ -216,7 +218,11 @@ def _plan_device_array(out: TreeSavePlan, leaf: Leaf, group: HostGroup) -> tuple
         by_process[group.process_of_device(region.device_id)].append(region)
     if not by_process:  # zero-size: someone must still create the array's metadata
         by_process[group.processes()[0]] = []
-    header_by = min(by_process)  # one host writes the array's zarr.json; the others chunks only
+    # One host writes the array's zarr.json, the others chunks only: the one of its writers with
+    # the fewest headers so far. Creating a header is a commit of its own in the host's database
+    # (~5 ms each on a busy 2-core machine), so one host writing them all made the slowest host.
+    header_by = min(by_process, key=lambda p: (out.headers_by_host[p], p))
+    out.headers_by_host[header_by] += 1
     for process, mine in by_process.items():
         out.host_tasks[process].append(
             workers.SaveTask(source=source, spec=array_spec, regions=tuple(mine), create=not mine, write_metadata=process == header_by)

@@ -159,6 +159,38 @@ def test_save_messages_grow_with_hosts_not_arrays(slice42: mp.Slice, tmp_path: P
     assert moved[200].total_bytes < 16 * 1024 * 200 / 4, "array bytes must not pass through the controller"
 
 
+def _saves_pending(s: mp.Slice) -> list[int]:
+    import ray
+
+    return ray.get([a.__ray_call__.remote(lambda host: len(host.pending)) for a in s.group._actors], timeout=30)
+
+
+def test_a_staging_failure_on_one_host_is_named_and_leaves_nothing(slice42: mp.Slice, tmp_path: Path) -> None:
+    """Each host's wait for its writes is sent with its plan: a host whose staging fails still
+    answers its wait at once, the hosts that staged settle, and nothing is left behind."""
+    import ray
+
+    mesh = slice42.mesh({"data": 2, "model": 4})
+    values = host_values(4, 64)
+    tree = slice42.put(values, {k: mesh.sharding(P("data", "model")) for k in values})
+    ray.get(slice42.group._actors[2].release.remote([tree["w1"].id]), timeout=30)  # gone on host 2 only
+    before = slice42.traffic()
+    with pytest.raises(mp.HostError, match=r"host 2 \(node .* pid \d+\) failed while copying its shards to host memory: KeyError"):
+        mp.save(tmp_path / "c", tree)
+    # plans and waits, and for each host still staging when host 2 failed, a note to wake its wait if need be
+    assert 2 * slice42.hosts <= slice42.traffic().messages - before.messages <= 3 * slice42.hosts - 1
+    assert list(tmp_path.iterdir()) == [] and slice42.healthy
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _saves_pending(slice42) != [0] * slice42.hosts:
+        time.sleep(0.05)
+    assert _saves_pending(slice42) == [0] * slice42.hosts, "every host's wait ended and forgot the save"
+    del tree["w1"]
+    mp.save(tmp_path / "d", tree)  # the slice still saves
+    restored = mp.load(tmp_path / "d", {k: mp.AbstractArray(v.shape, v.dtype, mesh.sharding(P())) for k, v in values.items() if k != "w1"})
+    assert np.array_equal(slice42.fetch(restored["w3"]), values["w3"])
+    assert _saves_pending(slice42) == [0] * slice42.hosts
+
+
 def test_each_array_header_is_written_by_one_host(slice42: mp.Slice, tmp_path: Path) -> None:
     """Every host writes its chunks, but only one writes an array's zarr.json: the commit merges
     one header per array, not one per host (and the merged view still has them all)."""

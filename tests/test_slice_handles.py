@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import pickle
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -85,3 +86,29 @@ def test_group_owner_map_and_device_checks() -> None:
         group.check_devices(spec, "w")
     group.barrier("b", 1.0)
     assert group.broadcast("k", 7, 1.0) == 7
+
+
+def test_a_hosts_wait_sent_with_its_plan_ends_when_staging_fails_or_never_runs(tmp_path: Path) -> None:
+    """A slice sends each host's ``wait_save`` together with its ``start_save``: the wait (on
+    the actor's wait threads) first waits for the staging, and ends at once when the staging
+    failed, or when the controller abandoned a staging call that never ran; nothing stays."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from milepost.colocated._ray_host import HostActor, Ref
+
+    host = HostActor(0, 1, 1)
+    plan = mp.workers.SavePlan(store=mp.workers.StoreSpec(directory=str(tmp_path), use_ocdbt=True), process_index=0, tasks=())
+    with ThreadPoolExecutor(2) as pool:
+        waiting = pool.submit(host.wait_save, "t1", 60.0)  # sent first, arrives first
+        with pytest.raises(KeyError, match="holds no array 'gone'"):
+            host.start_save(plan, [Ref("gone")], "t1")
+        with pytest.raises(RuntimeError, match="could not stage this save"):
+            waiting.result(60)
+        waiting = pool.submit(host.wait_save, "t2", 60.0)
+        host.abandon_save("t2")  # its start_save was cancelled before it ran
+        with pytest.raises(RuntimeError, match="could not stage this save"):
+            waiting.result(60)
+        assert host.start_save(plan, [], "t3") == "t3"
+        assert isinstance(pool.submit(host.wait_save, "t3", 60.0).result(60), mp.workers.SaveAck)
+        host.abandon_save("t3")  # after its staging ran (and its wait ended): nothing to do
+    assert host.pending == {}
