@@ -338,11 +338,66 @@ def load(directory: Path, abstract: Any, call: LoadCall) -> Any:
             if host_tasks else None
         )
         if device_tasks:
-            loaded = group.load({p: plan_of(device_tasks) for p in group.processes()}, timeout)
+            by_process = _checksums_per_process(device_tasks, headers, group)
+            loaded = group.load({p: plan_of(tasks) for p, tasks in by_process.items()}, timeout)
             values.update(zip((t.name for t in device_tasks), loaded.arrays, strict=True))
         if own is not None:
             values.update(zip((t.name for t in host_tasks), own.result(timeout).arrays, strict=True))
     return _assemble(files, directory, targets, treedef, values)
+
+
+def _checksums_per_process(
+    tasks: list[workers.LoadTask], headers: dict[str, dict[str, Any]], group: Any
+) -> dict[Any, list[workers.LoadTask]]:
+    """Each process's tasks, an array's recorded checksums trimmed to the chunks its devices'
+    boxes touch: a host is sent the checksums it may check, not every chunk's (with 1 MiB bands
+    that was an entry per MiB of checkpoint to every host). Trimming too much cannot pass wrong
+    data: a chunk read without its recorded checksum is an error (``_checksum.check``)."""
+    processes = list(group.processes())
+    if len(processes) == 1:
+        return {processes[0]: tasks}
+    out: dict[Any, list[workers.LoadTask]] = {p: [] for p in processes}
+    bounds_seen: dict[Any, dict[Any, np.ndarray]] = {}
+
+    def bounds(sharding: Any, shape: tuple[int, ...]) -> dict[Any, np.ndarray]:
+        """process -> (boxes, 2, ndim) int64: each box's first and end element per dimension."""
+        spec = sharding if isinstance(sharding, ShardingSpec) else ShardingSpec.from_jax(sharding)
+        boxes: dict[Any, set[Any]] = {p: set() for p in processes}
+        for device, box in spec.device_indices(shape).items():
+            boxes[group.process_of_device(device)].add(box)
+        return {
+            p: np.array([[[a for a, _ in box], [b for _, b in box]] for box in sorted(mine)], np.int64).reshape(-1, 2, len(shape))
+            for p, mine in boxes.items()
+        }
+
+    for task in tasks:
+        if task.checksums is None or task.sharding is None or not task.checksums:
+            for p in processes:
+                out[p].append(task)
+            continue
+        try:
+            chunk = np.array(workers.header_chunks(headers[task.name])[0], np.int64)
+            key = (task.sharding, task.shape)
+            try:
+                per_process = bounds_seen[key]
+            except KeyError:
+                per_process = bounds_seen[key] = bounds(task.sharding, task.shape)
+            except TypeError:  # an unhashable sharding
+                per_process = bounds(task.sharding, task.shape)
+        except Exception as e:  # a sharding or header this cannot describe: every host gets every checksum
+            log.debug("array %r: checksums not trimmed per host (%s)", task.name, e)
+            for p in processes:
+                out[p].append(task)
+            continue
+        grids = np.array([g for g, _ in task.checksums], np.int64).reshape(len(task.checksums), -1)
+        first, end = grids * chunk, (grids + 1) * chunk  # each recorded chunk's box
+        for p in processes:
+            box = per_process[p]
+            # a chunk is touched if it overlaps some box of this process in every dimension
+            touched = ((first[:, None, :] < box[None, :, 1, :]) & (end[:, None, :] > box[None, :, 0, :])).all(-1).any(-1)
+            kept = tuple(entry for entry, keep in zip(task.checksums, touched.tolist(), strict=True) if keep)
+            out[p].append(dataclasses.replace(task, checksums=kept))
+    return out
 
 
 def _assemble(

@@ -841,3 +841,61 @@ def test_options_of_the_wrong_type_fail_at_construction(tmp_path: Path, case: st
     # The context in force is untouched: a save with the defaults works.
     ckpt = mp.save(target, {"x": np.arange(300)})
     assert same_bits(mp.load(ckpt)["x"], np.arange(300))
+
+
+# ------------------------------------------------------------------------------------------
+# Each host is sent the checksums of the chunks it reads, and a chunk read without one fails
+# ------------------------------------------------------------------------------------------
+
+
+class _FourHosts:
+    """A group of 4 hosts of 2 devices each (devices 2h, 2h+1 on host h)."""
+
+    def processes(self) -> range:
+        return range(4)
+
+    def process_of_device(self, device: int) -> int:
+        return device // 2
+
+
+def test_each_host_is_sent_only_the_checksums_of_the_chunks_its_boxes_touch() -> None:
+    import dataclasses
+
+    from milepost import _pytree_load
+    from milepost.workers import LoadTask, ShardingSpec
+
+    header = {"zarr_format": 3, "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [8, 16]}}, "codecs": [{"name": "bytes"}]}
+    # (60, 16) in row chunks of 8 (8 chunks); P("model") on a (data 2, model 4) mesh: boxes of 15 rows, devices 4-7 repeat 0-3
+    spec = ShardingSpec.named((2, 4), ("data", "model"), tuple(range(8)), ("model",))
+    recorded = tuple(((g, 0), 1000 + g) for g in range(8))
+    task = LoadTask(name="w", shape=(60, 16), dtype="float32", sharding=spec, checksums=recorded)
+    plain = LoadTask(name="v", shape=(60, 16), dtype="float32", sharding=spec, checksums=None)
+    plans = _pytree_load._checksums_per_process([task, plain], {"w": header, "v": header}, _FourHosts())
+    # host 0: devices 0, 1 = rows 0-30 (chunks 0-3); host 1: rows 30-60 (chunks 3-7, chunk 3 shared); hosts 2, 3 the same
+    want = {0: range(0, 4), 1: range(3, 8), 2: range(0, 4), 3: range(3, 8)}
+    for host, chunks in want.items():
+        got, unchecked = plans[host]
+        assert got.checksums == tuple(((g, 0), 1000 + g) for g in chunks), host
+        assert dataclasses.replace(got, checksums=recorded) == task, "only the checksums differ"
+        assert unchecked is plain, "an array without checksums is sent as it is"
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "tensorstore"])
+@pytest.mark.parametrize("layout", ["ocdbt", "subchunked"])
+def test_a_chunk_read_without_its_recorded_checksum_fails(
+    saved: dict[str, tuple[Path, Any]], monkeypatch: pytest.MonkeyPatch, layout: str, direct: bool
+) -> None:
+    """If a host's plan lacked a checksum it needs (a trimming mistake), the load fails loudly:
+    it never reads the chunk unchecked."""
+    from milepost import _pytree_load
+
+    ckpt, _ = saved[layout]
+    real = _pytree_load._checksums
+
+    def drop_one(files: Any, name: str) -> Any:
+        found = real(files, name)
+        return found[1:] if found else found
+
+    monkeypatch.setattr(_pytree_load, "_checksums", drop_one)
+    with reading(direct), pytest.raises(mp.CorruptCheckpointError, match="has no recorded checksum although the array's others do"):
+        mp.load(ckpt)

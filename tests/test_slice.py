@@ -418,7 +418,11 @@ def test_controller_memory_stays_flat(slice42: mp.Slice, tmp_path: Path) -> None
 def test_controller_memory_two_gib(slice42: mp.Slice, tmp_path: Path) -> None:
     save_growth, total_growth, per_array = _controller_rss_growth(slice42, tmp_path / "c", 2.0)
     assert save_growth < 100 << 20 and total_growth < 100 << 20, (save_growth, total_growth)
-    assert per_array <= 4096, f"{per_array:.0f} bytes per 256 MiB array passed through the controller"
+    # The default 1 MiB bands give a 256 MiB array 256 chunks, and each chunk's checksum passes
+    # the controller once from the saving host and once to each of the 2 hosts that read it
+    # (P('model') is replicated over 'data'): ~20 pickled bytes each, never the data.
+    chunks = 256
+    assert per_array <= 4096 + 24 * 3 * chunks, f"{per_array:.0f} bytes per 256 MiB array passed through the controller"
 
 
 @pytest.mark.slow
