@@ -152,7 +152,7 @@ class BackgroundSaves:
                     "was committed", save.name, save.timeout,
                 )
             except BaseException as e:
-                log.error("the save to %s failed while the interpreter exited: %s: %s", save.name, type(e).__name__, e)
+                log.error("the save to %s failed while the interpreter exited: %s: %s", save.name, type(e).__name__, e, exc_info=e)
 
 
 saves = BackgroundSaves()

@@ -78,6 +78,7 @@ def test_wait_for_saves_waits_for_every_save_in_flight(tmp_path: Path, monkeypat
 
 EXIT = r"""
 import sys, time, numpy as np
+import jax.numpy as jnp
 import milepost as mp
 
 path, hang = sys.argv[1], sys.argv[2] == "hang"
@@ -87,7 +88,7 @@ def merge(directory):
     real(directory)
 mp.workers.merge_ocdbt = merge
 with mp.Context(async_=mp.AsyncOptions(timeout_secs=2 if hang else 60)):
-    mp.save_async(path, {"x": np.arange(1000)})
+    mp.save_async(path, {"x": np.arange(1000), "y": jnp.arange(1 << 20, dtype=jnp.int32)})  # host and device data
 print("returned", flush=True)
 """
 
@@ -98,7 +99,8 @@ def test_interpreter_exit_waits_for_a_save_in_flight(tmp_path: Path) -> None:
     assert proc.returncode == 0, err
     assert "returned" in out
     assert "waiting" in err and "c" in err  # says what it waits for
-    assert same_bits(mp.load(tmp_path / "c")["x"], np.arange(1000))
+    loaded = mp.load(tmp_path / "c")
+    assert same_bits(loaded["x"], np.arange(1000)) and same_bits(np.asarray(loaded["y"]), np.arange(1 << 20, dtype=np.int32))
 
 
 def test_interpreter_exit_says_loudly_when_it_abandons_a_save(tmp_path: Path) -> None:
