@@ -25,6 +25,26 @@ def _int(owner: str, name: str, value: Any, *, minimum: int, optional: bool = Fa
         raise ValueError(f"{owner}.{name} must be at least {minimum}, got {value}")
 
 
+AUTO_WRITERS = 4
+"""The most OCDBT databases a host writes under ``ocdbt_writers_per_host="auto"``."""
+AUTO_WRITER_BYTES = 32 << 20
+"""Under ``"auto"``, a host writes one more database per this many bytes."""
+
+
+def max_writers(options: SaveOptions) -> int:
+    """The most OCDBT databases any host writes under ``options``."""
+    n = options.ocdbt_writers_per_host
+    return AUTO_WRITERS if n == "auto" else n
+
+
+def writers_for(options: SaveOptions, nbytes: int) -> int:
+    """How many OCDBT databases a host writing ``nbytes`` spreads them over."""
+    n = options.ocdbt_writers_per_host
+    if n != "auto":
+        return n
+    return max(1, min(AUTO_WRITERS, -(-nbytes // AUTO_WRITER_BYTES)))
+
+
 def _seconds(owner: str, name: str, value: Any) -> None:
     """``value`` is a positive, finite number of seconds."""
     if isinstance(value, bool) or not isinstance(value, int | float):
@@ -68,10 +88,13 @@ class SaveOptions:
     other value rewrites every array in that chunking."""
     replica_parallel: bool = True
     """Split a replicated shard among its replicas so that every replica writes a part."""
-    ocdbt_writers_per_host: int = 4
+    ocdbt_writers_per_host: int | Literal["auto"] = "auto"
     """With OCDBT, each host spreads its arrays over up to this many databases
     (``ocdbt.process_<i>``, ``ocdbt.process_<i>.1``, ...) written in parallel; one database
-    writes its data files one after another. The commit merges them all into the root view."""
+    writes its data files one after another. The commit merges them all into the root view.
+    ``"auto"``: one database per 32 MiB the host writes, at most 4 (each database costs a few
+    ms to create, commit and merge: a 64 MiB slice save of 16 MiB per host took 80 ms with four
+    per host, 67-73 ms with one or two)."""
 
     wait_for_writer_secs: float = 0.0
     """When another process is saving to the same path: wait up to this long for it to finish
@@ -100,7 +123,8 @@ class SaveOptions:
         if self.wait_for_writer_secs != 0:
             _seconds("SaveOptions", "wait_for_writer_secs", self.wait_for_writer_secs)
         _bool("SaveOptions", "replica_parallel", self.replica_parallel)
-        _int("SaveOptions", "ocdbt_writers_per_host", self.ocdbt_writers_per_host, minimum=1)
+        if self.ocdbt_writers_per_host != "auto":
+            _int("SaveOptions", "ocdbt_writers_per_host (or 'auto')", self.ocdbt_writers_per_host, minimum=1)
         chunking = self.chunk_byte_size
         if chunking != "auto" and (isinstance(chunking, bool) or not isinstance(chunking, int | None)):
             raise TypeError(

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from milepost import _dispatch, _planning, _tree, workers
+from milepost import _dispatch, _options, _planning, _tree, workers
 from milepost import _format as fmt
 from milepost import _pytree_format as tree_format
 from milepost._errors import InvalidKeyError, UnsupportedLeafError
@@ -241,7 +241,6 @@ def start(planned: TreeSavePlan, directory: Path, call: SaveCall, *, first_write
     databases written from there; ``finish=False``: the pending write only waits for the data
     (a caller writing one tree in several parts writes the format files once, at the end)."""
     store = workers.StoreSpec(directory=str(directory), use_ocdbt=planned.options.use_ocdbt)
-    writers = planned.options.ocdbt_writers_per_host
     timeout = call.options.async_.timeout_secs
     group = call.group
     host_bytes = {p: _task_bytes(tasks) for p, tasks in planned.host_tasks.items()}
@@ -256,7 +255,8 @@ def start(planned: TreeSavePlan, directory: Path, call: SaveCall, *, first_write
     if planned.host_tasks:
         plans = {
             p: workers.SavePlan(
-                store=store, process_index=p, tasks=tuple(tasks), copy=call.copy, writers=writers, first_writer=first_writer,
+                store=store, process_index=p, tasks=tuple(tasks), copy=call.copy, first_writer=first_writer,
+                writers=_options.writers_for(planned.options, host_bytes[p]),
                 staging_budget_bytes=planned.options.host_staging_budget_bytes,
             )
             for p, tasks in planned.host_tasks.items()
@@ -266,7 +266,8 @@ def start(planned: TreeSavePlan, directory: Path, call: SaveCall, *, first_write
     try:
         if planned.controller_tasks and group.is_primary():
             plan = workers.SavePlan(
-                store=store, process_index=CONTROLLER, tasks=tuple(planned.controller_tasks), copy=call.copy, writers=writers,
+                store=store, process_index=CONTROLLER, tasks=tuple(planned.controller_tasks), copy=call.copy,
+                writers=_options.writers_for(planned.options, own_bytes),
                 first_writer=first_writer, staging_budget_bytes=planned.options.host_staging_budget_bytes,
             )
             own = _dispatch.controller_host().start_save({CONTROLLER: plan}, planned.controller_sources, timeout)

@@ -62,3 +62,25 @@ def test_writers_round_trip_and_layout(tmp_path: Path, mesh24: jax.sharding.Mesh
 def test_writers_option_is_checked() -> None:
     with pytest.raises(ValueError, match="ocdbt_writers_per_host"):
         mp.SaveOptions(ocdbt_writers_per_host=0)
+
+
+def test_auto_writers_follow_the_bytes_a_host_writes(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
+    """The default, 'auto': one database per 32 MiB a host writes, at most 4 (a small save does
+    not pay for databases it cannot fill)."""
+    from milepost._options import writers_for
+
+    options = mp.SaveOptions()
+    assert options.ocdbt_writers_per_host == "auto"
+    mib = 1 << 20
+    assert [writers_for(options, n) for n in (0, 1, 32 * mib, 32 * mib + 1, 96 * mib + 1, 10 << 30)] == [1, 1, 1, 2, 4, 4]
+    assert writers_for(mp.SaveOptions(ocdbt_writers_per_host=3), 0) == 3, "an int is used as given"
+    rng = np.random.default_rng(5)
+    small = {"w": put(rng.standard_normal((16, 32), dtype=np.float32), mesh24, P("data", "model"))}
+    mp.save(tmp_path / "small", small)
+    assert sorted(p.name for p in (tmp_path / "small" / "state").glob("ocdbt.process_0*")) == ["ocdbt.process_0"]
+    big = {f"w{i}": put(rng.standard_normal((1024, 2048), dtype=np.float32), mesh24, P("data", "model")) for i in range(5)}  # 40 MiB
+    mp.save(tmp_path / "big", big)
+    assert sorted(p.name for p in (tmp_path / "big" / "state").glob("ocdbt.process_0*")) == ["ocdbt.process_0", "ocdbt.process_0.1"]
+    assert_tree_equal(mp.load(tmp_path / "big", abstract_of(big)), big)
+    with pytest.raises(TypeError, match=r"ocdbt_writers_per_host \(or 'auto'\) must be an int, got 'many'"):
+        mp.SaveOptions(ocdbt_writers_per_host="many")  # type: ignore[arg-type]

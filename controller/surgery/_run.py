@@ -320,7 +320,7 @@ class Job:
 
     def _write_groups(self, directory: Path, call: _handlers.SaveCall) -> None:
         options = call.options.saving
-        step = max(1, options.ocdbt_writers_per_host)
+        step = _options.max_writers(options)
         files = _pytree_save.TreeSavePlan(options)
         acks: list[workers.SaveAck] = []
         # Group g is computed while group g - 1 is written: the two share the budget.
