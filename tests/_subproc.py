@@ -25,3 +25,16 @@ def popen(code: str, devices: int = 8, **kwargs: object) -> subprocess.Popen[str
         text=True,
         **kwargs,  # type: ignore[arg-type]
     )
+
+
+MEMORY_PROBES = r"""
+def hwm():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:"))
+
+def rss():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmRSS:"))
+"""
+"""For snippets that measure their own memory: ``hwm()`` (the peak resident set, which writing
+5 to ``/proc/self/clear_refs`` resets) and ``rss()`` (the resident set now), in bytes."""

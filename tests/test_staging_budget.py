@@ -77,13 +77,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import milepost as mp
 from milepost.workers import _staging
 
-def hwm():
-    with open("/proc/self/status") as f:
-        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:"))
-
-def rss():
-    with open("/proc/self/status") as f:
-        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmRSS:"))
+MEMORY_PROBES
 
 root = ROOT
 sharding = NamedSharding(jax.make_mesh((2, 4), ("data", "model")), P("data", "model"))
@@ -106,7 +100,7 @@ print(json.dumps(out))
 def test_peak_memory_of_a_budgeted_save_async_stays_within_the_budget(tmp_path: Path) -> None:
     from tests import _subproc
 
-    proc = subprocess.run([sys.executable, "-c", PEAK.replace("ROOT", repr(str(tmp_path)))], env=_subproc.env(8),
+    proc = subprocess.run([sys.executable, "-c", PEAK.replace("ROOT", repr(str(tmp_path))).replace("MEMORY_PROBES", _subproc.MEMORY_PROBES)], env=_subproc.env(8),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     growth = json.loads(proc.stdout.strip().splitlines()[-1])
