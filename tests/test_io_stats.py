@@ -71,7 +71,9 @@ def test_io_stats_in_one_process_count_a_save_and_a_load(mesh24: jax.sharding.Me
     got = mp.io_stats() - before
     assert np.array_equal(np.asarray(loaded["x"]), np.asarray(x))
     assert x.nbytes <= got.bytes_read <= x.nbytes + META  # direct reads: each shard once
-    assert got.read_requests >= 8 and got.bytes_written == 0 and got.bytes_between_hosts == 0
+    # at most one request per shard: shards lying back to back in one data file (where the writes
+    # happened to put them) are read with one preadv
+    assert 1 <= got.read_requests <= 8 and got.bytes_written == 0 and got.bytes_between_hosts == 0
     assert "read" in str(got) and "received" in str(got)
 
 
