@@ -1,6 +1,6 @@
 """Saves and loads again and again in one long-lived process (a notebook, a training script).
 
-    python benchmarks/long_lived.py [--gib 0.5] [--rounds 5] [--parts saves,loop,budget,loads]
+    python benchmarks/long_lived.py [--gib 0.5] [--rounds 5] [--parts saves,first,loop,budget,loads]
 
 The data is 8 float32 arrays of (rows, 8192), every byte on exactly one of 8 fake CPU devices
 (a (2, 4) mesh), ``gib`` GiB in all. Each part runs in a fresh process of its own:
@@ -8,6 +8,9 @@ The data is 8 float32 arrays of (rows, 8192), every byte on exactly one of 8 fak
 * ``saves``: ``save`` and ``save_async(...).result()`` alternating (order flipped every round)
   after one untimed save of each; the total of each and save_async's blocking part. Target:
   save_async total <= 1.2x save total.
+* ``first``: the first ``save`` and the first ``save_async(...).result()`` of a fresh process,
+  each in its own, alternating, ``rounds`` each: a save_async must fault in its staging buffers
+  (no earlier save left them), a sync save needs none.
 * ``loop``: ``save_async`` of the same tree ``rounds`` times, each waited for before the next
   (a Checkpointer's loop); the blocking part of saves 2..n against a warm host copy of the same
   shards (``np.copyto`` into buffers already touched, one thread). Target: <= 1.2x.
@@ -119,6 +122,26 @@ def worker_loop(gib: float, rounds: int, directory: str) -> dict[str, Any]:
     return {"hostcopy": copies, "block": blocks, "total": totals}
 
 
+def worker_first(gib: float, op: str, directory: str) -> dict[str, Any]:
+    """The first save of a fresh process (memory touched and freed before, as everywhere here)."""
+    import milepost as mp
+
+    tree = build(gib)
+    warm(int(2.5 * gib * 2**30))
+    path = os.path.join(directory, f"first-{op}")
+    t0 = time.perf_counter()
+    block = None
+    if op == "save":
+        mp.save(path, tree)
+    else:
+        handle = mp.save_async(path, tree)
+        block = time.perf_counter() - t0
+        handle.result()
+    total = time.perf_counter() - t0
+    shutil.rmtree(path)
+    return {"total": total, "block": block}
+
+
 def worker_budget(gib: float, budget: int | None, directory: str) -> dict[str, Any]:
     import milepost as mp
 
@@ -210,7 +233,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gib", type=float, default=0.5)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--parts", default="saves,loop,budget,loads")
+    parser.add_argument("--parts", default="saves,first,loop,budget,loads")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--budget", type=int, default=-1, help=argparse.SUPPRESS)
     parser.add_argument("--dir", help=argparse.SUPPRESS)
@@ -220,7 +243,12 @@ def main() -> int:
 
         budget = None if args.budget < 0 else args.budget
         fn = {"saves": worker_saves, "loop": worker_loop, "loads": worker_loads}.get(args.worker)
-        out = worker_budget(args.gib, budget, args.dir) if args.worker == "budget" else fn(args.gib, args.rounds, args.dir)  # type: ignore[misc]
+        if args.worker == "budget":
+            out = worker_budget(args.gib, budget, args.dir)
+        elif args.worker.startswith("first-"):
+            out = worker_first(args.gib, args.worker.removeprefix("first-"), args.dir)
+        else:
+            out = fn(args.gib, args.rounds, args.dir)  # type: ignore[misc]
         print(json.dumps(out))
         return 0
     parts = args.parts.split(",")
@@ -234,6 +262,18 @@ def main() -> int:
             ratio = statistics.median(t["save_async"]) / statistics.median(t["save"])
             print(f"saves:  save {fmt(t['save'])}; save_async total {fmt(t['save_async'])}, blocking "
                   f"{fmt(t['save_async_block'])}; total ratio {ratio:.2f}x (target <= 1.2x)")
+        if "first" in parts:
+            firsts: dict[str, list[float]] = {"save": [], "save_async": []}
+            blocks = []
+            for r in range(args.rounds):
+                for op in ("save", "save_async") if r % 2 == 0 else ("save_async", "save"):
+                    t = run_worker(here, ["--worker", f"first-{op}", *common])
+                    firsts[op].append(t["total"])
+                    if t["block"] is not None:
+                        blocks.append(t["block"])
+            ratio = statistics.median(firsts["save_async"]) / statistics.median(firsts["save"])
+            print(f"first:  the first save of a fresh process: save {fmt(firsts['save'])}; save_async total "
+                  f"{fmt(firsts['save_async'])}, blocking {fmt(blocks)}; total ratio {ratio:.2f}x")
         if "loop" in parts:
             t = run_worker(here, ["--worker", "loop", *common])
             copy = min(t["hostcopy"])
