@@ -27,9 +27,10 @@ Data: the ``save_load.py`` tree (8 float32 arrays, ``gib`` GiB in all, every byt
 fake CPU devices, (2, 4) mesh). Variants:
 
 - ``milepost-s3``, ``milepost-gs``: ``mp.save`` / ``mp.load`` (into the saved shardings), for each
-  ``--chunk-mib`` value (0: one chunk per shard, the default; N: ``SaveOptions(chunk_byte_size=
-  N MiB)``, many inner chunks per shard in the same objects) with the first ``--writers`` value
-  (``SaveOptions(ocdbt_writers_per_host=...)``; 4 is the default), then one chunk per shard with
+  ``--chunk-mib`` value (0: one chunk per shard, ``chunk_byte_size=None``; N: ``SaveOptions(
+  chunk_byte_size=N MiB)``, many inner chunks per shard in the same objects) with the first
+  ``--writers`` value (``SaveOptions(ocdbt_writers_per_host=...)``, given explicitly; the default
+  ``"auto"`` writes 4 for a host's 97 MiB or more), then one chunk per shard with
   each further ``--writers`` value (fewer databases, fewer data files);
 - ``orbax-gs``: ``ocp.save`` / ``ocp.load`` at Orbax's defaults (zstd compression on);
   ``orbax-gs-raw``: the same with ``use_compression=False`` (milepost's default has none);
