@@ -9,6 +9,7 @@ assembles the result in the abstract tree's structure (or the saved one).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 from concurrent import futures
 from dataclasses import dataclass
@@ -351,24 +352,22 @@ def _checksums_per_process(
 ) -> dict[Any, list[workers.LoadTask]]:
     """Each process's tasks, an array's recorded checksums trimmed to the chunks its devices'
     boxes touch: a host is sent the checksums it may check, not every chunk's (with 1 MiB bands
-    that was an entry per MiB of checkpoint to every host). Trimming too much cannot pass wrong
-    data: a chunk read without its recorded checksum is an error (``_checksum.check``)."""
+    that was an entry per MiB of checkpoint to every host). The work is the chunks each host
+    touches, not chunks x hosts. Trimming too much cannot pass wrong data: a chunk read without
+    its recorded checksum is an error (``_checksum.check``)."""
     processes = list(group.processes())
     if len(processes) == 1:
         return {processes[0]: tasks}
     out: dict[Any, list[workers.LoadTask]] = {p: [] for p in processes}
-    bounds_seen: dict[Any, dict[Any, np.ndarray]] = {}
+    boxes_seen: dict[Any, dict[Any, list[Any]]] = {}
 
-    def bounds(sharding: Any, shape: tuple[int, ...]) -> dict[Any, np.ndarray]:
-        """process -> (boxes, 2, ndim) int64: each box's first and end element per dimension."""
+    def boxes(sharding: Any, shape: tuple[int, ...]) -> dict[Any, list[Any]]:
+        """process -> the distinct boxes its devices hold."""
         spec = sharding if isinstance(sharding, ShardingSpec) else ShardingSpec.from_jax(sharding)
-        boxes: dict[Any, set[Any]] = {p: set() for p in processes}
+        found: dict[Any, set[Any]] = {p: set() for p in processes}
         for device, box in spec.device_indices(shape).items():
-            boxes[group.process_of_device(device)].add(box)
-        return {
-            p: np.array([[[a for a, _ in box], [b for _, b in box]] for box in sorted(mine)], np.int64).reshape(-1, 2, len(shape))
-            for p, mine in boxes.items()
-        }
+            found[group.process_of_device(device)].add(box)
+        return {p: sorted(mine) for p, mine in found.items()}
 
     for task in tasks:
         if task.checksums is None or task.sharding is None or not task.checksums:
@@ -376,26 +375,27 @@ def _checksums_per_process(
                 out[p].append(task)
             continue
         try:
-            chunk = np.array(workers.header_chunks(headers[task.name])[0], np.int64)
+            chunk = workers.header_chunks(headers[task.name])[0]
             key = (task.sharding, task.shape)
             try:
-                per_process = bounds_seen[key]
+                per_process = boxes_seen[key]
             except KeyError:
-                per_process = bounds_seen[key] = bounds(task.sharding, task.shape)
+                per_process = boxes_seen[key] = boxes(task.sharding, task.shape)
             except TypeError:  # an unhashable sharding
-                per_process = bounds(task.sharding, task.shape)
+                per_process = boxes(task.sharding, task.shape)
         except Exception as e:  # a sharding or header this cannot describe: every host gets every checksum
             log.debug("array %r: checksums not trimmed per host (%s)", task.name, e)
             for p in processes:
                 out[p].append(task)
             continue
-        grids = np.array([g for g, _ in task.checksums], np.int64).reshape(len(task.checksums), -1)
-        first, end = grids * chunk, (grids + 1) * chunk  # each recorded chunk's box
+        recorded = dict(task.checksums)
         for p in processes:
-            box = per_process[p]
-            # a chunk is touched if it overlaps some box of this process in every dimension
-            touched = ((first[:, None, :] < box[None, :, 1, :]) & (end[:, None, :] > box[None, :, 0, :])).all(-1).any(-1)
-            kept = tuple(entry for entry, keep in zip(task.checksums, touched.tolist(), strict=True) if keep)
+            touched: set[tuple[int, ...]] = set()
+            for box in per_process[p]:
+                # the chunk grid's block that overlaps the box
+                spans = [range(a // c, -(-min(b, n) // c)) for (a, b), c, n in zip(box, chunk, task.shape, strict=True)]
+                touched.update(itertools.product(*spans))
+            kept = tuple((g, recorded[g]) for g in sorted(touched) if g in recorded)
             out[p].append(dataclasses.replace(task, checksums=kept))
     return out
 
