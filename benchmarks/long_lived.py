@@ -69,6 +69,22 @@ def warm(nbytes: int) -> None:
     del scratch
 
 
+def timed_save(mp: Any, path: str, tree: Any, op: str) -> tuple[float, float | None]:
+    """``mp.save`` (op "save") or ``mp.save_async(...).result()`` of ``tree`` to ``path``, which
+    is removed after: the total seconds, and save_async's blocking part (None for a save)."""
+    t0 = time.perf_counter()
+    block = None
+    if op == "save":
+        mp.save(path, tree)
+    else:
+        handle = mp.save_async(path, tree)
+        block = time.perf_counter() - t0
+        handle.result()
+    total = time.perf_counter() - t0
+    shutil.rmtree(path)
+    return total, block
+
+
 def worker_saves(gib: float, rounds: int, directory: str) -> dict[str, Any]:
     import milepost as mp
 
@@ -78,19 +94,10 @@ def worker_saves(gib: float, rounds: int, directory: str) -> dict[str, Any]:
     for r in range(rounds + 1):
         order = ["save", "save_async"] if r % 2 == 0 else ["save_async", "save"]
         for op in order:
-            path = os.path.join(directory, f"{op}-{r}")
-            t0 = time.perf_counter()
-            if op == "save":
-                mp.save(path, tree)
-            else:
-                handle = mp.save_async(path, tree)
-                block = time.perf_counter() - t0
-                handle.result()
-            total = time.perf_counter() - t0
-            shutil.rmtree(path)
+            total, block = timed_save(mp, os.path.join(directory, f"{op}-{r}"), tree, op)
             if r > 0:  # round 0 is the untimed warm-up of both
                 times[op].append(total)
-                if op == "save_async":
+                if block is not None:
                     times["save_async_block"].append(block)
     return times
 
@@ -128,17 +135,7 @@ def worker_first(gib: float, op: str, directory: str) -> dict[str, Any]:
 
     tree = build(gib)
     warm(int(2.5 * gib * 2**30))
-    path = os.path.join(directory, f"first-{op}")
-    t0 = time.perf_counter()
-    block = None
-    if op == "save":
-        mp.save(path, tree)
-    else:
-        handle = mp.save_async(path, tree)
-        block = time.perf_counter() - t0
-        handle.result()
-    total = time.perf_counter() - t0
-    shutil.rmtree(path)
+    total, block = timed_save(mp, os.path.join(directory, f"first-{op}"), tree, op)
     return {"total": total, "block": block}
 
 
