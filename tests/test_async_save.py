@@ -105,6 +105,23 @@ def test_save_async_of_a_large_tree_holds_call_time_values(tmp_path: Path, mesh2
     assert len(outs) == 8
 
 
+def test_save_async_creates_arrays_it_writes_no_chunks_of(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
+    """Arrays are opened by their first write, off the caller's thread; an array with no chunks to
+    write (zero-size) is still created, and a header-only array among staged ones is complete."""
+    state = {
+        "w": put(np.arange(64 * 32, dtype=np.float32).reshape(64, 32), mesh24, P("data", "model")),
+        "empty": put(np.zeros((0, 32), np.float32), mesh24, P(None, "model")),
+        "vector": put(np.arange(8, dtype=np.int32), mesh24, P()),
+        "host_empty": np.zeros((0,), np.int64),
+        "scalar": np.float32(2.5),
+    }
+    for k in range(3):  # the first save allocates its staging buffers, later ones reuse them
+        mp.save_async(tmp_path / str(k), state).result(60)
+        restored = mp.load(tmp_path / str(k))
+        assert_tree_equal(restored, state)
+        assert restored["empty"].shape == (0, 32) and restored["host_empty"].shape == (0,)
+
+
 def test_done_and_result_timeout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     gate = gate_merge(monkeypatch)
     handle = mp.save_async(tmp_path / "c", {"x": np.arange(10)}, custom_metadata={"k": "v"})

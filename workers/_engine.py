@@ -135,12 +135,11 @@ def start_save(plan: SavePlan, sources: Sequence[Any]) -> PendingSave:
     headers: set[str] = set()  # arrays whose zarr.json one of our writers writes
     for writer, task, _ in parts:
         spec = tsu.create_spec(tsu.write_kvstore(plan.store, plan.process_index, plan.first_writer + writer), task.spec)
-        if task.write_metadata and task.spec.name not in headers:
+        create = task.write_metadata and task.spec.name not in headers
+        if create:
             headers.add(task.spec.name)
-            opens.append(ts.open(spec, create=True, open=True, context=context))
-        else:  # chunks only: the array's header is written by another writer or host
-            opens.append(ts.open(spec, assume_metadata=True, context=context))
-        pending._track(opens[-1])
+        # else chunks only: the array's header is written by another writer or host
+        opens.append(_Opening(spec, create, context, pending))
     try:
         _start_device_to_host(plan, sources)
         _issue_writes(plan, sources, parts, opens, pending)
@@ -154,6 +153,31 @@ def start_save(plan: SavePlan, sources: Sequence[Any]) -> PendingSave:
 
 
 _Part = tuple[int, SaveTask, tuple[Region, ...]]
+
+
+class _Opening:
+    """One array's open in one writer's database, started by its first use (on whichever
+    thread gets there first): the opens of arrays whose regions are all staged then run off
+    the caller's thread with their writes (``ts.open`` costs ~0.3 ms of CPU per array)."""
+
+    def __init__(self, spec: dict[str, Any], create: bool, context: Any, pending: PendingSave) -> None:
+        self._spec = spec
+        self._create = create
+        self._context = context
+        self._pending = pending
+        self._future: Any = None
+        self._lock = threading.Lock()
+
+    def start(self) -> Any:
+        """The open's TensorStore future (tracked by the save: its writes wait for it)."""
+        with self._lock:
+            if self._future is None:
+                if self._create:
+                    self._future = ts.open(self._spec, create=True, open=True, context=self._context)
+                else:
+                    self._future = ts.open(self._spec, assume_metadata=True, context=self._context)
+                self._pending._track(self._future)
+            return self._future
 
 
 def _key_data(plan: SavePlan, sources: Sequence[Any]) -> Sequence[Any]:
@@ -198,11 +222,13 @@ def _split_among_writers(tasks: Sequence[SaveTask], writers: int) -> list[_Part]
     return [(writer, tasks[k], tuple(regions)) for (writer, k), regions in assigned.items()]
 
 
-_Write = tuple[Any, tuple[tuple[int, int], ...], np.ndarray, ArraySpec]
-"""(the array's opening (a TensorStore future), box, the data to write, its spec)."""
+_Write = tuple[_Opening, tuple[tuple[int, int], ...], np.ndarray, ArraySpec]
+"""(the array's opening, box, the data to write, its spec)."""
 
 
-def _issue_writes(plan: SavePlan, sources: Sequence[Any], parts: list[_Part], opens: list[Any], pending: PendingSave) -> None:
+def _issue_writes(
+    plan: SavePlan, sources: Sequence[Any], parts: list[_Part], opens: list[_Opening], pending: PendingSave
+) -> None:
     """Issue every region's write. Regions that may be the caller's memory are first copied
     into staging buffers of our own (with ``plan.copy``); with a staging budget, the regions
     beyond it are written from the caller's memory instead, and waited for here."""
@@ -210,8 +236,8 @@ def _issue_writes(plan: SavePlan, sources: Sequence[Any], parts: list[_Part], op
     blocking: list[_Write] = []  # from the caller's memory, durable before we return
     copies: list[tuple[_Write, np.ndarray]] = []  # (the write of a staging copy, the data to copy)
     room = plan.staging_budget_bytes
-    # The arrays' opens are waited for by the first write into each: the staged copies' writes
-    # run off the caller's thread, so a save that stages everything never waits for an open
+    # The arrays are opened by the first write into each: the staged copies' writes run off
+    # the caller's thread, so a save that stages everything neither opens nor waits for an open
     # (creating 8 arrays' headers took ~5 ms of a 512 MiB save's blocking part).
     for (_, task, regions), store in zip(parts, opens, strict=True):
         source = sources[task.source]
@@ -229,7 +255,7 @@ def _issue_writes(plan: SavePlan, sources: Sequence[Any], parts: list[_Part], op
 
     def write(item: _Write) -> Any:
         opening, box, data, spec = item
-        written = opening.result()[tsu.box_to_slices(box)].write(data, can_reference_source_data_indefinitely=True)
+        written = opening.start().result()[tsu.box_to_slices(box)].write(data, can_reference_source_data_indefinitely=True)
         pending._track(written.commit, data.nbytes)
         if progress is not None:  # a progress bar counts each write once durable
             written.commit.add_done_callback(lambda f, n=data.nbytes: f.exception() is None and progress(n))
@@ -256,8 +282,17 @@ def _issue_writes(plan: SavePlan, sources: Sequence[Any], parts: list[_Part], op
         parallel_copy([(item[2], data) for item, (_, data) in zip(staged, copies, strict=True)])
         # The copies' writes read only our buffers: they are issued off the caller's thread
         # (64 writes and their checksum jobs cost ~10 ms of a 512 MiB save's blocking part),
-        # after the opens they wait for.
-        pending._issuing = _on_copy_pool(lambda: [write(item) for item in staged])
+        # after every open they wait for has started (so the opens run together).
+        def issue() -> None:
+            for opening in opens:
+                opening.start()
+            for item in staged:
+                write(item)
+
+        pending._issuing = _on_copy_pool(issue)
+    else:
+        for opening in opens:
+            opening.start()
     for commit in waits:
         commit.result()
 
@@ -269,9 +304,13 @@ _INLINE_COPY_BYTES = 2 << 20
 """Copies of fewer bytes in all run on the calling thread: handing them to threads costs more."""
 
 
+def _copy_threads() -> int:
+    return min(8, os.cpu_count() or 1)
+
+
 @functools.cache
 def _copy_pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="milepost-copy")
+    return ThreadPoolExecutor(_copy_threads(), thread_name_prefix="milepost-copy")
 
 
 def _on_copy_pool(fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
@@ -295,7 +334,12 @@ def parallel_copy(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
     """``np.copyto(dst, src)`` (casting as needed) for every pair, spread over a few threads
     (NumPy releases the GIL while copying). Large arrays are split along their first axis so the
     threads share the work; much of the cost is the first touch of the destination pages, which
-    then also runs in parallel."""
+    then also runs in parallel.
+
+    The calling thread copies too: it and one job per other copy-pool thread take blocks from
+    one queue until none is left, so a pool thread busy with other work costs nothing but its
+    share, and a save of many small shards hands the pool a few jobs instead of one per shard.
+    """
     blocks: list[tuple[np.ndarray, np.ndarray]] = []
     for dst, src in pairs:
         rows = dst.shape[0] if dst.ndim else 1
@@ -305,14 +349,32 @@ def parallel_copy(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
             blocks.append((dst, src))
         else:
             blocks.extend((dst[i : i + step], src[i : i + step]) for i in range(0, rows, step))
-    if len(blocks) <= 1 or (os.cpu_count() or 1) == 1 or sum(dst.nbytes for dst, _ in blocks) < _INLINE_COPY_BYTES:
+    threads = min(len(blocks), _copy_threads())
+    if threads <= 1 or sum(dst.nbytes for dst, _ in blocks) < _INLINE_COPY_BYTES:
         for dst, src in blocks:
             np.copyto(dst, src, casting="unsafe")
         return
-    running = [_on_copy_pool(np.copyto, dst, src, casting="unsafe") for dst, src in blocks]
-    futures_wait(running)  # all of them, even if one failed: none may run on after we return
-    for future in running:
-        future.result()
+    queue = iter(blocks)
+    lock = threading.Lock()
+
+    def drain() -> None:
+        while True:
+            with lock:
+                block = next(queue, None)
+            if block is None:
+                return
+            np.copyto(block[0], block[1], casting="unsafe")
+
+    helpers = [_on_copy_pool(drain) for _ in range(threads - 1)]
+    try:
+        drain()
+    finally:
+        # A helper that has not started is not needed (and may be queued behind this very
+        # thread, if it is a pool thread); one that has started finishes its last block.
+        running = [helper for helper in helpers if not helper.cancel()]
+        futures_wait(running)  # all of them, even if a copy failed: none may run on after we return
+    for helper in running:
+        helper.result()
 
 
 def _start_device_to_host(plan: SavePlan, sources: Sequence[Any]) -> None:
