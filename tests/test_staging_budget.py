@@ -97,6 +97,31 @@ print(json.dumps(out))
 """
 
 
+def test_checksums_of_unstaged_regions_are_computed_before_save_async_returns(
+    tmp_path: Path, mesh24: jax.sharding.Mesh
+) -> None:
+    """Regions beyond the budget are written from the caller's memory and so are their
+    checksums: both must be done when save_async returns, even while the copy pool (which
+    computes checksums) is busy with other work, or a caller overwriting its arrays makes the
+    checkpoint record checksums of the new values and fail every load."""
+    from milepost.workers import _engine
+
+    host = np.arange(4 * MIB, dtype=np.float32)  # 16 MiB the controller writes
+    device = put(np.arange(64 * 1024, dtype=np.float32).reshape(64, 1024), mesh24, P("data", "model"))
+    want = {"host": host.copy(), "device": np.asarray(device).copy()}
+    for attempt in range(3):
+        busy = [_engine._copy_pool().submit(time.sleep, 0.3) for _ in range(_engine._copy_threads())]
+        with mp.Context(saving=mp.SaveOptions(host_staging_budget_bytes=0)):
+            handle = mp.save_async(tmp_path / str(attempt), {"host": host, "device": device})
+        host[:] = -1.0  # the caller's memory is its own again
+        handle.result(60)
+        for future in busy:
+            future.result()
+        restored = mp.load(tmp_path / str(attempt))
+        assert same_bits(restored["host"], want["host"]) and same_bits(restored["device"], want["device"])
+        host[:] = want["host"]
+
+
 def test_peak_memory_of_a_budgeted_save_async_stays_within_the_budget(tmp_path: Path) -> None:
     from tests import _subproc
 

@@ -68,9 +68,11 @@ class PendingSave:
         self._inflight.append(future)
         self._nbytes += nbytes
 
-    def _checksum(self, spec: ArraySpec, box: tuple[tuple[int, int], ...], data: np.ndarray) -> None:
+    def _checksum(self, spec: ArraySpec, box: tuple[tuple[int, int], ...], data: np.ndarray) -> Future[Any]:
         """Compute the checksums of the chunks of ``data`` (the region ``box``) on the copy pool."""
-        self._checksums.append((spec.name, _on_copy_pool(_checksum.region_crc32c, data, box, spec.chunk_shape)))
+        future = _on_copy_pool(_checksum.region_crc32c, data, box, spec.chunk_shape)
+        self._checksums.append((spec.name, future))
+        return future
 
     def wait(self, timeout: float | None = None) -> SaveAck:
         with self._lock:
@@ -259,11 +261,11 @@ def _issue_writes(
         pending._track(written.commit, data.nbytes)
         if progress is not None:  # a progress bar counts each write once durable
             written.commit.add_done_callback(lambda f, n=data.nbytes: f.exception() is None and progress(n))
-        pending._checksum(spec, box, data)
-        return written.commit
+        return written.commit, pending._checksum(spec, box, data)
 
-    # The writes the caller waits for go first, so their I/O overlaps the copies.
-    waits = [write(item) for item in blocking]
+    # The writes the caller waits for go first, so their I/O overlaps the copies. They and
+    # their checksums read the caller's memory, which is the caller's again once we return.
+    waits = [future for item in blocking for future in write(item)]
     for item in writes:
         write(item)
     if copies:
@@ -293,8 +295,8 @@ def _issue_writes(
     else:
         for opening in opens:
             opening.start()
-    for commit in waits:
-        commit.result()
+    for future in waits:
+        future.result()
 
 
 T = TypeVar("T")
