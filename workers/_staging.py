@@ -48,9 +48,8 @@ class StagingPool:
         """Pool the buffers no one references any more, up to ``keep_bytes`` in all; drop the
         rest. Starts the idle timer."""
         with self._lock:
-            for raw in raws:
-                # References: this loop's variable, the caller's list, getrefcount's argument.
-                if sys.getrefcount(raw) > 3 or self._pooled + raw.nbytes > keep_bytes:
+            for raw, references in zip(raws, _references(raws), strict=True):
+                if references > _UNREFERENCED or self._pooled + raw.nbytes > keep_bytes:
                     continue
                 self._free.setdefault(raw.nbytes - ALIGNMENT, []).append(raw)
                 self._pooled += raw.nbytes
@@ -96,5 +95,15 @@ class StagingPool:
             self._timer.cancel()
             self._timer = None
 
+
+def _references(items: list[np.ndarray]) -> list[int]:
+    """The reference count of each item, as seen from here."""
+    return [sys.getrefcount(item) for item in items]
+
+
+_UNREFERENCED = _references([np.empty(0)])[0]
+"""What :func:`_references` counts for an item held by its list only (a view of a buffer, as
+TensorStore may keep, holds the buffer as its base). Measured rather than assumed: which
+references the interpreter counts (loop variables, call arguments) differs between versions."""
 
 POOL = StagingPool()
