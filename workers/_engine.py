@@ -478,7 +478,6 @@ def _load(plan: LoadPlan, process_index: int | str, broadcasts: _Broadcasts) -> 
             locator.index([layout.name for layout in layouts if layout is not None])
         else:
             locator = None
-    reader = _BudgetedReader(plan.memory_budget_bytes, plan.store.directory, locator)
     results: list[Any] = [None] * len(plan.tasks)
     assemblers: list[_Assembler] = []
     waiting: list[_Assembler] = []  # broadcast arrays whose collectives run once their reads are done
@@ -501,26 +500,30 @@ def _load(plan: LoadPlan, process_index: int | str, broadcasts: _Broadcasts) -> 
         # jumping around each file in tree order. Collectives (load-and-broadcast) keep plan order.
         unknown = ("", -1)
         order.sort(key=lambda i: locator.first_location(plan.tasks[i].name) or unknown)
-    try:
-        for i in order:
-            task, store, layout, metadata = plan.tasks[i], stores[i], layouts[i], metadatas[i]
-            if task.sharding is None:
-                asm = _Assembler(task, None, results, i, [((), (tuple((0, n) for n in task.shape)))])
+    for i in order:
+        task = plan.tasks[i]
+        if task.sharding is None:
+            asm = _Assembler(task, None, results, i, [((), (tuple((0, n) for n in task.shape)))])
+        else:
+            sharding = task.sharding.to_jax() if isinstance(task.sharding, ShardingSpec) else task.sharding
+            readers = broadcasts.readers(i, task, sharding)
+            if readers is None:
+                asm = _Assembler(task, sharding, results, i, *boxes_of(sharding, task.shape))
             else:
-                sharding = task.sharding.to_jax() if isinstance(task.sharding, ShardingSpec) else task.sharding
-                readers = broadcasts.readers(i, task, sharding)
-                if readers is None:
-                    asm = _Assembler(task, sharding, results, i, *boxes_of(sharding, task.shape))
-                else:
-                    pieces, _ = _device_boxes(sharding, task.shape, readers)
-                    asm = _BroadcastAssembler(task, sharding, results, i, pieces, broadcasts)
-            assemblers.append(asm)
+                pieces, _ = _device_boxes(sharding, task.shape, readers)
+                asm = _BroadcastAssembler(task, sharding, results, i, pieces, broadcasts)
+        assemblers.append(asm)
+    total = sum(math.prod(b - a for a, b in box) * asm.dtype.itemsize for asm in assemblers for _, box in asm.pieces)
+    reader = _BudgetedReader(plan.memory_budget_bytes, plan.store.directory, locator, total)
+    try:
+        for i, asm in zip(order, assemblers, strict=True):
+            task, store, layout = plan.tasks[i], stores[i], layouts[i]
             if task.tensor is not None:
                 reader.read_tensor(task.tensor, asm)
             else:
                 checked = None
                 if task.checksums is not None:
-                    inner, shard = _chunk_shapes(store, metadata)
+                    inner, shard = _chunk_shapes(store, metadatas[i])
                     checked = _Checked(task.name, task.shape, inner, dict(task.checksums), shard)
                 for devices, box in asm.pieces:
                     reader.read(store, layout, box, asm, devices, checked)
@@ -951,11 +954,14 @@ class _BudgetedReader:
     chunks only partly is read through TensorStore as the whole chunks, then cut out.
     """
 
-    def __init__(self, budget: int | None, directory: str = "", locator: _direct.Locator | None = None) -> None:
+    def __init__(
+        self, budget: int | None, directory: str = "", locator: _direct.Locator | None = None, total_bytes: int = 0
+    ) -> None:
+        """``total_bytes``: about what the load will read."""
         self.budget = budget
         self.directory = directory
         self.locator = locator
-        self.direct = _direct.DirectReader() if locator is not None else None  # with the locator
+        self.direct = _direct.DirectReader(total_bytes) if locator is not None else None  # with the locator
         self.inflight: collections.deque[_Read | _TensorRead] = collections.deque()
         self.inflight_bytes = 0
         self.bytes_read = 0
