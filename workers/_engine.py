@@ -513,8 +513,8 @@ def _load(plan: LoadPlan, process_index: int | str, broadcasts: _Broadcasts) -> 
                 pieces, _ = _device_boxes(sharding, task.shape, readers)
                 asm = _BroadcastAssembler(task, sharding, results, i, pieces, broadcasts)
         assemblers.append(asm)
-    total = sum(math.prod(b - a for a, b in box) * asm.dtype.itemsize for asm in assemblers for _, box in asm.pieces)
-    reader = _BudgetedReader(plan.memory_budget_bytes, plan.store.directory, locator, total)
+    boxes = [math.prod(b - a for a, b in box) * asm.dtype.itemsize for asm in assemblers for _, box in asm.pieces]
+    reader = _BudgetedReader(plan.memory_budget_bytes, plan.store.directory, locator, sum(boxes), len(boxes))
     try:
         for i, asm in zip(order, assemblers, strict=True):
             task, store, layout = plan.tasks[i], stores[i], layouts[i]
@@ -955,13 +955,14 @@ class _BudgetedReader:
     """
 
     def __init__(
-        self, budget: int | None, directory: str = "", locator: _direct.Locator | None = None, total_bytes: int = 0
+        self, budget: int | None, directory: str = "", locator: _direct.Locator | None = None,
+        total_bytes: int = 0, boxes: int = 0,
     ) -> None:
-        """``total_bytes``: about what the load will read."""
+        """``total_bytes`` in ``boxes`` boxes: about what the load will read."""
         self.budget = budget
         self.directory = directory
         self.locator = locator
-        self.direct = _direct.DirectReader(total_bytes) if locator is not None else None  # with the locator
+        self.direct = _direct.DirectReader(total_bytes, boxes) if locator is not None else None  # with the locator
         self.inflight: collections.deque[_Read | _TensorRead] = collections.deque()
         self.inflight_bytes = 0
         self.bytes_read = 0
