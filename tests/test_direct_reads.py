@@ -595,3 +595,35 @@ def test_box_reads_of_subchunked_shards(box: Any, expected: Any) -> None:
     # with them, a chunk reaching past the array's edge (stored padding, unchecked) is not read directly
     edge = _direct.ShardLayout(name="a", shard_shape=(4, 6), dtype=np.dtype(np.float32), separator="/", chunk_shape=(2, 6), shape=(7, 6))
     assert _direct.box_reads(edge, ((6, 7), (0, 6)), whole_chunks=True) is None
+
+
+def test_loads_of_large_boxes_read_in_large_batches_exactly_and_catch_damage(
+    tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Boxes of 1 MiB and more go to more read threads in batches of several boxes, whose shard
+    values lying back to back in a file are read with one preadv: still exact, and a flipped
+    byte in one shard of a batch fails the load naming that array."""
+    from tests.test_integrity import chunk_value, flip
+
+    rng = np.random.default_rng(11)
+    state = {f"w{i}": put(rng.standard_normal((1024, 2048), dtype=np.float32), mesh24, P("data", "model")) for i in range(4)}
+    with mp.Context(saving=mp.SaveOptions(ocdbt_writers_per_host=1)):  # one database: values back to back
+        mp.save(tmp_path / "c", state)
+    readers: list[_direct.DirectReader] = []
+    real_init = _direct.DirectReader.__init__
+
+    def init(self: _direct.DirectReader, *args: Any) -> None:
+        real_init(self, *args)
+        readers.append(self)
+
+    monkeypatch.setattr(_direct.DirectReader, "__init__", init)
+    before = mp.io_stats()
+    assert_tree_equal(mp.load(tmp_path / "c", abstract_of(state)), state)
+    got = mp.io_stats() - before
+    (reader,) = readers
+    assert reader._batch_bytes > _direct._BATCH_BYTES[0] and reader._pool._max_workers > _direct._READ_THREADS
+    assert got.read_requests < 32, f"{got.read_requests} reads for 32 shards: none were read together"
+    file, offset, length = chunk_value(tmp_path / "c", "w2/c/1/3")
+    flip(file, offset + length // 3)
+    with pytest.raises(mp.CorruptCheckpointError, match="array 'w2'"):
+        mp.load(tmp_path / "c", abstract_of(state))
