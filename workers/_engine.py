@@ -263,6 +263,12 @@ def _issue_writes(
             written.commit.add_done_callback(lambda f, n=data.nbytes: f.exception() is None and progress(n))
         return written.commit, pending._checksum(spec, box, data)
 
+    if writes or blocking or not copies:
+        # Writes issued here: every open first, so they run together (and the writes reach
+        # TensorStore together: one by one, each after its array's open, a save's data spread
+        # over more files). Only a save that stages everything opens off the caller's thread.
+        for opening in opens:
+            opening.start()
     # The writes the caller waits for go first, so their I/O overlaps the copies. They and
     # their checksums read the caller's memory, which is the caller's again once we return.
     waits = [future for item in blocking for future in write(item)]
@@ -292,9 +298,6 @@ def _issue_writes(
                 write(item)
 
         pending._issuing = _on_copy_pool(issue)
-    else:
-        for opening in opens:
-            opening.start()
     for future in waits:
         future.result()
 
