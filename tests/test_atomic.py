@@ -103,6 +103,8 @@ def run_and_kill(path: Path, point: str, mode: str, overwrite: bool) -> str:
     finally:
         proc.kill()
         proc.wait(60)
+        proc.stdout.close()
+        proc.stderr.close()
     assert proc.returncode == -signal.SIGKILL
     assert "committed" not in seen, seen
     return "\n".join(seen)
