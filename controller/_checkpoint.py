@@ -421,10 +421,10 @@ def _unchanged(root: Path) -> Iterator[None]:
 
 
 def _read_items(root: Path) -> tuple[dict[str, Any], dict[str, _layout.Item], tuple[Any, ...], fmt.Checksums | None]:
+    _layout.require(root)
+    fmt.check_contained(root)  # before any file is opened (a FIFO would block the open forever)
     identity = _identity(root)
     with _unchanged(root):
-        _layout.require(root)
-        fmt.check_contained(root)
         checksums = fmt.Checksums.read(root)
         with fmt.verifying(checksums):
             meta = read_checkpoint_metadata(root)
@@ -437,6 +437,8 @@ def _identity(root: Path) -> tuple[Any, ...]:
         if isinstance(root, Path):
             st = os.stat(root)
             where: tuple[Any, ...] = (st.st_dev, st.st_ino)
+            if not (root / fmt.CHECKPOINT_METADATA).is_file():  # (opening a FIFO would wait forever)
+                return (*where, "no metadata file")
         else:  # object stores: the generation of the commit marker, which every save writes anew
             where = ((root / fmt.COMMIT_MARKER).generation(),)
         meta = json.loads((root / fmt.CHECKPOINT_METADATA).read_bytes())

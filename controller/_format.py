@@ -14,6 +14,7 @@ import contextlib
 import contextvars
 import json
 import os
+import zlib
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass
@@ -140,18 +141,30 @@ def _is_array_data(folder: Path) -> bool:
     )
 
 
+def _crc32(raw: bytes) -> int:
+    return zlib.crc32(raw) & 0xFFFFFFFF
+
+
 @dataclass(frozen=True)
 class Checksums:
-    """``_milepost_checksums.json``: (size, CRC32C) of each file by path relative to ``root``."""
+    """``_milepost_checksums.json``: (size, CRC32C) of each file by path relative to ``root``,
+    and (``files_crc32``, since 2026-11) each file's CRC-32 (zlib's polynomial).
+
+    The second digest is what tells OCDBT files apart: they end with their own CRC32C, so the
+    CRC32C of a whole such file is the same constant for every file (the CRC residue), and a
+    different manifest of the same size would pass. Older checkpoints have only ``files``; older
+    milepost versions ignore the new key."""
 
     root: Path
     files: dict[str, tuple[int, int]]
+    crc32: dict[str, int] | None = None
 
     @staticmethod
     def compute(root: Any) -> Checksums:
         if not isinstance(root, Path):
             return Checksums._compute_objects(root)
         files: dict[str, tuple[int, int]] = {}
+        crc32: dict[str, int] = {}
         for dirpath, dirnames, filenames in os.walk(root):
             here = Path(dirpath)
             dirnames[:] = [d for d in dirnames if not _is_array_data(here / d)]
@@ -160,8 +173,10 @@ class Checksums:
                 if path.is_symlink():
                     continue
                 raw = path.read_bytes()
-                files[path.relative_to(root).as_posix()] = (len(raw), workers.crc32c(raw))
-        return Checksums(root, files)
+                key = path.relative_to(root).as_posix()
+                files[key] = (len(raw), workers.crc32c(raw))
+                crc32[key] = _crc32(raw)
+        return Checksums(root, files, crc32)
 
     @staticmethod
     def _compute_objects(root: Any) -> Checksums:
@@ -180,17 +195,20 @@ class Checksums:
             if not chunk:
                 wanted.append(key)
 
-        def checksum(key: str) -> tuple[int, int]:
+        def checksum(key: str) -> tuple[int, int, int]:
             raw = (root / key).read_bytes()
-            return len(raw), workers.crc32c(raw)
+            return len(raw), workers.crc32c(raw), _crc32(raw)
 
         # A few files per host (its databases' manifests, its array_metadatas file): read them
         # concurrently, or a thousand hosts cost thousands of round trips one after another.
         with futures.ThreadPoolExecutor(min(32, max(1, len(wanted))), thread_name_prefix="milepost-checksums") as pool:
-            return Checksums(root, dict(zip(wanted, pool.map(checksum, wanted), strict=True)))
+            sums = dict(zip(wanted, pool.map(checksum, wanted), strict=True))
+        return Checksums(root, {k: (n, c) for k, (n, c, _) in sums.items()}, {k: c for k, (_, _, c) in sums.items()})
 
     def write(self) -> None:
-        body = {"format": 1, "algorithm": "crc32c", "files": {k: list(v) for k, v in sorted(self.files.items())}}
+        body: dict[str, Any] = {"format": 1, "algorithm": "crc32c", "files": {k: list(v) for k, v in sorted(self.files.items())}}
+        if self.crc32 is not None:
+            body["files_crc32"] = dict(sorted(self.crc32.items()))
         write_file(self.root / CHECKSUMS, _canonical({**body, "self_crc32c": workers.crc32c(_canonical(body))}))
 
     @staticmethod
@@ -214,9 +232,10 @@ class Checksums:
             if workers.crc32c(_canonical(data)) != recorded:
                 raise damaged
             files = {str(k): (int(v[0]), int(v[1])) for k, v in data["files"].items()}
+            crc32 = {str(k): int(v) for k, v in data["files_crc32"].items()} if "files_crc32" in data else None
         except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
             raise damaged from e
-        return Checksums(root, files)
+        return Checksums(root, files, crc32)
 
     def lists(self, path: Any) -> bool:
         try:
@@ -240,19 +259,26 @@ class Checksums:
                     ) from e
                 self.check(path, raw)
 
+    def matches(self, key: str, raw: bytes) -> bool:
+        """Whether ``raw`` is what was committed as ``key`` (True for files not listed)."""
+        recorded = self.files.get(key)
+        if recorded is None:
+            return True
+        size, crc = recorded
+        if len(raw) != size or workers.crc32c(raw) != crc:
+            return False
+        return self.crc32 is None or key not in self.crc32 or _crc32(raw) == self.crc32[key]
+
     def check(self, path: Path, raw: bytes) -> None:
         """Raise CorruptCheckpointError unless ``raw``, read from ``path``, is what was committed."""
         try:
             key = path.relative_to(self.root).as_posix()
         except ValueError:
             return
-        recorded = self.files.get(key)
-        if recorded is None:
-            return
-        size, crc = recorded
-        if len(raw) != size or workers.crc32c(raw) != crc:
+        if not self.matches(key, raw):
+            size = self.files[key][0]
             raise CorruptCheckpointError(
-                f"{path} is not the file that was committed (size {len(raw)} vs {size}, or its CRC32C differs): it was "
+                f"{path} is not the file that was committed (size {len(raw)} vs {size}, or its checksums differ): it was "
                 "damaged or changed. Load an earlier checkpoint."
             )
 
@@ -275,8 +301,9 @@ def verifying(checksums: Checksums | None) -> Iterator[None]:
 
 
 def check_contained(root: Any) -> None:
-    """Refuse a checkpoint with a symlink that leads out of it: reading through it would read
-    files that are not the checkpoint's. Symlinks that stay inside are fine (object stores have
+    """Refuse a checkpoint with a symlink that leads out of it (reading through it would read
+    files that are not the checkpoint's), or with an entry that is neither a file nor a folder
+    (a FIFO would block a read forever). Symlinks that stay inside are fine (object stores have
     none)."""
     if not isinstance(root, Path):
         return
@@ -300,3 +327,9 @@ def check_contained(root: Any) -> None:
                         )
                 elif entry.is_dir(follow_symlinks=False):
                     folders.append(entry.path)
+                elif not entry.is_file(follow_symlinks=False):
+                    raise CorruptCheckpointError(
+                        f"{entry.path} is not a regular file or folder (a FIFO, socket or device file); reading it "
+                        "could block forever. A checkpoint holds only files and folders: remove it, or restore the "
+                        "checkpoint from a copy"
+                    )

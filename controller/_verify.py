@@ -109,7 +109,10 @@ def _plan(root: Path, processes: Any, options: _options.Options) -> _Planned:
     try:
         fmt.check_contained(root)
     except ValueError as e:
+        # Nothing more is read: the rest would read through a link out of the checkpoint, or
+        # open a FIFO and wait forever.
         out.problems.append(str(e))
+        return out
 
     try:
         checksums = fmt.Checksums.read(root)
@@ -119,15 +122,15 @@ def _plan(root: Path, processes: Any, options: _options.Options) -> _Planned:
     if checksums is None:
         out.notes.append(f"no {fmt.CHECKSUMS} (written by Orbax or an older milepost): files were checked for form only")
     else:
-        for name, (size, crc) in sorted(checksums.files.items()):
+        for name, (size, _) in sorted(checksums.files.items()):
             out.files += 1
             try:
                 raw = (root / name).read_bytes()
             except OSError as e:
                 out.problems.append(f"{root / name} is listed in {fmt.CHECKSUMS} but cannot be read ({e})")
                 continue
-            if len(raw) != size or workers.crc32c(raw) != crc:
-                out.problems.append(f"{root / name} is damaged or changed (size {len(raw)} vs {size}, or its CRC32C differs)")
+            if not checksums.matches(name, raw):
+                out.problems.append(f"{root / name} is damaged or changed (size {len(raw)} vs {size}, or its checksums differ)")
     # The files' checksums were checked above, each once: go on with what they hold, to check
     # the arrays too.
     try:

@@ -627,3 +627,13 @@ def test_loads_of_large_boxes_read_in_large_batches_exactly_and_catch_damage(
     flip(file, offset + length // 3)
     with pytest.raises(mp.CorruptCheckpointError, match="array 'w2'"):
         mp.load(tmp_path / "c", abstract_of(state))
+
+
+def test_value_paths_are_percent_decoded_before_the_containment_check(tmp_path: Path) -> None:
+    """TensorStore's B-tree dump percent-encodes file names: the direct reader opens the file
+    TensorStore would open (``d/a:b``, not ``d/a%3Ab``), and checks the decoded path."""
+    value = _direct._parse_value(str(tmp_path), "value:d/:a%3Ab%25:7:9")
+    assert value is not None and value.path == os.path.join(str(tmp_path), "d/a:b%") and (value.offset, value.length) == (7, 9)
+    for crafted in ("value:d/:%2E%2E/%2E%2E/etc/passwd:0:1", "value:%2Fetc/:passwd:0:1", "value:d/:a%00b:0:1"):
+        with pytest.raises(mp.CorruptCheckpointError, match="outside the checkpoint"):
+            _direct._parse_value(str(tmp_path), crafted)

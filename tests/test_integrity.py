@@ -9,6 +9,7 @@ report the damage. Checkpoints written without checksums (Orbax, older milepost)
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -111,7 +112,10 @@ def assert_refused_or_exact(load: Callable[[], Any], want: Any, damaged: str) ->
     exactly (same values, types and strings). Returns the error, if any."""
     try:
         got = load()
-    except (ValueError, FileNotFoundError, OSError) as e:
+    except (ValueError, OSError) as e:
+        # Damage is a CorruptCheckpointError (a ValueError) or an OSError (a file gone); a
+        # plain ValueError would be a failure nobody named (TensorStore's own words).
+        assert isinstance(e, mp.CorruptCheckpointError | OSError), f"{type(e).__name__} is not CorruptCheckpointError: {e}"
         assert damaged in str(e), f"the error does not name {damaged}: {type(e).__name__}: {e}"
         return e
     assert_tree_equal(got, want)
@@ -465,17 +469,21 @@ def test_flipped_json_metadata_is_a_corrupt_checkpoint_error(
                 mp.metadata(ckpt)
 
 
+@pytest.mark.parametrize("at", ["zstd-frame", "third", "middle", "end"])
 @pytest.mark.parametrize("what", ["manifest", "btree-node"])
 def test_damaged_ocdbt_root_is_a_corrupt_checkpoint_error(
-    saved: dict[str, tuple[Path, Any]], tmp_path: Path, what: str
+    saved: dict[str, tuple[Path, Any]], tmp_path: Path, what: str, at: str
 ) -> None:
+    """Some of these TensorStore reports with a status (DATA_LOSS), some with none (a damaged
+    zstd frame: "Error decoding manifest: ZSTD_decompressStream() failed"): the same error."""
     base, _ = saved["ocdbt"]
     ckpt = copy_of(base, tmp_path / "c")
     if what == "manifest":
         file = ckpt / "state" / "manifest.ocdbt"
     else:  # the merged root view's B-tree node (the writers' data files are elsewhere)
         (file,) = (ckpt / "state" / "d").iterdir()
-    flip(file, file.stat().st_size // 2)
+    size = file.stat().st_size
+    flip(file, {"zstd-frame": 14, "third": size // 3, "middle": size // 2, "end": size - 5}[at])
     errors = []
     for call in (mp.load, mp.metadata):
         with pytest.raises(ValueError) as info:
@@ -718,6 +726,101 @@ def test_symlinked_checkpointable_is_not_followed_outside(
         loaded_decoy = same_bits(got["host"], decoy[1]["host"])
     assert not loaded_decoy, "the load returned the values of a checkpoint outside the one asked for"
     assert not report.ok, report
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "tensorstore"])
+def test_a_fifo_in_place_of_a_data_file_is_refused_not_waited_on(
+    saved: dict[str, tuple[Path, Any]], tmp_path: Path, direct: bool
+) -> None:
+    """Opening a FIFO blocks until a writer comes: a load, metadata or verify that opened one
+    would hang forever. It is refused by name before anything is read."""
+    base, state = saved["ocdbt"]
+    ckpt = copy_of(base, tmp_path / "c")
+    file, _, _ = chunk_value(ckpt, "w/c/1/2")
+    file.unlink()
+    os.mkfifo(file)
+    with reading(direct), pytest.raises(mp.CorruptCheckpointError, match="not a regular file") as info:
+        mp.load(ckpt, abstract_of(state))
+    assert str(file) in str(info.value)
+    report = mp.verify(ckpt)
+    assert not report.ok and file.name in problems(report), report
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("file", ["_CHECKPOINT_METADATA", "commit_success.txt", "state/_milepost.json", "state/manifest.ocdbt"])
+def test_a_fifo_in_place_of_a_metadata_file_is_refused_not_waited_on(
+    saved: dict[str, tuple[Path, Any]], tmp_path: Path, file: str
+) -> None:
+    base, _ = saved["ocdbt"]
+    ckpt = copy_of(base, tmp_path / "c")
+    (ckpt / file).unlink()
+    os.mkfifo(ckpt / file)
+    for call in (mp.load, mp.metadata):
+        with pytest.raises((mp.CorruptCheckpointError, mp.CheckpointNotFoundError)):
+            call(ckpt)
+    try:
+        report = mp.verify(ckpt)
+    except mp.CheckpointNotFoundError:
+        pass  # no commit marker: not a checkpoint at all
+    else:
+        assert not report.ok and "not a regular file" in problems(report), report
+
+
+def test_the_direct_reader_opens_regular_files_only(tmp_path: Path) -> None:
+    """Also when one became a FIFO after the checkpoint's walk: the open does not block."""
+    from milepost.workers import _direct
+
+    fifo = tmp_path / "d" / "data"
+    fifo.parent.mkdir()
+    os.mkfifo(fifo)
+    reader = _direct.DirectReader()
+    try:
+        with pytest.raises(mp.CorruptCheckpointError, match="not a regular file"):
+            reader._fd(str(fifo))
+        assert not reader._fds
+    finally:
+        reader.close()
+
+
+def test_a_different_ocdbt_file_of_the_same_size_fails_the_file_checksums(tmp_path: Path) -> None:
+    """OCDBT files end with their own CRC32C, so the CRC32C of any whole such file is one
+    constant: the file checksums carry a second digest (CRC-32) that tells them apart."""
+    from milepost import _format
+
+    trees = [{"w": np.arange(4096, dtype=np.float32) + k} for k in range(2)]
+    a, b = (save(tmp_path / name, tree) for name, tree in zip("ab", trees, strict=True))
+    key = "state/manifest.ocdbt"
+    mine, other = (a / key).read_bytes(), (b / key).read_bytes()
+    if len(mine) != len(other):
+        pytest.skip("the two manifests differ in size here (commit times of other lengths)")
+    assert mine != other and _direct_crc32c(mine) == _direct_crc32c(other) == 0x48674BC7
+    sums = _format.Checksums.read(a)
+    assert sums is not None and sums.matches(key, mine) and not sums.matches(key, other)
+    (a / key).write_bytes(other)
+    report = mp.verify(a)
+    assert not report.ok and f"{a / key} is damaged or changed" in problems(report), report
+
+
+def test_checksums_written_before_the_second_digest_still_check(saved: dict[str, tuple[Path, Any]], tmp_path: Path) -> None:
+    """A checkpoint of an earlier milepost has CRC32C only: it loads and verifies as before."""
+    from milepost import _format
+
+    base, state = saved["ocdbt"]
+    ckpt = copy_of(base, tmp_path / "c")
+    sums = _format.Checksums.read(ckpt)
+    assert sums is not None and sums.crc32 is not None
+    (ckpt / _format.CHECKSUMS).unlink()
+    _format.Checksums(ckpt, sums.files).write()
+    assert "files_crc32" not in json.loads((ckpt / _format.CHECKSUMS).read_text())
+    assert_tree_equal(mp.load(ckpt), state)
+    assert mp.verify(ckpt).ok
+
+
+def _direct_crc32c(raw: bytes) -> int:
+    from milepost.workers import _direct
+
+    return _direct.crc32c(raw)
 
 
 # ------------------------------------------------------------------------------------------

@@ -27,9 +27,11 @@ import bisect
 import itertools
 import math
 import os
+import stat
 import struct
 import sys
 import threading
+import urllib.parse
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -441,7 +443,9 @@ def _parse_value(directory: str, reference: str) -> _Value | None:
     kind, base_path, relative = head.split(":", 2)
     if kind != "value":
         return None
-    inside = base_path + relative
+    # TensorStore's dump percent-encodes every byte of a path outside [A-Za-z0-9-_./]: the file
+    # is the decoded name (the one TensorStore itself would read).
+    inside = urllib.parse.unquote(base_path) + urllib.parse.unquote(relative)
     parts = inside.split("/")
     if os.path.isabs(inside) or ".." in parts or "\\" in inside or "\x00" in inside:
         raise CorruptCheckpointError(
@@ -624,9 +628,25 @@ class DirectReader:
     def _fd(self, path: str) -> int:
         with self._lock:
             fd = self._fds.get(path)
-            if fd is None:
-                fd = self._fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        if fd is not None:
             return fd
+        # Opened outside the lock, without blocking (a FIFO put where a data file was would
+        # block the open, and every read behind the lock, forever), and only if it is a file.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise CorruptCheckpointError(
+                    f"{path} is not a regular file (a FIFO, socket or device); a checkpoint's data files are files, so "
+                    "the checkpoint is damaged or crafted, and it was not read"
+                )
+        except BaseException:
+            os.close(fd)
+            raise
+        with self._lock:
+            known = self._fds.setdefault(path, fd)
+        if known != fd:  # another thread opened it first
+            os.close(fd)
+        return known
 
     def _read_batch(self, boxes: list[_BoxWork]) -> list[BaseException | None]:
         """Read a batch; per box, None or the exception its reads raised (FallBack included)."""

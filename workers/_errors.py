@@ -22,6 +22,10 @@ class CorruptCheckpointError(ValueError):
 _STATUS = re.compile(r"^\s*([A-Z_]+):\s")
 
 
+_DAMAGE = re.compile(r"Error decoding|Error reading|ZSTD_|Invalid key")
+"""TensorStore's words for data it could not decode, in errors that carry no status code."""
+
+
 def status_of(error: BaseException) -> str | None:
     """The absl status code TensorStore put at the start of its error message, if any."""
     match = _STATUS.match(str(error))
@@ -35,7 +39,16 @@ def from_tensorstore(error: BaseException, doing: str, path: str = "", *, readin
     from a checkpoint a :class:`CorruptCheckpointError`. ``doing`` and ``path`` name what failed.
     Other errors (not TensorStore's, or a status with no better builtin) are returned unchanged."""
     status = status_of(error)
-    if status is None or not isinstance(error, ValueError):
+    if not isinstance(error, ValueError):
+        return error
+    if status is None:
+        # Some decoding failures carry no status (a damaged manifest or B-tree node: "Error
+        # decoding manifest: ZSTD_decompressStream() failed: ...", a crafted node's "Invalid key").
+        if reading and _DAMAGE.search(str(error)):
+            return CorruptCheckpointError(
+                f"{doing}{f' ({path})' if path else ''} failed: the checkpoint's metadata is damaged ({error}). "
+                "Load an earlier checkpoint."
+            )
         return error
     text = str(error)
     where = f" ({path})" if path else ""
