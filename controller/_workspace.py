@@ -56,7 +56,15 @@ def for_path(final: Path | ObjectPath, overwrite: bool, wait_secs: float, lease_
 
 def check_final(final: Any, overwrite: bool) -> None:
     """Raise unless a save may write ``final``: nothing is there, or (``overwrite``) a committed
-    checkpoint is."""
+    checkpoint is; and no folder above it is a checkpoint (a checkpoint written inside another
+    changes it, and goes with it when it is overwritten or deleted)."""
+    # (Local paths: on an object store each level would cost requests.)
+    for parent in final.resolve().parents if isinstance(final, Path) else ():
+        if _layout.is_committed(parent) or parent.name.endswith(fmt.TMP_SUFFIX):
+            raise CheckpointExistsError(
+                f"{final} is inside the checkpoint {parent}; milepost does not write a checkpoint into another one "
+                "(it would change it, and be deleted with it). Choose a path outside it"
+            )
     if final.exists() or final.is_symlink():
         if not overwrite:
             raise CheckpointExistsError(

@@ -358,3 +358,22 @@ def test_engine_failure_after_opens_leaves_nothing_in_flight(tmp_path: Path, mes
     shutil.rmtree(tmp_path / "store", ignore_errors=True)
     mp.save(tmp_path / "other", {"y": np.arange(1000)})  # some work later: nothing reappeared
     assert not (tmp_path / "store").exists()
+
+
+def test_nothing_is_written_inside_another_checkpoint(tmp_path: Path) -> None:
+    """A checkpoint written into another one's folder would change it (and be deleted with it
+    by an overwrite or retention): saves, copies and surgery refuse such a path by name."""
+    from milepost import surgery as ms
+
+    src = mp.save(tmp_path / "src", {"a": np.arange(1024, dtype=np.float32), "s": "x"})
+    before = sorted(p.relative_to(src) for p in src.rglob("*"))
+    for make in (
+        lambda p: mp.save(p, {"b": np.arange(4)}),
+        lambda p: mp.copy(src, p),
+        lambda p: ms.write(p, ms.open(src).tree),
+    ):
+        for inside in (src / "pruned", src / "state" / "x"):
+            with pytest.raises(mp.CheckpointExistsError, match=f"inside the checkpoint {src}"):
+                make(inside)
+    assert sorted(p.relative_to(src) for p in src.rglob("*")) == before
+    assert mp.verify(src).ok
