@@ -5,6 +5,7 @@ they need."""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -266,20 +267,56 @@ def test_a_rename_only_surgery_moves_no_array_bytes(source: tuple[Path, dict[str
 
     path, want = source
     monkeypatch.setattr(_run, "compute", lambda *a: pytest.fail("a rename-only surgery computed arrays"))
-    t = ms.rename(ms.open(path).tree, {r"^params\.(.*)": r"model.\1", r"^opt_state\.mu$": None})
-    out = ms.write(tmp_path / "out", ms.drop(t, r"^model\.v$"))
+    t = ms.rename(ms.open(path).tree, {r"^params\.(.*)": r"model.\1"})
+    out = ms.write(tmp_path / "out", t)
     monkeypatch.undo()
     got = mp.load(out)
-    assert sorted(got) == ["model", "note", "opt_state", "step"] and "v" not in got["model"]
+    assert sorted(got) == ["model", "note", "opt_state", "step"] and "v" in got["model"]
     for i in range(LAYERS):
         assert same_bits(got["model"][f"layer{i}"]["w"], want["params"][f"layer{i}"]["w"])
     assert same_bits(got["opt_state"]["count"], want["opt_state"]["count"]) and got["step"] == 100
-    data = [p for p in (out / "state").rglob("*") if p.is_file() and p.parent.name == "d" and p.parent.parent.name.startswith("ocdbt.process_")]
-    linked = [p for p in data if p.stat().st_nlink > 1]
+    linked = [p for p in _data_files(out) if p.stat().st_nlink > 1]
     assert linked and sum(p.stat().st_size for p in linked) >= sum(v["w"].nbytes for k, v in want["params"].items() if k.startswith("layer"))
     assert mp.verify(out).ok and mp.verify(path).ok  # the source is untouched
     assert same_bits(mp.load(path)["params"]["layer0"]["w"], want["params"]["layer0"]["w"])
     assert same_bits(ocp.load_pytree(out)["model"]["q"], want["params"]["q"])
+
+
+def test_dropped_arrays_leave_no_bytes_in_the_output(source: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    """Pruning a checkpoint (its optimizer state, say) to share it: the dropped arrays' bytes
+    are not in the output's files, so a drop is written anew instead of relinked."""
+    path, want = source
+    t = ms.rename(ms.open(path).tree, {r"^params\.(.*)": r"model.\1", r"^opt_state\.mu$": None})
+    out = ms.write(tmp_path / "out", ms.drop(t, r"^model\.v$"))
+    got = mp.load(out)
+    assert sorted(got) == ["model", "note", "opt_state", "step"] and "v" not in got["model"] and "mu" not in got["opt_state"]
+    assert same_bits(got["model"]["layer0"]["w"], want["params"]["layer0"]["w"])
+    stored = b"".join(p.read_bytes() for p in _data_files(out))
+    for dropped in (np.asarray(want["params"]["v"]), np.asarray(want["opt_state"]["mu"])):
+        assert dropped.nbytes >= 256 and dropped.tobytes()[:256] not in stored, "a dropped array's bytes are in the output"
+    assert not [p for p in _data_files(out) if p.stat().st_nlink > 1]
+    assert mp.verify(out).ok and mp.verify(path).ok
+
+
+def test_a_symlink_planted_in_the_source_after_open_is_not_followed(source: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    import shutil
+
+    path, _ = source
+    src = tmp_path / "planted"
+    shutil.copytree(path, src)
+    t = ms.rename(ms.open(src).tree, {r"^params\.(.*)": r"model.\1"})  # checked here, clean
+    outside = tmp_path / "outside"
+    (outside / "d").mkdir(parents=True)
+    (outside / "d" / "secret").write_bytes(b"not the checkpoint's")
+    (src / "state" / "ocdbt.process_7").symlink_to(outside, target_is_directory=True)
+    with pytest.raises(mp.CorruptCheckpointError, match="ocdbt.process_7"):
+        ms.write(tmp_path / "out", t)
+    assert not (tmp_path / "out").exists()
+    assert os.stat(outside / "d" / "secret").st_nlink == 1
+
+
+def _data_files(ckpt: Path) -> list[Path]:
+    return [p for p in (ckpt / "state").rglob("*") if p.is_file() and p.parent.name == "d" and p.parent.parent.name.startswith("ocdbt.process_")]
 
 
 def test_programs_are_shared_only_when_they_compute_the_same(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:

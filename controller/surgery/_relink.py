@@ -1,18 +1,22 @@
-"""A surgery that only renames, drops or selects stored leaves moves no array bytes.
+"""A surgery that only renames or reorders stored leaves moves no array bytes.
 
 The source's per-process OCDBT databases are rebuilt in the output: their data files are hard
 links to the source's (OCDBT never changes a data file once written), their manifests copies;
-inside each copy the kept arrays' keys are renamed and the others deleted (``copy_range_to``
-within one database copies index entries, not data), then the root view is merged and the
-format files written from the source's, renamed. The source is never modified. Anything else
-(another storage than local files, a new sharding, names that collide) takes the general path.
-"""
+inside each copy the arrays' keys are renamed (``copy_range_to`` within one database copies
+index entries, not data), then the root view is merged and the format files written from the
+source's, renamed. The source is never modified. Anything else (another storage than local
+files, a new sharding, names that collide) takes the general path, and so does a surgery that
+drops a stored array: the shared data files would still hold its bytes, and a checkpoint pruned
+of its optimizer state to be shared must not carry it. The databases are walked again when they
+are linked (a symlink or anything but a file found then is refused: nothing outside the source
+is linked or copied)."""
 
 from __future__ import annotations
 
 import logging
 import os
 import shutil
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +24,15 @@ import tensorstore as ts
 
 from milepost import _pytree_format as tree_format
 from milepost import _pytree_save, _tree, workers
+from milepost._errors import CorruptCheckpointError
 from milepost.surgery._lazy import LazyArray, Source, nest
 from milepost.workers import _tensorstore as tsu
 
 log = logging.getLogger("milepost.surgery")
+
+
+_ARRAYS = (_tree.ValueType.JAX_ARRAY, _tree.ValueType.NP_ARRAY)
+"""Stored leaves a drop must not leave behind (scalars are written anew by every surgery)."""
 
 
 def plan(arrays: dict[str, LazyArray], shardings_given: bool) -> tuple[Any, dict[str, str]] | None:
@@ -43,6 +52,8 @@ def plan(arrays: dict[str, LazyArray], shardings_given: bool) -> tuple[Any, dict
         if old in renames:  # one stored leaf under two names: a copy, not a rename
             return None
         renames[old] = new
+    if any(leaf.value_type in _ARRAYS and name not in renames for name, leaf in ck.files.leaves.items()):
+        return None  # a stored array is dropped: its bytes must not stay in the output's files
     moved_away = set(ck.files.leaves) - {o for o, n in renames.items() if o == n}
     if set(renames.values()) & moved_away:
         return None  # a new name another stored key still holds until it is renamed itself
@@ -52,19 +63,25 @@ def plan(arrays: dict[str, LazyArray], shardings_given: bool) -> tuple[Any, dict
 def link_databases(ck: Any, renames: dict[str, str], directory: Path) -> None:
     """On the primary: the source's databases in ``directory``, renamed (no data copied)."""
     source = Path(ck.folder)
-    databases = sorted(p for p in source.iterdir() if p.is_dir() and p.name.startswith(workers.PROCESS_PREFIX))
+    databases = sorted(p for p in source.iterdir() if p.name.startswith(workers.PROCESS_PREFIX))
     context = tsu.new_context(directory)
     for db in databases:
+        _check_plain(db)
+        if not db.is_dir():
+            continue
         target = directory / db.name
-        for dirpath, _dirs, files in os.walk(db):
+        for dirpath, dirs, files in os.walk(db):
             here = Path(dirpath)
             rel = here.relative_to(db)
             (target / rel).mkdir(parents=True, exist_ok=True)
+            for f in [*dirs, *files]:
+                _check_plain(here / f)
             for f in files:
+                # (never through a link: one put here since the checks is linked or copied as is)
                 if rel.parts[:1] == ("d",):
-                    os.link(here / f, target / rel / f)  # data files: immutable, shared
+                    os.link(here / f, target / rel / f, follow_symlinks=False)  # data files: immutable, shared
                 else:
-                    shutil.copyfile(here / f, target / rel / f)  # the manifest: rewritten below
+                    shutil.copyfile(here / f, target / rel / f, follow_symlinks=False)  # the manifest: rewritten below
         kv = ts.KvStore.open({"driver": "ocdbt", "base": tsu.file_kvstore(target)}, context=context).result()
         present = {k.decode().split("/", 1)[0] for k in kv.list().result()}
         for old in sorted(present):
@@ -74,6 +91,17 @@ def link_databases(ck: Any, renames: dict[str, str], directory: Path) -> None:
             if new is not None:
                 (kv / f"{old}/").experimental_copy_range_to(kv / f"{new}/").result()
             kv.delete_range(ts.KvStore.KeyRange(f"{old}/", f"{old}0")).result()  # '0' follows '/'
+
+
+def _check_plain(path: Path) -> None:
+    """Refuse a symlink, or anything but a file or folder, in a database being linked: the
+    source changed since it was opened, and what it points at is not the source's."""
+    st = os.lstat(path)
+    if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+        raise CorruptCheckpointError(
+            f"{path} is a symlink or not a regular file: the source checkpoint changed since it was opened, and "
+            "surgery links and copies nothing from outside it. Open the source again (it is checked then)"
+        )
 
 
 def finish(
