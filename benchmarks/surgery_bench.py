@@ -5,15 +5,17 @@ tree, a Python transform, Orbax saves), in one run.
 
 The source checkpoint (written once, by milepost): ``params`` (8 float32 arrays, half the
 bytes) and ``opt_state`` (the same shapes again), sharded over a (2, 4) mesh of 8 fake CPU
-devices. Two surgeries, each by both tools:
+devices. Three surgeries, each by both tools:
 
 * ``full``: rename ``params.*`` to ``model.*``, drop ``opt_state``, cast to bfloat16;
-* ``rename``: the rename and the drop only.
+* ``prune``: the rename and the drop only (the kept arrays are written anew: a relinked output
+  would still hold the dropped arrays' bytes in the data files it shares);
+* ``rename``: the rename only, ``opt_state`` kept (relinked: no array bytes move).
 
 Every run is a fresh process (``--worker``) whose memory is warmed first (see save_load.py's
 ``--warm``); it reports its wall time and its peak RSS growth (the kernel's high-water mark),
 then checks the output against the source exactly. Prints medians, ratios and the targets
-(full <= 0.5x time and <= 0.3x peak RSS growth; rename-only <= 0.1x time).
+(full <= 0.5x time and <= 0.3x peak RSS growth; rename-only <= 0.1x time; prune is reported).
 """
 
 from __future__ import annotations
@@ -73,13 +75,18 @@ def run(tool: str, surgery: str, source: str, out: str, budget: int) -> dict[str
     with PeakRss() as rss:
         t0 = time.perf_counter()
         if tool == "milepost":
-            t = ms.rename(ms.open(source).tree, {r"^params\.(.*)": r"model.\1", r"^opt_state\..*": None})
+            renames = {r"^params\.(.*)": r"model.\1"}
+            if surgery != "rename":
+                renames[r"^opt_state\..*"] = None
+            t = ms.rename(ms.open(source).tree, renames)
             if surgery == "full":
                 t = ms.cast(t, jnp.bfloat16)
             ms.write(out, t, memory_budget_bytes=budget)
         else:
             tree = ocp.load_pytree(source)
             new = {"model": tree["params"], "step": tree["step"]}
+            if surgery == "rename":
+                new["opt_state"] = tree["opt_state"]
             del tree
             if surgery == "full":
                 new["model"] = {k: v.astype(jnp.bfloat16) for k, v in new["model"].items()}
@@ -99,7 +106,12 @@ def check(source: str, out: str, surgery: str) -> None:
     for k, v in src["params"].items():
         want = np.asarray(v).astype(ml_dtypes.bfloat16) if surgery == "full" else np.asarray(v)
         assert np.array_equal(np.asarray(got["model"][k]).view(np.uint8), want.view(np.uint8)), k
-    assert "opt_state" not in got and int(got["step"]) == 7
+    if surgery == "rename":
+        for k, v in src["opt_state"]["mu"].items():
+            assert np.array_equal(np.asarray(got["opt_state"]["mu"][k]).view(np.uint8), np.asarray(v).view(np.uint8)), k
+    else:
+        assert "opt_state" not in got
+    assert int(got["step"]) == 7
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -137,7 +149,7 @@ def main() -> None:
             env=env, check=True,
         )
         results: dict[tuple[str, str], list[dict[str, float]]] = {}
-        cases = [(t, s) for s in ("full", "rename") for t in ("milepost", "orbax")]
+        cases = [(t, s) for s in ("full", "prune", "rename") for t in ("milepost", "orbax")]
         for r in range(args.repeats):
             for tool, surgery in cases[r % 2 :] + cases[: r % 2]:  # rotate the order
                 out = os.path.join(work, f"{tool}-{surgery}-{r}")
@@ -150,7 +162,7 @@ def main() -> None:
         med = {k: {m: statistics.median(x[m] for x in v) for m in ("seconds", "rss_growth")} for k, v in results.items()}
         print(f"{args.gib:g} GiB source (half params, half optimizer state), {args.repeats} repeats, budget {args.budget_mib} MiB, "
               f"load average {os.getloadavg()[0]:.1f}")
-        for surgery in ("full", "rename"):
+        for surgery in ("full", "prune", "rename"):
             m, o = med[("milepost", surgery)], med[("orbax", surgery)]
             t_ratio, r_ratio = m["seconds"] / o["seconds"], m["rss_growth"] / max(o["rss_growth"], 1)
             print(f"  {surgery:<7} milepost {m['seconds']:.2f}s {m['rss_growth'] / 2**20:7.0f} MiB | orbax {o['seconds']:.2f}s "

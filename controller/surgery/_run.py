@@ -282,7 +282,7 @@ class Job:
     """Every leaf name of the output tree, in its order."""
     shardings_given: bool = False
     relink: bool = True
-    """Stored leaves only renamed, dropped or selected may be relinked rather than rewritten."""
+    """Stored leaves only renamed or reordered (none dropped) may be relinked rather than rewritten."""
     written: dict[str, int] = field(default_factory=dict)
     """Groups written and bytes computed (for the caller's report)."""
 
@@ -416,9 +416,10 @@ def write(
     spread over every device; one sharding for all; or ``{regex: sharding}``). Its
     ``custom_metadata`` records the sources and the operations (``milepost.surgery``).
 
-    A tree of stored leaves only renamed, dropped or selected is written without moving array
-    bytes (local files: the data files are hard-linked, and keep their chunking and
-    compression); ``relink=False`` rewrites them instead. To re-chunk or compress, write inside
+    A tree of every stored array of one checkpoint, only renamed or reordered, is written
+    without moving array bytes (local files: the data files are hard-linked, and keep their
+    chunking and compression); ``relink=False`` rewrites them instead. A tree that drops a
+    stored array is rewritten: the shared data files would still hold the dropped bytes. To re-chunk or compress, write inside
     ``milepost.Context(saving=SaveOptions(chunk_byte_size=..., compression=...))`` (a number of
     bytes, or None for one chunk per shard; the default ``"auto"`` keeps what is stored): every
     array is then rewritten (e.g. adding subchunking for a new topology, one group at a time).
