@@ -59,13 +59,23 @@ than cores, so a read is in flight while every core checks what was read, and la
 (2 cores, 512 MiB cold: 4 MiB batches on 2 threads 0.256 s, 32 MiB batches on 2 threads 0.250 s,
 on 3 threads 0.228 s, the disk's floor 0.18 s). Loads of small boxes are CPU-bound (placing
 thousands of arrays): small batches hand the placing thread results early."""
+_BATCH_BYTES = (4 << 20, 32 << 20)
+"""Boxes are handed to the read threads in batches of about this many bytes, the least and the
+most: a small box's read costs less than its hand-over to a thread, and shard values lying back
+to back in a batch are read with one ``preadv``, which the disk serves faster the larger it is
+(cold, 512 MiB in 64 MiB files: 8 MiB reads 0.25 s on one thread, 64 MiB reads 0.20 s)."""
 
 
-def read_threads(total: int, boxes: int) -> int:
-    """Read threads for a load of ``boxes`` boxes, ``total`` bytes in all."""
-    if boxes and total // boxes >= _LARGE_BOX_BYTES:
-        return min(4, _READ_THREADS + 1)
-    return _READ_THREADS
+def sizing(total: int, boxes: int) -> tuple[int, int]:
+    """(read threads, batch bytes) for a load of ``boxes`` boxes, ``total`` bytes in all: for
+    large boxes one more thread than cores, and about two batches per thread (so every thread
+    has work until the end) within :data:`_BATCH_BYTES`; for small ones as many threads as
+    cores, and the least batch."""
+    least, most = _BATCH_BYTES
+    if not boxes or total // boxes < _LARGE_BOX_BYTES:
+        return _READ_THREADS, least
+    threads = min(4, _READ_THREADS + 1)
+    return threads, max(least, min(most, total // (2 * threads)))
 
 
 def crc32c(data: bytes) -> int:
@@ -455,21 +465,6 @@ def _parse_value(directory: str, reference: str) -> _Value | None:
     return _Value(path=os.path.join(directory, inside), offset=int(offset), length=int(length))
 
 
-_BATCH_BYTES = (4 << 20, 32 << 20)
-"""Boxes are handed to the read threads in batches of about this many bytes, the least and the
-most: a small box's read costs less than its hand-over to a thread, and shard values lying back
-to back in a batch are read with one ``preadv``, which the disk serves faster the larger it is
-(cold, 512 MiB in 64 MiB files: 8 MiB reads 0.25 s on one thread, 64 MiB reads 0.20 s)."""
-
-
-def batch_bytes(total: int, boxes: int, threads: int) -> int:
-    """The batch size for a load of ``boxes`` boxes, ``total`` bytes in all, on ``threads``
-    read threads: for large boxes about two batches per thread (so every thread has work until
-    the end), within :data:`_BATCH_BYTES`; for small ones the least."""
-    least, most = _BATCH_BYTES
-    if not boxes or total // boxes < _LARGE_BOX_BYTES:
-        return least
-    return max(least, min(most, total // (2 * threads)))
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024)
 
 
@@ -543,7 +538,7 @@ class _Group:
 class DirectReader:
     """Runs direct reads on a few threads (``preadv`` releases the GIL); one per load.
 
-    Boxes (:meth:`read_box`) are gathered into batches (:func:`batch_bytes`); a read
+    Boxes (:meth:`read_box`) are gathered into batches (:func:`sizing`); a read
     thread takes a whole batch. A shard whose chunks land one after another in a box (a box
     that is the shard, or whole shards stacked along the first axis) is read whole, its chunks
     and then its index, and shards lying back to back in one file with one ``preadv``: thousands
@@ -556,9 +551,8 @@ class DirectReader:
     def __init__(self, total_bytes: int = 0, boxes: int = 0) -> None:
         """``total_bytes`` in ``boxes`` boxes: about what the load will read (they set the
         number of threads and the batch size)."""
-        threads = read_threads(total_bytes, boxes)
+        threads, self._batch_bytes = sizing(total_bytes, boxes)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="milepost-read")
-        self._batch_bytes = batch_bytes(total_bytes, boxes, threads)
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
         self._batch = _Batch([])

@@ -77,7 +77,7 @@ def link_databases(ck: Any, renames: dict[str, str], directory: Path) -> None:
             for f in [*dirs, *files]:
                 _check_plain(here / f)
             for f in files:
-                # (never through a link: one put here since the checks is linked or copied as is)
+                # (never through a link: one put here after the checks is linked or copied as a link)
                 if rel.parts[:1] == ("d",):
                     os.link(here / f, target / rel / f, follow_symlinks=False)  # data files: immutable, shared
                 else:

@@ -419,7 +419,8 @@ def write(
     A tree of every stored array of one checkpoint, only renamed or reordered, is written
     without moving array bytes (local files: the data files are hard-linked, and keep their
     chunking and compression); ``relink=False`` rewrites them instead. A tree that drops a
-    stored array is rewritten: the shared data files would still hold the dropped bytes. To re-chunk or compress, write inside
+    stored array is rewritten: the shared data files would still hold the dropped bytes. To
+    re-chunk or compress, write inside
     ``milepost.Context(saving=SaveOptions(chunk_byte_size=..., compression=...))`` (a number of
     bytes, or None for one chunk per shard; the default ``"auto"`` keeps what is stored): every
     array is then rewritten (e.g. adding subchunking for a new topology, one group at a time).
