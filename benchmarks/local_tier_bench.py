@@ -53,7 +53,10 @@ def make_state(gib: float) -> dict[str, jax.Array]:
     rows = max(8, int(gib * 2**30 / 8 / 8192 / 4) // 8 * 8)
     rng = np.random.default_rng(0)
     return {
-        f"w{i}": jax.device_put(rng.standard_normal((rows, 8192), dtype=np.float32), NamedSharding(mesh, P("data", "model")))
+        f"w{i}": jax.device_put(
+            rng.standard_normal((rows, 8192), dtype=np.float32),
+            NamedSharding(mesh, P("data", "model")),
+        )
         for i in range(8)
     }
 
@@ -73,7 +76,9 @@ def host_copy(state: dict[str, jax.Array], into: list[np.ndarray]) -> float:
     return time.perf_counter() - t0
 
 
-def loop(ckpt: Checkpointer, state: dict[str, jax.Array], saves: int, step_secs: float) -> tuple[list[float], float]:
+def loop(
+    ckpt: Checkpointer, state: dict[str, jax.Array], saves: int, step_secs: float
+) -> tuple[list[float], float]:
     blocking = []
     for step in range(saves):
         time.sleep(step_secs)  # training
@@ -90,7 +95,11 @@ def start_moto(workdir: str) -> tuple[subprocess.Popen[bytes], str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = open(os.path.join(workdir, "moto.log"), "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=log)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=log,
+        stderr=log,
+    )
     endpoint = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     while True:
@@ -101,13 +110,20 @@ def start_moto(workdir: str) -> tuple[subprocess.Popen[bytes], str]:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("moto did not start") from None
             time.sleep(0.1)
-    os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
-                      AWS_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true")
+    os.environ.update(
+        AWS_ENDPOINT_URL=endpoint,
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing",
+        AWS_REGION="us-east-1",
+        AWS_EC2_METADATA_DISABLED="true",
+    )
     return proc, endpoint
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--saves", type=int, default=4)
     ap.add_argument("--step-secs", type=float, default=2.0)
@@ -122,36 +138,60 @@ def main() -> None:
             import boto3
 
             bucket = f"bench-{uuid.uuid4().hex[:8]}"
-            boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
+            boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(
+                Bucket=bucket
+            )
             roots = [f"s3://{bucket}/tiered", f"s3://{bucket}/direct"]
         else:
             roots = [os.path.join(work, "tiered"), os.path.join(work, "direct")]
         state = make_state(args.gib)
         nbytes = sum(a.nbytes for a in state.values())
         warm(int(2.5 * nbytes))
-        into = [np.ones(s.data.shape, np.float32) for a in state.values() for s in a.addressable_shards]
+        into = [
+            np.ones(s.data.shape, np.float32) for a in state.values() for s in a.addressable_shards
+        ]
         copies = [host_copy(state, into) for _ in range(args.saves)]
         del into
-        with Checkpointer(roots[0], local=os.path.join(work, "local"), keep=KeepLatest(n=2), local_keep=KeepLatest(n=2)) as ckpt:
+        with Checkpointer(
+            roots[0],
+            local=os.path.join(work, "local"),
+            keep=KeepLatest(n=2),
+            local_keep=KeepLatest(n=2),
+        ) as ckpt:
             tiered, tiered_drain = loop(ckpt, state, args.saves, args.step_secs)
         tiered = tiered[1:]  # the first save faults in its staging buffers; the next reuse them
         with Checkpointer(roots[1], keep=KeepLatest(n=2)) as ckpt:
             direct, direct_drain = loop(ckpt, state, args.saves, args.step_secs)
         direct = direct[1:]
         result = {
-            "gib": nbytes / 2**30, "root": args.root, "saves": args.saves, "step_secs": args.step_secs,
+            "gib": nbytes / 2**30,
+            "root": args.root,
+            "saves": args.saves,
+            "step_secs": args.step_secs,
             "hostcopy_s": statistics.median(copies),
-            "tiered_blocking_s": statistics.median(tiered), "tiered_blocking_max_s": max(tiered), "tiered_drain_s": tiered_drain,
-            "direct_blocking_s": statistics.median(direct), "direct_blocking_max_s": max(direct), "direct_drain_s": direct_drain,
+            "tiered_blocking_s": statistics.median(tiered),
+            "tiered_blocking_max_s": max(tiered),
+            "tiered_drain_s": tiered_drain,
+            "direct_blocking_s": statistics.median(direct),
+            "direct_blocking_max_s": max(direct),
+            "direct_drain_s": direct_drain,
         }
         ratio = result["tiered_blocking_s"] / result["hostcopy_s"]
-        print(f"{nbytes / 2**30:.2f} GiB, root={args.root}, {args.saves} saves, {args.step_secs:g}s steps")
+        print(
+            f"{nbytes / 2**30:.2f} GiB, root={args.root}, {args.saves} saves, {args.step_secs:g}s steps"
+        )
         print(f"  host copy (reference)       {result['hostcopy_s']:.3f}s")
-        print(f"  tiered save, blocking       {result['tiered_blocking_s']:.3f}s median, {max(tiered):.3f}s max; "
-              f"mirrors drained {tiered_drain:.2f}s after the loop")
-        print(f"  direct save, blocking       {result['direct_blocking_s']:.3f}s median, {max(direct):.3f}s max; "
-              f"drained {direct_drain:.2f}s after the loop")
-        print(f"  tiered blocking / host copy = {ratio:.2f}x (target <= 1.5x): {'PASS' if ratio <= 1.5 else 'FAIL'}")
+        print(
+            f"  tiered save, blocking       {result['tiered_blocking_s']:.3f}s median, {max(tiered):.3f}s max; "
+            f"mirrors drained {tiered_drain:.2f}s after the loop"
+        )
+        print(
+            f"  direct save, blocking       {result['direct_blocking_s']:.3f}s median, {max(direct):.3f}s max; "
+            f"drained {direct_drain:.2f}s after the loop"
+        )
+        print(
+            f"  tiered blocking / host copy = {ratio:.2f}x (target <= 1.5x): {'PASS' if ratio <= 1.5 else 'FAIL'}"
+        )
         print(json.dumps(result))
         mp.wait_for_saves()
     finally:

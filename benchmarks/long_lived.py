@@ -56,7 +56,10 @@ def build(gib: float) -> dict[str, Any]:
     rows = max(8, int(gib * 2**30 / N_ARRAYS / 4 / COLS) // 8 * 8)
     rng = np.random.default_rng(0)
     tree = {
-        f"layer{i}": jax.device_put(rng.standard_normal((rows, COLS), dtype=np.float32), NamedSharding(mesh, P(*SPECS[i % 4])))
+        f"layer{i}": jax.device_put(
+            rng.standard_normal((rows, COLS), dtype=np.float32),
+            NamedSharding(mesh, P(*SPECS[i % 4])),
+        )
         for i in range(N_ARRAYS)
     }
     return jax.block_until_ready(tree)
@@ -153,7 +156,10 @@ def worker_budget(gib: float, budget: int | None, directory: str) -> dict[str, A
         total = time.perf_counter() - t0
     import jax
 
-    loaded = mp.load(path, {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in tree.items()})
+    loaded = mp.load(
+        path,
+        {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in tree.items()},
+    )
     exact = all(np.array_equal(np.asarray(loaded[k]), np.asarray(v)) for k, v in tree.items())
     shutil.rmtree(path)
     return {"block": block, "total": total, "rss_growth": rss.growth, "exact": exact}
@@ -168,10 +174,18 @@ def worker_loads(gib: float, rounds: int, directory: str) -> dict[str, Any]:
     tree = build(gib)
     path = os.path.join(directory, "loads")
     mp.save(path, tree)
-    abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in tree.items()}
+    abstract = {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in tree.items()
+    }
     expected = {k: np.asarray(v) for k, v in tree.items()}
     del tree
-    times: dict[str, list[float]] = {"milepost": [], "orbax": [], "milepost_faults": [], "orbax_faults": [], "floor": []}
+    times: dict[str, list[float]] = {
+        "milepost": [],
+        "orbax": [],
+        "milepost_faults": [],
+        "orbax_faults": [],
+        "floor": [],
+    }
     floor = _Floor(path)
     exact = True
     for r in range(rounds):
@@ -184,7 +198,9 @@ def worker_loads(gib: float, rounds: int, directory: str) -> dict[str, Any]:
             out = mp.load(path, abstract) if who == "milepost" else ocp.load_pytree(path, abstract)
             jax.block_until_ready(out)
             times[who].append(time.perf_counter() - t0)
-            times[f"{who}_faults"].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
+            times[f"{who}_faults"].append(
+                resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+            )
             exact = exact and all(np.array_equal(np.asarray(out[k]), expected[k]) for k in expected)
             del out
     return times | {"exact": exact}
@@ -198,8 +214,11 @@ class _Floor:
 
     def __init__(self, path: str) -> None:
         files = [os.path.join(d, f) for d, _, names in os.walk(path) for f in names]
-        self.pieces = [(f, off, min(self.PIECE, os.path.getsize(f) - off)) for f in files
-                       for off in range(0, os.path.getsize(f), self.PIECE)]
+        self.pieces = [
+            (f, off, min(self.PIECE, os.path.getsize(f) - off))
+            for f in files
+            for off in range(0, os.path.getsize(f), self.PIECE)
+        ]
         self.buffer = np.ones(sum(n for _, _, n in self.pieces), np.uint8)
 
     def read(self) -> float:
@@ -227,7 +246,9 @@ def fmt(xs: list[float]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--gib", type=float, default=0.5)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--parts", default="saves,first,loop,budget,loads")
@@ -249,7 +270,9 @@ def main() -> int:
         print(json.dumps(out))
         return 0
     parts = args.parts.split(",")
-    directory = tempfile.mkdtemp(prefix="milepost-long-lived-", dir=os.environ.get("TMPDIR", "/tmp"))
+    directory = tempfile.mkdtemp(
+        prefix="milepost-long-lived-", dir=os.environ.get("TMPDIR", "/tmp")
+    )
     here = str(Path(__file__).resolve())
     common = ["--gib", str(args.gib), "--rounds", str(args.rounds), "--dir", directory]
     print(f"{args.gib} GiB over 8 CPU devices; load average {os.getloadavg()[0]:.1f}")
@@ -257,8 +280,10 @@ def main() -> int:
         if "saves" in parts:
             t = run_worker(here, ["--worker", "saves", *common])
             ratio = statistics.median(t["save_async"]) / statistics.median(t["save"])
-            print(f"saves:  save {fmt(t['save'])}; save_async total {fmt(t['save_async'])}, blocking "
-                  f"{fmt(t['save_async_block'])}; total ratio {ratio:.2f}x (target <= 1.2x)")
+            print(
+                f"saves:  save {fmt(t['save'])}; save_async total {fmt(t['save_async'])}, blocking "
+                f"{fmt(t['save_async_block'])}; total ratio {ratio:.2f}x (target <= 1.2x)"
+            )
         if "first" in parts:
             firsts: dict[str, list[float]] = {"save": [], "save_async": []}
             blocks = []
@@ -269,33 +294,43 @@ def main() -> int:
                     if t["block"] is not None:
                         blocks.append(t["block"])
             ratio = statistics.median(firsts["save_async"]) / statistics.median(firsts["save"])
-            print(f"first:  the first save of a fresh process: save {fmt(firsts['save'])}; save_async total "
-                  f"{fmt(firsts['save_async'])}, blocking {fmt(blocks)}; total ratio {ratio:.2f}x")
+            print(
+                f"first:  the first save of a fresh process: save {fmt(firsts['save'])}; save_async total "
+                f"{fmt(firsts['save_async'])}, blocking {fmt(blocks)}; total ratio {ratio:.2f}x"
+            )
         if "loop" in parts:
             t = run_worker(here, ["--worker", "loop", *common])
             copy = min(t["hostcopy"])
             later = t["block"][1:]
-            print(f"loop:   warm host copy {copy:.3f} s; blocking of save 1 {t['block'][0]:.3f} s, saves 2..n {fmt(later)} "
-                  f"({statistics.median(later) / copy:.2f}x the copy, target <= 1.2x); totals {fmt(t['total'])}")
+            print(
+                f"loop:   warm host copy {copy:.3f} s; blocking of save 1 {t['block'][0]:.3f} s, saves 2..n {fmt(later)} "
+                f"({statistics.median(later) / copy:.2f}x the copy, target <= 1.2x); totals {fmt(t['total'])}"
+            )
         if "budget" in parts:
             budget = int(args.gib * 2**30 / 4)
             free = run_worker(here, ["--worker", "budget", "--budget", "-1", *common])
             capped = run_worker(here, ["--worker", "budget", "--budget", str(budget), *common])
             mib = 2**20
-            print(f"budget: no budget: blocking {free['block']:.3f} s, total {free['total']:.3f} s, peak RSS +{free['rss_growth'] / mib:.0f} MiB; "
-                  f"budget {budget / mib:.0f} MiB: blocking {capped['block']:.3f} s, total {capped['total']:.3f} s, peak RSS "
-                  f"+{capped['rss_growth'] / mib:.0f} MiB ({capped['rss_growth'] / budget:.2f}x the budget, target <= 1.1x); "
-                  f"exact {free['exact'] and capped['exact']}")
+            print(
+                f"budget: no budget: blocking {free['block']:.3f} s, total {free['total']:.3f} s, peak RSS +{free['rss_growth'] / mib:.0f} MiB; "
+                f"budget {budget / mib:.0f} MiB: blocking {capped['block']:.3f} s, total {capped['total']:.3f} s, peak RSS "
+                f"+{capped['rss_growth'] / mib:.0f} MiB ({capped['rss_growth'] / budget:.2f}x the budget, target <= 1.1x); "
+                f"exact {free['exact'] and capped['exact']}"
+            )
         if "loads" in parts:
             t = run_worker(here, ["--worker", "loads", *common])
             later = [m / o for m, o in zip(t["milepost"][1:], t["orbax"][1:], strict=True)]
-            print(f"loads:  milepost {[round(x, 3) for x in t['milepost']]}, Orbax {[round(x, 3) for x in t['orbax']]}; "
-                  f"loads 2..n milepost/Orbax median {statistics.median(later):.2f}x (target <= 0.6x); exact {t['exact']}; "
-                  f"page faults per load: milepost {t['milepost_faults']}, Orbax {t['orbax_faults']}")
+            print(
+                f"loads:  milepost {[round(x, 3) for x in t['milepost']]}, Orbax {[round(x, 3) for x in t['orbax']]}; "
+                f"loads 2..n milepost/Orbax median {statistics.median(later):.2f}x (target <= 0.6x); exact {t['exact']}; "
+                f"page faults per load: milepost {t['milepost_faults']}, Orbax {t['orbax_faults']}"
+            )
             floor = statistics.median(t["floor"])
-            print(f"        the disk's floor (the files read cold into touched memory: 64 MiB preads, 4 threads) {[round(x, 3) for x in t['floor']]}: "
-                  f"loads 2..n milepost {statistics.median(t['milepost'][1:]) / floor:.2f}x it, "
-                  f"Orbax {statistics.median(t['orbax'][1:]) / floor:.2f}x it")
+            print(
+                f"        the disk's floor (the files read cold into touched memory: 64 MiB preads, 4 threads) {[round(x, 3) for x in t['floor']]}: "
+                f"loads 2..n milepost {statistics.median(t['milepost'][1:]) / floor:.2f}x it, "
+                f"Orbax {statistics.median(t['orbax'][1:]) / floor:.2f}x it"
+            )
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     return 0

@@ -39,10 +39,16 @@ def worker(variant: str, index: int, count: int, port: int, directory: str, gib:
     tree = {}
     for i in range(8):
         s = NamedSharding(mesh, specs[i % 4])
-        full = np.random.default_rng(i).standard_normal((rows, 8192), dtype=np.float32)  # same in every process
-        tree[f"layer{i}"] = jax.make_array_from_callback((rows, 8192), s, lambda idx, full=full: full[idx])
+        full = np.random.default_rng(i).standard_normal(
+            (rows, 8192), dtype=np.float32
+        )  # same in every process
+        tree[f"layer{i}"] = jax.make_array_from_callback(
+            (rows, 8192), s, lambda idx, full=full: full[idx]
+        )
         del full
-    abstract = {k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for k, x in tree.items()}
+    abstract = {
+        k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for k, x in tree.items()
+    }
     path = os.path.join(directory, variant)
     sync = multihost_utils.sync_global_devices
     out: dict = {"bytes": sum(x.nbytes for x in tree.values())}
@@ -81,12 +87,33 @@ def launch(variant: str, processes: int, directory: str, gib: float) -> list[dic
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // processes}", JAX_PLATFORMS="cpu")
+    env = dict(
+        os.environ,
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // processes}",
+        JAX_PLATFORMS="cpu",
+    )
     procs = [
         subprocess.Popen(
-            [sys.executable, __file__, "--worker", variant, "--index", str(i), "--count", str(processes),
-             "--port", str(port), "--dir", directory, "--gib", str(gib)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [
+                sys.executable,
+                __file__,
+                "--worker",
+                variant,
+                "--index",
+                str(i),
+                "--count",
+                str(processes),
+                "--port",
+                str(port),
+                "--dir",
+                directory,
+                "--gib",
+                str(gib),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for i in range(processes)
     ]
@@ -101,7 +128,9 @@ def launch(variant: str, processes: int, directory: str, gib: float) -> list[dic
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--gib", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--processes", type=int, default=2)
@@ -112,11 +141,16 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker, args.index, args.count, args.port, args.dir, args.gib)), flush=True)
+        print(
+            json.dumps(worker(args.worker, args.index, args.count, args.port, args.dir, args.gib)),
+            flush=True,
+        )
         os._exit(0)  # skip jax.distributed's shutdown barrier: every process already synced
 
     directory = args.dir or tempfile.mkdtemp(prefix="milepost-mcbench-")
-    times: dict[str, dict[str, list[float]]] = {v: {"save": [], "load": []} for v in ("milepost", "orbax")}
+    times: dict[str, dict[str, list[float]]] = {
+        v: {"save": [], "load": []} for v in ("milepost", "orbax")
+    }
     exact = True
     try:
         for r in range(args.repeats):
@@ -125,20 +159,31 @@ def main() -> int:
                 for key in ("save", "load"):
                     times[v][key].append(max(x[key] for x in res))
                 exact = exact and all(x["exact"] for x in res)
-                print(f"  run {r + 1} {v}: save {times[v]['save'][-1]:.3f}s load {times[v]['load'][-1]:.3f}s", flush=True)
+                print(
+                    f"  run {r + 1} {v}: save {times[v]['save'][-1]:.3f}s load {times[v]['load'][-1]:.3f}s",
+                    flush=True,
+                )
     finally:
         if not args.dir:
             shutil.rmtree(directory, ignore_errors=True)
     m = {v: {k: median(x) for k, x in d.items()} for v, d in times.items()}
-    print(f"\n{args.gib:.2f} GiB, {args.processes} processes x {8 // args.processes} devices, median of {args.repeats} (slowest process)")
+    print(
+        f"\n{args.gib:.2f} GiB, {args.processes} processes x {8 // args.processes} devices, median of {args.repeats} (slowest process)"
+    )
     print(f"{'':<10} {'save s':>8} {'load s':>8}")
     for v in m:
         print(f"{v:<10} {m[v]['save']:>8.3f} {m[v]['load']:>8.3f}")
     for k in ("save", "load"):
         ratio = m["milepost"][k] / m["orbax"][k]
-        print(f"  {'PASS' if ratio <= 0.6 else 'FAIL'}  {k} / Orbax {k}: {ratio:.2f} (target <= 0.6)")
-    total = (m["milepost"]["save"] + m["milepost"]["load"]) / (m["orbax"]["save"] + m["orbax"]["load"])
-    print(f"  {'PASS' if total <= 0.6 else 'FAIL'}  save+load / Orbax save+load: {total:.2f} (target <= 0.6)")
+        print(
+            f"  {'PASS' if ratio <= 0.6 else 'FAIL'}  {k} / Orbax {k}: {ratio:.2f} (target <= 0.6)"
+        )
+    total = (m["milepost"]["save"] + m["milepost"]["load"]) / (
+        m["orbax"]["save"] + m["orbax"]["load"]
+    )
+    print(
+        f"  {'PASS' if total <= 0.6 else 'FAIL'}  save+load / Orbax save+load: {total:.2f} (target <= 0.6)"
+    )
     print(f"  exact round trip: {exact}")
     return 0
 

@@ -65,7 +65,12 @@ def array_names(n: int) -> list[str]:
 
 def spec_of(name: str, hosts: int) -> workers.ArraySpec:
     return workers.ArraySpec(
-        name=name, shape=(hosts, COLS), dtype="float32", write_shape=(1, COLS), chunk_shape=(1, COLS), compression=None
+        name=name,
+        shape=(hosts, COLS),
+        dtype="float32",
+        write_shape=(1, COLS),
+        chunk_shape=(1, COLS),
+        compression=None,
     )
 
 
@@ -87,7 +92,9 @@ def shard_value(host: int, k: int) -> tuple[bytes, int]:
     return values + index + struct.pack("<I", _checksum.crc32c(index)), _checksum.crc32c(values)
 
 
-def write_process(directory: Path, process: int, writer: int, names: list[str], header: dict[str, bytes]) -> list[Any]:
+def write_process(
+    directory: Path, process: int, writer: int, names: list[str], header: dict[str, bytes]
+) -> list[Any]:
     """One host's (one writer's) database: the arrays ``names`` of it, in one transaction."""
     store = workers.StoreSpec(directory=str(directory), use_ocdbt=True)
     kv = ts.KvStore.open(tsu.write_kvstore(store, process, writer)).result()
@@ -100,13 +107,20 @@ def write_process(directory: Path, process: int, writer: int, names: list[str], 
             kv.with_transaction(txn)[f"{name}/zarr.json"] = header[name]
         kv.with_transaction(txn)[f"{name}/c/{process}/0"] = value
         written.append(
-            workers.WrittenArray(name=name, write_shape=(1, COLS), chunk_shape=(1, COLS), chunk_crc32c=(((process, 0), crc),))
+            workers.WrittenArray(
+                name=name,
+                write_shape=(1, COLS),
+                chunk_shape=(1, COLS),
+                chunk_crc32c=(((process, 0), crc),),
+            )
         )
     txn.commit_async().result()
     return written
 
 
-def simulate(root: Path, hosts: int, n_arrays: int, devices_per_host: int, writers: int) -> dict[str, Any]:
+def simulate(
+    root: Path, hosts: int, n_arrays: int, devices_per_host: int, writers: int
+) -> dict[str, Any]:
     ckpt = root / f"h{hosts}"
     directory = ckpt / "state"
     directory.mkdir(parents=True)
@@ -115,12 +129,18 @@ def simulate(root: Path, hosts: int, n_arrays: int, devices_per_host: int, write
     t0 = time.perf_counter()
     parts = [(p, k, names[k::writers]) for p in range(hosts) for k in range(writers)]
     with ThreadPoolExecutor(8) as pool:
-        written = list(pool.map(lambda part: write_process(directory, part[0], part[1], part[2], header), parts))
+        written = list(
+            pool.map(
+                lambda part: write_process(directory, part[0], part[1], part[2], header), parts
+            )
+        )
     write_secs = time.perf_counter() - t0
     acks = []
     for p in range(hosts):
         mine = [w for (q, _, _), ws in zip(parts, written, strict=True) if q == p for w in ws]
-        acks.append(workers.SaveAck(process_index=p, bytes_written=len(mine) * 4 * COLS, arrays=tuple(mine)))
+        acks.append(
+            workers.SaveAck(process_index=p, bytes_written=len(mine) * 4 * COLS, arrays=tuple(mine))
+        )
 
     tree: dict[str, Any] = {}
     for name in names:
@@ -130,10 +150,15 @@ def simulate(root: Path, hosts: int, n_arrays: int, devices_per_host: int, write
             node = node.setdefault(part, {})
         node[leaf] = 0
     mesh = (hosts, devices_per_host)
-    sharding = workers.ShardingSpec.named(mesh, ("data", "model"), tuple(range(hosts * devices_per_host)), ("data",))
+    sharding = workers.ShardingSpec.named(
+        mesh, ("data", "model"), tuple(range(hosts * devices_per_host)), ("data",)
+    )
     leaves, _ = _tree.flatten(tree)
     files = tree_format.TreeFiles(
-        leaves={leaf.name: tree_format.SavedLeaf.of(leaf, ValueType.JAX_ARRAY, (1, COLS)) for leaf in leaves},
+        leaves={
+            leaf.name: tree_format.SavedLeaf.of(leaf, ValueType.JAX_ARRAY, (1, COLS))
+            for leaf in leaves
+        },
         use_ocdbt=True,
         shardings={name: sharding for name in names},
     )
@@ -146,11 +171,19 @@ def simulate(root: Path, hosts: int, n_arrays: int, devices_per_host: int, write
     workers.merge_ocdbt(directory)
     out["merge_secs"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    fmt.write_file(ckpt / fmt.ORBAX_MARKER, b"")  # the checkpoint's own files, as _checkpoint._commit writes them
+    fmt.write_file(
+        ckpt / fmt.ORBAX_MARKER, b""
+    )  # the checkpoint's own files, as _checkpoint._commit writes them
     fmt.write_json(
         ckpt / fmt.CHECKPOINT_METADATA,
-        {"item_handlers": {"state": fmt.PYTREE_HANDLER_TYPESTR}, "metrics": {}, "performance_metrics": {},
-         "init_timestamp_nsecs": time.time_ns(), "commit_timestamp_nsecs": time.time_ns(), "custom_metadata": {}},
+        {
+            "item_handlers": {"state": fmt.PYTREE_HANDLER_TYPESTR},
+            "metrics": {},
+            "performance_metrics": {},
+            "init_timestamp_nsecs": time.time_ns(),
+            "commit_timestamp_nsecs": time.time_ns(),
+            "custom_metadata": {},
+        },
     )
     checksums = fmt.Checksums.compute(ckpt)
     checksums.write()
@@ -171,11 +204,16 @@ def simulate(root: Path, hosts: int, n_arrays: int, devices_per_host: int, write
         "_sharding": size(directory / fmt.SHARDING),
         "_milepost.json": size(directory / fmt.MILEPOST_INFO),
         "array_metadatas/": sum(size(p) for p in (directory / fmt.ARRAY_METADATAS).iterdir()),
-        "root manifest + B-tree": size(directory / "manifest.ocdbt") + sum(size(p) for p in (directory / "d").iterdir()),
+        "root manifest + B-tree": size(directory / "manifest.ocdbt")
+        + sum(size(p) for p in (directory / "d").iterdir()),
         "_milepost_checksums.json": size(ckpt / fmt.CHECKSUMS),
     }
     out["files"] = sum(1 for p in ckpt.rglob("*") if p.is_file())
-    out["checksummed_files"] = len(json.loads((ckpt / fmt.CHECKSUMS).read_bytes()).get("files", {})) if (ckpt / fmt.CHECKSUMS).exists() else 0
+    out["checksummed_files"] = (
+        len(json.loads((ckpt / fmt.CHECKSUMS).read_bytes()).get("files", {}))
+        if (ckpt / fmt.CHECKSUMS).exists()
+        else 0
+    )
 
     # The merged view: every key of every database, and one array read back whole.
     t0 = time.perf_counter()
@@ -185,7 +223,9 @@ def simulate(root: Path, hosts: int, n_arrays: int, devices_per_host: int, write
     out["list_secs"] = time.perf_counter() - t0
     assert len(keys) == n_arrays * (hosts + 1), (len(keys), n_arrays, hosts)
     k = n_arrays // 2
-    array = ts.open(tsu.open_spec(tsu.ocdbt_kvstore(str(directory)), names[k]), open=True, read=True).result()
+    array = ts.open(
+        tsu.open_spec(tsu.ocdbt_kvstore(str(directory)), names[k]), open=True, read=True
+    ).result()
     got = array.read().result()
     want = np.asarray([[p * 10_000 + k] * COLS for p in range(hosts)], np.float32)
     assert np.array_equal(got, want), "the merged view does not give back every host's shard"
@@ -193,14 +233,25 @@ def simulate(root: Path, hosts: int, n_arrays: int, devices_per_host: int, write
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--hosts", default="8,64,512")
     parser.add_argument("--arrays", type=int, default=2000)
     parser.add_argument("--devices-per-host", type=int, default=8)
-    parser.add_argument("--writers", type=int, default=1, help="OCDBT databases per host (SaveOptions.ocdbt_writers_per_host)")
+    parser.add_argument(
+        "--writers",
+        type=int,
+        default=1,
+        help="OCDBT databases per host (SaveOptions.ocdbt_writers_per_host)",
+    )
     parser.add_argument("--dir", default=None)
     parser.add_argument("--keep", action="store_true", help="keep the simulated checkpoints")
-    parser.add_argument("--headers-everywhere", action="store_true", help="every host writes every zarr.json (the old save)")
+    parser.add_argument(
+        "--headers-everywhere",
+        action="store_true",
+        help="every host writes every zarr.json (the old save)",
+    )
     args = parser.parse_args()
     global HEADERS_EVERYWHERE
     HEADERS_EVERYWHERE = args.headers_everywhere
@@ -223,7 +274,11 @@ def main() -> int:
             shutil.rmtree(root, ignore_errors=True)
     print(
         f"\n{args.arrays} arrays, {args.devices_per_host} devices per host, {args.writers} writer(s) per host, "
-        + ("every host writes every zarr.json" if args.headers_everywhere else "one zarr.json per array")
+        + (
+            "every host writes every zarr.json"
+            if args.headers_everywhere
+            else "one zarr.json per array"
+        )
     )
     print(
         f"{'H':>5} {'metadata s':>11} {'merge s':>8} {'checksums s':>12} {'commit s':>9} {'x prev':>7} {'H x prev':>9}"
@@ -238,7 +293,11 @@ def main() -> int:
         )
     print("\nsizes (MiB):")
     for r in results:
-        print(f"  H={r['hosts']}: " + ", ".join(f"{k} {v / MIB:.2f}" for k, v in r["sizes"].items()) + f"; {r['checksummed_files']} files checksummed")
+        print(
+            f"  H={r['hosts']}: "
+            + ", ".join(f"{k} {v / MIB:.2f}" for k, v in r["sizes"].items())
+            + f"; {r['checksummed_files']} files checksummed"
+        )
     last = results[-1]
     verdict = "PASS" if last["commit_secs"] < 10 else "FAIL"
     print(f"\n{verdict}  commit at H={last['hosts']}: {last['commit_secs']:.2f} s (target < 10 s)")

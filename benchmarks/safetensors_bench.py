@@ -49,7 +49,10 @@ def abstract(gib: float) -> dict[str, Any]:
     from jax.sharding import NamedSharding, PartitionSpec
 
     s = NamedSharding(jax.make_mesh((2, 4), ("a", "b")), PartitionSpec("a", "b"))
-    return {f"layer{i}": {"w": jax.ShapeDtypeStruct(shape(gib), np.float32, sharding=s)} for i in range(N)}
+    return {
+        f"layer{i}": {"w": jax.ShapeDtypeStruct(shape(gib), np.float32, sharding=s)}
+        for i in range(N)
+    }
 
 
 def worker(op: str, path: str, gib: float) -> dict[str, Any]:
@@ -80,18 +83,26 @@ def worker(op: str, path: str, gib: float) -> dict[str, Any]:
                 from safetensors.numpy import load_file
 
                 host = load_file(file)
-                got = {k: {"w": jax.device_put(host[f"{k}.w"], v["w"].sharding)} for k, v in target.items()}
+                got = {
+                    k: {"w": jax.device_put(host[f"{k}.w"], v["w"].sharding)}
+                    for k, v in target.items()
+                }
             else:  # orbax v1's safetensors layout
                 import orbax.checkpoint.experimental.v1 as ocp
 
                 with ocp.Context(checkpoint_layout=ocp.options.CheckpointLayout.SAFETENSORS):
                     flat = ocp.load_pytree(file)
-                got = {k: {"w": jax.device_put(flat[f"{k}.w"], v["w"].sharding)} for k, v in target.items()}
+                got = {
+                    k: {"w": jax.device_put(flat[f"{k}.w"], v["w"].sharding)}
+                    for k, v in target.items()
+                }
             jax.block_until_ready(got)
             out["time"] = time.perf_counter() - t0
         out["rss_growth"] = rss.growth
         want = arrays(gib)
-        out["exact"] = all(np.array_equal(np.asarray(got[k.split(".")[0]]["w"]), v) for k, v in want.items())
+        out["exact"] = all(
+            np.array_equal(np.asarray(got[k.split(".")[0]]["w"]), v) for k, v in want.items()
+        )
         return out
     if op == "export-milepost":
         import milepost.safetensors
@@ -119,7 +130,9 @@ def worker(op: str, path: str, gib: float) -> dict[str, Any]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--gib", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None)
@@ -132,16 +145,33 @@ def main() -> int:
     root = Path(args.dir or tempfile.mkdtemp(prefix="milepost-st-", dir="/tmp"))
     root.mkdir(parents=True, exist_ok=True)
     script = str(Path(__file__).resolve())
-    size = run_worker(script, ["--worker", "prepare", "--path", str(root), "--gib", str(args.gib)])["bytes"]
-    ops = ["load-milepost", "load-safetensors", "load-orbax", "export-milepost", "export-safetensors"]
+    size = run_worker(script, ["--worker", "prepare", "--path", str(root), "--gib", str(args.gib)])[
+        "bytes"
+    ]
+    ops = [
+        "load-milepost",
+        "load-safetensors",
+        "load-orbax",
+        "export-milepost",
+        "export-safetensors",
+    ]
     results: dict[str, list[dict[str, Any]]] = {op: [] for op in ops}
     try:
         for rep in range(args.repeats):
             for op in ops if rep % 2 == 0 else reversed(ops):
                 os.sync()
-                res = run_worker(script, ["--worker", op, "--path", str(root), "--gib", str(args.gib)])
+                res = run_worker(
+                    script, ["--worker", op, "--path", str(root), "--gib", str(args.gib)]
+                )
                 results[op].append(res)
-                print(f"repeat {rep + 1} {op}: " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in res.items()), flush=True)
+                print(
+                    f"repeat {rep + 1} {op}: "
+                    + ", ".join(
+                        f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                        for k, v in res.items()
+                    ),
+                    flush=True,
+                )
     finally:
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)
@@ -149,19 +179,43 @@ def main() -> int:
     def med(op: str, key: str = "time") -> float:
         return statistics.median(r[key] for r in results[op])
 
-    print(f"\n{size / 2**30:.2f} GiB, {N} float32 tensors {shape(args.gib)}, 8 CPU devices (2, 4); median of {args.repeats}")
+    print(
+        f"\n{size / 2**30:.2f} GiB, {N} float32 tensors {shape(args.gib)}, 8 CPU devices (2, 4); median of {args.repeats}"
+    )
     for op in ops:
-        extra = f", peak RSS growth {med(op, 'rss_growth') / size:.2f}x the file" if "rss_growth" in results[op][0] else ""
-        exact = f", exact={all(r['exact'] for r in results[op])}" if "exact" in results[op][0] else ""
+        extra = (
+            f", peak RSS growth {med(op, 'rss_growth') / size:.2f}x the file"
+            if "rss_growth" in results[op][0]
+            else ""
+        )
+        exact = (
+            f", exact={all(r['exact'] for r in results[op])}" if "exact" in results[op][0] else ""
+        )
         print(f"  {op:<22} {med(op):7.3f} s{extra}{exact}")
     print("\nTargets")
     for name, value, limit in (
-        ("milepost load / safetensors load_file + device_put", med("load-milepost") / med("load-safetensors"), 0.7),
-        ("milepost load peak RSS growth / file size", med("load-milepost", "rss_growth") / size, 1.3),
-        ("milepost export / safetensors save_file (arrays in memory)", med("export-milepost") / med("export-safetensors"), 1.2),
+        (
+            "milepost load / safetensors load_file + device_put",
+            med("load-milepost") / med("load-safetensors"),
+            0.7,
+        ),
+        (
+            "milepost load peak RSS growth / file size",
+            med("load-milepost", "rss_growth") / size,
+            1.3,
+        ),
+        (
+            "milepost export / safetensors save_file (arrays in memory)",
+            med("export-milepost") / med("export-safetensors"),
+            1.2,
+        ),
     ):
-        print(f"  {'PASS' if value <= limit else 'FAIL'}  {name:<62} {value:5.2f}x (target <= {limit}x)")
-    print(f"  (for reference: milepost load / orbax safetensors load: {med('load-milepost') / med('load-orbax'):.2f}x)")
+        print(
+            f"  {'PASS' if value <= limit else 'FAIL'}  {name:<62} {value:5.2f}x (target <= {limit}x)"
+        )
+    print(
+        f"  (for reference: milepost load / orbax safetensors load: {med('load-milepost') / med('load-orbax'):.2f}x)"
+    )
     return 0
 
 

@@ -119,7 +119,10 @@ def shardings(layout: str) -> dict[str, jax.sharding.NamedSharding]:
 
     mesh = jax.make_mesh(MESH_SHAPE, MESH_AXES)
     specs = LAYOUTS[layout]
-    return {f"layer{i}": NamedSharding(mesh, PartitionSpec(*specs[i % len(specs)])) for i in range(N_ARRAYS)}
+    return {
+        f"layer{i}": NamedSharding(mesh, PartitionSpec(*specs[i % len(specs)]))
+        for i in range(N_ARRAYS)
+    }
 
 
 def build_tree(gib: float, layout: str) -> dict[str, jax.Array]:
@@ -146,7 +149,9 @@ def sizes(tree: dict[str, jax.Array]) -> Result:
     }
 
 
-def check(restored: dict[str, jax.Array], abstract: dict[str, jax.ShapeDtypeStruct], gib: float) -> Result:
+def check(
+    restored: dict[str, jax.Array], abstract: dict[str, jax.ShapeDtypeStruct], gib: float
+) -> Result:
     """After timing: every array equals the saved values exactly and has the requested sharding."""
     exact = sharding_ok = True
     for name, expected in host_arrays(gib):
@@ -161,7 +166,14 @@ def check(restored: dict[str, jax.Array], abstract: dict[str, jax.ShapeDtypeStru
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 _PROT_READ, _MAP_SHARED, _MAP_FAILED = 1, 1, ctypes.c_void_p(-1).value
@@ -353,7 +365,9 @@ def worker_load(variant: str, path: str, gib: float, layout: str) -> Result:
                 for name, a in abstract.items()
             }
             out["time"] = time.perf_counter() - t0  # the reference: a plain cold read
-            restored = {name: jax.device_put(host[name], a.sharding) for name, a in abstract.items()}
+            restored = {
+                name: jax.device_put(host[name], a.sharding) for name, a in abstract.items()
+            }
         jax.block_until_ready(restored)
         out["time_put" if variant == "numpy" else "time"] = time.perf_counter() - t0
     return out | rss.report() | check(restored, abstract, gib)
@@ -367,7 +381,12 @@ def worker_hostcopy(gib: float, layout: str, replica0_only: bool) -> Result:
     """
     tree = build_tree(gib, layout)
     out = sizes(tree)
-    shards = [s for x in tree.values() for s in x.addressable_shards if not replica0_only or s.replica_id == 0]
+    shards = [
+        s
+        for x in tree.values()
+        for s in x.addressable_shards
+        if not replica0_only or s.replica_id == 0
+    ]
     warm_memory(gib)
     with RssMonitor() as rss:
         t0 = time.perf_counter()
@@ -395,7 +414,18 @@ def run_worker_op(op: str, path: str, gib: float, layout: str) -> Result:
 
 def spawn(op: str, path: str, args: argparse.Namespace) -> Result:
     """Run one operation in a fresh process; its last stdout line is a JSON result."""
-    cmd = [sys.executable, __file__, "--worker", op, "--path", path, "--gib", str(args.gib), "--layout", args.layout]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        op,
+        "--path",
+        path,
+        "--gib",
+        str(args.gib),
+        "--layout",
+        args.layout,
+    ]
     if args.warm:
         cmd.append("--warm")
     try:
@@ -406,7 +436,10 @@ def spawn(op: str, path: str, args: argparse.Namespace) -> Result:
     if proc.returncode == 0 and lines:
         return json.loads(lines[-1])
     tail = proc.stderr.strip().splitlines()
-    return {"error": f"exit code {proc.returncode}: {tail[-1] if tail else ''}", "traceback": proc.stderr[-6000:]}
+    return {
+        "error": f"exit code {proc.returncode}: {tail[-1] if tail else ''}",
+        "traceback": proc.stderr[-6000:],
+    }
 
 
 def median(runs: list[Result], key: str) -> float:
@@ -468,7 +501,10 @@ def report(results: dict[str, dict[str, list[Result]]], args: argparse.Namespace
             print(f"{label:<40} {'FAILED':>9}   {errors[0] if errors else 'no result'}")
             continue
         m = statistics.median(values)
-        print(f"{label:<40} {m:>9.3f} {ckpt / 2**30 / m:>10.2f}   " + " ".join(f"{v:.3f}" for v in values))
+        print(
+            f"{label:<40} {m:>9.3f} {ckpt / 2**30 / m:>10.2f}   "
+            + " ".join(f"{v:.3f}" for v in values)
+        )
 
     print(
         "\nPeak RSS (median MiB). 'absolute' is the whole process's peak RSS (interpreter, JAX and, for saves,\n"
@@ -493,10 +529,14 @@ def report(results: dict[str, dict[str, list[Result]]], args: argparse.Namespace
 
     loads = [(v, r) for v, ops in results.items() for r in ops.get("load", []) if "error" not in r]
     if loads:
-        print("\nLoad checks (all repeats): " + "; ".join(
-            f"{v}: exact={all(r['exact'] for r in rs)} sharding={all(r['sharding_ok'] for r in rs)}"
-            for v in results if (rs := [r for vv, r in loads if vv == v])
-        ))
+        print(
+            "\nLoad checks (all repeats): "
+            + "; ".join(
+                f"{v}: exact={all(r['exact'] for r in rs)} sharding={all(r['sharding_ok'] for r in rs)}"
+                for v in results
+                if (rs := [r for vv, r in loads if vv == v])
+            )
+        )
         cached = max(r["cached_bytes_after_evict"] for _, r in loads)
         print(
             f"Cold loads: at most {cached / MIB:.1f} MiB of a checkpoint stayed in the page cache after eviction "
@@ -513,13 +553,29 @@ def report(results: dict[str, dict[str, list[Result]]], args: argparse.Namespace
     if not mp:
         print("  (milepost not run)")
     if mp and "orbax" in results:
-        target("milepost save / orbax save", med("milepost", "save", "time") / med("orbax", "save", "time"), 0.6)
+        target(
+            "milepost save / orbax save",
+            med("milepost", "save", "time") / med("orbax", "save", "time"),
+            0.6,
+        )
     if mp and "numpy" in results:
-        target("milepost save / numpy tofile+fsync", med("milepost", "save", "time") / med("numpy", "save", "time"), 1.2)
+        target(
+            "milepost save / numpy tofile+fsync",
+            med("milepost", "save", "time") / med("numpy", "save", "time"),
+            1.2,
+        )
     if mp and "orbax" in results:
-        target("milepost cold load / orbax cold load", med("milepost", "load", "time") / med("orbax", "load", "time"), 0.6)
+        target(
+            "milepost cold load / orbax cold load",
+            med("milepost", "load", "time") / med("orbax", "load", "time"),
+            0.6,
+        )
     if mp and "numpy" in results:
-        target("milepost cold load / numpy cold fromfile", med("milepost", "load", "time") / med("numpy", "load", "time"), 1.3)
+        target(
+            "milepost cold load / numpy cold fromfile",
+            med("milepost", "load", "time") / med("numpy", "load", "time"),
+            1.3,
+        )
     if mp and "hostcopy" in results:
         target(
             "milepost save_async blocking / host copy of every shard",
@@ -527,16 +583,34 @@ def report(results: dict[str, dict[str, list[Result]]], args: argparse.Namespace
             1.5,
         )
     if mp:
-        for op, label, limit in (("save", "save", 2.2), ("save_async", "save_async", 2.2), ("load", "load", 1.3)):
-            target(f"milepost {label} peak RSS, absolute / ckpt bytes", med("milepost", op, "rss_peak") / ckpt, limit)
-            target(f"milepost {label} peak RSS, growth over before / ckpt bytes", med("milepost", op, "rss_growth") / ckpt, limit)
+        for op, label, limit in (
+            ("save", "save", 2.2),
+            ("save_async", "save_async", 2.2),
+            ("load", "load", 1.3),
+        ):
+            target(
+                f"milepost {label} peak RSS, absolute / ckpt bytes",
+                med("milepost", op, "rss_peak") / ckpt,
+                limit,
+            )
+            target(
+                f"milepost {label} peak RSS, growth over before / ckpt bytes",
+                med("milepost", op, "rss_growth") / ckpt,
+                limit,
+            )
         if device > ckpt:
             print(
                 f"  note: in the '{args.layout}' layout the loaded arrays alone take {device / ckpt:.2f}x the checkpoint "
                 "bytes of (host) device memory, and a save's live arrays as much; '--layout sharded' makes it 1.00x"
             )
 
-    errors = [(v, op, r) for v, ops in results.items() for op, rs in ops.items() for r in rs if "error" in r]
+    errors = [
+        (v, op, r)
+        for v, ops in results.items()
+        for op, rs in ops.items()
+        for r in rs
+        if "error" in r
+    ]
     if errors:
         print("\nErrors")
         for v, op, r in errors:
@@ -544,14 +618,30 @@ def report(results: dict[str, dict[str, list[Result]]], args: argparse.Namespace
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gib", type=float, default=1.0, help="checkpoint size in GiB (default 1.0)")
-    parser.add_argument("--repeats", type=int, default=3, help="repeats of every operation (default 3)")
-    parser.add_argument("--dir", default=None, help="where checkpoints go (default: a fresh dir under /tmp)")
-    parser.add_argument("--only", default=",".join(OPS), help="comma-separated variants (default: all)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--gib", type=float, default=1.0, help="checkpoint size in GiB (default 1.0)"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="repeats of every operation (default 3)"
+    )
+    parser.add_argument(
+        "--dir", default=None, help="where checkpoints go (default: a fresh dir under /tmp)"
+    )
+    parser.add_argument(
+        "--only", default=",".join(OPS), help="comma-separated variants (default: all)"
+    )
     parser.add_argument("--layout", choices=sorted(LAYOUTS), default="sharded")
-    parser.add_argument("--timeout", type=float, default=1800, help="per-operation timeout in seconds")
-    parser.add_argument("--warm", action="store_true", help="workers touch and free memory before timing (see above)")
+    parser.add_argument(
+        "--timeout", type=float, default=1800, help="per-operation timeout in seconds"
+    )
+    parser.add_argument(
+        "--warm",
+        action="store_true",
+        help="workers touch and free memory before timing (see above)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -570,7 +660,9 @@ def main() -> int:
     unknown = set(variants) - set(OPS)
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}; choose from {list(OPS)}")
-    root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="milepost-bench-", dir="/tmp"))
+    root = (
+        Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="milepost-bench-", dir="/tmp"))
+    )
     root.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, list[Result]]] = {v: {op: [] for op in OPS[v]} for v in variants}
     try:
@@ -586,8 +678,12 @@ def main() -> int:
                         os.sync()  # earlier writes must not be flushed during this operation
                         res = spawn(f"{variant}-{op}", str(path), args)
                     results[variant][op].append(res)
-                    shown = res["error"] if "error" in res else ", ".join(
-                        f"{k}={v:.3f}" for k, v in res.items() if k.startswith("time")
+                    shown = (
+                        res["error"]
+                        if "error" in res
+                        else ", ".join(
+                            f"{k}={v:.3f}" for k, v in res.items() if k.startswith("time")
+                        )
                     )
                     print(f"repeat {rep + 1}/{args.repeats} {variant} {op}: {shown}", flush=True)
                 shutil.rmtree(work, ignore_errors=True)

@@ -49,16 +49,27 @@ def embedded(directory: str, gib: float, repeat: int) -> dict:
 
     mesh = jax.make_mesh((2, 4), ("data", "model"))
     rows = rows_for(gib)
-    make = jax.jit(lambda k: jax.random.normal(k, (rows, COLS)), out_shardings=NamedSharding(mesh, P("data", "model")))
+    make = jax.jit(
+        lambda k: jax.random.normal(k, (rows, COLS)),
+        out_shardings=NamedSharding(mesh, P("data", "model")),
+    )
     tree = {f"w{i}": make(jax.random.key(i)) for i in range(N_ARRAYS)}
     jax.block_until_ready(tree)
-    abstracts = {key: {k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P(*spec))) for k, x in tree.items()}
-                 for key, spec in LOADS.items()}
+    abstracts = {
+        key: {
+            k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P(*spec)))
+            for k, x in tree.items()
+        }
+        for key, spec in LOADS.items()
+    }
     path = os.path.join(directory, "embedded")
     out: dict = {"bytes": sum(x.nbytes for x in tree.values())}
     out.update(timed_save(mp, path, tree, repeat))
     del tree
-    loads = {key: lambda a=abstract: jax.block_until_ready(mp.load(path, a)) for key, abstract in abstracts.items()}
+    loads = {
+        key: lambda a=abstract: jax.block_until_ready(mp.load(path, a))
+        for key, abstract in abstracts.items()
+    }
     out.update(timed_loads(mp, path, loads, repeat, lambda: mp.io_stats()))
     shutil.rmtree(path)
     return out
@@ -83,7 +94,12 @@ def timed_save(mp: Any, path: str, tree: Any, repeat: int) -> dict:
         every.append(total)
         if not best or total < best["save_total"]:
             best = {"save_block": block, "save_total": total}
-    return {**best, "save_rss_growth": growth, "save_total_every": every, "loadavg_after_save": os.getloadavg()[0]}
+    return {
+        **best,
+        "save_rss_growth": growth,
+        "save_total_every": every,
+        "loadavg_after_save": os.getloadavg()[0],
+    }
 
 
 def timed_loads(mp: Any, path: str, loads: dict[str, Any], repeat: int, io_stats: Any) -> dict:
@@ -94,7 +110,11 @@ def timed_loads(mp: Any, path: str, loads: dict[str, Any], repeat: int, io_stats
     out.update({f"{key}_every": [] for key in loads})
     for _ in range(repeat):
         for key, load in loads.items():
-            options = mp.LoadOptions(load_and_broadcast=True, replica_axis="data") if key in BROADCAST else mp.LoadOptions()
+            options = (
+                mp.LoadOptions(load_and_broadcast=True, replica_axis="data")
+                if key in BROADCAST
+                else mp.LoadOptions()
+            )
             evict(path)
             before = io_stats()
             with mp.Context(loading=options), PeakRss() as rss:
@@ -118,15 +138,30 @@ def on_slice(directory: str, gib: float, hosts: int, per_host: int, repeat: int)
 
     import milepost as mp
 
-    ray.init(num_cpus=max(8, hosts), include_dashboard=False, log_to_driver=False, object_store_memory=512 << 20)
+    ray.init(
+        num_cpus=max(8, hosts),
+        include_dashboard=False,
+        log_to_driver=False,
+        object_store_memory=512 << 20,
+    )
     rows = rows_for(gib)
     with mp.Slice.start(hosts=hosts, devices_per_host=per_host) as s:
         mesh = s.mesh({"data": 2, "model": hosts * per_host // 2})
         sharding = mesh.sharding(P("data", "model"))
-        tree = {f"w{i}": s.run(lambda i=i: jax.random.normal(jax.random.key(i), (rows, COLS)), out_shardings=sharding)
-                for i in range(N_ARRAYS)}
-        abstracts = {key: {k: mp.AbstractArray(v.shape, v.dtype, mesh.sharding(P(*spec))) for k, v in tree.items()}
-                     for key, spec in LOADS.items()}
+        tree = {
+            f"w{i}": s.run(
+                lambda i=i: jax.random.normal(jax.random.key(i), (rows, COLS)),
+                out_shardings=sharding,
+            )
+            for i in range(N_ARRAYS)
+        }
+        abstracts = {
+            key: {
+                k: mp.AbstractArray(v.shape, v.dtype, mesh.sharding(P(*spec)))
+                for k, v in tree.items()
+            }
+            for key, spec in LOADS.items()
+        }
         path = os.path.join(directory, "slice")
         out: dict = {"bytes": sum(x.nbytes for x in tree.values())}
         b0 = s.traffic()
@@ -143,12 +178,26 @@ def on_slice(directory: str, gib: float, hosts: int, per_host: int, repeat: int)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gib", type=float, nargs="+", default=[2.0], help="checkpoint sizes, each run on its own")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--gib", type=float, nargs="+", default=[2.0], help="checkpoint sizes, each run on its own"
+    )
     parser.add_argument("--hosts", type=int, default=4)
     parser.add_argument("--devices-per-host", type=int, default=2)
-    parser.add_argument("--repeat", type=int, default=2, help="best of N saves and of N loads (shared machines are noisy)")
-    parser.add_argument("--rounds", type=int, default=1, help="alternate embedded and slice workers N times; medians over rounds")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=2,
+        help="best of N saves and of N loads (shared machines are noisy)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="alternate embedded and slice workers N times; medians over rounds",
+    )
     parser.add_argument("--dir", default=None)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -156,7 +205,11 @@ def main() -> int:
         print(json.dumps(embedded(args.dir, args.gib[0], args.repeat)))
         return 0
     if args.worker == "slice":
-        print(json.dumps(on_slice(args.dir, args.gib[0], args.hosts, args.devices_per_host, args.repeat)))
+        print(
+            json.dumps(
+                on_slice(args.dir, args.gib[0], args.hosts, args.devices_per_host, args.repeat)
+            )
+        )
         return 0
     for gib in args.gib:
         report(gib, args)
@@ -165,55 +218,94 @@ def main() -> int:
 
 def report(gib_wanted: float, args: argparse.Namespace) -> None:
     directory = args.dir or tempfile.mkdtemp(prefix="milepost-slicebench-")
-    common = ["--dir", directory, "--gib", str(gib_wanted), "--hosts", str(args.hosts), "--devices-per-host",
-              str(args.devices_per_host), "--repeat", str(args.repeat)]
+    common = [
+        "--dir",
+        directory,
+        "--gib",
+        str(gib_wanted),
+        "--hosts",
+        str(args.hosts),
+        "--devices-per-host",
+        str(args.devices_per_host),
+        "--repeat",
+        str(args.repeat),
+    ]
     runs: dict[str, list[dict]] = {"embedded": [], "slice": []}
     loadavg = [os.getloadavg()[0]]
     try:
         for r in range(args.rounds):
             for side in ("embedded", "slice") if r % 2 == 0 else ("slice", "embedded"):
                 devices = args.hosts * args.devices_per_host if side == "embedded" else 1
-                runs[side].append(run_worker(__file__, ["--worker", side, *common], devices=devices))
+                runs[side].append(
+                    run_worker(__file__, ["--worker", side, *common], devices=devices)
+                )
                 loadavg.append(os.getloadavg()[0])
     finally:
         if not args.dir:
             shutil.rmtree(directory, ignore_errors=True)
-    emb = {k: median([run[k] for run in runs["embedded"]]) for k in runs["embedded"][0] if not k.endswith("_every")}
-    sl = {k: median([run[k] for run in runs["slice"]]) for k in runs["slice"][0] if not k.endswith("_every")}
+    emb = {
+        k: median([run[k] for run in runs["embedded"]])
+        for k in runs["embedded"][0]
+        if not k.endswith("_every")
+    }
+    sl = {
+        k: median([run[k] for run in runs["slice"]])
+        for k in runs["slice"][0]
+        if not k.endswith("_every")
+    }
     gib = sl["bytes"] / 2**30
-    print(f"\n{gib:.3f} GiB in {N_ARRAYS} float32 arrays; slice {args.hosts} hosts x {args.devices_per_host} devices vs embedded "
-          f"{args.hosts * args.devices_per_host} devices; medians of {args.rounds} round(s), each the best of {args.repeat}; "
-          f"1-min load average {min(loadavg):.2f}-{max(loadavg):.2f}")
+    print(
+        f"\n{gib:.3f} GiB in {N_ARRAYS} float32 arrays; slice {args.hosts} hosts x {args.devices_per_host} devices vs embedded "
+        f"{args.hosts * args.devices_per_host} devices; medians of {args.rounds} round(s), each the best of {args.repeat}; "
+        f"1-min load average {min(loadavg):.2f}-{max(loadavg):.2f}"
+    )
     times = ("save_block", "save_total", "load", "load_repl", "load_repl_bc")
     print(f"{'':<10}" + "".join(f"{k.replace('_', ' '):>14}" for k in times))
     for name, r in (("embedded", emb), ("slice", sl)):
         print(f"{name:<10}" + "".join(f"{r[k]:>13.3f}s" for k in times))
     if args.rounds > 1:
         for name in ("embedded", "slice"):
-            spread = "".join(f"{min(x[k] for x in runs[name]):>6.3f}-{max(x[k] for x in runs[name]):<7.3f}" for k in times)
+            spread = "".join(
+                f"{min(x[k] for x in runs[name]):>6.3f}-{max(x[k] for x in runs[name]):<7.3f}"
+                for k in times
+            )
             print(f"{name + ' range':<10}{spread}")
     # Every call of every round (the best of each round is what the medians take): the swings.
     for name in ("embedded", "slice"):
         for r, run in enumerate(runs[name]):
-            calls = "  ".join(f"{k.replace('_', ' ')} " + "/".join(f"{t:.3f}" for t in run[f"{k}_every"])
-                              for k in ("save_total", *LOADS))
-            print(f"  {name} round {r + 1} (load average {run['loadavg_after_save']:.1f} after the saves, "
-                  f"{run['loadavg_after_loads']:.1f} after the loads): {calls}")
-    print("(load: cold, resharded to P('model', 'data'); load repl: cold, to P('model'), replicated over 'data'; "
-          "load repl bc: the same with load-and-broadcast)")
+            calls = "  ".join(
+                f"{k.replace('_', ' ')} " + "/".join(f"{t:.3f}" for t in run[f"{k}_every"])
+                for k in ("save_total", *LOADS)
+            )
+            print(
+                f"  {name} round {r + 1} (load average {run['loadavg_after_save']:.1f} after the saves, "
+                f"{run['loadavg_after_loads']:.1f} after the loads): {calls}"
+            )
+    print(
+        "(load: cold, resharded to P('model', 'data'); load repl: cold, to P('model'), replicated over 'data'; "
+        "load repl bc: the same with load-and-broadcast)"
+    )
     for name, r in (("embedded", emb), ("slice", sl)):
         read = " / ".join(f"{r[f'{k}_read'] / r['bytes']:.2f}x" for k in LOADS)
-        print(f"{name:<10} storage bytes read per load (load / repl / repl bc), of the checkpoint: {read}; "
-              f"moved between hosts by repl bc: {r['load_repl_bc_between_hosts'] / r['bytes']:.2f}x")
-    print(f"controller<->host bytes: save {sl['save_controller_bytes']:.0f} ({sl['save_controller_bytes'] / N_ARRAYS:.0f}/array), "
-          f"{len(LOADS)} loads {sl['loads_controller_bytes']:.0f} ({sl['loads_controller_bytes'] / N_ARRAYS / len(LOADS):.0f}/array/load)")
+        print(
+            f"{name:<10} storage bytes read per load (load / repl / repl bc), of the checkpoint: {read}; "
+            f"moved between hosts by repl bc: {r['load_repl_bc_between_hosts'] / r['bytes']:.2f}x"
+        )
+    print(
+        f"controller<->host bytes: save {sl['save_controller_bytes']:.0f} ({sl['save_controller_bytes'] / N_ARRAYS:.0f}/array), "
+        f"{len(LOADS)} loads {sl['loads_controller_bytes']:.0f} ({sl['loads_controller_bytes'] / N_ARRAYS / len(LOADS):.0f}/array/load)"
+    )
     ratios = {key: sl[key] / emb[key] for key in ("save_total", "load", "load_repl")}
     ratios["load_repl_bc (vs embedded load_repl)"] = sl["load_repl_bc"] / emb["load_repl"]
     ratios["save_total+load"] = (sl["save_total"] + sl["load"]) / (emb["save_total"] + emb["load"])
     for key, ratio in ratios.items():
-        print(f"  {'PASS' if ratio <= 1.3 else 'FAIL'}  slice/embedded {key}: {ratio:.2f} (target <= 1.3)")
+        print(
+            f"  {'PASS' if ratio <= 1.3 else 'FAIL'}  slice/embedded {key}: {ratio:.2f} (target <= 1.3)"
+        )
     growth = max(sl["save_rss_growth"], *(sl[f"{k}_rss_growth"] for k in LOADS)) / 2**20
-    print(f"  {'PASS' if growth <= 100 else 'FAIL'}  controller peak RSS growth {growth:.1f} MiB (bound 100 MiB)")
+    print(
+        f"  {'PASS' if growth <= 100 else 'FAIL'}  controller peak RSS growth {growth:.1f} MiB (bound 100 MiB)"
+    )
 
 
 if __name__ == "__main__":

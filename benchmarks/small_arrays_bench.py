@@ -75,7 +75,11 @@ def layout(layers: int, per_layer: int) -> list[tuple[str, str, int, str]]:
 def _sharding(mesh: Any, kind: str) -> Any:
     from jax.sharding import NamedSharding, PartitionSpec
 
-    spec = {"replicated": PartitionSpec(), "both": PartitionSpec("a", "b"), "columns": PartitionSpec(None, ("a", "b"))}[kind]
+    spec = {
+        "replicated": PartitionSpec(),
+        "both": PartitionSpec("a", "b"),
+        "columns": PartitionSpec(None, ("a", "b")),
+    }[kind]
     return NamedSharding(mesh, spec)
 
 
@@ -90,7 +94,9 @@ def build_tree(args: argparse.Namespace) -> dict[str, Any]:
     mesh = jax.make_mesh((2, 4), ("a", "b"))
     tree: dict[str, dict[str, Any]] = {}
     for layer, leaf, rows, kind in layout(args.layers, args.per_layer):
-        tree.setdefault(layer, {})[leaf] = jax.device_put(_values(layer, leaf, rows), _sharding(mesh, kind))
+        tree.setdefault(layer, {})[leaf] = jax.device_put(
+            _values(layer, leaf, rows), _sharding(mesh, kind)
+        )
     return jax.block_until_ready({"layers": tree})
 
 
@@ -100,7 +106,9 @@ def abstract_tree(args: argparse.Namespace) -> dict[str, Any]:
     mesh = jax.make_mesh((2, 4), ("a", "b"))
     tree: dict[str, dict[str, Any]] = {}
     for layer, leaf, rows, kind in layout(args.layers, args.per_layer):
-        tree.setdefault(layer, {})[leaf] = jax.ShapeDtypeStruct((rows, COLS), np.dtype(np.float32), sharding=_sharding(mesh, kind))
+        tree.setdefault(layer, {})[leaf] = jax.ShapeDtypeStruct(
+            (rows, COLS), np.dtype(np.float32), sharding=_sharding(mesh, kind)
+        )
     return {"layers": tree}
 
 
@@ -113,7 +121,8 @@ def check(restored: dict[str, Any], args: argparse.Namespace) -> bool:
 
 def check_metadata(meta: Any, args: argparse.Namespace) -> bool:
     return all(
-        tuple(meta["layers"][layer][leaf].shape) == (rows, COLS) for layer, leaf, rows, _ in layout(args.layers, args.per_layer)
+        tuple(meta["layers"][layer][leaf].shape) == (rows, COLS)
+        for layer, leaf, rows, _ in layout(args.layers, args.per_layer)
     )
 
 
@@ -143,7 +152,9 @@ def run_op(variant: str, op: str, path: str, args: argparse.Namespace) -> dict[s
         abstract = abstract_tree(args)
         evict(path)
         t0 = time.perf_counter()
-        restored = mp.load(path, abstract) if variant == "milepost" else ocp.load_pytree(path, abstract)
+        restored = (
+            mp.load(path, abstract) if variant == "milepost" else ocp.load_pytree(path, abstract)
+        )
         jax.block_until_ready(restored)
         out["time"] = time.perf_counter() - t0
         out["exact"] = check(restored, args)
@@ -188,8 +199,18 @@ def profile(target: str, args: argparse.Namespace) -> None:
 
 
 def spawn(variant: str, op: str, path: str, args: argparse.Namespace) -> dict[str, Any]:
-    cmd = [sys.executable, __file__, "--worker", f"{variant}-{op}", "--path", path,
-           "--layers", str(args.layers), "--per-layer", str(args.per_layer)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        f"{variant}-{op}",
+        "--path",
+        path,
+        "--layers",
+        str(args.layers),
+        "--per-layer",
+        str(args.per_layer),
+    ]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:
@@ -201,14 +222,20 @@ def spawn(variant: str, op: str, path: str, args: argparse.Namespace) -> dict[st
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--layers", type=int, default=100)
     parser.add_argument("--per-layer", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--only", default=",".join(VARIANTS))
-    parser.add_argument("--dir", default=None, help="where checkpoints go (default: a fresh dir under /tmp)")
+    parser.add_argument(
+        "--dir", default=None, help="where checkpoints go (default: a fresh dir under /tmp)"
+    )
     parser.add_argument("--timeout", type=float, default=600)
-    parser.add_argument("--profile", default=None, help="e.g. milepost-save: run it here under cProfile")
+    parser.add_argument(
+        "--profile", default=None, help="e.g. milepost-save: run it here under cProfile"
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -227,11 +254,13 @@ def main() -> int:
 
     variants = [v for v in args.only.split(",") if v]
     root = Path(tempfile.mkdtemp(prefix="milepost-small-", dir=args.dir))
-    results: dict[str, dict[str, list[dict[str, Any]]]] = {v: {op: [] for op in OPS} for v in variants}
+    results: dict[str, dict[str, list[dict[str, Any]]]] = {
+        v: {op: [] for op in OPS} for v in variants
+    }
     info: dict[str, Any] = {}
     try:
         for rep in range(args.repeats):
-            order = variants[rep % len(variants):] + variants[: rep % len(variants)]
+            order = variants[rep % len(variants) :] + variants[: rep % len(variants)]
             for variant in order:
                 path = str(root / f"{variant}-{rep}")
                 for op in OPS:
@@ -244,8 +273,11 @@ def main() -> int:
                     if op == "save" and "error" not in res:
                         info.update({k: res[k] for k in ("ckpt_bytes", "arrays")})
                         info[f"{variant}_files"] = res["files"]
-                    shown = res["error"][:2000] if "error" in res else f"{res['time']:.3f} s" + (
-                        f", exact={res['exact']}" if "exact" in res else ""
+                    shown = (
+                        res["error"][:2000]
+                        if "error" in res
+                        else f"{res['time']:.3f} s"
+                        + (f", exact={res['exact']}" if "exact" in res else "")
                     )
                     print(f"repeat {rep + 1}/{args.repeats} {variant} {op}: {shown}", flush=True)
                 shutil.rmtree(path, ignore_errors=True)
@@ -261,14 +293,34 @@ def main() -> int:
             f"\n{info['arrays']} float32 arrays, {info['ckpt_bytes'] / MIB:.0f} MiB, (2, 4) mesh of 8 CPU devices; "
             f"median of {args.repeats}, fresh process per operation, load and metadata cold"
         )
-        print("files per checkpoint: " + ", ".join(f"{v} {info[f'{v}_files']}" for v in variants if f"{v}_files" in info))
-    print(f"\n{'operation':<10}" + "".join(f"{v + ' s':>14}" for v in variants) + f"{'ratio':>10}   runs")
+        print(
+            "files per checkpoint: "
+            + ", ".join(f"{v} {info[f'{v}_files']}" for v in variants if f"{v}_files" in info)
+        )
+    print(
+        f"\n{'operation':<10}"
+        + "".join(f"{v + ' s':>14}" for v in variants)
+        + f"{'ratio':>10}   runs"
+    )
     for op in OPS:
         ratio = med("milepost", op) / med("orbax", op) if len(variants) == 2 else float("nan")
         verdict = "" if ratio != ratio else ("PASS" if ratio <= 0.3 else "FAIL")
-        runs = "; ".join(f"{v}: " + " ".join(f"{r['time']:.3f}" for r in results[v][op] if "time" in r) for v in variants)
-        print(f"{op:<10}" + "".join(f"{med(v, op):>14.3f}" for v in variants) + f"{ratio:>9.2f}x {verdict:>4}   {runs}")
-    checks = [r.get("exact") for v in variants for op in ("load", "metadata") for r in results[v][op] if "exact" in r]
+        runs = "; ".join(
+            f"{v}: " + " ".join(f"{r['time']:.3f}" for r in results[v][op] if "time" in r)
+            for v in variants
+        )
+        print(
+            f"{op:<10}"
+            + "".join(f"{med(v, op):>14.3f}" for v in variants)
+            + f"{ratio:>9.2f}x {verdict:>4}   {runs}"
+        )
+    checks = [
+        r.get("exact")
+        for v in variants
+        for op in ("load", "metadata")
+        for r in results[v][op]
+        if "exact" in r
+    ]
     print(f"\nall loads exact and all metadata complete: {all(checks) and bool(checks)}")
     return 0
 

@@ -81,7 +81,10 @@ def worker(op: str, path: str, gib: float, chunk: int | str | None) -> dict[str,
         return {"secs": secs, "cpu": cpu, "chunk_shape": list(chunk_shape)}
     kind = op.removeprefix("load-")
     rows = rows_for(gib)
-    abstract = {f"w{i}": jax.ShapeDtypeStruct((rows, COLS), np.float32, sharding=shardings(kind)) for i in range(N)}
+    abstract = {
+        f"w{i}": jax.ShapeDtypeStruct((rows, COLS), np.float32, sharding=shardings(kind))
+        for i in range(N)
+    }
     evict(path)
     before = mp.io_stats()
     with PeakRss() as rss:
@@ -93,32 +96,51 @@ def worker(op: str, path: str, gib: float, chunk: int | str | None) -> dict[str,
     exact = all(np.array_equal(np.asarray(got[k]), v) for k, v in expected.items())
     if not exact:
         raise SystemExit(f"{op} of {path} returned different values")
-    needed = sum(v.nbytes for v in expected.values())  # every device keeps a distinct part: 1x in all
-    return {"secs": secs, "cpu": cpu, "bytes_read": read, "needed": needed, "rss_growth": rss.growth}
+    needed = sum(
+        v.nbytes for v in expected.values()
+    )  # every device keeps a distinct part: 1x in all
+    return {
+        "secs": secs,
+        "cpu": cpu,
+        "bytes_read": read,
+        "needed": needed,
+        "rss_growth": rss.growth,
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--gib", type=float, default=0.5)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None)
     parser.add_argument("--chunk-mib", type=float, nargs="*", default=[4.0, 1.0])
-    parser.add_argument("--no-auto", action="store_true", help="leave out the default chunking ('auto')")
+    parser.add_argument(
+        "--no-auto", action="store_true", help="leave out the default chunking ('auto')"
+    )
     parser.add_argument("--worker", default=None)
     parser.add_argument("--path", default=None)
     parser.add_argument("--chunk", default="none")
     args = parser.parse_args()
     if args.worker:
-        chunk = None if args.chunk == "none" else "auto" if args.chunk == "auto" else int(args.chunk)
+        chunk = (
+            None if args.chunk == "none" else "auto" if args.chunk == "auto" else int(args.chunk)
+        )
         print(json.dumps(worker(args.worker, args.path, args.gib, chunk)))
         return
 
     script = os.path.abspath(__file__)
     base = Path(tempfile.mkdtemp(prefix="subchunk-", dir=args.dir))
-    cases: dict[str, int | str | None] = {"none": None, **({} if args.no_auto else {"auto": "auto"})}
+    cases: dict[str, int | str | None] = {
+        "none": None,
+        **({} if args.no_auto else {"auto": "auto"}),
+    }
     cases.update({f"{m:g} MiB": int(m * 2**20) for m in args.chunk_mib})
     results: dict[str, dict[str, list[float]]] = {c: {} for c in cases}
-    cpus: dict[str, dict[str, list[float]]] = {c: {} for c in cases}  # CPU seconds of the process (all threads)
+    cpus: dict[str, dict[str, list[float]]] = {
+        c: {} for c in cases
+    }  # CPU seconds of the process (all threads)
     shapes: dict[str, Any] = {}
     reads: dict[str, dict[str, int]] = {c: {} for c in cases}
     needed = 0
@@ -128,7 +150,14 @@ def main() -> None:
             for case in order:
                 path = str(base / f"ckpt-{case.replace(' ', '')}")
                 shutil.rmtree(path, ignore_errors=True)
-                common = ["--gib", str(args.gib), "--path", path, "--chunk", str(cases[case] or "none")]
+                common = [
+                    "--gib",
+                    str(args.gib),
+                    "--path",
+                    path,
+                    "--chunk",
+                    str(cases[case] or "none"),
+                ]
                 saved = run_worker(script, ["--worker", "save", *common])
                 results[case].setdefault("save", []).append(saved["secs"])
                 cpus[case].setdefault("save", []).append(saved["cpu"])
@@ -146,19 +175,27 @@ def main() -> None:
 
     med = {c: {k: median(v) for k, v in results[c].items()} for c in cases}
     gib = needed / 2**30
-    print(f"\n{N} arrays of ({rows_for(args.gib)}, {COLS}) float32 = {gib:.2f} GiB; saved P('data','model') on (2, 4); "
-          f"median of {args.repeats} (fresh processes, cold loads)")
-    print(f"{'chunking':<10} {'chunk shape':<14} {'save s':>7} {'same s':>7} {'reshard s':>10} {'reshard/same':>13} "
-          f"{'read same':>10} {'read reshard':>13} {'reshard read/needed':>20}")
+    print(
+        f"\n{N} arrays of ({rows_for(args.gib)}, {COLS}) float32 = {gib:.2f} GiB; saved P('data','model') on (2, 4); "
+        f"median of {args.repeats} (fresh processes, cold loads)"
+    )
+    print(
+        f"{'chunking':<10} {'chunk shape':<14} {'save s':>7} {'same s':>7} {'reshard s':>10} {'reshard/same':>13} "
+        f"{'read same':>10} {'read reshard':>13} {'reshard read/needed':>20}"
+    )
     for c in cases:
         m = med[c]
-        print(f"{c:<10} {tuple(shapes[c])!s:<14} {m['save']:>7.3f} {m['same']:>7.3f} {m['reshard']:>10.3f} "
-              f"{m['reshard'] / m['same']:>13.2f} {reads[c]['same'] / 2**30:>9.2f}G {reads[c]['reshard'] / 2**30:>12.2f}G "
-              f"{reads[c]['reshard'] / needed:>20.2f}")
+        print(
+            f"{c:<10} {tuple(shapes[c])!s:<14} {m['save']:>7.3f} {m['same']:>7.3f} {m['reshard']:>10.3f} "
+            f"{m['reshard'] / m['same']:>13.2f} {reads[c]['same'] / 2**30:>9.2f}G {reads[c]['reshard'] / 2**30:>12.2f}G "
+            f"{reads[c]['reshard'] / needed:>20.2f}"
+        )
     print("\nevery run, in the order run: seconds (CPU seconds of the process, all threads)")
     for c in cases:
         for k in ("save", "same", "reshard"):
-            runs = " ".join(f"{x:.3f} ({y:.2f})" for x, y in zip(results[c][k], cpus[c][k], strict=True))
+            runs = " ".join(
+                f"{x:.3f} ({y:.2f})" for x, y in zip(results[c][k], cpus[c][k], strict=True)
+            )
             print(f"  {c:<10} {k:<8} {runs}   median CPU {median(cpus[c][k]):.3f}")
     print("\ntargets (issue #16, part 3):")
     for c in cases:
@@ -166,10 +203,12 @@ def main() -> None:
             continue
         ok_time = med[c]["reshard"] <= 1.2 * med["none"]["same"]
         ok_bytes = reads[c]["reshard"] <= 1.05 * needed
-        print(f"  {c}: resharded load {med[c]['reshard'] / med['none']['same']:.2f}x the same-topology load (<= 1.2: "
-              f"{'PASS' if ok_time else 'FAIL'}), reads {reads[c]['reshard'] / needed:.3f}x needed (<= 1.05: "
-              f"{'PASS' if ok_bytes else 'FAIL'}); same-topology save {med[c]['save'] / med['none']['save']:.2f}x, "
-              f"load {med[c]['same'] / med['none']['same']:.2f}x of no subchunking (<= 1.05 for a default)")
+        print(
+            f"  {c}: resharded load {med[c]['reshard'] / med['none']['same']:.2f}x the same-topology load (<= 1.2: "
+            f"{'PASS' if ok_time else 'FAIL'}), reads {reads[c]['reshard'] / needed:.3f}x needed (<= 1.05: "
+            f"{'PASS' if ok_bytes else 'FAIL'}); same-topology save {med[c]['save'] / med['none']['save']:.2f}x, "
+            f"load {med[c]['same'] / med['none']['same']:.2f}x of no subchunking (<= 1.05 for a default)"
+        )
 
 
 if __name__ == "__main__":

@@ -51,7 +51,10 @@ def make_source(path: str, gib: float) -> None:
     mesh = jax.make_mesh((2, 4), ("data", "model"))
     sharding = NamedSharding(mesh, P("data", "model"))
     rng = np.random.default_rng(0)
-    params = {f"w{i}": jax.device_put(rng.standard_normal(shape(gib), dtype=np.float32), sharding) for i in range(8)}
+    params = {
+        f"w{i}": jax.device_put(rng.standard_normal(shape(gib), dtype=np.float32), sharding)
+        for i in range(8)
+    }
     opt = {f"w{i}": jax.device_put(np.ones(shape(gib), np.float32) * i, sharding) for i in range(8)}
     mp.save(path, {"params": params, "opt_state": {"mu": opt}, "step": 7})
 
@@ -108,7 +111,9 @@ def check(source: str, out: str, surgery: str) -> None:
         assert np.array_equal(np.asarray(got["model"][k]).view(np.uint8), want.view(np.uint8)), k
     if surgery == "rename":
         for k, v in src["opt_state"]["mu"].items():
-            assert np.array_equal(np.asarray(got["opt_state"]["mu"][k]).view(np.uint8), np.asarray(v).view(np.uint8)), k
+            assert np.array_equal(
+                np.asarray(got["opt_state"]["mu"][k]).view(np.uint8), np.asarray(v).view(np.uint8)
+            ), k
     else:
         assert "opt_state" not in got
     assert int(got["step"]) == 7
@@ -122,7 +127,9 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--budget-mib", type=int, default=128)
@@ -142,11 +149,18 @@ def main() -> None:
         source = os.path.join(work, "source")
         import subprocess
 
-        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+        env = dict(
+            os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8"
+        )
         subprocess.run(
-            [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-             f"import surgery_bench as b; b.make_source({source!r}, {args.gib})"],
-            env=env, check=True,
+            [
+                sys.executable,
+                "-c",
+                f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+                f"import surgery_bench as b; b.make_source({source!r}, {args.gib})",
+            ],
+            env=env,
+            check=True,
         )
         results: dict[tuple[str, str], list[dict[str, float]]] = {}
         cases = [(t, s) for s in ("full", "prune", "rename") for t in ("milepost", "orbax")]
@@ -154,24 +168,52 @@ def main() -> None:
             for tool, surgery in cases[r % 2 :] + cases[: r % 2]:  # rotate the order
                 out = os.path.join(work, f"{tool}-{surgery}-{r}")
                 got = run_worker(
-                    __file__, ["--worker", "--tool", tool, "--surgery", surgery, "--source", source, "--out", out,
-                               "--gib", str(args.gib), "--budget-mib", str(args.budget_mib)],
+                    __file__,
+                    [
+                        "--worker",
+                        "--tool",
+                        tool,
+                        "--surgery",
+                        surgery,
+                        "--source",
+                        source,
+                        "--out",
+                        out,
+                        "--gib",
+                        str(args.gib),
+                        "--budget-mib",
+                        str(args.budget_mib),
+                    ],
                 )
                 results.setdefault((tool, surgery), []).append(got)
                 shutil.rmtree(out, ignore_errors=True)
-        med = {k: {m: statistics.median(x[m] for x in v) for m in ("seconds", "rss_growth")} for k, v in results.items()}
-        print(f"{args.gib:g} GiB source (half params, half optimizer state), {args.repeats} repeats, budget {args.budget_mib} MiB, "
-              f"load average {os.getloadavg()[0]:.1f}")
+        med = {
+            k: {m: statistics.median(x[m] for x in v) for m in ("seconds", "rss_growth")}
+            for k, v in results.items()
+        }
+        print(
+            f"{args.gib:g} GiB source (half params, half optimizer state), {args.repeats} repeats, budget {args.budget_mib} MiB, "
+            f"load average {os.getloadavg()[0]:.1f}"
+        )
         for surgery in ("full", "prune", "rename"):
             m, o = med[("milepost", surgery)], med[("orbax", surgery)]
-            t_ratio, r_ratio = m["seconds"] / o["seconds"], m["rss_growth"] / max(o["rss_growth"], 1)
-            print(f"  {surgery:<7} milepost {m['seconds']:.2f}s {m['rss_growth'] / 2**20:7.0f} MiB | orbax {o['seconds']:.2f}s "
-                  f"{o['rss_growth'] / 2**20:7.0f} MiB | time {t_ratio:.2f}x, peak RSS growth {r_ratio:.2f}x")
+            t_ratio, r_ratio = (
+                m["seconds"] / o["seconds"],
+                m["rss_growth"] / max(o["rss_growth"], 1),
+            )
+            print(
+                f"  {surgery:<7} milepost {m['seconds']:.2f}s {m['rss_growth'] / 2**20:7.0f} MiB | orbax {o['seconds']:.2f}s "
+                f"{o['rss_growth'] / 2**20:7.0f} MiB | time {t_ratio:.2f}x, peak RSS growth {r_ratio:.2f}x"
+            )
         full = med[("milepost", "full")]["seconds"] / med[("orbax", "full")]["seconds"]
-        full_rss = med[("milepost", "full")]["rss_growth"] / max(med[("orbax", "full")]["rss_growth"], 1)
+        full_rss = med[("milepost", "full")]["rss_growth"] / max(
+            med[("orbax", "full")]["rss_growth"], 1
+        )
         rename = med[("milepost", "rename")]["seconds"] / med[("orbax", "rename")]["seconds"]
-        print(f"  targets: full time <= 0.5x {'PASS' if full <= 0.5 else 'FAIL'}; full RSS <= 0.3x "
-              f"{'PASS' if full_rss <= 0.3 else 'FAIL'}; rename-only time <= 0.1x {'PASS' if rename <= 0.1 else 'FAIL'}")
+        print(
+            f"  targets: full time <= 0.5x {'PASS' if full <= 0.5 else 'FAIL'}; full RSS <= 0.3x "
+            f"{'PASS' if full_rss <= 0.3 else 'FAIL'}; rename-only time <= 0.1x {'PASS' if rename <= 0.1 else 'FAIL'}"
+        )
         print(json.dumps({f"{t}-{s}": v for (t, s), v in med.items()}))
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -73,12 +73,21 @@ class SliceMesh:
     def sharding(self, spec: Any = None) -> SliceSharding:
         """The sharding of ``PartitionSpec`` ``spec`` over this mesh (None: replicated)."""
         entries = tuple(spec) if spec is not None else ()
-        unknown = {a for e in entries for a in ((e,) if isinstance(e, str) else (e or ())) if a not in self.shape}
+        unknown = {
+            a
+            for e in entries
+            for a in ((e,) if isinstance(e, str) else (e or ()))
+            if a not in self.shape
+        }
         if unknown:
-            raise ValueError(f"PartitionSpec {spec} names axes {sorted(unknown)} that mesh {self.shape} lacks")
+            raise ValueError(
+                f"PartitionSpec {spec} names axes {sorted(unknown)} that mesh {self.shape} lacks"
+            )
         return SliceSharding(
             self._group,
-            workers.ShardingSpec.named(tuple(self.shape.values()), self.axis_names, self.device_ids, entries),
+            workers.ShardingSpec.named(
+                tuple(self.shape.values()), self.axis_names, self.device_ids, entries
+            ),
         )
 
     def __repr__(self) -> str:
@@ -106,7 +115,14 @@ class RemoteArray:
     ``slice.fetch``; compute on it with ``slice.run``; checkpoint it with ``milepost.save``.
     """
 
-    def __init__(self, group: Any, array_id: str, shape: Sequence[int], dtype: Any, spec: workers.ShardingSpec) -> None:
+    def __init__(
+        self,
+        group: Any,
+        array_id: str,
+        shape: Sequence[int],
+        dtype: Any,
+        spec: workers.ShardingSpec,
+    ) -> None:
         self.id = array_id
         self.shape = tuple(int(d) for d in shape)
         self.dtype = workers.dtype_of(dtype)

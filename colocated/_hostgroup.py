@@ -55,7 +55,9 @@ class HostGroup(Protocol):
         non-primary processes of a multi-controller job)."""
         ...
 
-    def start_save(self, plans: Mapping[Any, workers.SavePlan], sources: Sequence[Any], timeout: float) -> PendingHostSave:
+    def start_save(
+        self, plans: Mapping[Any, workers.SavePlan], sources: Sequence[Any], timeout: float
+    ) -> PendingHostSave:
         """Stage on every host (blocking: returns once every host acknowledged its D2H copy)."""
         ...
 
@@ -72,7 +74,9 @@ class HostGroup(Protocol):
         """Raise ValueError naming leaf ``name`` if ``spec`` uses devices this group lacks."""
         ...
 
-    def mesh_device_ids(self, axis_names: tuple[str, ...], axis_sizes: tuple[int, ...]) -> tuple[int, ...]:
+    def mesh_device_ids(
+        self, axis_names: tuple[str, ...], axis_sizes: tuple[int, ...]
+    ) -> tuple[int, ...]:
         """Device ids, in row-major mesh order, of a concrete mesh of these axes (for abstract
         trees whose shardings are on an ``AbstractMesh``); ValueError saying how to give one."""
         ...
@@ -119,7 +123,9 @@ class LocalHostGroup:
     def is_primary(self) -> bool:
         return True
 
-    def start_save(self, plans: Mapping[Any, workers.SavePlan], sources: Sequence[Any], timeout: float) -> _LocalPending:
+    def start_save(
+        self, plans: Mapping[Any, workers.SavePlan], sources: Sequence[Any], timeout: float
+    ) -> _LocalPending:
         (plan,) = plans.values()
         return _LocalPending(workers.start_save(plan, sources))
 
@@ -137,7 +143,9 @@ class LocalHostGroup:
         except ValueError as e:
             raise ValueError(f"cannot load {name!r} with its saved sharding: {e}") from None
 
-    def mesh_device_ids(self, axis_names: tuple[str, ...], axis_sizes: tuple[int, ...]) -> tuple[int, ...]:
+    def mesh_device_ids(
+        self, axis_names: tuple[str, ...], axis_sizes: tuple[int, ...]
+    ) -> tuple[int, ...]:
         return jax_mesh_device_ids(axis_names, axis_sizes)
 
     def barrier(self, name: str, timeout: float) -> None:
@@ -150,7 +158,9 @@ class LocalHostGroup:
         return f"LocalHostGroup(process_index={self._process_index!r})"
 
 
-def jax_mesh_device_ids(axis_names: tuple[str, ...], axis_sizes: tuple[int, ...]) -> tuple[int, ...]:
+def jax_mesh_device_ids(
+    axis_names: tuple[str, ...], axis_sizes: tuple[int, ...]
+) -> tuple[int, ...]:
     """This JAX runtime's concrete mesh of these axes: the one set with ``jax.set_mesh`` if it
     matches, else ``jax.make_mesh`` over every device when the sizes cover them exactly."""
     import math
@@ -159,14 +169,24 @@ def jax_mesh_device_ids(axis_names: tuple[str, ...], axis_sizes: tuple[int, ...]
 
     wanted = dict(zip(axis_names, axis_sizes, strict=True))
     current = jax.sharding.get_mesh()
-    if not current.empty and dict(current.shape) == wanted and tuple(current.axis_names) == tuple(axis_names):
+    if (
+        not current.empty
+        and dict(current.shape) == wanted
+        and tuple(current.axis_names) == tuple(axis_names)
+    ):
         return tuple(int(d.id) for d in current.devices.flat)
     if math.prod(axis_sizes) == jax.device_count():
-        return tuple(int(d.id) for d in jax.make_mesh(tuple(axis_sizes), tuple(axis_names)).devices.flat)
+        return tuple(
+            int(d.id) for d in jax.make_mesh(tuple(axis_sizes), tuple(axis_names)).devices.flat
+        )
     raise ValueError(
         f"the sharding is on an AbstractMesh {wanted} (as jax.eval_shape and nnx.eval_shape give), and no concrete mesh "
         f"of those axes is at hand: this runtime has {jax.device_count()} devices"
-        + (f" and the mesh set with jax.set_mesh is {dict(current.shape)}" if not current.empty else "")
+        + (
+            f" and the mesh set with jax.set_mesh is {dict(current.shape)}"
+            if not current.empty
+            else ""
+        )
         + ". Load inside `with jax.set_mesh(mesh):` with your mesh, or give the abstract tree NamedShardings over a "
         "concrete mesh"
     )

@@ -82,7 +82,13 @@ class _Pending:
     """This process's writes; ``wait`` makes them durable, then syncs with the other processes
     (the primary gets every process's ack)."""
 
-    def __init__(self, group: MultiControllerHostGroup, pending: workers.PendingSave | None, directory: str, timeout: float) -> None:
+    def __init__(
+        self,
+        group: MultiControllerHostGroup,
+        pending: workers.PendingSave | None,
+        directory: str,
+        timeout: float,
+    ) -> None:
         self._group = group
         self._pending = pending
         self._directory = directory
@@ -108,10 +114,16 @@ class _Pending:
                 self._pending = None  # the staged buffers go as soon as they are on disk
                 try:
                     acks = self._group.sync(
-                        f"written:{self._directory}", timeout, error, doing="writing its shards",
-                        consequence=_NOT_COMMITTED, value=ack,
+                        f"written:{self._directory}",
+                        timeout,
+                        error,
+                        doing="writing its shards",
+                        consequence=_NOT_COMMITTED,
+                        value=ack,
                     )
-                    self._outcome = [a for a in (acks if acks is not None else [ack]) if a is not None]
+                    self._outcome = [
+                        a for a in (acks if acks is not None else [ack]) if a is not None
+                    ]
                 except BaseException as e:
                     self._outcome = e
             if isinstance(self._outcome, BaseException):
@@ -133,8 +145,14 @@ class MultiControllerHostGroup:
         self._client = client if client is not None else _client()
         self._index = jax.process_index()
         self._count = jax.process_count()
-        if isinstance(primary, bool) or not isinstance(primary, int) or not 0 <= primary < self._count:
-            raise ValueError(f"primary must be a process index in [0, {self._count}), got {primary!r}")
+        if (
+            isinstance(primary, bool)
+            or not isinstance(primary, int)
+            or not 0 <= primary < self._count
+        ):
+            raise ValueError(
+                f"primary must be a process index in [0, {self._count}), got {primary!r}"
+            )
         self.primary = primary
         self._owner = {d.id: d.process_index for d in jax.devices()}
         self._lock = threading.Lock()
@@ -168,11 +186,15 @@ class MultiControllerHostGroup:
         except ValueError as e:
             raise ValueError(f"cannot load {name!r} with its saved sharding: {e}") from None
 
-    def mesh_device_ids(self, axis_names: tuple[str, ...], axis_sizes: tuple[int, ...]) -> tuple[int, ...]:
+    def mesh_device_ids(
+        self, axis_names: tuple[str, ...], axis_sizes: tuple[int, ...]
+    ) -> tuple[int, ...]:
         return jax_mesh_device_ids(axis_names, axis_sizes)
 
     # -- work: each process runs its own plan ---------------------------------------------
-    def start_save(self, plans: Mapping[int, workers.SavePlan], sources: Sequence[Any], timeout: float) -> _Pending:
+    def start_save(
+        self, plans: Mapping[int, workers.SavePlan], sources: Sequence[Any], timeout: float
+    ) -> _Pending:
         """Stage this process's shards; return once every process staged (or raise everywhere)."""
         directory = _directory(plans)
         plan = plans.get(self._index)
@@ -205,13 +227,19 @@ class MultiControllerHostGroup:
         error: BaseException | None = None
         try:
             if plan is None:
-                raise ValueError(f"the load plan has no part for process {self._index} (it has {sorted(plans)})")
+                raise ValueError(
+                    f"the load plan has no part for process {self._index} (it has {sorted(plans)})"
+                )
             results, ack = workers.load(plan, self._index)
         except Exception as e:
             error = e
         directory = plan.store.directory if plan is not None else _directory(plans)
-        acks = self.sync(f"loaded:{directory}", timeout, error, doing="reading its shards", value=ack)
-        return HostLoad(results, [a for a in (acks if acks is not None else [ack]) if a is not None])
+        acks = self.sync(
+            f"loaded:{directory}", timeout, error, doing="reading its shards", value=ack
+        )
+        return HostLoad(
+            results, [a for a in (acks if acks is not None else [ack]) if a is not None]
+        )
 
     def run(self, job: str, plans: Mapping[int, Any], timeout: float) -> list[Any]:
         """Run this process's part of a host job; the primary gets every process's ack."""
@@ -259,22 +287,33 @@ class MultiControllerHostGroup:
         return values
 
     def _arrive(
-        self, op: _Op, timeout: float, error: BaseException | None, consequence: str, value: Any = None
+        self,
+        op: _Op,
+        timeout: float,
+        error: BaseException | None,
+        consequence: str,
+        value: Any = None,
     ) -> tuple[list[tuple[int, str]], list[Any] | None]:
         """Post this process's outcome (and value) and wait for every process; the failures they
         posted, and on the primary the values. Raises :class:`HostError` naming the processes
         that did not arrive in time."""
         client = self._client
         if error is not None:
-            client.key_value_set(f"{op.keys}/failed/{self._index}", _describe(error), allow_overwrite=True)
+            client.key_value_set(
+                f"{op.keys}/failed/{self._index}", _describe(error), allow_overwrite=True
+            )
         if value is not None:
             payload = zlib.compress(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL), 1)
-            client.key_value_set_bytes(f"{op.keys}/value/{self._index}", payload, allow_overwrite=True)
+            client.key_value_set_bytes(
+                f"{op.keys}/value/{self._index}", payload, allow_overwrite=True
+            )
         client.key_value_set(f"{op.keys}/arrived/{self._index}", "1", allow_overwrite=True)
         try:
             client.wait_at_barrier(op.barrier_id, _ms(timeout))
         except Exception as e:
-            raise self._not_arrived(op, timeout, e, consequence) from (error if error is not None else e)
+            raise self._not_arrived(op, timeout, e, consequence) from (
+                error if error is not None else e
+            )
         failed = self._failures(op)
         client.key_value_delete(f"{op.keys}/arrived/{self._index}")
         values = None
@@ -282,7 +321,10 @@ class MultiControllerHostGroup:
             posted = dict(client.key_value_dir_get_bytes(f"{op.keys}/value/"))
             if posted:
                 client.key_value_delete(f"{op.keys}/value/")
-                by_process = {int(k.rsplit("/", 1)[-1]): pickle.loads(zlib.decompress(v)) for k, v in posted.items()}
+                by_process = {
+                    int(k.rsplit("/", 1)[-1]): pickle.loads(zlib.decompress(v))
+                    for k, v in posted.items()
+                }
                 values = [by_process[p] for p in sorted(by_process)]
         return failed, values
 
@@ -300,10 +342,15 @@ class MultiControllerHostGroup:
             return []
         return sorted((int(k.rsplit("/", 1)[-1]), v) for k, v in entries)
 
-    def _not_arrived(self, op: _Op, timeout: float, cause: BaseException, consequence: str) -> HostError:
+    def _not_arrived(
+        self, op: _Op, timeout: float, cause: BaseException, consequence: str
+    ) -> HostError:
         failed = self._failures(op)
         try:
-            arrived = {int(k.rsplit("/", 1)[-1]) for k, _ in self._client.key_value_dir_get(f"{op.keys}/arrived/")}
+            arrived = {
+                int(k.rsplit("/", 1)[-1])
+                for k, _ in self._client.key_value_dir_get(f"{op.keys}/arrived/")
+            }
         except Exception:
             arrived = set()
         missing = [p for p in range(self._count) if p not in arrived]
@@ -317,7 +364,9 @@ class MultiControllerHostGroup:
                 "an error before it, or did not make this milepost call (every process of the job must make the "
                 f"same milepost calls, in the same order); check their logs.{extra} {consequence}".rstrip()
             )
-        return HostError(f"the barrier {op.name!r} failed {me}: {cause}.{extra} {consequence}".rstrip())
+        return HostError(
+            f"the barrier {op.name!r} failed {me}: {cause}.{extra} {consequence}".rstrip()
+        )
 
     def broadcast(self, name: str, value: Any, timeout: float) -> Any:
         """The primary's ``value`` in every process (the others pass anything, e.g. None).
@@ -330,10 +379,14 @@ class MultiControllerHostGroup:
         client = self._client
         if self.is_primary():
             try:
-                payload = b"V" + zlib.compress(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL), 1)
+                payload = b"V" + zlib.compress(
+                    pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL), 1
+                )
             except Exception as e:
                 client.key_value_set_bytes(key, b"E" + _describe(e).encode(), allow_overwrite=True)
-                raise HostError(f"the primary could not send {name!r} to the other processes: {_describe(e)}") from e
+                raise HostError(
+                    f"the primary could not send {name!r} to the other processes: {_describe(e)}"
+                ) from e
             client.key_value_set_bytes(key, payload, allow_overwrite=True)
             return value
         try:
@@ -349,7 +402,9 @@ class MultiControllerHostGroup:
             client.key_value_delete(key)
             client.key_value_delete(f"{op.keys}/read")
         if payload[:1] == b"E":
-            raise HostError(f"the primary could not send {name!r} to the other processes: {payload[1:].decode()}")
+            raise HostError(
+                f"the primary could not send {name!r} to the other processes: {payload[1:].decode()}"
+            )
         return pickle.loads(zlib.decompress(payload[1:]))
 
 

@@ -85,7 +85,10 @@ class _PendingRaySave:
         host may still be writing."""
         t = self._group.timeout_secs if timeout is None else timeout
         live = [i for i in self._waits if i not in self._group.failed_hosts]
-        settles = {i: self._group.call(i, "settle_save", self._token, t, concurrency_group=WAIT_GROUP) for i in live}
+        settles = {
+            i: self._group.call(i, "settle_save", self._token, t, concurrency_group=WAIT_GROUP)
+            for i in live
+        }
         self._group.settle(settles, t)
 
 
@@ -94,8 +97,13 @@ class RayHostGroup:
 
     name = "slice"
 
-    def __init__(self, actors: list[Any], identities: list[dict[str, Any]], device_ids: list[list[int]],
-                 timeout_secs: float) -> None:
+    def __init__(
+        self,
+        actors: list[Any],
+        identities: list[dict[str, Any]],
+        device_ids: list[list[int]],
+        timeout_secs: float,
+    ) -> None:
         self.timeout_secs = timeout_secs
         self._actors = actors
         self._identities = identities
@@ -139,7 +147,9 @@ class RayHostGroup:
         if self._closed:
             raise HostError("the slice is shut down; start a new one")
         if not self._healthy:
-            raise HostError("the slice is unhealthy after a host failure; shut it down and start a new one")
+            raise HostError(
+                "the slice is unhealthy after a host failure; shut it down and start a new one"
+            )
 
     def _count(self, to_hosts: int = 0, from_hosts: int = 0, messages: int = 0) -> None:
         with self._lock:
@@ -148,7 +158,14 @@ class RayHostGroup:
             self._counts[2] += from_hosts
 
     # -- messaging ------------------------------------------------------------------------
-    def call(self, i: int, method: str, *args: Any, concurrency_group: str | None = None, size: int | None = None) -> Any:
+    def call(
+        self,
+        i: int,
+        method: str,
+        *args: Any,
+        concurrency_group: str | None = None,
+        size: int | None = None,
+    ) -> Any:
         """Send one message to host ``i``; returns its Ray object ref (see :meth:`gather`).
         ``size``: the bytes to count when ``args`` hold object-store refs (``Slice.put``)."""
         self._flush_releases()
@@ -181,19 +198,27 @@ class RayHostGroup:
                 except ray.exceptions.RayActorError as e:
                     dead = True
                     self._failed.add(i)
-                    failures.append(f"{self.describe_host(i)} died while {doing} ({type(e).__name__})")
+                    failures.append(
+                        f"{self.describe_host(i)} died while {doing} ({type(e).__name__})"
+                    )
                 except ray.exceptions.RayTaskError as e:
                     cause = getattr(e, "cause", None) or e
-                    failures.append(f"{self.describe_host(i)} failed while {doing}: {type(cause).__name__}: {cause}")
+                    failures.append(
+                        f"{self.describe_host(i)} failed while {doing}: {type(cause).__name__}: {cause}"
+                    )
                 else:
                     results[i] = value
                     self._count(from_hosts=pickled_size(value))
-                    _progress.acked(i, value)  # a progress bar counts the host's bytes as it finishes
+                    _progress.acked(
+                        i, value
+                    )  # a progress bar counts the host's bytes as it finishes
         if not failures and pending:
             dead = True
             self._failed.update(pending.values())
-            failures = [f"{self.describe_host(i)} did not answer within {timeout:g}s while {doing}"
-                        for i in sorted(pending.values())]
+            failures = [
+                f"{self.describe_host(i)} did not answer within {timeout:g}s while {doing}"
+                for i in sorted(pending.values())
+            ]
         if dead:
             # A hung host must not act on these calls later (say, write into a temporary
             # directory the controller has removed): drop them if they have not started.
@@ -249,7 +274,9 @@ class RayHostGroup:
         try:
             return self._owner[device_id]
         except KeyError:
-            raise ValueError(f"device {device_id} is not in this slice (devices {self.device_ids})") from None
+            raise ValueError(
+                f"device {device_id} is not in this slice (devices {self.device_ids})"
+            ) from None
 
     def processes(self) -> Sequence[int]:
         return range(self.hosts)
@@ -266,7 +293,9 @@ class RayHostGroup:
                 "slice.mesh(...), e.g. milepost.AbstractArray(shape, dtype, mesh.sharding(PartitionSpec(...)))"
             )
 
-    def mesh_device_ids(self, axis_names: tuple[str, ...], axis_sizes: tuple[int, ...]) -> tuple[int, ...]:
+    def mesh_device_ids(
+        self, axis_names: tuple[str, ...], axis_sizes: tuple[int, ...]
+    ) -> tuple[int, ...]:
         """The slice's devices, host by host (as ``slice.mesh`` orders them)."""
         if math.prod(axis_sizes) != len(self.device_ids):
             raise ValueError(
@@ -276,7 +305,9 @@ class RayHostGroup:
             )
         return tuple(self.device_ids)
 
-    def start_save(self, plans: Mapping[int, workers.SavePlan], sources: Sequence[Any], timeout: float) -> _PendingRaySave:
+    def start_save(
+        self, plans: Mapping[int, workers.SavePlan], sources: Sequence[Any], timeout: float
+    ) -> _PendingRaySave:
         """Stage on every host: sources go as ids, which each host resolves in its registry."""
         self.check_usable()
         refs = []
@@ -293,7 +324,10 @@ class RayHostGroup:
         # writes land, without another round trip from the controller.
         token = uuid.uuid4().hex
         calls = {i: self.call(i, "start_save", plan, refs, token) for i, plan in plans.items()}
-        waits = {i: self.call(i, "wait_save", token, timeout, concurrency_group=WAIT_GROUP) for i in plans}
+        waits = {
+            i: self.call(i, "wait_save", token, timeout, concurrency_group=WAIT_GROUP)
+            for i in plans
+        }
         try:
             self.gather(calls, timeout, "copying its shards to host memory")
         except HostError:
@@ -316,22 +350,34 @@ class RayHostGroup:
         array under ``<prefix>.<k>``; the controller gets handles."""
         self.check_usable()
         prefix = uuid.uuid4().hex
-        acks = self.gather({i: self.call(i, "load", p, prefix) for i, p in plans.items()}, timeout, "reading its shards")
+        acks = self.gather(
+            {i: self.call(i, "load", p, prefix) for i, p in plans.items()},
+            timeout,
+            "reading its shards",
+        )
         (plan, *_) = plans.values()
         out = []
         for k, task in enumerate(plan.tasks):
             spec = task.sharding
             if not isinstance(spec, workers.ShardingSpec):
                 spec = workers.ShardingSpec.from_jax(spec)
-            if task.random_key_impl is not None:  # typed keys: the spec of the keys, not of their data
+            if (
+                task.random_key_impl is not None
+            ):  # typed keys: the spec of the keys, not of their data
                 spec = dataclasses.replace(spec, spec=spec.spec[: len(task.result_shape)])
-            out.append(RemoteArray(self, f"{prefix}.{k}", task.result_shape, task.result_dtype, spec))
+            out.append(
+                RemoteArray(self, f"{prefix}.{k}", task.result_shape, task.result_dtype, spec)
+            )
         return HostLoad(out, [acks[i] for i in sorted(acks)])
 
     def run(self, job: str, plans: Mapping[int, Any], timeout: float) -> list[Any]:
         """Every host runs its part of the host job ``job``; their acks, in host order."""
         self.check_usable()
-        acks = self.gather({i: self.call(i, "run_job", job, p) for i, p in plans.items()}, timeout, f"running {job}")
+        acks = self.gather(
+            {i: self.call(i, "run_job", job, p) for i, p in plans.items()},
+            timeout,
+            f"running {job}",
+        )
         return [acks[i] for i in sorted(acks)]
 
     def wrap(self, described: Any) -> Any:
@@ -341,7 +387,9 @@ class RayHostGroup:
         return jax.tree_util.tree_map(
             lambda d: RemoteArray(self, *d),
             described,
-            is_leaf=lambda x: isinstance(x, tuple) and len(x) == 4 and isinstance(x[3], workers.ShardingSpec),
+            is_leaf=lambda x: (
+                isinstance(x, tuple) and len(x) == 4 and isinstance(x[3], workers.ShardingSpec)
+            ),
         )
 
     def barrier(self, name: str, timeout: float) -> None:
@@ -384,4 +432,3 @@ class RayHostGroup:
 
     def __repr__(self) -> str:
         return f"RayHostGroup(hosts={self.hosts}, healthy={self.healthy})"
-

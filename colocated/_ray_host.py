@@ -69,7 +69,11 @@ class HostActor:
     def identity(self) -> dict[str, Any]:
         import ray
 
-        return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address()}
+        return {
+            "pid": os.getpid(),
+            "node": ray.get_runtime_context().get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+        }
 
     def free_port(self) -> int:
         with socket.socket() as s:
@@ -79,9 +83,14 @@ class HostActor:
     def initialize(self, coordinator: str, timeout_secs: int) -> list[int]:
         import jax
 
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives across processes
+        jax.config.update(
+            "jax_cpu_collectives_implementation", "gloo"
+        )  # CPU collectives across processes
         jax.distributed.initialize(
-            coordinator, num_processes=self.count, process_id=self.index, initialization_timeout=timeout_secs
+            coordinator,
+            num_processes=self.count,
+            process_id=self.index,
+            initialization_timeout=timeout_secs,
         )
         return [d.id for d in jax.local_devices()]
 
@@ -103,7 +112,9 @@ class HostActor:
                 try:
                     return self.arrays[x.id]
                 except KeyError:
-                    raise KeyError(f"host {self.index} holds no array {x.id!r}: it was released or never placed") from None
+                    raise KeyError(
+                        f"host {self.index} holds no array {x.id!r}: it was released or never placed"
+                    ) from None
             return x
 
         return jax.tree_util.tree_map(get, tree, is_leaf=lambda x: isinstance(x, Ref))
@@ -120,8 +131,13 @@ class HostActor:
             described.append((array_id, tuple(leaf.shape), workers.dtype_name(leaf.dtype), spec))
         return jax.tree_util.tree_unflatten(treedef, described)
 
-    def put(self, ids: list[str], shapes: list[tuple[int, ...]], specs: list[workers.ShardingSpec],
-            parts: list[list[tuple[Any, Any]]]) -> list[str]:
+    def put(
+        self,
+        ids: list[str],
+        shapes: list[tuple[int, ...]],
+        specs: list[workers.ShardingSpec],
+        parts: list[list[tuple[Any, Any]]],
+    ) -> list[str]:
         """Place controller data: per array, the ``(box, object ref)`` shards this host's devices
         need. Returns the dtypes JAX gave the arrays."""
         import jax
@@ -130,10 +146,18 @@ class HostActor:
 
         dtypes = []
         for array_id, shape, spec, mine in zip(ids, shapes, specs, parts, strict=True):
-            pieces = dict(zip([box for box, _ in mine], ray.get([ref for _, ref in mine]), strict=True))
+            pieces = dict(
+                zip([box for box, _ in mine], ray.get([ref for _, ref in mine]), strict=True)
+            )
 
-            def piece(index: tuple[slice, ...], shape: tuple[int, ...] = tuple(shape), pieces: dict = pieces) -> Any:
-                return np.asarray(pieces[tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))])
+            def piece(
+                index: tuple[slice, ...],
+                shape: tuple[int, ...] = tuple(shape),
+                pieces: dict = pieces,
+            ) -> Any:
+                return np.asarray(
+                    pieces[tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))]
+                )
 
             array = jax.make_array_from_callback(tuple(shape), spec.to_jax(), piece)
             self.arrays[array_id] = array
@@ -145,7 +169,10 @@ class HostActor:
         import numpy as np
 
         arrays = self._resolve([Ref(i) for i in ids])
-        return [[(s.index, np.asarray(s.data)) for s in a.addressable_shards if s.replica_id == 0] for a in arrays]
+        return [
+            [(s.index, np.asarray(s.data)) for s in a.addressable_shards if s.replica_id == 0]
+            for a in arrays
+        ]
 
     def run(self, fn: bytes, args: Any, kwargs: Any, prefix: str, out_shardings: Any = None) -> Any:
         """``jax.jit(fn)`` on this process's part of the global arrays (every host runs the same
@@ -159,7 +186,9 @@ class HostActor:
             function = cloudpickle.loads(fn)
             if out_shardings is not None:
                 out_shardings = jax.tree_util.tree_map(
-                    lambda s: s.to_jax(), out_shardings, is_leaf=lambda x: isinstance(x, workers.ShardingSpec)
+                    lambda s: s.to_jax(),
+                    out_shardings,
+                    is_leaf=lambda x: isinstance(x, workers.ShardingSpec),
                 )
             jitted = jax.jit(function, out_shardings=out_shardings)
             self.jitted[key] = jitted

@@ -26,7 +26,15 @@ from milepost.workers._storage import storage_environment
 
 log = logging.getLogger("milepost.slice")
 
-__all__ = ["AbstractArray", "RemoteArray", "Slice", "SliceMesh", "SliceOptions", "SliceSharding", "Traffic"]
+__all__ = [
+    "AbstractArray",
+    "RemoteArray",
+    "Slice",
+    "SliceMesh",
+    "SliceOptions",
+    "SliceSharding",
+    "Traffic",
+]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -64,7 +72,9 @@ class SliceOptions:
         for name in ("timeout_secs", "start_timeout_secs", "cpus_per_host"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float):
-                raise TypeError(f"SliceOptions.{name} must be a number, got {value!r} ({type(value).__name__})")
+                raise TypeError(
+                    f"SliceOptions.{name} must be a number, got {value!r} ({type(value).__name__})"
+                )
             if not math.isfinite(value) or value <= 0:
                 raise ValueError(f"SliceOptions.{name} must be positive and finite, got {value!r}")
         for name, optional in (("ray_num_cpus", True), ("ray_object_store_bytes", False)):
@@ -72,7 +82,9 @@ class SliceOptions:
             if value is None and optional:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise TypeError(f"SliceOptions.{name} must be a positive int{' or None' if optional else ''}, got {value!r}")
+                raise TypeError(
+                    f"SliceOptions.{name} must be a positive int{' or None' if optional else ''}, got {value!r}"
+                )
 
 
 def _actor_env(devices_per_host: int | None, options: SliceOptions) -> dict[str, str]:
@@ -81,7 +93,10 @@ def _actor_env(devices_per_host: int | None, options: SliceOptions) -> dict[str,
     checkpoint paths themselves)."""
     env = storage_environment() if options.forward_storage_env else {}
     if devices_per_host:
-        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_host}")
+        env.update(
+            JAX_PLATFORMS="cpu",
+            XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_host}",
+        )
     return env
 
 
@@ -102,8 +117,14 @@ class Slice:
 
     # -- construction ---------------------------------------------------------------------
     @classmethod
-    def start(cls, *, hosts: int, devices_per_host: int, options: SliceOptions | None = None,
-              ray_init: Mapping[str, Any] | None = None) -> Slice:
+    def start(
+        cls,
+        *,
+        hosts: int,
+        devices_per_host: int,
+        options: SliceOptions | None = None,
+        ray_init: Mapping[str, Any] | None = None,
+    ) -> Slice:
         """Start ``hosts`` actors with ``devices_per_host`` fake CPU devices each, in the running
         Ray runtime or a local one started here (``ray_init``: extra ``ray.init`` arguments)."""
         import ray
@@ -123,8 +144,14 @@ class Slice:
         return cls._launch(hosts, devices_per_host, "PACK", options)
 
     @classmethod
-    def connect(cls, *, address: str = "auto", hosts: int, devices_per_host: int | None = None,
-                options: SliceOptions | None = None) -> Slice:
+    def connect(
+        cls,
+        *,
+        address: str = "auto",
+        hosts: int,
+        devices_per_host: int | None = None,
+        options: SliceOptions | None = None,
+    ) -> Slice:
         """Use an existing Ray cluster: one host actor on each of ``hosts`` nodes (STRICT_SPREAD).
         ``devices_per_host`` None: each host uses its node's real accelerators."""
         import ray
@@ -134,7 +161,9 @@ class Slice:
         return cls._launch(hosts, devices_per_host, "STRICT_SPREAD", options or SliceOptions())
 
     @classmethod
-    def _launch(cls, hosts: int, devices_per_host: int | None, strategy: str, options: SliceOptions) -> Slice:
+    def _launch(
+        cls, hosts: int, devices_per_host: int | None, strategy: str, options: SliceOptions
+    ) -> Slice:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -157,14 +186,18 @@ class Slice:
         actors = [
             remote.options(
                 num_cpus=options.cpus_per_host,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=i
+                ),
                 runtime_env={"env_vars": env},
                 max_restarts=0,
             ).remote(i, hosts, devices_per_host or 0)
             for i in range(hosts)
         ]
         try:
-            identities = ray.get([a.identity.remote() for a in actors], timeout=options.start_timeout_secs)
+            identities = ray.get(
+                [a.identity.remote() for a in actors], timeout=options.start_timeout_secs
+            )
             port = ray.get(actors[0].free_port.remote(), timeout=options.start_timeout_secs)
             coordinator = f"{identities[0]['ip']}:{port}"
             device_ids = ray.get(
@@ -173,14 +206,18 @@ class Slice:
             )
             # Every host must see the same global devices, owned by the hosts that reported them.
             owner = {d: i for i, ids in enumerate(device_ids) for d in ids}
-            views = ray.get([a.device_map.remote() for a in actors], timeout=options.start_timeout_secs)
+            views = ray.get(
+                [a.device_map.remote() for a in actors], timeout=options.start_timeout_secs
+            )
             if any(view != owner for view in views):
                 raise RuntimeError(f"the hosts disagree on the global devices: {views} vs {owner}")
         except Exception as e:
             for a in actors:
                 ray.kill(a)
             remove_placement_group(pg)
-            raise HostError(f"starting the slice's {hosts} hosts failed: {type(e).__name__}: {e}") from e
+            raise HostError(
+                f"starting the slice's {hosts} hosts failed: {type(e).__name__}: {e}"
+            ) from e
         group = RayHostGroup(actors, identities, device_ids, options.timeout_secs)
         log.info("slice started: %d hosts, devices %s", hosts, device_ids)
         return cls(group, pg, options)
@@ -247,26 +284,39 @@ class Slice:
         specs = [sh.milepost_spec for sh in sh_leaves]
         prefix = uuid.uuid4().hex
         ids = [f"{prefix}.{k}" for k in range(len(leaves))]
-        parts: list[list[list[tuple[Any, Any]]]] = [[] for _ in range(self.hosts)]  # host -> leaf -> (box, ref)
+        parts: list[list[list[tuple[Any, Any]]]] = [
+            [] for _ in range(self.hosts)
+        ]  # host -> leaf -> (box, ref)
         sizes = [0] * self.hosts
         for array, spec in zip(data, specs, strict=True):
-            boxes = spec.device_indices(array.shape)  # ValueError if the sharding does not divide the shape
+            boxes = spec.device_indices(
+                array.shape
+            )  # ValueError if the sharding does not divide the shape
             refs: dict[Any, Any] = {}
             mine: list[dict[Any, Any]] = [{} for _ in range(self.hosts)]
             for device, box in boxes.items():
                 if box not in refs:
-                    refs[box] = ray.put(np.array(array[tuple(slice(a, b) for a, b in box)], order="C"))
+                    refs[box] = ray.put(
+                        np.array(array[tuple(slice(a, b) for a, b in box)], order="C")
+                    )
                 mine[self.group.process_of_device(device)][box] = refs[box]
             for i in range(self.hosts):
                 parts[i].append(list(mine[i].items()))
-                sizes[i] += sum(math.prod(b - a for a, b in box) for box in mine[i]) * array.itemsize
+                sizes[i] += (
+                    sum(math.prod(b - a for a, b in box) for box in mine[i]) * array.itemsize
+                )
         head = pickled_size((ids, [a.shape for a in data], specs))
         calls = {
-            i: self.group.call(i, "put", ids, [a.shape for a in data], specs, parts[i], size=head + sizes[i])
+            i: self.group.call(
+                i, "put", ids, [a.shape for a in data], specs, parts[i], size=head + sizes[i]
+            )
             for i in range(self.hosts)
         }
         dtypes = self.group.gather(calls, self.options.timeout_secs, "placing data")[0]
-        out = [RemoteArray(self.group, *a) for a in zip(ids, [a.shape for a in data], dtypes, specs, strict=True)]
+        out = [
+            RemoteArray(self.group, *a)
+            for a in zip(ids, [a.shape for a in data], dtypes, specs, strict=True)
+        ]
         return jax.tree_util.tree_unflatten(treedef, out)
 
     def fetch(self, tree: Any) -> Any:
@@ -286,7 +336,9 @@ class Slice:
                     for index, data in host_pieces[k]:
                         out[index] = data
                 by_id[x.id] = out
-        return jax.tree_util.tree_unflatten(treedef, [by_id[x.id] if isinstance(x, RemoteArray) else x for x in leaves])
+        return jax.tree_util.tree_unflatten(
+            treedef, [by_id[x.id] if isinstance(x, RemoteArray) else x for x in leaves]
+        )
 
     def run(self, fn: Any, *args: Any, out_shardings: Any = None, **kwargs: Any) -> Any:
         """Run ``jax.jit(fn, out_shardings=...)`` SPMD on every host over RemoteArrays (other
@@ -305,10 +357,17 @@ class Slice:
         specs = None
         if out_shardings is not None:
             specs = jax.tree_util.tree_map(
-                lambda s: self._own(s, "run").milepost_spec, out_shardings, is_leaf=lambda x: isinstance(x, SliceSharding)
+                lambda s: self._own(s, "run").milepost_spec,
+                out_shardings,
+                is_leaf=lambda x: isinstance(x, SliceSharding),
             )
         described = self.group.all(
-            "run", cloudpickle.dumps(fn), args_, kwargs_, uuid.uuid4().hex, specs,
+            "run",
+            cloudpickle.dumps(fn),
+            args_,
+            kwargs_,
+            uuid.uuid4().hex,
+            specs,
             doing=f"running {getattr(fn, '__name__', 'a function')}",
         )
         return self.group.wrap(described[0])
@@ -325,15 +384,28 @@ class Slice:
         rows = []
         per_host = getattr(self.group, "_device_ids", None) or [[] for _ in range(self.hosts)]
         for i, ident in enumerate(self.host_identities()):
-            rows.append((str(i), str(ident.get("node", ""))[:12], str(ident.get("ip", "")), str(ident.get("pid", "")),
-                         ", ".join(map(str, per_host[i]))))
+            rows.append(
+                (
+                    str(i),
+                    str(ident.get("node", ""))[:12],
+                    str(ident.get("ip", "")),
+                    str(ident.get("pid", "")),
+                    ", ".join(map(str, per_host[i])),
+                )
+            )
         return rows
 
     def __repr__(self) -> str:
         per_host = getattr(self.group, "_device_ids", None)
-        devices = f"{len(per_host[0])} devices each" if per_host and len({len(d) for d in per_host}) == 1 else f"{len(self.device_ids)} devices"
+        devices = (
+            f"{len(per_host[0])} devices each"
+            if per_host and len({len(d) for d in per_host}) == 1
+            else f"{len(self.device_ids)} devices"
+        )
         state = "healthy" if self.healthy else "unhealthy or shut down"
-        hosts = "; ".join(f"host {r[0]}: {r[2]} pid {r[3]}, devices [{r[4]}]" for r in self._host_rows())
+        hosts = "; ".join(
+            f"host {r[0]}: {r[2]} pid {r[3]}, devices [{r[4]}]" for r in self._host_rows()
+        )
         return f"Slice({self.hosts} hosts x {devices}, {state}; {hosts})"
 
     def _repr_html_(self) -> str:
@@ -345,7 +417,6 @@ class Slice:
             f"Slice: {self.hosts} hosts, {len(self.device_ids)} devices, {state}; controller traffic so far: "
             f"{traffic.messages} messages, {_views.human_bytes(traffic.total_bytes)}"
         )
-        return _views.html_table(("host", "node", "ip", "pid", "devices (global ids)"), self._host_rows(), title=title)
-
-
-
+        return _views.html_table(
+            ("host", "node", "ip", "pid", "devices (global ids)"), self._host_rows(), title=title
+        )

@@ -22,7 +22,11 @@ def human_bytes(n: float | None) -> str:
 
 
 def shape_str(shape: Sequence[int] | None) -> str:
-    return "" if shape is None else "(" + ", ".join(str(int(n)) for n in shape) + ("," if len(shape) == 1 else "") + ")"
+    return (
+        ""
+        if shape is None
+        else "(" + ", ".join(str(int(n)) for n in shape) + ("," if len(shape) == 1 else "") + ")"
+    )
 
 
 def sharding_str(spec: Any) -> str:
@@ -32,15 +36,31 @@ def sharding_str(spec: Any) -> str:
     memory = f" [{spec.memory_kind}]" if getattr(spec, "memory_kind", None) else ""
     if spec.kind == "single":
         return f"device {spec.device_ids[0]}{memory}"
-    entries = ", ".join("None" if e is None else repr(e) if isinstance(e, str) else "(" + ", ".join(map(repr, e)) + ")" for e in spec.spec)
+    entries = ", ".join(
+        "None"
+        if e is None
+        else repr(e)
+        if isinstance(e, str)
+        else "(" + ", ".join(map(repr, e)) + ")"
+        for e in spec.spec
+    )
     mesh = ", ".join(f"{a}: {n}" for a, n in zip(spec.axis_names, spec.mesh_shape, strict=True))
     return f"P({entries}) on {{{mesh}}}{memory}"
 
 
-def html_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], *, title: str | None = None, max_rows: int = MAX_HTML_ROWS) -> str:
+def html_table(
+    columns: Sequence[str],
+    rows: Sequence[Sequence[Any]],
+    *,
+    title: str | None = None,
+    max_rows: int = MAX_HTML_ROWS,
+) -> str:
     head = "".join(f"<th style='text-align:left'>{html.escape(c)}</th>" for c in columns)
     body = "".join(
-        "<tr>" + "".join(f"<td style='text-align:left'>{html.escape(str(v))}</td>" for v in row) + "</tr>" for row in rows[:max_rows]
+        "<tr>"
+        + "".join(f"<td style='text-align:left'>{html.escape(str(v))}</td>" for v in row)
+        + "</tr>"
+        for row in rows[:max_rows]
     )
     more = f"<p>... and {len(rows) - max_rows} more rows</p>" if len(rows) > max_rows else ""
     caption = f"<b>{html.escape(title)}</b>" if title else ""

@@ -14,7 +14,13 @@ PathLike = str | os.PathLike[str]
 STATE = "state"
 
 
-def save(path: PathLike, state: Any, *, overwrite: bool = False, custom_metadata: Mapping[str, Any] | None = None) -> Path:
+def save(
+    path: PathLike,
+    state: Any,
+    *,
+    overwrite: bool = False,
+    custom_metadata: Mapping[str, Any] | None = None,
+) -> Path:
     """Save a tree of arrays, scalars and strings to ``path``; returns once it is committed.
 
     ``state`` is any pytree (dicts, lists, tuples, dataclasses registered with JAX) of
@@ -30,11 +36,17 @@ def save(path: PathLike, state: Any, *, overwrite: bool = False, custom_metadata
     >>> with mp.Context(saving=mp.SaveOptions(chunk_byte_size=4 << 20)):
     ...     mp.save("/ckpt/1000", state, overwrite=True)
     """
-    return save_checkpointables(path, {STATE: state}, overwrite=overwrite, custom_metadata=custom_metadata)
+    return save_checkpointables(
+        path, {STATE: state}, overwrite=overwrite, custom_metadata=custom_metadata
+    )
 
 
 def save_async(
-    path: PathLike, state: Any, *, overwrite: bool = False, custom_metadata: Mapping[str, Any] | None = None
+    path: PathLike,
+    state: Any,
+    *,
+    overwrite: bool = False,
+    custom_metadata: Mapping[str, Any] | None = None,
 ) -> SaveHandle:
     """Like :func:`save`, but returns as soon as every array is copied to host memory.
 
@@ -42,7 +54,9 @@ def save_async(
     values from the time of the call. ``handle.result()`` waits for the commit and re-raises a
     failure of the background part.
     """
-    return save_checkpointables_async(path, {STATE: state}, overwrite=overwrite, custom_metadata=custom_metadata)
+    return save_checkpointables_async(
+        path, {STATE: state}, overwrite=overwrite, custom_metadata=custom_metadata
+    )
 
 
 def save_checkpointables(
@@ -64,7 +78,12 @@ def save_checkpointables(
     ...                         metrics={"loss": 0.25})
     """
     return _checkpoint.start_save(
-        path, checkpointables, overwrite=overwrite, custom_metadata=custom_metadata, metrics=metrics, asynchronous=False
+        path,
+        checkpointables,
+        overwrite=overwrite,
+        custom_metadata=custom_metadata,
+        metrics=metrics,
+        asynchronous=False,
     ).result()
 
 
@@ -83,7 +102,12 @@ def save_checkpointables_async(
     >>> handle.result()
     """
     return _checkpoint.start_save(
-        path, checkpointables, overwrite=overwrite, custom_metadata=custom_metadata, metrics=metrics, asynchronous=True
+        path,
+        checkpointables,
+        overwrite=overwrite,
+        custom_metadata=custom_metadata,
+        metrics=metrics,
+        asynchronous=True,
     )
 
 
@@ -109,7 +133,9 @@ def load(path: PathLike, abstract_state: Any = None, *, partial: bool = False) -
     with _progress.operation("load", where, primary=_primary()):
         if _safetensors.is_safetensors(where):
             return _safetensors.load(where, abstract_state, partial)
-        loaded = _checkpoint.load_checkpointables(path, {None: abstract_state}, partial=partial, default_pytree=True)  # type: ignore[dict-item]
+        loaded = _checkpoint.load_checkpointables(
+            path, {None: abstract_state}, partial=partial, default_pytree=True
+        )  # type: ignore[dict-item]
     (value,) = loaded.values()
     return value
 

@@ -134,7 +134,9 @@ class BackgroundSaves:
                 return
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
-                raise TimeoutError(f"{len(running)} milepost save(s) still running after {timeout}s: {self.in_flight()}")
+                raise TimeoutError(
+                    f"{len(running)} milepost save(s) still running after {timeout}s: {self.in_flight()}"
+                )
             futures.wait(running, timeout=left)
 
     def _at_exit(self) -> None:
@@ -143,16 +145,28 @@ class BackgroundSaves:
         for save in running:
             if save.future.done():
                 continue
-            log.warning("the interpreter is exiting; waiting (at most %gs) for the save to %s to commit", save.timeout, save.name)
+            log.warning(
+                "the interpreter is exiting; waiting (at most %gs) for the save to %s to commit",
+                save.timeout,
+                save.name,
+            )
             try:
                 save.future.result(timeout=save.timeout)
             except futures.TimeoutError:
                 log.error(
                     "abandoned the save to %s: it did not finish within %gs before the interpreter exited; nothing of it "
-                    "was committed", save.name, save.timeout,
+                    "was committed",
+                    save.name,
+                    save.timeout,
                 )
             except BaseException as e:
-                log.error("the save to %s failed while the interpreter exited: %s: %s", save.name, type(e).__name__, e, exc_info=e)
+                log.error(
+                    "the save to %s failed while the interpreter exited: %s: %s",
+                    save.name,
+                    type(e).__name__,
+                    e,
+                    exc_info=e,
+                )
 
 
 saves = BackgroundSaves()

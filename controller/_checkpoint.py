@@ -56,7 +56,9 @@ class SaveHandle:
     >>> handle                       # SaveHandle('/ckpt/200', committed: 512.0 MiB in 1.21 s (0.44 GB/s), blocking 0.118 s)
     """
 
-    def __init__(self, path: Path, future: futures.Future[Path], operation: _progress.Operation | None = None) -> None:
+    def __init__(
+        self, path: Path, future: futures.Future[Path], operation: _progress.Operation | None = None
+    ) -> None:
         self.path = path
         self._future = future
         self._op = operation
@@ -68,7 +70,9 @@ class SaveHandle:
         try:
             return self._future.result(timeout)
         except futures.TimeoutError as e:
-            raise TimeoutError(f"the save to {self.path} did not finish within {timeout}s; it is still running") from e
+            raise TimeoutError(
+                f"the save to {self.path} did not finish within {timeout}s; it is still running"
+            ) from e
 
     def add_done_callback(self, fn: Callable[[SaveHandle], Any]) -> None:
         """Call ``fn(self)`` once the save committed or failed (at once if it already has), on
@@ -85,7 +89,9 @@ class SaveHandle:
             return f"running: {_progress.human_bytes(op.done)} of {_progress.human_bytes(op.total)} written, {op.seconds:.1f} s"
         error = self._future.exception()
         if error is None:
-            return "committed" + (f": {op.summary()}" if op is not None and op.ended is not None else "")
+            return "committed" + (
+                f": {op.summary()}" if op is not None and op.ended is not None else ""
+            )
         return f"failed: {type(error).__name__}: {error}"
 
     def __repr__(self) -> str:
@@ -110,7 +116,11 @@ def _all_leaves(objs: Mapping[str, Any]) -> list[Any]:
     for obj in objs.values():
         if isinstance(obj, _handlers.StatefulCheckpointable):
             continue
-        out.extend(jax.tree_util.tree_leaves(obj, is_leaf=lambda x: x is None or hasattr(x, "__milepost_host_group__")))
+        out.extend(
+            jax.tree_util.tree_leaves(
+                obj, is_leaf=lambda x: x is None or hasattr(x, "__milepost_host_group__")
+            )
+        )
     return out
 
 
@@ -127,7 +137,11 @@ def start_save(
     part), and finish in the background (``asynchronous``) or before returning."""
     options = _options.current()
     final = _paths.as_path(path)
-    if final.name.endswith(fmt.TMP_SUFFIX) or _ownership.NEW_MARKER in final.name or final.name.endswith(_workspace.LEASE_SUFFIX):
+    if (
+        final.name.endswith(fmt.TMP_SUFFIX)
+        or _ownership.NEW_MARKER in final.name
+        or final.name.endswith(_workspace.LEASE_SUFFIX)
+    ):
         raise ValueError(
             f"cannot save to {final}: names ending in {fmt.TMP_SUFFIX!r} are temporary directories and are never "
             "loaded as checkpoints; choose another name"
@@ -141,11 +155,15 @@ def start_save(
         metrics_json = json.loads(json.dumps(dict(metrics or {})))
     except (TypeError, ValueError) as e:
         raise TypeError(f"custom_metadata and metrics must be JSON-serializable: {e}") from e
-    handlers = {name: _handlers.resolve_for_save(name, obj, options.handlers) for name, obj in objs.items()}
+    handlers = {
+        name: _handlers.resolve_for_save(name, obj, options.handlers) for name, obj in objs.items()
+    }
     group = _dispatch.check_storage(_dispatch.host_group_for(_all_leaves(objs)), final)
     with _in_flight_lock:
         if final in _in_flight:
-            raise SaveInProgressError(f"another save to {final} is still in flight; wait for it (handle.result()) first")
+            raise SaveInProgressError(
+                f"another save to {final} is still in flight; wait for it (handle.result()) first"
+            )
         _in_flight.add(final)
     save = _Save(final, handlers, group, options, overwrite, custom_json, metrics_json)
     op = save.op
@@ -159,7 +177,9 @@ def start_save(
         raise
     if asynchronous:
         op.blocked()
-        return SaveHandle(final, _background.saves.submit(str(final), save.finish, save.timeout), op)
+        return SaveHandle(
+            final, _background.saves.submit(str(final), save.finish, save.timeout), op
+        )
     future: futures.Future[Any] = futures.Future()
     future.set_result(save.finish())
     return SaveHandle(final, future, op)
@@ -182,7 +202,9 @@ class _Save:
     ) -> None:
         self.final = final
         saving = options.saving
-        self.workspace = _workspace.for_path(final, overwrite, saving.wait_for_writer_secs, saving.lease_secs)
+        self.workspace = _workspace.for_path(
+            final, overwrite, saving.wait_for_writer_secs, saving.lease_secs
+        )
         self.handlers = handlers
         self.group = group
         self.options = options
@@ -191,7 +213,9 @@ class _Save:
         self.custom_json = custom_json
         self.metrics_json = metrics_json
         self.pending: list[workers.PendingWrite[Any]] = []
-        self.op = _progress.Operation("save", final, options.progress if group.is_primary() else None)
+        self.op = _progress.Operation(
+            "save", final, options.progress if group.is_primary() else None
+        )
         """Bytes planned and written, times, and the progress bar (on the primary)."""
         self.prepared = False
         """True on the primary once it owns the workspace (until it committed or abandoned it)."""
@@ -222,7 +246,9 @@ class _Save:
             failure: Exception | None = None
             try:
                 for name, obj in objs.items():
-                    part = _handlers.as_pending(self.handlers[name].save(self.tmp / name, obj, call))
+                    part = _handlers.as_pending(
+                        self.handlers[name].save(self.tmp / name, obj, call)
+                    )
                     if part is not None:
                         self.pending.append(part)
             except Exception as e:
@@ -275,7 +301,13 @@ class _Save:
 
     def commit(self) -> None:
         _commit(
-            self.tmp, self.final, self.handlers, self.init_ns, self.custom_json, self.metrics_json, self.overwrite,
+            self.tmp,
+            self.final,
+            self.handlers,
+            self.init_ns,
+            self.custom_json,
+            self.metrics_json,
+            self.overwrite,
             self.workspace,
         )
         self.prepared = False
@@ -291,7 +323,13 @@ class _Save:
             self.workspace.abandon()
 
 
-def _agree(group: HostGroup, name: str, failure: Exception | None, timeout: float, then: Callable[[], None] | None = None) -> None:
+def _agree(
+    group: HostGroup,
+    name: str,
+    failure: Exception | None,
+    timeout: float,
+    then: Callable[[], None] | None = None,
+) -> None:
     """Leave a step with the primary's outcome in every controller process (one controller:
     raise ``failure``, else run ``then``).
 
@@ -367,25 +405,40 @@ def load_checkpointables(
     leaves: list[Any] = []
     for a in (abstracts or {}).values():
         if a is not None and not isinstance(a, _handlers.StatefulCheckpointable):
-            leaves.extend(jax.tree_util.tree_leaves(a, is_leaf=lambda x: hasattr(x, "__milepost_host_group__")))
+            leaves.extend(
+                jax.tree_util.tree_leaves(
+                    a, is_leaf=lambda x: hasattr(x, "__milepost_host_group__")
+                )
+            )
     group = _dispatch.check_storage(_dispatch.host_group_for_abstract(leaves), root)
     timeout = options.async_.timeout_secs
-    _, items, identity, checksums = _dispatch.shared(group, f"ckpt-meta:{root}", lambda: _read_items(root), timeout)
+    _, items, identity, checksums = _dispatch.shared(
+        group, f"ckpt-meta:{root}", lambda: _read_items(root), timeout
+    )
     if default_pytree:
         assert abstracts is not None
         abstracts = {_layout.main_tree(root, items): abstracts[None]}
     wanted = dict(abstracts) if abstracts is not None else {n: None for n in items}
     unknown = [n for n in wanted if n not in items]
     if unknown:
-        raise KeyError(f"checkpoint {root} has no checkpointable(s) {unknown}; it has {sorted(items)}")
+        raise KeyError(
+            f"checkpoint {root} has no checkpointable(s) {unknown}; it has {sorted(items)}"
+        )
     call = _handlers.LoadCall(options=options, group=group, partial=partial)
     out = {}
     try:
         with fmt.verifying(checksums):
             for name, abstract in wanted.items():
-                handler = _handlers.resolve_for_load(name, items[name].handler, abstract, options.handlers)
+                handler = _handlers.resolve_for_load(
+                    name, items[name].handler, abstract, options.handlers
+                )
                 folder = items[name].folder
-                _dispatch.shared(group, f"check-files:{folder}", functools.partial(_check_own_files, folder, handler, checksums), timeout)
+                _dispatch.shared(
+                    group,
+                    f"check-files:{folder}",
+                    functools.partial(_check_own_files, folder, handler, checksums),
+                    timeout,
+                )
                 out[name] = handler.load(folder, abstract, call)
     except Exception as e:
         if _identity(root) != identity:  # local: the other processes may not be here
@@ -393,7 +446,9 @@ def load_checkpointables(
         raise
     # Every byte came from the checkpoint that was there when the load started, or it was
     # replaced (an overwrite, a deletion) meanwhile and the result may mix two: refuse it.
-    if _dispatch.shared(group, f"ckpt-changed:{root}", lambda: _identity(root) != identity, timeout):
+    if _dispatch.shared(
+        group, f"ckpt-changed:{root}", lambda: _identity(root) != identity, timeout
+    ):
         raise _replaced(root)
     return out
 
@@ -401,7 +456,9 @@ def load_checkpointables(
 def _check_own_files(folder: Path, handler: Any, checksums: fmt.Checksums | None) -> None:
     """A handler that reads its files itself (not the built-in pytree or JSON ones, which check
     what they read) gets its folder only once every committed file in it is checked."""
-    if checksums is not None and not isinstance(handler, _handlers.PyTreeHandler | _handlers.JsonHandler):
+    if checksums is not None and not isinstance(
+        handler, _handlers.PyTreeHandler | _handlers.JsonHandler
+    ):
         checksums.check_folder(folder)
 
 
@@ -420,7 +477,9 @@ def _unchanged(root: Path) -> Iterator[None]:
         raise _replaced(root)
 
 
-def _read_items(root: Path) -> tuple[dict[str, Any], dict[str, _layout.Item], tuple[Any, ...], fmt.Checksums | None]:
+def _read_items(
+    root: Path,
+) -> tuple[dict[str, Any], dict[str, _layout.Item], tuple[Any, ...], fmt.Checksums | None]:
     _layout.require(root)
     fmt.check_contained(root)  # before any file is opened (a FIFO would block the open forever)
     identity = _identity(root)
@@ -437,12 +496,18 @@ def _identity(root: Path) -> tuple[Any, ...]:
         if isinstance(root, Path):
             st = os.stat(root)
             where: tuple[Any, ...] = (st.st_dev, st.st_ino)
-            if not (root / fmt.CHECKPOINT_METADATA).is_file():  # (opening a FIFO would wait forever)
+            if not (
+                root / fmt.CHECKPOINT_METADATA
+            ).is_file():  # (opening a FIFO would wait forever)
                 return (*where, "no metadata file")
         else:  # object stores: the generation of the commit marker, which every save writes anew
             where = ((root / fmt.COMMIT_MARKER).generation(),)
         meta = json.loads((root / fmt.CHECKPOINT_METADATA).read_bytes())
-        stamps = (meta.get("init_timestamp_nsecs"), meta.get("commit_timestamp_nsecs")) if isinstance(meta, dict) else ()
+        stamps = (
+            (meta.get("init_timestamp_nsecs"), meta.get("commit_timestamp_nsecs"))
+            if isinstance(meta, dict)
+            else ()
+        )
     except (OSError, ValueError):
         return ("unreadable",)
     return (*where, *stamps)
@@ -467,7 +532,13 @@ class CheckpointMetadata:
     >>> meta.tree["params"]["w"].shape, meta.nbytes, meta.custom_metadata
     """
 
-    def __init__(self, path: Path, meta: dict[str, Any], checkpointables: dict[str, Any], tree_name: str | None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        meta: dict[str, Any],
+        checkpointables: dict[str, Any],
+        tree_name: str | None,
+    ) -> None:
         self.path = path
         self.checkpointables = checkpointables
         self.tree = checkpointables.get(tree_name) if tree_name else None
@@ -476,7 +547,9 @@ class CheckpointMetadata:
         self.init_timestamp_nsecs: int | None = meta.get("init_timestamp_nsecs")
         self.commit_timestamp_nsecs: int | None = meta.get("commit_timestamp_nsecs")
         handlers = meta.get("item_handlers") or {}
-        self.item_handlers: dict[str, str] = handlers if isinstance(handlers, dict) else {_layout.DEFAULT_ITEM: handlers}
+        self.item_handlers: dict[str, str] = (
+            handlers if isinstance(handlers, dict) else {_layout.DEFAULT_ITEM: handlers}
+        )
 
     def leaves(self, checkpointable: str | None = None) -> list[Any]:
         """Every :class:`LeafMetadata` of the main tree (or of the pytree ``checkpointable``),
@@ -491,7 +564,9 @@ class CheckpointMetadata:
         """Bytes of every array of every pytree checkpointable."""
         from milepost import _views
 
-        return sum(_views.totals(_views.flat_leaves(part))[2] for part in self.checkpointables.values())
+        return sum(
+            _views.totals(_views.flat_leaves(part))[2] for part in self.checkpointables.values()
+        )
 
     def _facts(self) -> dict[str, str]:
         from milepost import _views
@@ -500,8 +575,13 @@ class CheckpointMetadata:
         if self.commit_timestamp_nsecs:
             facts["committed"] = _views.timestamp_str(self.commit_timestamp_nsecs)
             if self.init_timestamp_nsecs:
-                facts["save took"] = f"{(self.commit_timestamp_nsecs - self.init_timestamp_nsecs) / 1e9:.2f} s"
-        facts["checkpointables"] = ", ".join(f"{n} ({self.item_handlers.get(n, '?').rpartition('.')[2]})" for n in self.checkpointables)
+                facts["save took"] = (
+                    f"{(self.commit_timestamp_nsecs - self.init_timestamp_nsecs) / 1e9:.2f} s"
+                )
+        facts["checkpointables"] = ", ".join(
+            f"{n} ({self.item_handlers.get(n, '?').rpartition('.')[2]})"
+            for n in self.checkpointables
+        )
         facts["custom_metadata"] = _views.short_json(self.custom_metadata)
         if self.metrics:
             facts["metrics"] = _views.short_json(self.metrics)
@@ -515,7 +595,9 @@ class CheckpointMetadata:
             leaves = _views.flat_leaves(part)
             if leaves:
                 n, arrays, nbytes = _views.totals(leaves)
-                out.append((f"{name}: {n} leaves, {arrays} arrays, {_views.human_bytes(nbytes)}", leaves))
+                out.append(
+                    (f"{name}: {n} leaves, {arrays} arrays, {_views.human_bytes(nbytes)}", leaves)
+                )
         return out
 
     def __repr__(self) -> str:
@@ -525,7 +607,9 @@ class CheckpointMetadata:
         lines += [f"  {k}: {v}" for k, v in self._facts().items() if k != "path"]
         text = "\n".join(lines)
         for title, leaves in self._tables():
-            text += "\n" + _views.text_table(_views.LEAF_COLUMNS, [_views.leaf_row(leaf) for leaf in leaves], title=title)
+            text += "\n" + _views.text_table(
+                _views.LEAF_COLUMNS, [_views.leaf_row(leaf) for leaf in leaves], title=title
+            )
         return text
 
     def _repr_html_(self) -> str:
@@ -533,7 +617,9 @@ class CheckpointMetadata:
 
         out = _views.html_fields("CheckpointMetadata", self._facts())
         for title, leaves in self._tables():
-            out += _views.html_table(_views.LEAF_COLUMNS, [_views.leaf_row(leaf) for leaf in leaves], title=title)
+            out += _views.html_table(
+                _views.LEAF_COLUMNS, [_views.leaf_row(leaf) for leaf in leaves], title=title
+            )
         return out
 
 

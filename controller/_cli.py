@@ -53,7 +53,9 @@ class Settings:
 _settings = Settings()
 
 
-def _configure(debug: bool | None = None, verbose: bool | None = None, progress: bool | None = None) -> None:
+def _configure(
+    debug: bool | None = None, verbose: bool | None = None, progress: bool | None = None
+) -> None:
     """Apply the common options (given before or after the command's name)."""
     if debug is not None:
         _settings.debug = _settings.debug or debug
@@ -61,7 +63,9 @@ def _configure(debug: bool | None = None, verbose: bool | None = None, progress:
         _settings.verbose = _settings.verbose or verbose
     if progress is not None:
         _settings.progress = progress
-    level = logging.DEBUG if _settings.debug else logging.INFO if _settings.verbose else logging.WARNING
+    level = (
+        logging.DEBUG if _settings.debug else logging.INFO if _settings.verbose else logging.WARNING
+    )
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     logger = logging.getLogger("milepost")
@@ -71,9 +75,24 @@ def _configure(debug: bool | None = None, verbose: bool | None = None, progress:
 
 
 def _common_options(f: Callable[..., Any], defaults: bool) -> Callable[..., Any]:
-    f = click.option("--progress/--no-progress", default=True if defaults else None, help="Progress bars for long reads and writes (on standard error; default: on).")(f)
-    f = click.option("-v", "--verbose", is_flag=True, default=False if defaults else None, help="Show milepost's INFO logs (one line per save, load, verify).")(f)
-    return click.option("--debug", is_flag=True, default=False if defaults else None, help="Show the traceback of an error, and DEBUG logs (plans).")(f)
+    f = click.option(
+        "--progress/--no-progress",
+        default=True if defaults else None,
+        help="Progress bars for long reads and writes (on standard error; default: on).",
+    )(f)
+    f = click.option(
+        "-v",
+        "--verbose",
+        is_flag=True,
+        default=False if defaults else None,
+        help="Show milepost's INFO logs (one line per save, load, verify).",
+    )(f)
+    return click.option(
+        "--debug",
+        is_flag=True,
+        default=False if defaults else None,
+        help="Show the traceback of an error, and DEBUG logs (plans).",
+    )(f)
 
 
 @click.group(
@@ -107,7 +126,13 @@ def command(name: str, **kwargs: Any) -> Callable[[Callable[..., int | None]], c
 
     def register(fn: Callable[..., int | None]) -> click.Command:
         @functools.wraps(fn)
-        def run(*args: Any, debug: bool | None, verbose: bool | None, progress: bool | None, **options: Any) -> int | None:
+        def run(
+            *args: Any,
+            debug: bool | None,
+            verbose: bool | None,
+            progress: bool | None,
+            **options: Any,
+        ) -> int | None:
             _configure(debug, verbose, progress)
             return fn(*args, **options)
 
@@ -146,7 +171,9 @@ def _print_json(value: Any) -> None:
 
 @command("inspect", short_help="The tree of a checkpoint as a table (no array data read).")
 @click.argument("path")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (for scripts) instead of tables.")
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print one JSON object (for scripts) instead of tables."
+)
 def inspect_(path: str, as_json: bool) -> int:
     """What the checkpoint at PATH holds, without reading array data: every leaf with its shape,
     dtype, sharding, write and chunk shape and bytes; totals; custom metadata, metrics,
@@ -184,18 +211,38 @@ def inspect_(path: str, as_json: bool) -> int:
         console.print(f"  {key + ':':<{width}} {value}", markup=False, soft_wrap=True)
     for name, entry in record["checkpointables"].items():
         if "leaves" not in entry:
-            console.print(f"{name}: {_views.short_json(entry.get('value'), 200)}", markup=False, soft_wrap=True)
+            console.print(
+                f"{name}: {_views.short_json(entry.get('value'), 200)}",
+                markup=False,
+                soft_wrap=True,
+            )
             continue
         t = entry["totals"]
         rows = [
-            (leaf["path"], leaf["type"], _views.shape_str(leaf["shape"]), leaf["dtype"] or "", leaf["sharding"] or "",
-             _views.shape_str(leaf["write_shape"]), _views.shape_str(leaf["chunk_shape"]), _views.human_bytes(leaf["bytes"]))
+            (
+                leaf["path"],
+                leaf["type"],
+                _views.shape_str(leaf["shape"]),
+                leaf["dtype"] or "",
+                leaf["sharding"] or "",
+                _views.shape_str(leaf["write_shape"]),
+                _views.shape_str(leaf["chunk_shape"]),
+                _views.human_bytes(leaf["bytes"]),
+            )
             for leaf in entry["leaves"]
         ]
-        console.print(f"{name}: {t['leaves']} leaves, {t['arrays']} arrays, {_views.human_bytes(t['bytes'])}", markup=False, soft_wrap=True)
+        console.print(
+            f"{name}: {t['leaves']} leaves, {t['arrays']} arrays, {_views.human_bytes(t['bytes'])}",
+            markup=False,
+            soft_wrap=True,
+        )
         console.print(_views.rich_table(_views.LEAF_COLUMNS, rows))
     t = record["totals"]
-    console.print(f"total: {t['leaves']} leaves, {t['arrays']} arrays, {_views.human_bytes(t['bytes'])}", markup=False, soft_wrap=True)
+    console.print(
+        f"total: {t['leaves']} leaves, {t['arrays']} arrays, {_views.human_bytes(t['bytes'])}",
+        markup=False,
+        soft_wrap=True,
+    )
     return OK
 
 
@@ -206,8 +253,16 @@ def inspect_(path: str, as_json: bool) -> int:
 
 @command("ls", short_help="A training root's steps: committed or not, tier, size, time, metrics.")
 @click.argument("root")
-@click.option("--local", "local", default=None, metavar="LOCAL", help="The run's local tier too (Checkpointer(root, local=LOCAL)).")
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON list (for scripts) instead of a table.")
+@click.option(
+    "--local",
+    "local",
+    default=None,
+    metavar="LOCAL",
+    help="The run's local tier too (Checkpointer(root, local=LOCAL)).",
+)
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print a JSON list (for scripts) instead of a table."
+)
 def ls(root: str, local: str | None, as_json: bool) -> int:
     """The steps of the training root ROOT (a Checkpointer's folder, or an Orbax
     CheckpointManager's): committed or not, which tier holds each, its size on disk (local
@@ -221,17 +276,29 @@ def ls(root: str, local: str | None, as_json: bool) -> int:
     console = _console()
     names = sorted({k for r in rows for k in r["metrics"]})
     table = [
-        (r["step"], r["state"], " + ".join(r["tiers"]), _views.human_bytes(r["bytes"]), r["committed"] or "",
-         *(_metric(r["metrics"].get(k)) for k in names))
+        (
+            r["step"],
+            r["state"],
+            " + ".join(r["tiers"]),
+            _views.human_bytes(r["bytes"]),
+            r["committed"] or "",
+            *(_metric(r["metrics"].get(k)) for k in names),
+        )
         for r in rows
     ]
     committed = [r["step"] for r in rows if r["state"] == "committed"]
     where = root + (f" (local tier {local})" if local else "")
-    title = f"{where}: {len(committed)} committed steps" + (f", latest {committed[-1]}" if committed else "")
+    title = f"{where}: {len(committed)} committed steps" + (
+        f", latest {committed[-1]}" if committed else ""
+    )
     if len(committed) != len(rows):
         title += f"; {len(rows) - len(committed)} not committed (never loaded)"
     console.print(title, markup=False, soft_wrap=True)
-    console.print(_views.rich_table(("step", "state", "tier", "size", "committed", *names), table, right=("step", "size")))
+    console.print(
+        _views.rich_table(
+            ("step", "state", "tier", "size", "committed", *names), table, right=("step", "size")
+        )
+    )
     return OK
 
 
@@ -296,19 +363,34 @@ def _print_table(table: Any) -> None:
 
 
 _BUDGET_OPTION = click.option(
-    "--memory-budget-mib", "budget_mib", type=int, default=None, metavar="MIB",
+    "--memory-budget-mib",
+    "budget_mib",
+    type=int,
+    default=None,
+    metavar="MIB",
     help="Array data held at once (default: 1024).",
 )
-_ITEM_OPTION = click.option("--item", default=None, help="Which checkpointable (default: the main tree, e.g. state).")
+_ITEM_OPTION = click.option(
+    "--item", default=None, help="Which checkpointable (default: the main tree, e.g. state)."
+)
 
 
 @command("stats", short_help="Per array: min, max, mean, std, NaN and Inf counts.")
 @click.argument("path")
-@click.option("--where", default=None, metavar="REGEX", help="Only the leaves whose dotted path this regular expression matches.")
+@click.option(
+    "--where",
+    default=None,
+    metavar="REGEX",
+    help="Only the leaves whose dotted path this regular expression matches.",
+)
 @_ITEM_OPTION
 @_BUDGET_OPTION
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON list (non-finite values as null).")
-def stats(path: str, where: str | None, item: str | None, budget_mib: int | None, as_json: bool) -> int:
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print a JSON list (non-finite values as null)."
+)
+def stats(
+    path: str, where: str | None, item: str | None, budget_mib: int | None, as_json: bool
+) -> int:
     """Statistics of every array of the checkpoint at PATH (or those --where matches): min,
     max, mean and standard deviation (of the finite values) and the counts of NaNs and Infs,
     read and computed a group of arrays at a time."""
@@ -316,7 +398,9 @@ def stats(path: str, where: str | None, item: str | None, budget_mib: int | None
 
     _exact_dtypes()
     with _progress():
-        table = ms.stats(ms.open(path, item=item).tree, where=where, memory_budget_bytes=_budget(budget_mib))
+        table = ms.stats(
+            ms.open(path, item=item).tree, where=where, memory_budget_bytes=_budget(budget_mib)
+        )
     if as_json:
         _print_json([{k: _json_cell(v) for k, v in row.items()} for row in table.as_dicts()])
     else:
@@ -338,15 +422,27 @@ def diff(a: str, b: str, item: str | None, budget_mib: int | None, as_json: bool
 
     _exact_dtypes()
     with _progress():
-        found = ms.diff(ms.open(a, item=item).tree, ms.open(b, item=item).tree, memory_budget_bytes=_budget(budget_mib))
+        found = ms.diff(
+            ms.open(a, item=item).tree,
+            ms.open(b, item=item).tree,
+            memory_budget_bytes=_budget(budget_mib),
+        )
     if as_json:
-        _print_json({
-            "equal": found.equal, "only_a": list(found.only_a), "only_b": list(found.only_b),
-            "leaves": [{k: _json_cell(v) for k, v in row.items()} for row in found.table.as_dicts()],
-        })
+        _print_json(
+            {
+                "equal": found.equal,
+                "only_a": list(found.only_a),
+                "only_b": list(found.only_b),
+                "leaves": [
+                    {k: _json_cell(v) for k, v in row.items()} for row in found.table.as_dicts()
+                ],
+            }
+        )
     else:
         console = _console()
-        console.print(f"{a} and {b}: {'equal' if found.equal else 'different'}", markup=False, soft_wrap=True)
+        console.print(
+            f"{a} and {b}: {'equal' if found.equal else 'different'}", markup=False, soft_wrap=True
+        )
         for side, names in (("A", found.only_a), ("B", found.only_b)):
             if names:
                 console.print(f"only in {side}: {', '.join(names)}", markup=False, soft_wrap=True)
@@ -356,22 +452,60 @@ def diff(a: str, b: str, item: str | None, budget_mib: int | None, as_json: bool
     return OK if found.equal else DAMAGED
 
 
-@command("convert", short_help="Rewrite a checkpoint in another layout, or export it as safetensors.")
+@command(
+    "convert", short_help="Rewrite a checkpoint in another layout, or export it as safetensors."
+)
 @click.argument("src")
 @click.argument("dst")
-@click.option("--to", "to", type=click.Choice(["ocdbt", "zarr3", "safetensors"]), default="ocdbt", show_default=True,
-              help="ocdbt: one OCDBT database per host (milepost's and Orbax's default); zarr3: a plain zarr3 folder per array; "
-                   "safetensors: HF-style shards plus model.safetensors.index.json.")
-@click.option("--compression", type=click.Choice(["none", "zstd"]), default="none", show_default=True, help="Compression of the chunks (ocdbt, zarr3).")
-@click.option("--chunk-bytes", default="auto", show_default=True, metavar="BYTES|auto|none",
-              help="Cut each written shard into chunks of at most this many bytes (subchunking: resharded and partial loads read "
-                   "less); auto: bands of about 1 MiB for shards of 2 MiB and more (SaveOptions' default); none: one chunk per shard.")
-@click.option("--subtree", default=None, help="safetensors: export only the leaves under this dotted path (e.g. params).")
-@click.option("--max-shard-bytes", type=int, default=5 << 30, show_default=True, help="safetensors: bytes per file.")
+@click.option(
+    "--to",
+    "to",
+    type=click.Choice(["ocdbt", "zarr3", "safetensors"]),
+    default="ocdbt",
+    show_default=True,
+    help="ocdbt: one OCDBT database per host (milepost's and Orbax's default); zarr3: a plain zarr3 folder per array; "
+    "safetensors: HF-style shards plus model.safetensors.index.json.",
+)
+@click.option(
+    "--compression",
+    type=click.Choice(["none", "zstd"]),
+    default="none",
+    show_default=True,
+    help="Compression of the chunks (ocdbt, zarr3).",
+)
+@click.option(
+    "--chunk-bytes",
+    default="auto",
+    show_default=True,
+    metavar="BYTES|auto|none",
+    help="Cut each written shard into chunks of at most this many bytes (subchunking: resharded and partial loads read "
+    "less); auto: bands of about 1 MiB for shards of 2 MiB and more (SaveOptions' default); none: one chunk per shard.",
+)
+@click.option(
+    "--subtree",
+    default=None,
+    help="safetensors: export only the leaves under this dotted path (e.g. params).",
+)
+@click.option(
+    "--max-shard-bytes",
+    type=int,
+    default=5 << 30,
+    show_default=True,
+    help="safetensors: bytes per file.",
+)
 @_BUDGET_OPTION
 @click.option("--overwrite", is_flag=True, help="Replace DST if it exists.")
-def convert(src: str, dst: str, to: str, compression: str, chunk_bytes: str, subtree: str | None,
-            max_shard_bytes: int, budget_mib: int | None, overwrite: bool) -> int:
+def convert(
+    src: str,
+    dst: str,
+    to: str,
+    compression: str,
+    chunk_bytes: str,
+    subtree: str | None,
+    max_shard_bytes: int,
+    budget_mib: int | None,
+    overwrite: bool,
+) -> int:
     """Rewrite the checkpoint SRC at DST: every array of every tree checkpointable in the
     chosen layout, compression and chunking (a group of arrays at a time, never whole in
     memory; its custom metadata kept, the conversion recorded), or export its arrays as
@@ -382,13 +516,19 @@ def convert(src: str, dst: str, to: str, compression: str, chunk_bytes: str, sub
     chunking = _chunking(chunk_bytes)
     if to == "safetensors":
         if compression != "none" or chunk_bytes != "auto":
-            raise CliError("safetensors files are neither compressed nor chunked: drop --compression and --chunk-bytes")
+            raise CliError(
+                "safetensors files are neither compressed nor chunked: drop --compression and --chunk-bytes"
+            )
         with _progress():
-            summary = mp.safetensors.export(src, dst, max_shard_bytes=max_shard_bytes, subtree=subtree, overwrite=overwrite)
+            summary = mp.safetensors.export(
+                src, dst, max_shard_bytes=max_shard_bytes, subtree=subtree, overwrite=overwrite
+            )
         click.echo(str(summary))
         return OK
     if subtree is not None:
-        raise CliError("--subtree is for --to safetensors; to keep part of a tree, use milepost.surgery.select")
+        raise CliError(
+            "--subtree is for --to safetensors; to keep part of a tree, use milepost.surgery.select"
+        )
     record = _describe.describe(src)
     others = [name for name, entry in record["checkpointables"].items() if "leaves" not in entry]
     if others:
@@ -401,19 +541,37 @@ def convert(src: str, dst: str, to: str, compression: str, chunk_bytes: str, sub
     _exact_dtypes()
     names = list(record["checkpointables"])
     opened = {name: ms.open(src, item=name) for name in names}
-    options = mp.SaveOptions(use_ocdbt=to == "ocdbt", compression=None if compression == "none" else compression, chunk_byte_size=chunking)
+    options = mp.SaveOptions(
+        use_ocdbt=to == "ocdbt",
+        compression=None if compression == "none" else compression,
+        chunk_byte_size=chunking,
+    )
     meta = dict(record["custom_metadata"] or {})
     meta.pop("milepost.surgery", None)
     meta["milepost.convert"] = {"to": to, "compression": compression, "chunk_byte_size": chunking}
     from milepost.surgery import _run
 
     with _progress(), mp.Context(saving=options):
-        out = _run.write_items(dst, {n: ck.tree for n, ck in opened.items()}, memory_budget_bytes=_budget(budget_mib),
-                               overwrite=overwrite, custom_metadata=meta, relink=False)
+        out = _run.write_items(
+            dst,
+            {n: ck.tree for n, ck in opened.items()},
+            memory_budget_bytes=_budget(budget_mib),
+            overwrite=overwrite,
+            custom_metadata=meta,
+            relink=False,
+        )
     total = sum(ck.nbytes for ck in opened.values())
-    chunks = "~1 MiB bands" if chunking == "auto" else "one chunk per shard" if chunking is None else f"chunks <= {chunking} B"
+    chunks = (
+        "~1 MiB bands"
+        if chunking == "auto"
+        else "one chunk per shard"
+        if chunking is None
+        else f"chunks <= {chunking} B"
+    )
     layout = f"{to}, {compression}, {chunks}"
-    click.echo(f"converted {src} -> {out} ({layout}): {', '.join(names)}; {total} array bytes rewritten")
+    click.echo(
+        f"converted {src} -> {out} ({layout}): {', '.join(names)}; {total} array bytes rewritten"
+    )
     return OK
 
 
@@ -426,7 +584,9 @@ def _chunking(chunk_bytes: str) -> int | str | None:
     except ValueError:
         value = 0
     if value < 1:
-        raise CliError(f"--chunk-bytes {chunk_bytes}: give a positive number of bytes, auto (the default) or none")
+        raise CliError(
+            f"--chunk-bytes {chunk_bytes}: give a positive number of bytes, auto (the default) or none"
+        )
     return value
 
 
@@ -436,15 +596,32 @@ def _chunking(chunk_bytes: str) -> int | str | None:
 
 
 @command("demo", short_help="Save and load a sharded toy model over fake CPU devices.")
-@click.option("--dir", "directory", default=None, help="Where to write (default: a temporary folder, removed after).")
-@click.option("--size-mib", type=int, default=256, show_default=True, help="Approximate model size in MiB.")
-@click.option("--devices", type=int, default=8, show_default=True, help="Fake CPU devices: an even number >= 2 (the mesh is 2 x devices/2).")
-@click.option("--overwrite", is_flag=True, help="Replace the demo checkpoint in --dir if it exists.")
+@click.option(
+    "--dir",
+    "directory",
+    default=None,
+    help="Where to write (default: a temporary folder, removed after).",
+)
+@click.option(
+    "--size-mib", type=int, default=256, show_default=True, help="Approximate model size in MiB."
+)
+@click.option(
+    "--devices",
+    type=int,
+    default=8,
+    show_default=True,
+    help="Fake CPU devices: an even number >= 2 (the mesh is 2 x devices/2).",
+)
+@click.option(
+    "--overwrite", is_flag=True, help="Replace the demo checkpoint in --dir if it exists."
+)
 def demo(directory: str | None, size_mib: int, devices: int, overwrite: bool) -> int:
     """Save a sharded toy model over fake CPU devices, load it resharded onto another mesh, and
     check the values."""
     if devices < 2 or devices % 2:
-        raise CliError(f"--devices {devices}: the demo's mesh is 2 x devices/2, so give an even number >= 2 (e.g. --devices 8)")
+        raise CliError(
+            f"--devices {devices}: the demo's mesh is 2 x devices/2, so give an even number >= 2 (e.g. --devices 8)"
+        )
     if size_mib < 1:
         raise CliError(f"--size-mib {size_mib}: give a model size of at least 1 MiB")
     from milepost import _demo
@@ -506,7 +683,9 @@ def _run(argv: list[str] | None) -> int:
     except Exception as e:
         if _settings.debug:
             traceback.print_exc()
-        hint = "" if _settings.debug or isinstance(e, CliError) else " (--debug shows the traceback)"
+        hint = (
+            "" if _settings.debug or isinstance(e, CliError) else " (--debug shows the traceback)"
+        )
         click.echo(f"milepost: error: {_one_line(e)}{hint}", err=True)
         return _exit_status(e)
     return int(status) if isinstance(status, int) else OK

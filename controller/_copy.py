@@ -52,9 +52,13 @@ def copy(
         raise TypeError(f"overwrite must be True or False, got {overwrite!r}")
     if timeout_secs is not None:
         _options.AsyncOptions(timeout_secs=timeout_secs)  # the same checks, the same errors
-    timeout = float(timeout_secs) if timeout_secs is not None else _options.current().async_.timeout_secs
+    timeout = (
+        float(timeout_secs) if timeout_secs is not None else _options.current().async_.timeout_secs
+    )
     group = slice.group if slice is not None else _dispatch.host_group_for([])
-    return copy_with(group, source, target, overwrite=overwrite, timeout=timeout, options=_options.current())
+    return copy_with(
+        group, source, target, overwrite=overwrite, timeout=timeout, options=_options.current()
+    )
 
 
 def copy_with(
@@ -88,7 +92,9 @@ def copy_with(
         for name in names:
             by_host.setdefault(_writer_of(name, group.processes()), []).append(name)
         plans = {
-            host: workers.CopyPlan(source=str(src), target=str(workspace.dir), names=tuple(files), timeout_secs=timeout)
+            host: workers.CopyPlan(
+                source=str(src), target=str(workspace.dir), names=tuple(files), timeout_secs=timeout
+            )
             for host, files in by_host.items()
         }
         own = plans.pop(_dispatch.CONTROLLER, None)
@@ -96,9 +102,15 @@ def copy_with(
 
         def commit() -> None:
             if own is not None:
-                acks.extend(_dispatch.controller_host().run("copy_files", {_dispatch.CONTROLLER: own}, timeout))
+                acks.extend(
+                    _dispatch.controller_host().run(
+                        "copy_files", {_dispatch.CONTROLLER: own}, timeout
+                    )
+                )
             workspace.check()
-            fmt.write_file(workspace.dir / fmt.COMMIT_MARKER, f"Checkpoint commit was successful to {dst}")
+            fmt.write_file(
+                workspace.dir / fmt.COMMIT_MARKER, f"Checkpoint commit was successful to {dst}"
+            )
             workspace.publish()
 
         _dispatch.shared(group, f"copy-commit:{dst}", commit, timeout)
@@ -107,7 +119,12 @@ def copy_with(
             workspace.abandon()
         raise
     copied = {str(a.process_index): a.bytes_copied for a in acks}
-    return CopyReport(path=dst, files=sum(a.files for a in acks), bytes_copied=sum(copied.values()), by_host=copied)
+    return CopyReport(
+        path=dst,
+        files=sum(a.files for a in acks),
+        bytes_copied=sum(copied.values()),
+        by_host=copied,
+    )
 
 
 def _list(src: Path | _paths.ObjectPath) -> tuple[list[str], list[str]]:

@@ -77,19 +77,41 @@ def _describe_safetensors(path: Path) -> dict[str, Any]:
     tensors = _safetensors.read_tensors(path)
     leaves = []
     for name, t in tensors.items():
-        leaves.append({
-            "path": name, "type": "tensor", "shape": list(t.shape), "dtype": str(t.dtype), "sharding": None,
-            "write_shape": None, "chunk_shape": None, "bytes": int(t.nbytes),
-            "file": os.path.basename(str(t.path)),
-        })
+        leaves.append(
+            {
+                "path": name,
+                "type": "tensor",
+                "shape": list(t.shape),
+                "dtype": str(t.dtype),
+                "sharding": None,
+                "write_shape": None,
+                "chunk_shape": None,
+                "bytes": int(t.nbytes),
+                "file": os.path.basename(str(t.path)),
+            }
+        )
     files = sorted({leaf["file"] for leaf in leaves})
-    totals = {"leaves": len(leaves), "arrays": len(leaves), "bytes": sum(leaf["bytes"] for leaf in leaves)}
+    totals = {
+        "leaves": len(leaves),
+        "arrays": len(leaves),
+        "bytes": sum(leaf["bytes"] for leaf in leaves),
+    }
     return {
         "path": str(path),
         "format": "safetensors" + (f" ({len(files)} files)" if path.is_dir() else ""),
-        "committed": None, "commit_timestamp_nsecs": None, "init_timestamp_nsecs": None,
-        "custom_metadata": {}, "metrics": {},
-        "checkpointables": {"tensors": {"handler": "safetensors", "storage": ", ".join(files), "leaves": leaves, "totals": totals}},
+        "committed": None,
+        "commit_timestamp_nsecs": None,
+        "init_timestamp_nsecs": None,
+        "custom_metadata": {},
+        "metrics": {},
+        "checkpointables": {
+            "tensors": {
+                "handler": "safetensors",
+                "storage": ", ".join(files),
+                "leaves": leaves,
+                "totals": totals,
+            }
+        },
         "totals": totals,
     }
 
@@ -121,31 +143,50 @@ def _entries(root: Any) -> dict[int, list[tuple[Any, str]]]:
         for p in sorted(root.iterdir()):
             name = p.name
             if _tier.is_step_name(name) and p.is_dir():
-                out.setdefault(int(name), []).append((p, "committed" if _layout.is_committed(p) else "uncommitted"))
+                out.setdefault(int(name), []).append(
+                    (p, "committed" if _layout.is_committed(p) else "uncommitted")
+                )
             elif _tier._leftover_of_step(name):
                 what = "being deleted" if _tier.DELETING_SUFFIX in name else "unfinished save"
                 out.setdefault(int(name.partition(".")[0]), []).append((p, what))
         return out
     committed, folders = _tier.Tier(root, 60.0)._listing()
     for name in sorted(folders, key=int):
-        out.setdefault(int(name), []).append((root / name, "committed" if name in committed else "uncommitted"))
+        out.setdefault(int(name), []).append(
+            (root / name, "committed" if name in committed else "uncommitted")
+        )
     return out
 
 
-def list_steps(root: str | os.PathLike[str], local: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:
+def list_steps(
+    root: str | os.PathLike[str], local: str | os.PathLike[str] | None = None
+) -> list[dict[str, Any]]:
     """Every step folder of a training root (and of its local tier): committed or not, which
     tier holds it, its size, commit time and metrics. Oldest first; nothing is written."""
     tiers = [("durable", _paths.as_path(root))]
     if local is not None:
         tiers.insert(0, ("local", _paths.as_path(local)))
     if not tiers[-1][1].exists() and (local is None or not tiers[0][1].exists()):
-        raise CheckpointNotFoundError(f"no training root at {tiers[-1][1]}: the folder does not exist. Check the path.")
+        raise CheckpointNotFoundError(
+            f"no training root at {tiers[-1][1]}: the folder does not exist. Check the path."
+        )
     rows: dict[int, dict[str, Any]] = {}
     for tier, where in tiers:
         for step, found in _entries(where).items():
             for path, what in found:
-                row = rows.setdefault(step, {"step": step, "state": what, "tiers": [], "paths": [], "bytes": None,
-                                             "committed": None, "commit_timestamp_nsecs": None, "metrics": {}})
+                row = rows.setdefault(
+                    step,
+                    {
+                        "step": step,
+                        "state": what,
+                        "tiers": [],
+                        "paths": [],
+                        "bytes": None,
+                        "committed": None,
+                        "commit_timestamp_nsecs": None,
+                        "metrics": {},
+                    },
+                )
                 row["tiers"].append(tier if what == "committed" else f"{tier} ({what})")
                 row["paths"].append(str(path))
                 if what == "committed":
@@ -161,5 +202,3 @@ def list_steps(root: str | os.PathLike[str], local: str | os.PathLike[str] | Non
                 if size is not None:
                     row["bytes"] = max(row["bytes"] or 0, size)
     return [rows[s] for s in sorted(rows)]
-
-

@@ -82,9 +82,13 @@ def check_storage(group: HostGroup, where: Any) -> HostGroup:
 
 def host_group_for(values: list[Any]) -> HostGroup:
     """The group of the slice whose handles ``values`` hold, else the runtime's default."""
-    groups = {id(g): g for v in values if (g := getattr(v, "__milepost_host_group__", None)) is not None}
+    groups = {
+        id(g): g for v in values if (g := getattr(v, "__milepost_host_group__", None)) is not None
+    }
     if len(groups) > 1:
-        raise ValueError("the tree mixes arrays from several slices; save each slice's arrays separately")
+        raise ValueError(
+            "the tree mixes arrays from several slices; save each slice's arrays separately"
+        )
     if groups:
         return next(iter(groups.values()))
     return _default_group()
@@ -94,7 +98,9 @@ def host_group_for_abstract(values: list[Any]) -> HostGroup:
     """Like :func:`host_group_for`, for abstract leaves (their shardings may name a slice)."""
     for v in values:
         sharding = getattr(v, "sharding", None)
-        group = getattr(sharding, "__milepost_host_group__", None) or getattr(v, "__milepost_host_group__", None)
+        group = getattr(sharding, "__milepost_host_group__", None) or getattr(
+            v, "__milepost_host_group__", None
+        )
         if group is not None:
             return group
     return _default_group()

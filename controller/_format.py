@@ -37,7 +37,9 @@ TMP_SUFFIX = ".orbax-checkpoint-tmp"
 CHECKSUMS = "_milepost_checksums.json"
 """Size and CRC32C of every file but array chunks, written at commit. Orbax ignores the file."""
 
-PYTREE_HANDLER_TYPESTR = "orbax.checkpoint.experimental.v1._src.handlers.pytree_handler.PyTreeHandler"
+PYTREE_HANDLER_TYPESTR = (
+    "orbax.checkpoint.experimental.v1._src.handlers.pytree_handler.PyTreeHandler"
+)
 JSON_HANDLER_TYPESTR = "orbax.checkpoint.experimental.v1._src.handlers.json_handler.JsonHandler"
 
 
@@ -201,15 +203,28 @@ class Checksums:
 
         # A few files per host (its databases' manifests, its array_metadatas file): read them
         # concurrently, or a thousand hosts cost thousands of round trips one after another.
-        with futures.ThreadPoolExecutor(min(32, max(1, len(wanted))), thread_name_prefix="milepost-checksums") as pool:
+        with futures.ThreadPoolExecutor(
+            min(32, max(1, len(wanted))), thread_name_prefix="milepost-checksums"
+        ) as pool:
             sums = dict(zip(wanted, pool.map(checksum, wanted), strict=True))
-        return Checksums(root, {k: (n, c) for k, (n, c, _) in sums.items()}, {k: c for k, (_, _, c) in sums.items()})
+        return Checksums(
+            root,
+            {k: (n, c) for k, (n, c, _) in sums.items()},
+            {k: c for k, (_, _, c) in sums.items()},
+        )
 
     def write(self) -> None:
-        body: dict[str, Any] = {"format": 1, "algorithm": "crc32c", "files": {k: list(v) for k, v in sorted(self.files.items())}}
+        body: dict[str, Any] = {
+            "format": 1,
+            "algorithm": "crc32c",
+            "files": {k: list(v) for k, v in sorted(self.files.items())},
+        }
         if self.crc32 is not None:
             body["files_crc32"] = dict(sorted(self.crc32.items()))
-        write_file(self.root / CHECKSUMS, _canonical({**body, "self_crc32c": workers.crc32c(_canonical(body))}))
+        write_file(
+            self.root / CHECKSUMS,
+            _canonical({**body, "self_crc32c": workers.crc32c(_canonical(body))}),
+        )
 
     @staticmethod
     def read(root: Path) -> Checksums | None:
@@ -232,8 +247,19 @@ class Checksums:
             if workers.crc32c(_canonical(data)) != recorded:
                 raise damaged
             files = {str(k): (int(v[0]), int(v[1])) for k, v in data["files"].items()}
-            crc32 = {str(k): int(v) for k, v in data["files_crc32"].items()} if "files_crc32" in data else None
-        except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
+            crc32 = (
+                {str(k): int(v) for k, v in data["files_crc32"].items()}
+                if "files_crc32" in data
+                else None
+            )
+        except (
+            UnicodeDecodeError,
+            ValueError,
+            KeyError,
+            TypeError,
+            AttributeError,
+            IndexError,
+        ) as e:
             raise damaged from e
         return Checksums(root, files, crc32)
 
@@ -287,7 +313,9 @@ def _canonical(body: dict[str, Any]) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
-_VERIFYING: contextvars.ContextVar[Checksums | None] = contextvars.ContextVar("milepost_verifying", default=None)
+_VERIFYING: contextvars.ContextVar[Checksums | None] = contextvars.ContextVar(
+    "milepost_verifying", default=None
+)
 
 
 @contextlib.contextmanager

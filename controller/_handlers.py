@@ -90,7 +90,9 @@ class CheckpointableHandler(Protocol):
 
     def is_handleable(self, obj: Any) -> bool: ...
 
-    def save(self, directory: Path, obj: Any, call: SaveCall) -> PendingWrite[Any] | Callable[[], Any] | None:
+    def save(
+        self, directory: Path, obj: Any, call: SaveCall
+    ) -> PendingWrite[Any] | Callable[[], Any] | None:
         """Do the blocking part (validate, snapshot or stage the data) and return what is left
         to run in the background, if anything: a :class:`~milepost.workers.PendingWrite` for
         writes already in flight, or a callable that writes when the save's background part
@@ -151,7 +153,9 @@ class JsonHandler:
         try:
             text = json.dumps(obj)  # snapshot now: the caller may mutate obj after we return
         except (TypeError, ValueError) as e:
-            raise TypeError(f"JsonHandler: the object is not JSON-serializable ({e}); use the PyTree handler") from e
+            raise TypeError(
+                f"JsonHandler: the object is not JSON-serializable ({e}); use the PyTree handler"
+            ) from e
         if not call.group.is_primary():
             return None
         return Deferred(lambda: fmt.write_file(directory / self.filename, text))
@@ -159,13 +163,17 @@ class JsonHandler:
     def load(self, directory: Path, abstract: Any, call: LoadCall) -> Any:
         # read once, on the primary, for every controller process
         timeout = call.options.async_.timeout_secs
-        return _dispatch.shared(call.group, f"json:{directory}", lambda: self._read(directory), timeout)
+        return _dispatch.shared(
+            call.group, f"json:{directory}", lambda: self._read(directory), timeout
+        )
 
     def _read(self, directory: Path) -> Any:
         for name in (self.filename, "metadata"):
             if (directory / name).exists():
                 return fmt.read_json(directory / name, "JSON checkpointable")
-        raise FileNotFoundError(f"{directory} has no {self.filename}: it was not saved by a JSON handler")
+        raise FileNotFoundError(
+            f"{directory} has no {self.filename}: it was not saved by a JSON handler"
+        )
 
     def metadata(self, directory: Path) -> Any:
         return self._read(directory)
@@ -211,13 +219,18 @@ def register_handler(handler: CheckpointableHandler, *, name: str | None = None)
     >>> mp.register_handler(MyTokenizerHandler(), name="tokenizer")
     """
     if not isinstance(handler, CheckpointableHandler):
-        raise TypeError(f"{handler!r} is not a CheckpointableHandler (it needs typestr, is_handleable, save, load, metadata)")
+        raise TypeError(
+            f"{handler!r} is not a CheckpointableHandler (it needs typestr, is_handleable, save, load, metadata)"
+        )
     with _lock:
         _registry.insert(0, (handler, name))
 
 
 def _candidates(context_handlers: tuple[Any, ...]) -> list[tuple[Any, str | None]]:
-    scoped = [(h if not isinstance(h, tuple) else h[0], None if not isinstance(h, tuple) else h[1]) for h in context_handlers]
+    scoped = [
+        (h if not isinstance(h, tuple) else h[0], None if not isinstance(h, tuple) else h[1])
+        for h in context_handlers
+    ]
     with _lock:
         return scoped + list(_registry) + [(h, None) for h in _BUILTINS]
 
@@ -232,7 +245,9 @@ def resolve_for_save(name: str, obj: Any, context_handlers: tuple[Any, ...]) -> 
     )
 
 
-def resolve_for_load(name: str, typestr: str | None, abstract: Any, context_handlers: tuple[Any, ...]) -> Any:
+def resolve_for_load(
+    name: str, typestr: str | None, abstract: Any, context_handlers: tuple[Any, ...]
+) -> Any:
     candidates = _candidates(context_handlers)
     for handler, only in candidates:
         if (only is None or only == name) and typestr is not None and handler.typestr == typestr:

@@ -75,12 +75,21 @@ class IoStats:
         if self.controller is not None:
             entries.append(("controller", self.controller))
         for name, h in entries:
-            rows.append((
-                name, _size(h.bytes_read), str(h.read_requests), _size(h.bytes_written), str(h.write_requests),
-                _size(h.bytes_sent), _size(h.bytes_received),
-            ))
+            rows.append(
+                (
+                    name,
+                    _size(h.bytes_read),
+                    str(h.read_requests),
+                    _size(h.bytes_written),
+                    str(h.write_requests),
+                    _size(h.bytes_sent),
+                    _size(h.bytes_received),
+                )
+            )
         widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
-        return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
+        return "\n".join(
+            "  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows
+        )
 
 
 def _size(n: int) -> str:
@@ -99,6 +108,8 @@ def io_stats(*, slice: Any = None) -> IoStats:
     """
     timeout = _options.current().async_.timeout_secs
     group = slice.group if slice is not None else _dispatch.host_group_for([])
-    hosts = tuple(group.run("io_stats", {p: () for p in group.processes()}, timeout))  # no plan: () (None means "no part")
+    hosts = tuple(
+        group.run("io_stats", {p: () for p in group.processes()}, timeout)
+    )  # no plan: () (None means "no part")
     controller = snapshot("controller") if getattr(group, "name", "") == "slice" else None
     return _dispatch.shared(group, "io-stats", lambda: IoStats(hosts, controller), timeout)

@@ -61,8 +61,16 @@ def _written_by_v0(path: Path) -> bool:
         handlers = json.loads((path / fmt.CHECKPOINT_METADATA).read_bytes()).get("item_handlers")
     except (OSError, ValueError, AttributeError):
         return False
-    names = [handlers] if isinstance(handlers, str) else list(handlers.values()) if isinstance(handlers, dict) else []
-    return bool(names) and all(isinstance(n, str) and n.startswith(_V0_HANDLER_PREFIX) for n in names)
+    names = (
+        [handlers]
+        if isinstance(handlers, str)
+        else list(handlers.values())
+        if isinstance(handlers, dict)
+        else []
+    )
+    return bool(names) and all(
+        isinstance(n, str) and n.startswith(_V0_HANDLER_PREFIX) for n in names
+    )
 
 
 _V0_HANDLER_PREFIX = "orbax.checkpoint._src.handlers."
@@ -81,16 +89,22 @@ def is_committed(path: Path) -> bool:
 def _is_bare_v0(path: Path) -> bool:
     """A v0 single-item checkpoint from before ``_CHECKPOINT_METADATA``: ``_METADATA`` in the
     folder itself, which is not a checkpointable folder of a checkpoint."""
-    return (path / fmt.TREE_METADATA).is_file() and not (path.parent / fmt.CHECKPOINT_METADATA).is_file()
+    return (path / fmt.TREE_METADATA).is_file() and not (
+        path.parent / fmt.CHECKPOINT_METADATA
+    ).is_file()
 
 
 def require(path: Path) -> None:
     """Raise CheckpointNotFoundError, saying what is there and what milepost reads, unless
     ``path`` is a committed checkpoint."""
     if not path.exists():
-        raise CheckpointNotFoundError(f"no checkpoint at {path}: the path does not exist. Check the path or the step.")
+        raise CheckpointNotFoundError(
+            f"no checkpoint at {path}: the path does not exist. Check the path or the step."
+        )
     if not path.is_dir():
-        raise CheckpointNotFoundError(f"{path} is a file, not a checkpoint directory. Pass the checkpoint's directory.")
+        raise CheckpointNotFoundError(
+            f"{path} is a file, not a checkpoint directory. Pass the checkpoint's directory."
+        )
     if path.name.endswith(fmt.TMP_SUFFIX):
         raise CheckpointNotFoundError(
             f"{path} is the temporary directory of an unfinished save, not a committed checkpoint; it cannot be loaded."
@@ -141,7 +155,11 @@ def items(path: Path, meta: dict[str, Any] | None) -> dict[str, Item]:
         return out
     if (path / fmt.TREE_METADATA).is_file():  # very old v0: the folder is the item
         return {DEFAULT_ITEM: Item(DEFAULT_ITEM, None, path)}
-    return {p.name: Item(p.name, None, p) for p in sorted(path.iterdir()) if p.is_dir() and unsafe_item_name(p.name) is None}
+    return {
+        p.name: Item(p.name, None, p)
+        for p in sorted(path.iterdir())
+        if p.is_dir() and unsafe_item_name(p.name) is None
+    }
 
 
 def read_metadata(path: Path) -> dict[str, Any]:

@@ -48,14 +48,20 @@ def writers_for(options: SaveOptions, nbytes: int) -> int:
 def _seconds(owner: str, name: str, value: Any) -> None:
     """``value`` is a positive, finite number of seconds."""
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{owner}.{name} must be a number of seconds, got {value!r} ({type(value).__name__})")
+        raise TypeError(
+            f"{owner}.{name} must be a number of seconds, got {value!r} ({type(value).__name__})"
+        )
     if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{owner}.{name} must be a positive, finite number of seconds, got {value!r}")
+        raise ValueError(
+            f"{owner}.{name} must be a positive, finite number of seconds, got {value!r}"
+        )
 
 
 def _bool(owner: str, name: str, value: Any) -> None:
     if not isinstance(value, bool):
-        raise TypeError(f"{owner}.{name} must be True or False, got {value!r} ({type(value).__name__})")
+        raise TypeError(
+            f"{owner}.{name} must be True or False, got {value!r} ({type(value).__name__})"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,23 +124,40 @@ class SaveOptions:
 
     def __post_init__(self) -> None:
         _bool("SaveOptions", "use_ocdbt", self.use_ocdbt)
-        _int("SaveOptions", "host_staging_budget_bytes", self.host_staging_budget_bytes, minimum=0, optional=True)
+        _int(
+            "SaveOptions",
+            "host_staging_budget_bytes",
+            self.host_staging_budget_bytes,
+            minimum=0,
+            optional=True,
+        )
         _seconds("SaveOptions", "lease_secs", self.lease_secs)
         if self.wait_for_writer_secs != 0:
             _seconds("SaveOptions", "wait_for_writer_secs", self.wait_for_writer_secs)
         _bool("SaveOptions", "replica_parallel", self.replica_parallel)
         if self.ocdbt_writers_per_host != "auto":
-            _int("SaveOptions", "ocdbt_writers_per_host (or 'auto')", self.ocdbt_writers_per_host, minimum=1)
+            _int(
+                "SaveOptions",
+                "ocdbt_writers_per_host (or 'auto')",
+                self.ocdbt_writers_per_host,
+                minimum=1,
+            )
         chunking = self.chunk_byte_size
-        if chunking != "auto" and (isinstance(chunking, bool) or not isinstance(chunking, int | None)):
+        if chunking != "auto" and (
+            isinstance(chunking, bool) or not isinstance(chunking, int | None)
+        ):
             raise TypeError(
                 f"SaveOptions.chunk_byte_size must be 'auto' (the default), a number of bytes or None (one chunk per "
                 f"shard), got {chunking!r} ({type(chunking).__name__})"
             )
         if isinstance(chunking, int) and chunking < 1:
-            raise ValueError(f"SaveOptions.chunk_byte_size must be at least 1 byte, got {chunking}; None keeps one chunk per shard")
+            raise ValueError(
+                f"SaveOptions.chunk_byte_size must be at least 1 byte, got {chunking}; None keeps one chunk per shard"
+            )
         if self.compression not in (None, "zstd"):
-            raise ValueError(f"SaveOptions.compression must be None or 'zstd', got {self.compression!r}")
+            raise ValueError(
+                f"SaveOptions.compression must be None or 'zstd', got {self.compression!r}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -170,10 +193,14 @@ class LoadOptions:
     ``load_and_broadcast``."""
 
     def __post_init__(self) -> None:
-        _int("LoadOptions", "memory_budget_bytes", self.memory_budget_bytes, minimum=1, optional=True)
+        _int(
+            "LoadOptions", "memory_budget_bytes", self.memory_budget_bytes, minimum=1, optional=True
+        )
         _bool("LoadOptions", "direct_reads", self.direct_reads)
         _bool("LoadOptions", "load_and_broadcast", self.load_and_broadcast)
-        if self.replica_axis is not None and (not isinstance(self.replica_axis, str) or not self.replica_axis):
+        if self.replica_axis is not None and (
+            not isinstance(self.replica_axis, str) or not self.replica_axis
+        ):
             raise TypeError(
                 f"LoadOptions.replica_axis must be a mesh axis name (a non-empty str) or None, got {self.replica_axis!r} "
                 f"({type(self.replica_axis).__name__})"
@@ -230,13 +257,19 @@ class ProgressOptions:
 
     def __post_init__(self) -> None:
         if self.file is not None and not callable(getattr(self.file, "write", None)):
-            raise TypeError(f"ProgressOptions.file must be a text stream (with .write) or None, got {type(self.file).__name__}")
+            raise TypeError(
+                f"ProgressOptions.file must be a text stream (with .write) or None, got {type(self.file).__name__}"
+            )
         for name in ("delay_secs", "refresh_secs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float):
-                raise TypeError(f"ProgressOptions.{name} must be a number of seconds, got {value!r} ({type(value).__name__})")
+                raise TypeError(
+                    f"ProgressOptions.{name} must be a number of seconds, got {value!r} ({type(value).__name__})"
+                )
             if not math.isfinite(value) or value < 0:
-                raise ValueError(f"ProgressOptions.{name} must be a finite number of seconds >= 0, got {value!r}")
+                raise ValueError(
+                    f"ProgressOptions.{name} must be a finite number of seconds >= 0, got {value!r}"
+                )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -251,7 +284,10 @@ class Options:
     """None: no progress bars (the default for library calls)."""
 
 
-_CURRENT: contextvars.ContextVar[Options] = contextvars.ContextVar("milepost_options", default=Options())  # noqa: B039 (frozen)
+_DEFAULTS = Options()  # frozen: safe to share as the default
+_CURRENT: contextvars.ContextVar[Options] = contextvars.ContextVar(
+    "milepost_options", default=_DEFAULTS
+)
 
 
 def current() -> Options:
@@ -287,22 +323,36 @@ class Context:
         handlers: Sequence[Any] = (),
         progress: bool | ProgressOptions | None = None,
     ) -> None:
-        for name, value, cls in (("saving", saving, SaveOptions), ("loading", loading, LoadOptions), ("async_", async_, AsyncOptions)):
+        for name, value, cls in (
+            ("saving", saving, SaveOptions),
+            ("loading", loading, LoadOptions),
+            ("async_", async_, AsyncOptions),
+        ):
             if value is not None and not isinstance(value, cls):
-                raise TypeError(f"Context({name}=...) takes a {cls.__name__}, got {type(value).__name__}")
+                raise TypeError(
+                    f"Context({name}=...) takes a {cls.__name__}, got {type(value).__name__}"
+                )
         if progress is not None and not isinstance(progress, bool | ProgressOptions):
-            raise TypeError(f"Context(progress=...) takes True, False or a ProgressOptions, got {type(progress).__name__}")
+            raise TypeError(
+                f"Context(progress=...) takes True, False or a ProgressOptions, got {type(progress).__name__}"
+            )
         self._changes: dict[str, Any] = {
-            k: v for k, v in (("saving", saving), ("loading", loading), ("async_", async_)) if v is not None
+            k: v
+            for k, v in (("saving", saving), ("loading", loading), ("async_", async_))
+            if v is not None
         }
         if progress is not None:
-            self._changes["progress"] = ProgressOptions() if progress is True else (progress or None)
+            self._changes["progress"] = (
+                ProgressOptions() if progress is True else (progress or None)
+            )
         self._handlers = tuple(handlers)
         self._tokens: list[contextvars.Token[Options]] = []
 
     def __enter__(self) -> Options:
         outer = _CURRENT.get()
-        options = dataclasses.replace(outer, **self._changes, handlers=self._handlers + outer.handlers)
+        options = dataclasses.replace(
+            outer, **self._changes, handlers=self._handlers + outer.handlers
+        )
         self._tokens.append(_CURRENT.set(options))
         return options
 

@@ -61,7 +61,9 @@ class Owner:
 def read_owner(directory: Path) -> Owner | None:
     try:
         data = json.loads((directory / OWNER_FILE).read_text())
-        return Owner(str(data["host"]), int(data["pid"]), str(data["save_id"]), float(data["since"]))
+        return Owner(
+            str(data["host"]), int(data["pid"]), str(data["save_id"]), float(data["since"])
+        )
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -122,7 +124,10 @@ def _rename_noreplace(src: Path, dst: Path) -> None:
             renameat2 = None
         if renameat2 is not None:
             at_fdcwd, rename_noreplace = -100, 1
-            if renameat2(at_fdcwd, os.fsencode(src), at_fdcwd, os.fsencode(dst), rename_noreplace) == 0:
+            if (
+                renameat2(at_fdcwd, os.fsencode(src), at_fdcwd, os.fsencode(dst), rename_noreplace)
+                == 0
+            ):
                 return
             err = ctypes.get_errno()
             if err in (errno.EEXIST, errno.ENOTEMPTY):
@@ -142,7 +147,9 @@ def remove_tree(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def create_locked(tmp: Path, *, wait_secs: float = 0.0, doing: str = "save to") -> tuple[Locked, Owner]:
+def create_locked(
+    tmp: Path, *, wait_secs: float = 0.0, doing: str = "save to"
+) -> tuple[Locked, Owner]:
     """Make the temporary directory ``tmp`` (its parent must exist), locked by this process from
     the moment it appears. A leftover of a writer that is gone is removed first; one whose
     writer lives is a CheckpointExistsError naming it, after waiting up to ``wait_secs``."""

@@ -114,7 +114,9 @@ class ObjectPath:
     def keys(self) -> list[str]:
         """Every key below this folder, relative to it, sorted (one listing)."""
         prefix = (self._key + "/").lstrip("/").encode()
-        keys = self._kv.list(ts.KvStore.KeyRange(prefix, _successor(prefix)) if prefix else ts.KvStore.KeyRange()).result()
+        keys = self._kv.list(
+            ts.KvStore.KeyRange(prefix, _successor(prefix)) if prefix else ts.KvStore.KeyRange()
+        ).result()
         return sorted(k[len(prefix) :].decode() for k in keys)
 
     def read_bytes(self) -> bytes:
@@ -171,7 +173,10 @@ class ObjectPath:
         if if_generation is None:
             self._kv.write(self._key, None).result()
             return True
-        return bytes(self._kv.write(self._key, None, if_equal=if_generation).result().generation) != b""
+        return (
+            bytes(self._kv.write(self._key, None, if_equal=if_generation).result().generation)
+            != b""
+        )
 
     def delete_tree(self) -> Any:
         """Start deleting every key below this folder; returns the future."""

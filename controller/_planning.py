@@ -34,11 +34,16 @@ def device_boxes(sharding: Any, shape: tuple[int, ...]) -> dict[int, Box]:
         return spec.device_indices(shape)
     out: dict[int, Box] = {}
     for device, index in sharding.devices_indices_map(shape).items():
-        out[device.id] = tuple((s.start or 0, n if s.stop is None else s.stop) for s, n in zip(index, shape, strict=True))
+        out[device.id] = tuple(
+            (s.start or 0, n if s.stop is None else s.stop)
+            for s, n in zip(index, shape, strict=True)
+        )
     return out
 
 
-def write_regions(boxes: dict[int, Box], replica_parallel: bool) -> tuple[tuple[int, ...], list[Region]]:
+def write_regions(
+    boxes: dict[int, Box], replica_parallel: bool
+) -> tuple[tuple[int, ...], list[Region]]:
     """Choose who writes what: one replica per distinct box, or the box split among replicas.
 
     Returns the write shape (zarr chunk shape, identical for every region) and the regions.
@@ -71,7 +76,9 @@ AUTO_BAND_BYTES = 1 << 20
 """The band size the default chunking (``SaveOptions.chunk_byte_size="auto"``) aims at."""
 
 
-def inner_chunk_shape(write_shape: tuple[int, ...], itemsize: int, chunk_byte_size: int | str | None) -> tuple[int, ...]:
+def inner_chunk_shape(
+    write_shape: tuple[int, ...], itemsize: int, chunk_byte_size: int | str | None
+) -> tuple[int, ...]:
     """Cut ``write_shape`` into inner chunks of at most ``chunk_byte_size`` bytes that divide it
     (``"auto"``: :func:`auto_chunk_shape`; None: one chunk, the write shape).
 
@@ -119,7 +126,9 @@ def auto_chunk_shape(write_shape: tuple[int, ...], itemsize: int) -> tuple[int, 
         if row >= 2 * AUTO_BAND_BYTES:
             shape[d] = 1
             continue
-        fits = [b for b in _divisors(n) if b * row >= AUTO_BAND_BYTES // 4]  # (n itself always fits)
+        fits = [
+            b for b in _divisors(n) if b * row >= AUTO_BAND_BYTES // 4
+        ]  # (n itself always fits)
         shape[d] = min(fits, key=lambda b: (abs(math.log(b * row / AUTO_BAND_BYTES)), -b))
         break
     return tuple(shape)

@@ -29,7 +29,14 @@ from milepost.workers import _progress as sink
 
 log = logging.getLogger("milepost")
 
-_VERBS = {"save": "saved", "load": "loaded", "verify": "verified", "copy": "copied", "stats": "computed statistics of", "diff": "compared"}
+_VERBS = {
+    "save": "saved",
+    "load": "loaded",
+    "verify": "verified",
+    "copy": "copied",
+    "stats": "computed statistics of",
+    "diff": "compared",
+}
 
 
 def _clock(seconds: float | None) -> str:
@@ -104,7 +111,11 @@ class Operation:
         """``'512.0 MiB in 0.42 s (1.28 GB/s)'`` (+ the blocking time of a save)."""
         nbytes, secs = max(self.done, self.total), self.seconds
         rate = f"{nbytes / secs / 1e9:.2f} GB/s" if secs > 0 else "-"
-        blocking = f", blocking {self.blocking_secs:.3f} s" if self.blocking_secs is not None and self.kind == "save" else ""
+        blocking = (
+            f", blocking {self.blocking_secs:.3f} s"
+            if self.blocking_secs is not None and self.kind == "save"
+            else ""
+        )
         return f"{human_bytes(nbytes)} in {secs:.2f} s ({rate}){blocking}"
 
     def close(self, ok: bool) -> None:
@@ -128,7 +139,9 @@ class Operation:
                     if self._bar is not None:
                         self._bar.close(self)
                 except Exception as e:
-                    log.debug("the progress bar of %s failed: %s: %s", self.path, type(e).__name__, e)
+                    log.debug(
+                        "the progress bar of %s failed: %s: %s", self.path, type(e).__name__, e
+                    )
 
     def log(self) -> None:
         """The INFO line of a finished operation."""
@@ -197,14 +210,19 @@ def read_bytes(tasks: Any, group: Any) -> int:
     from milepost.workers import ShardingSpec
 
     total = 0
-    elements: dict[Any, int] = {}  # (sharding, shape) -> elements read: the layers of a model share them
+    elements: dict[
+        Any, int
+    ] = {}  # (sharding, shape) -> elements read: the layers of a model share them
 
     def read_elements(sharding: Any, shape: tuple[int, ...]) -> int:
         spec = sharding if isinstance(sharding, ShardingSpec) else ShardingSpec.from_jax(sharding)
         boxes: set[tuple[Any, Any]] = set()
         for device, box in spec.device_indices(shape).items():
             boxes.add((group.process_of_device(device), box))
-        return sum(math.prod(max(0, min(b, n) - a) for (a, b), n in zip(box, shape, strict=True)) for _, box in boxes)
+        return sum(
+            math.prod(max(0, min(b, n) - a) for (a, b), n in zip(box, shape, strict=True))
+            for _, box in boxes
+        )
 
     for task in tasks:
         itemsize = np.dtype(task.dtype).itemsize
@@ -349,7 +367,9 @@ class _Terminal:
                 return
             done = op.done
             description = op.description() + ("" if op.ok is not False else " (failed)")
-            self.progress.update(task, completed=done, total=max(op.total, done) or None, description=description)
+            self.progress.update(
+                task, completed=done, total=max(op.total, done) or None, description=description
+            )
             self.progress.refresh()
             if final:
                 self.open_tasks -= 1
@@ -384,7 +404,9 @@ class _Ticker:
         with self._lock:
             self._ops.add(op)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="milepost-progress", daemon=True)
+                self._thread = threading.Thread(
+                    target=self._run, name="milepost-progress", daemon=True
+                )
                 self._thread.start()
 
     def unregister(self, op: Operation) -> None:

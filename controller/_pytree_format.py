@@ -50,7 +50,9 @@ class SavedLeaf:
         return str(tuple(k for k, _ in self.keys))
 
     @staticmethod
-    def of(leaf: Leaf, value_type: ValueType, write_shape: tuple[int, ...] | None = None) -> SavedLeaf:
+    def of(
+        leaf: Leaf, value_type: ValueType, write_shape: tuple[int, ...] | None = None
+    ) -> SavedLeaf:
         return SavedLeaf(leaf.name, leaf.keys, value_type, str(value_type), write_shape)
 
 
@@ -79,7 +81,9 @@ class TreeFiles:
     missing one is lost data and reading it fails."""
 
     def store(self, directory: Path) -> workers.StoreSpec:
-        return workers.StoreSpec(directory=str(directory), use_ocdbt=self.use_ocdbt, zarr_format=self.zarr_format)
+        return workers.StoreSpec(
+            directory=str(directory), use_ocdbt=self.use_ocdbt, zarr_format=self.zarr_format
+        )
 
 
 # ------------------------------------------------------------------------------------------
@@ -87,11 +91,16 @@ class TreeFiles:
 # ------------------------------------------------------------------------------------------
 
 
-def write(directory: Path, files: TreeFiles, acks: Sequence[workers.SaveAck], platform: str) -> None:
+def write(
+    directory: Path, files: TreeFiles, acks: Sequence[workers.SaveAck], platform: str
+) -> None:
     """Write every format file of ``files``; ``array_metadatas/`` comes from the hosts' acks."""
     tree_metadata: dict[str, Any] = {}
     for leaf in files.leaves.values():
-        value_metadata: dict[str, Any] = {"value_type": leaf.raw_value_type, "skip_deserialize": leaf.value_type.is_empty}
+        value_metadata: dict[str, Any] = {
+            "value_type": leaf.raw_value_type,
+            "skip_deserialize": leaf.value_type.is_empty,
+        }
         if leaf.value_type is ValueType.JAX_ARRAY and leaf.write_shape is not None:
             value_metadata["write_shape"] = list(leaf.write_shape)
         tree_metadata[leaf.tuple_key] = {
@@ -113,7 +122,8 @@ def write(directory: Path, files: TreeFiles, acks: Sequence[workers.SaveAck], pl
         fmt.write_json(
             directory / fmt.SHARDING,
             {
-                base64.b64encode(n.encode()).decode(): texts.get(spec) or texts.setdefault(spec, spec.to_orbax_json(platform))
+                base64.b64encode(n.encode()).decode(): texts.get(spec)
+                or texts.setdefault(spec, spec.to_orbax_json(platform))
                 for n, spec in files.shardings.items()
             },
         )
@@ -161,7 +171,9 @@ def _write_array_metadatas(folder: Path, acks: Sequence[workers.SaveAck]) -> Non
                         "param_name": a.name,
                         "write_shape": list(a.write_shape),
                         "chunk_shape": list(a.chunk_shape),
-                        "ext_metadata": {"random_key_impl": a.random_key_impl} if a.random_key_impl else None,
+                        "ext_metadata": {"random_key_impl": a.random_key_impl}
+                        if a.random_key_impl
+                        else None,
                     }
                 }
             )
@@ -176,14 +188,19 @@ def _write_array_metadatas(folder: Path, acks: Sequence[workers.SaveAck]) -> Non
             for a in ack.arrays:
                 arrays.setdefault(a.name, a)
     contents = [
-        (folder / f"process_{index}", '{"array_metadatas": [' + ", ".join(map(entry, arrays.values())) + "]}")
+        (
+            folder / f"process_{index}",
+            '{"array_metadatas": [' + ", ".join(map(entry, arrays.values())) + "]}",
+        )
         for index, arrays in sorted(by_host.items())
     ]
     if len(contents) <= 2:
         for path, text in contents:
             fmt.write_file(path, text)
         return
-    with futures.ThreadPoolExecutor(min(16, len(contents)), thread_name_prefix="milepost-commit") as pool:
+    with futures.ThreadPoolExecutor(
+        min(16, len(contents)), thread_name_prefix="milepost-commit"
+    ) as pool:
         list(pool.map(lambda item: fmt.write_file(*item), contents))
 
 
@@ -214,7 +231,10 @@ def _read(directory: Path) -> TreeFiles:
         )
     leaves: dict[str, SavedLeaf] = {}
     for entry, item in meta["tree_metadata"].items():
-        keys = tuple((str(k["key"]) if isinstance(k["key"], int) else k["key"], int(k["key_type"])) for k in item["key_metadata"])
+        keys = tuple(
+            (str(k["key"]) if isinstance(k["key"], int) else k["key"], int(k["key_type"]))
+            for k in item["key_metadata"]
+        )
         for key, _ in keys:
             if (why := unsafe_part(key)) is not None:
                 raise CorruptCheckpointError(
@@ -226,25 +246,39 @@ def _read(directory: Path) -> TreeFiles:
         write_shape = value.get("write_shape")
         name = ".".join(k for k, _ in keys) if keys else "_root"
         leaves[name] = SavedLeaf(
-            name, keys, ValueType.parse(raw), str(raw), tuple(int(n) for n in write_shape) if write_shape else None
+            name,
+            keys,
+            ValueType.parse(raw),
+            str(raw),
+            tuple(int(n) for n in write_shape) if write_shape else None,
         )
     shardings: dict[str, ShardingSpec] = {}
     if fmt.present(directory / fmt.SHARDING):
         # The leaves of a model share a few shardings, each listing every device id: parse each
         # distinct text once (with thousands of devices, parsing it per leaf took seconds).
         parsed: dict[str, ShardingSpec | None] = {}
-        for encoded, text in fmt.read_json_object(directory / fmt.SHARDING, "sharding metadata").items():
+        for encoded, text in fmt.read_json_object(
+            directory / fmt.SHARDING, "sharding metadata"
+        ).items():
             if not isinstance(text, str):
-                raise TypeError(f"the sharding of {encoded!r} is a {type(text).__name__}, not a JSON string")
+                raise TypeError(
+                    f"the sharding of {encoded!r} is a {type(text).__name__}, not a JSON string"
+                )
             if text not in parsed:
                 try:
                     parsed[text] = ShardingSpec.from_orbax_json(text)
                 except (ValueError, KeyError):
-                    parsed[text] = None  # a sharding kind we do not know: loading it needs an abstract tree
+                    parsed[text] = (
+                        None  # a sharding kind we do not know: loading it needs an abstract tree
+                    )
             spec = parsed[text]
             if spec is not None:
                 shardings[base64.b64decode(encoded).decode()] = spec
-    strings = fmt.read_json_object(directory / fmt.STRINGS, "string leaves") if fmt.present(directory / fmt.STRINGS) else {}
+    strings = (
+        fmt.read_json_object(directory / fmt.STRINGS, "string leaves")
+        if fmt.present(directory / fmt.STRINGS)
+        else {}
+    )
     info = (
         fmt.read_json_object(directory / fmt.MILEPOST_INFO, "milepost info")
         if fmt.present(directory / fmt.MILEPOST_INFO)
@@ -259,12 +293,15 @@ def _read(directory: Path) -> TreeFiles:
         return found
 
     checksums = {
-        name: {grid(key): int(crc) for key, crc in chunks.items()} for name, chunks in info.get("chunk_crc32c", {}).items()
+        name: {grid(key): int(crc) for key, crc in chunks.items()}
+        for name, chunks in info.get("chunk_crc32c", {}).items()
     }
     if "random_key_impl" in info:
         key_impls = {str(k): str(v) for k, v in info["random_key_impl"].items()}
     else:  # written by Orbax: the implementations are only in array_metadatas/
-        key_impls = _key_impls_of_array_metadatas(directory, [n for n, leaf in leaves.items() if leaf.value_type is ValueType.JAX_ARRAY])
+        key_impls = _key_impls_of_array_metadatas(
+            directory, [n for n, leaf in leaves.items() if leaf.value_type is ValueType.JAX_ARRAY]
+        )
     return TreeFiles(
         leaves=leaves,
         use_ocdbt=bool(meta.get("use_ocdbt", True)),

@@ -68,7 +68,10 @@ class LeafMetadata:
 
         if self.shape is None:
             return f"LeafMetadata({self.name!r}: {self.value_type})"
-        parts = [f"{self.name!r}: {self.value_type} {self.dtype}{_views.shape_str(self.shape)}", _views.human_bytes(self.nbytes)]
+        parts = [
+            f"{self.name!r}: {self.value_type} {self.dtype}{_views.shape_str(self.shape)}",
+            _views.human_bytes(self.nbytes),
+        ]
         if self.sharding is not None:
             parts.append(f"sharding={_views.sharding_str(self.sharding)}")
         if self.write_shape is not None:
@@ -84,10 +87,14 @@ class LeafMetadata:
 
 
 def _header_shape_dtype(header: dict[str, Any]) -> tuple[tuple[int, ...], np.dtype]:
-    return workers.header_shape(header), np.dtype(jax.numpy.dtype(workers.header_dtype_name(header)))
+    return workers.header_shape(header), np.dtype(
+        jax.numpy.dtype(workers.header_dtype_name(header))
+    )
 
 
-def _headers(directory: Path, files: tree_format.TreeFiles, names: list[str]) -> dict[str, dict[str, Any]]:
+def _headers(
+    directory: Path, files: tree_format.TreeFiles, names: list[str]
+) -> dict[str, dict[str, Any]]:
     """The ``zarr.json`` of each named array: through the root view with OCDBT (whose B-tree
     carries checksums), else as files (checked against the checkpoint's file checksums)."""
     store = files.store(directory)
@@ -96,7 +103,9 @@ def _headers(directory: Path, files: tree_format.TreeFiles, names: list[str]) ->
     out = {}
     for name in names:
         try:
-            out[name] = fmt.read_json_object(directory / workers.header_key(store, name), f"the header of array {name!r}")
+            out[name] = fmt.read_json_object(
+                directory / workers.header_key(store, name), f"the header of array {name!r}"
+            )
         except CheckpointNotFoundError as e:
             raise CorruptCheckpointError(
                 f"array {name!r} is listed in {directory / fmt.TREE_METADATA} but its data is missing; the checkpoint "
@@ -124,10 +133,18 @@ def metadata(directory: Path) -> Any:
                 ) from e
             impl = files.key_impls.get(name)
             if impl is not None:  # typed PRNG keys: described as keys, not as their stored data
-                shape, dtype = shape[: len(shape) - len(workers.key_words(impl))], workers.dtype_of(f"key<{impl}>")
+                shape, dtype = (
+                    shape[: len(shape) - len(workers.key_words(impl))],
+                    workers.dtype_of(f"key<{impl}>"),
+                )
             leaf = LeafMetadata(
-                name=name, value_type=vt, shape=shape, dtype=dtype, sharding=files.shardings.get(name),
-                write_shape=grid, chunk_shape=inner,
+                name=name,
+                value_type=vt,
+                shape=shape,
+                dtype=dtype,
+                sharding=files.shardings.get(name),
+                write_shape=grid,
+                chunk_shape=inner,
             )
         elif vt.is_empty:
             leaf = vt.empty_value()
@@ -143,7 +160,9 @@ def metadata(directory: Path) -> Any:
 
 
 def _is_abstract_array(x: Any) -> bool:
-    return hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, np.ndarray | np.generic)
+    return (
+        hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, np.ndarray | np.generic)
+    )
 
 
 @dataclass(frozen=True)
@@ -155,14 +174,20 @@ class _Target:
     abstract: Any
 
 
-def _targets(files: tree_format.TreeFiles, abstract: Any, partial: bool) -> tuple[list[_Target], Any]:
+def _targets(
+    files: tree_format.TreeFiles, abstract: Any, partial: bool
+) -> tuple[list[_Target], Any]:
     """The leaves to produce, and the abstract tree's treedef (None: rebuild the saved tree)."""
     if abstract is None:
         return [_Target(leaf.keys, n, None) for n, leaf in files.leaves.items()], None
     leaves, treedef = _tree.flatten(abstract)
     saved = list(files.leaves)
     wanted = {leaf.name for leaf in leaves}
-    missing = [leaf.name for leaf in leaves if leaf.name not in files.leaves and leaf.value is not PLACEHOLDER]
+    missing = [
+        leaf.name
+        for leaf in leaves
+        if leaf.name not in files.leaves and leaf.value is not PLACEHOLDER
+    ]
     extra = [n for n in saved if n not in wanted]
     if missing:
         raise StructureMismatchError(
@@ -178,7 +203,9 @@ def _targets(files: tree_format.TreeFiles, abstract: Any, partial: bool) -> tupl
     return [_Target(leaf.keys, leaf.name, leaf.value) for leaf in leaves], treedef
 
 
-def _saved_sharding(files: tree_format.TreeFiles, name: str, group: Any, message: str) -> ShardingSpec:
+def _saved_sharding(
+    files: tree_format.TreeFiles, name: str, group: Any, message: str
+) -> ShardingSpec:
     spec = files.shardings.get(name)
     if spec is None:
         raise StructureMismatchError(message)
@@ -186,12 +213,16 @@ def _saved_sharding(files: tree_format.TreeFiles, name: str, group: Any, message
     return spec
 
 
-def _task(files: tree_format.TreeFiles, header: dict[str, Any], target: _Target, group: Any) -> workers.LoadTask:
+def _task(
+    files: tree_format.TreeFiles, header: dict[str, Any], target: _Target, group: Any
+) -> workers.LoadTask:
     """How to read one array: shape, target dtype, and target sharding (None: a NumPy array)."""
     name, abstract = target.name, target.abstract
     shape, dtype = _header_shape_dtype(header)
     impl = files.key_impls.get(name)
-    if impl is not None and (abstract is None or (_is_abstract_array(abstract) and workers.is_key(abstract.dtype))):
+    if impl is not None and (
+        abstract is None or (_is_abstract_array(abstract) and workers.is_key(abstract.dtype))
+    ):
         return _key_task(files, header, target, impl, group)
     if _is_abstract_array(abstract) and workers.is_key(abstract.dtype):
         raise StructureMismatchError(
@@ -202,7 +233,9 @@ def _task(files: tree_format.TreeFiles, header: dict[str, Any], target: _Target,
     if abstract is None:
         if files.leaves[name].value_type is ValueType.JAX_ARRAY:
             sharding = _saved_sharding(
-                files, name, group,
+                files,
+                name,
+                group,
                 f"array {name!r} was saved without a sharding milepost can rebuild; pass an abstract tree "
                 "(jax.ShapeDtypeStruct with a sharding) to load it",
             )
@@ -216,16 +249,24 @@ def _task(files: tree_format.TreeFiles, header: dict[str, Any], target: _Target,
         sharding = getattr(abstract, "sharding", None)
         if sharding is None:  # no target sharding given: the saved one
             sharding = _saved_sharding(
-                files, name, group, f"leaf {name!r} has no sharding in the abstract tree and none was saved; give one"
+                files,
+                name,
+                group,
+                f"leaf {name!r} has no sharding in the abstract tree and none was saved; give one",
             )
         elif getattr(sharding, "milepost_spec", None) is not None:  # a slice sharding: ids only
             sharding = sharding.milepost_spec
     elif isinstance(abstract, np.ndarray):
         if tuple(abstract.shape) != shape:
-            raise StructureMismatchError(f"leaf {name!r}: the abstract array has shape {abstract.shape}, the checkpoint {shape}")
+            raise StructureMismatchError(
+                f"leaf {name!r}: the abstract array has shape {abstract.shape}, the checkpoint {shape}"
+            )
         dtype = abstract.dtype
     return workers.LoadTask(
-        name=name, shape=shape, dtype=np.dtype(dtype).name, sharding=concrete_sharding(sharding, group, name),
+        name=name,
+        shape=shape,
+        dtype=np.dtype(dtype).name,
+        sharding=concrete_sharding(sharding, group, name),
         checksums=_checksums(files, name),
     )
 
@@ -240,7 +281,9 @@ def _read_checked(directory: Path) -> tree_format.TreeFiles:
     return files
 
 
-def _key_task(files: tree_format.TreeFiles, header: dict[str, Any], target: _Target, impl: str, group: Any) -> workers.LoadTask:
+def _key_task(
+    files: tree_format.TreeFiles, header: dict[str, Any], target: _Target, impl: str, group: Any
+) -> workers.LoadTask:
     """Typed PRNG keys: read their stored key data, hand back keys of the saved implementation."""
     name, abstract = target.name, target.abstract
     shape, _ = _header_shape_dtype(header)
@@ -248,7 +291,10 @@ def _key_task(files: tree_format.TreeFiles, header: dict[str, Any], target: _Tar
     keys_shape = shape[: len(shape) - len(words)]
     if abstract is None:
         sharding: Any = _saved_sharding(
-            files, name, group, f"PRNG key array {name!r} was saved without a sharding milepost can rebuild; pass an "
+            files,
+            name,
+            group,
+            f"PRNG key array {name!r} was saved without a sharding milepost can rebuild; pass an "
             "abstract tree (jax.ShapeDtypeStruct with a sharding) to load it",
         )
     else:
@@ -265,11 +311,20 @@ def _key_task(files: tree_format.TreeFiles, header: dict[str, Any], target: _Tar
             )
         sharding = getattr(abstract, "sharding", None)
         if sharding is None:
-            sharding = _saved_sharding(files, name, group, f"leaf {name!r} has no sharding in the abstract tree and none was saved; give one")
+            sharding = _saved_sharding(
+                files,
+                name,
+                group,
+                f"leaf {name!r} has no sharding in the abstract tree and none was saved; give one",
+            )
         elif getattr(sharding, "milepost_spec", None) is not None:
             sharding = sharding.milepost_spec
     return workers.LoadTask(
-        name=name, shape=shape, dtype="uint32", sharding=concrete_sharding(sharding, group, name), checksums=_checksums(files, name),
+        name=name,
+        shape=shape,
+        dtype="uint32",
+        sharding=concrete_sharding(sharding, group, name),
+        checksums=_checksums(files, name),
         random_key_impl=impl,
     )
 
@@ -286,12 +341,20 @@ def concrete_sharding(sharding: Any, group: Any, name: str) -> Any:
         ids = group.mesh_device_ids(names, sizes)
     except ValueError as e:
         raise StructureMismatchError(f"leaf {name!r}: {e}") from None
-    spec = ShardingSpec.named(sizes, names, ids, tuple(sharding.spec), tuple(str(t) for t in mesh.axis_types))
+    spec = ShardingSpec.named(
+        sizes, names, ids, tuple(sharding.spec), tuple(str(t) for t in mesh.axis_types)
+    )
     memory_kind = getattr(sharding, "memory_kind", None)
-    return dataclasses.replace(spec, memory_kind=memory_kind) if memory_kind not in (None, "device") else spec
+    return (
+        dataclasses.replace(spec, memory_kind=memory_kind)
+        if memory_kind not in (None, "device")
+        else spec
+    )
 
 
-def _checksums(files: tree_format.TreeFiles, name: str) -> tuple[tuple[tuple[int, ...], int], ...] | None:
+def _checksums(
+    files: tree_format.TreeFiles, name: str
+) -> tuple[tuple[tuple[int, ...], int], ...] | None:
     recorded = files.chunk_crc32c.get(name)
     return tuple(sorted(recorded.items())) if recorded is not None else None
 
@@ -299,14 +362,24 @@ def _checksums(files: tree_format.TreeFiles, name: str) -> tuple[tuple[tuple[int
 def load(directory: Path, abstract: Any, call: LoadCall) -> Any:
     timeout = call.options.async_.timeout_secs
     group = call.group
-    files = _dispatch.shared(group, f"pytree-meta:{directory}", lambda: _read_checked(directory), timeout)
+    files = _dispatch.shared(
+        group, f"pytree-meta:{directory}", lambda: _read_checked(directory), timeout
+    )
     targets, treedef = _targets(files, abstract, call.partial)
     store = files.store(directory)
     array_names = [
-        t.name for t in targets
-        if t.abstract is not PLACEHOLDER and t.name in files.leaves and files.leaves[t.name].value_type.is_array
+        t.name
+        for t in targets
+        if t.abstract is not PLACEHOLDER
+        and t.name in files.leaves
+        and files.leaves[t.name].value_type.is_array
     ]
-    headers = _dispatch.shared(group, f"pytree-headers:{directory}", lambda: _headers(directory, files, array_names), timeout)
+    headers = _dispatch.shared(
+        group,
+        f"pytree-headers:{directory}",
+        lambda: _headers(directory, files, array_names),
+        timeout,
+    )
 
     device_tasks: list[workers.LoadTask] = []
     host_tasks: list[workers.LoadTask] = []
@@ -322,28 +395,41 @@ def load(directory: Path, abstract: Any, call: LoadCall) -> Any:
     workers_progress.expect(device_bytes + own_bytes)
     log.debug(
         "load plan for %s: %d arrays read by %d hosts (%d bytes), %d by the controller (%d bytes), memory budget %s per host",
-        directory, len(device_tasks), len(group.processes()), device_bytes, len(host_tasks), own_bytes,
+        directory,
+        len(device_tasks),
+        len(group.processes()),
+        device_bytes,
+        len(host_tasks),
+        own_bytes,
         loading.memory_budget_bytes,
     )
 
     def plan_of(tasks: list[workers.LoadTask]) -> workers.LoadPlan:
         return workers.LoadPlan(
-            store=store, tasks=tuple(tasks), memory_budget_bytes=loading.memory_budget_bytes,
-            fill_missing=files.fill_missing, direct_reads=loading.direct_reads,
+            store=store,
+            tasks=tuple(tasks),
+            memory_budget_bytes=loading.memory_budget_bytes,
+            fill_missing=files.fill_missing,
+            direct_reads=loading.direct_reads,
         )
 
     values: dict[str, Any] = {}
     with futures.ThreadPoolExecutor(1) as pool:
         own = (
-            pool.submit(_dispatch.controller_host().load, {CONTROLLER: plan_of(host_tasks)}, timeout)
-            if host_tasks else None
+            pool.submit(
+                _dispatch.controller_host().load, {CONTROLLER: plan_of(host_tasks)}, timeout
+            )
+            if host_tasks
+            else None
         )
         if device_tasks:
             by_process = _checksums_per_process(device_tasks, headers, group)
             loaded = group.load({p: plan_of(tasks) for p, tasks in by_process.items()}, timeout)
             values.update(zip((t.name for t in device_tasks), loaded.arrays, strict=True))
         if own is not None:
-            values.update(zip((t.name for t in host_tasks), own.result(timeout).arrays, strict=True))
+            values.update(
+                zip((t.name for t in host_tasks), own.result(timeout).arrays, strict=True)
+            )
     return _assemble(files, directory, targets, treedef, values)
 
 
@@ -383,7 +469,9 @@ def _checksums_per_process(
                 per_process = boxes_seen[key] = boxes(task.sharding, task.shape)
             except TypeError:  # an unhashable sharding
                 per_process = boxes(task.sharding, task.shape)
-        except Exception as e:  # a sharding or header this cannot describe: every host gets every checksum
+        except (
+            Exception
+        ) as e:  # a sharding or header this cannot describe: every host gets every checksum
             log.debug("array %r: checksums not trimmed per host (%s)", task.name, e)
             for p in processes:
                 out[p].append(task)
@@ -393,7 +481,10 @@ def _checksums_per_process(
             touched: set[tuple[int, ...]] = set()
             for box in per_process[p]:
                 # the chunk grid's block that overlaps the box
-                spans = [range(a // c, -(-min(b, n) // c)) for (a, b), c, n in zip(box, chunk, task.shape, strict=True)]
+                spans = [
+                    range(a // c, -(-min(b, n) // c))
+                    for (a, b), c, n in zip(box, chunk, task.shape, strict=True)
+                ]
                 touched.update(itertools.product(*spans))
             kept = tuple((g, recorded[g]) for g in sorted(touched) if g in recorded)
             out[p].append(dataclasses.replace(task, checksums=kept))
@@ -401,7 +492,11 @@ def _checksums_per_process(
 
 
 def _assemble(
-    files: tree_format.TreeFiles, directory: Path, targets: list[_Target], treedef: Any, values: dict[str, Any]
+    files: tree_format.TreeFiles,
+    directory: Path,
+    targets: list[_Target],
+    treedef: Any,
+    values: dict[str, Any],
 ) -> Any:
     """The loaded tree, in the abstract tree's structure (``treedef``) or the saved one."""
     out: list[Any] = []
@@ -437,9 +532,15 @@ def _assemble(
 def _to_scalar(value: np.ndarray, python_type: str | None, abstract: Any) -> Any:
     if abstract is not None and isinstance(abstract, SCALAR_TYPES):
         target = type(abstract)
-        return target(value.item()) if not isinstance(abstract, np.generic) else value.astype(abstract.dtype)[()]
+        return (
+            target(value.item())
+            if not isinstance(abstract, np.generic)
+            else value.astype(abstract.dtype)[()]
+        )
     if python_type is None:
         return value.item()
     if python_type.startswith("np."):
         return value.astype(python_type[3:])[()]
-    return {"bool": bool, "int": int, "float": float, "complex": complex}.get(python_type, lambda v: v)(value.item())
+    return {"bool": bool, "int": int, "float": float, "complex": complex}.get(
+        python_type, lambda v: v
+    )(value.item())

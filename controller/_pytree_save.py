@@ -68,7 +68,9 @@ def _scalar_array(value: Any) -> np.ndarray:
         try:
             return np.asarray(value, dtype=np.int64)
         except OverflowError as e:
-            raise UnsupportedLeafError(f"the int {value} does not fit in int64; save it as a string or an array") from e
+            raise UnsupportedLeafError(
+                f"the int {value} does not fit in int64; save it as a string or an array"
+            ) from e
     if isinstance(value, float):
         return np.asarray(value, dtype=np.float64)
     return np.asarray(value, dtype=np.complex128)
@@ -102,7 +104,9 @@ def _check_dtype(name: str, dtype: np.dtype) -> None:
         )
 
 
-_PLAIN_ZARR3_RESERVED = frozenset({fmt.TREE_METADATA, fmt.SHARDING, fmt.STRINGS, fmt.MILEPOST_INFO, fmt.ARRAY_METADATAS})
+_PLAIN_ZARR3_RESERVED = frozenset(
+    {fmt.TREE_METADATA, fmt.SHARDING, fmt.STRINGS, fmt.MILEPOST_INFO, fmt.ARRAY_METADATAS}
+)
 
 
 @dataclass
@@ -161,10 +165,18 @@ def _plan_leaf(out: TreeSavePlan, leaf: Leaf, group: HostGroup) -> None:
         _check_dtype(leaf.name, array.dtype)
         if kind is ValueType.SCALAR:
             out.python_types[leaf.name] = _python_type(leaf.value)
-        spec = _planning.host_array_spec(leaf.name, array, out.options.compression, out.options.chunk_byte_size)
-        regions = (workers.Region(device_id=-1, index=tuple((0, n) for n in array.shape)),) if array.size else ()
+        spec = _planning.host_array_spec(
+            leaf.name, array, out.options.compression, out.options.chunk_byte_size
+        )
+        regions = (
+            (workers.Region(device_id=-1, index=tuple((0, n) for n in array.shape)),)
+            if array.size
+            else ()
+        )
         out.controller_tasks.append(
-            workers.SaveTask(source=len(out.controller_sources), spec=spec, regions=regions, create=True)
+            workers.SaveTask(
+                source=len(out.controller_sources), spec=spec, regions=regions, create=True
+            )
         )
         out.controller_sources.append(array)
     elif kind is ValueType.STRING:
@@ -190,7 +202,9 @@ def _plan_device_array(out: TreeSavePlan, leaf: Leaf, group: HostGroup) -> tuple
         shape = (*shape, *workers.key_words(key_impl))
         dtype = np.dtype(np.uint32)
         out.key_impls[leaf.name] = key_impl
-        if spec is not None and spec.kind == "named":  # as Orbax records it: None for the key dimensions
+        if (
+            spec is not None and spec.kind == "named"
+        ):  # as Orbax records it: None for the key dimensions
             entries = spec.spec + (None,) * (len(shape) - len(spec.spec))
             spec = dataclasses.replace(spec, spec=entries)
     else:
@@ -207,7 +221,9 @@ def _plan_device_array(out: TreeSavePlan, leaf: Leaf, group: HostGroup) -> tuple
         shape=shape,
         dtype=dtype.name,
         write_shape=write_shape,
-        chunk_shape=_planning.inner_chunk_shape(write_shape, dtype.itemsize, out.options.chunk_byte_size),
+        chunk_shape=_planning.inner_chunk_shape(
+            write_shape, dtype.itemsize, out.options.chunk_byte_size
+        ),
         compression=out.options.compression,
         random_key_impl=key_impl,
     )
@@ -225,7 +241,13 @@ def _plan_device_array(out: TreeSavePlan, leaf: Leaf, group: HostGroup) -> tuple
     out.headers_by_host[header_by] += 1
     for process, mine in by_process.items():
         out.host_tasks[process].append(
-            workers.SaveTask(source=source, spec=array_spec, regions=tuple(mine), create=not mine, write_metadata=process == header_by)
+            workers.SaveTask(
+                source=source,
+                spec=array_spec,
+                regions=tuple(mine),
+                create=not mine,
+                write_metadata=process == header_by,
+            )
         )
     return write_shape
 
@@ -235,7 +257,14 @@ def _plan_device_array(out: TreeSavePlan, leaf: Leaf, group: HostGroup) -> tuple
 # ------------------------------------------------------------------------------------------
 
 
-def start(planned: TreeSavePlan, directory: Path, call: SaveCall, *, first_writer: int = 0, finish: bool = True) -> PendingTree:
+def start(
+    planned: TreeSavePlan,
+    directory: Path,
+    call: SaveCall,
+    *,
+    first_writer: int = 0,
+    finish: bool = True,
+) -> PendingTree:
     """Stage every host's shards and the controller's own leaves (the blocking part of a save);
     the returned pending write finishes the checkpointable. ``first_writer`` numbers the OCDBT
     databases written from there; ``finish=False``: the pending write only waits for the data
@@ -248,14 +277,25 @@ def start(planned: TreeSavePlan, directory: Path, call: SaveCall, *, first_write
     progress.expect(sum(host_bytes.values()) + own_bytes)
     log.debug(
         "save plan for %s: %d leaves; %d arrays on %d hosts (bytes by host: %s); %d leaves written by the controller "
-        "(%d bytes); %d strings", directory, len(planned.leaves), len({t.spec.name for ts in planned.host_tasks.values() for t in ts}),
-        len(host_bytes), host_bytes, len(planned.controller_tasks), own_bytes, len(planned.strings),
+        "(%d bytes); %d strings",
+        directory,
+        len(planned.leaves),
+        len({t.spec.name for ts in planned.host_tasks.values() for t in ts}),
+        len(host_bytes),
+        host_bytes,
+        len(planned.controller_tasks),
+        own_bytes,
+        len(planned.strings),
     )
     hosts: workers.PendingWrite[list[workers.SaveAck]] | None = None
     if planned.host_tasks:
         plans = {
             p: workers.SavePlan(
-                store=store, process_index=p, tasks=tuple(tasks), copy=call.copy, first_writer=first_writer,
+                store=store,
+                process_index=p,
+                tasks=tuple(tasks),
+                copy=call.copy,
+                first_writer=first_writer,
                 writers=_options.writers_for(planned.options, host_bytes[p]),
                 staging_budget_bytes=planned.options.host_staging_budget_bytes,
             )
@@ -266,11 +306,17 @@ def start(planned: TreeSavePlan, directory: Path, call: SaveCall, *, first_write
     try:
         if planned.controller_tasks and group.is_primary():
             plan = workers.SavePlan(
-                store=store, process_index=CONTROLLER, tasks=tuple(planned.controller_tasks), copy=call.copy,
+                store=store,
+                process_index=CONTROLLER,
+                tasks=tuple(planned.controller_tasks),
+                copy=call.copy,
                 writers=_options.writers_for(planned.options, own_bytes),
-                first_writer=first_writer, staging_budget_bytes=planned.options.host_staging_budget_bytes,
+                first_writer=first_writer,
+                staging_budget_bytes=planned.options.host_staging_budget_bytes,
             )
-            own = _dispatch.controller_host().start_save({CONTROLLER: plan}, planned.controller_sources, timeout)
+            own = _dispatch.controller_host().start_save(
+                {CONTROLLER: plan}, planned.controller_sources, timeout
+            )
     except BaseException:
         workers.settle_all([hosts], timeout)
         raise
@@ -279,7 +325,11 @@ def start(planned: TreeSavePlan, directory: Path, call: SaveCall, *, first_write
 
 
 def _task_bytes(tasks: list[workers.SaveTask]) -> int:
-    return sum(math.prod(b - a for a, b in r.index) * np.dtype(t.spec.dtype).itemsize for t in tasks for r in t.regions)
+    return sum(
+        math.prod(b - a for a, b in r.index) * np.dtype(t.spec.dtype).itemsize
+        for t in tasks
+        for r in t.regions
+    )
 
 
 class PendingTree:

@@ -56,6 +56,8 @@ def _replicas_elsewhere(spec: workers.ShardingSpec, axis: str, group: Any) -> bo
     where = spec.axis_names.index(axis)
     if spec.mesh_shape[where] < 2:
         return False
-    owners = np.array([group.process_of_device(d) for d in spec.device_ids]).reshape(spec.mesh_shape)
+    owners = np.array([group.process_of_device(d) for d in spec.device_ids]).reshape(
+        spec.mesh_shape
+    )
     first = np.take(owners, [0], axis=where)
     return bool((owners != first).any())

@@ -52,7 +52,9 @@ def is_safetensors(path: Path) -> bool:
         return False
     if (path / workers.SAFETENSORS_INDEX).is_file():
         return True
-    return not (path / fmt.CHECKPOINT_METADATA).exists() and any(p.name.endswith(SUFFIX) for p in path.iterdir())
+    return not (path / fmt.CHECKPOINT_METADATA).exists() and any(
+        p.name.endswith(SUFFIX) for p in path.iterdir()
+    )
 
 
 def read_tensors(path: Path) -> dict[str, workers.Tensor]:
@@ -63,22 +65,30 @@ def read_tensors(path: Path) -> dict[str, workers.Tensor]:
         index = fmt.read_json_object(path / workers.SAFETENSORS_INDEX, "safetensors index")
         weight_map = index.get("weight_map")
         if not isinstance(weight_map, dict):
-            raise StructureMismatchError(f"{path / workers.SAFETENSORS_INDEX} has no 'weight_map'; it is not an HF index")
+            raise StructureMismatchError(
+                f"{path / workers.SAFETENSORS_INDEX} has no 'weight_map'; it is not an HF index"
+            )
         names = sorted(set(weight_map.values()))
         for name in names:
             if not isinstance(name, str) or _tree.unsafe_part(name) is not None:
-                raise StructureMismatchError(f"{path / workers.SAFETENSORS_INDEX} names the file {name!r}, which is not a file of {path}")
+                raise StructureMismatchError(
+                    f"{path / workers.SAFETENSORS_INDEX} names the file {name!r}, which is not a file of {path}"
+                )
         files = [path / n for n in names]
     else:
         files = sorted(p for p in path.iterdir() if p.name.endswith(SUFFIX))
     out: dict[str, workers.Tensor] = {}
     for file in files:
         if not file.is_file():
-            raise CheckpointNotFoundError(f"{file} is missing (listed in {path / workers.SAFETENSORS_INDEX})")
+            raise CheckpointNotFoundError(
+                f"{file} is missing (listed in {path / workers.SAFETENSORS_INDEX})"
+            )
         tensors, _ = workers.read_safetensors_header(str(file))
         for name, tensor in tensors.items():
             if name in out:
-                raise StructureMismatchError(f"tensor {name!r} is in both {out[name].path} and {file}")
+                raise StructureMismatchError(
+                    f"tensor {name!r} is in both {out[name].path} and {file}"
+                )
             out[name] = tensor
     return out
 
@@ -93,16 +103,27 @@ def load(path: Path, abstract: Any, partial: bool) -> Any:
     '.'), or, with no abstract tree, as NumPy arrays in a nested dict split at the '.'s."""
     options = _options.current()
     timeout = options.async_.timeout_secs
-    leaves: list[Any] = [] if abstract is None else jax.tree_util.tree_leaves(abstract, is_leaf=lambda x: hasattr(x, "__milepost_host_group__"))
+    leaves: list[Any] = (
+        []
+        if abstract is None
+        else jax.tree_util.tree_leaves(
+            abstract, is_leaf=lambda x: hasattr(x, "__milepost_host_group__")
+        )
+    )
     group = _dispatch.check_storage(_dispatch.host_group_for_abstract(leaves), path)
     tensors = _dispatch.shared(group, f"safetensors:{path}", lambda: read_tensors(path), timeout)
     if abstract is None:
-        targets = [(tuple((part, _tree.KEY_DICT) for part in name.split(".")), name, None) for name in tensors]
+        targets = [
+            (tuple((part, _tree.KEY_DICT) for part in name.split(".")), name, None)
+            for name in tensors
+        ]
         treedef = None
     else:
         flat, treedef = _tree.flatten(abstract)
         targets = [(leaf.keys, leaf.name, leaf.value) for leaf in flat]
-        missing = [leaf.name for leaf in flat if leaf.name not in tensors and leaf.value is not PLACEHOLDER]
+        missing = [
+            leaf.name for leaf in flat if leaf.name not in tensors and leaf.value is not PLACEHOLDER
+        ]
         if missing:
             raise StructureMismatchError(
                 f"the abstract tree asks for {missing[:5]}, which {path} does not hold (it holds {sorted(tensors)[:8]}...); "
@@ -121,22 +142,38 @@ def load(path: Path, abstract: Any, partial: bool) -> Any:
         (host_tasks if task.sharding is None else device_tasks).append(task)
     device_tasks = mark_replicas(device_tasks, options.loading, group)  # load-and-broadcast
     store = workers.StoreSpec(directory=str(path if path.is_dir() else path.parent))
-    workers_progress.expect(_progress.read_bytes(device_tasks, group) + _progress.read_bytes(host_tasks, group))
+    workers_progress.expect(
+        _progress.read_bytes(device_tasks, group) + _progress.read_bytes(host_tasks, group)
+    )
 
     def plan_of(tasks: list[workers.LoadTask]) -> workers.LoadPlan:
-        return workers.LoadPlan(store=store, tasks=tuple(tasks), memory_budget_bytes=options.loading.memory_budget_bytes)
+        return workers.LoadPlan(
+            store=store, tasks=tuple(tasks), memory_budget_bytes=options.loading.memory_budget_bytes
+        )
 
     values: dict[str, Any] = {}
     with futures.ThreadPoolExecutor(1) as pool:
-        own = pool.submit(_dispatch.controller_host().load, {_dispatch.CONTROLLER: plan_of(host_tasks)}, timeout) if host_tasks else None
+        own = (
+            pool.submit(
+                _dispatch.controller_host().load,
+                {_dispatch.CONTROLLER: plan_of(host_tasks)},
+                timeout,
+            )
+            if host_tasks
+            else None
+        )
         if device_tasks:
             loaded = group.load({p: plan_of(device_tasks) for p in group.processes()}, timeout)
             values.update(zip((t.name for t in device_tasks), loaded.arrays, strict=True))
         if own is not None:
-            values.update(zip((t.name for t in host_tasks), own.result(timeout).arrays, strict=True))
+            values.update(
+                zip((t.name for t in host_tasks), own.result(timeout).arrays, strict=True)
+            )
     if treedef is None:
         return _tree.build_nested([(keys, values[name]) for keys, name, _ in targets])
-    return _tree.unflatten(treedef, [PLACEHOLDER if abst is PLACEHOLDER else values[name] for _, name, abst in targets])
+    return _tree.unflatten(
+        treedef, [PLACEHOLDER if abst is PLACEHOLDER else values[name] for _, name, abst in targets]
+    )
 
 
 def _task(tensor: workers.Tensor, name: str, abstract: Any, group: Any) -> workers.LoadTask:
@@ -154,8 +191,12 @@ def _task(tensor: workers.Tensor, name: str, abstract: Any, group: Any) -> worke
                     f"leaf {name!r} has no sharding in the abstract tree; give one (safetensors files record none), or "
                     "an np.ndarray leaf to load it into host memory"
                 )
-            sharding = getattr(sharding, "milepost_spec", None) or _pytree_load.concrete_sharding(sharding, group, name)
-    return workers.LoadTask(name=name, shape=tensor.shape, dtype=dtype.name, sharding=sharding, tensor=tensor)
+            sharding = getattr(sharding, "milepost_spec", None) or _pytree_load.concrete_sharding(
+                sharding, group, name
+            )
+    return workers.LoadTask(
+        name=name, shape=tensor.shape, dtype=dtype.name, sharding=sharding, tensor=tensor
+    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -197,18 +238,39 @@ def export(
 
     >>> milepost.safetensors.export("/ckpt/1000", "/export/model", subtree="params")
     """
-    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
+    if (
+        isinstance(max_shard_bytes, bool)
+        or not isinstance(max_shard_bytes, int)
+        or max_shard_bytes < 1
+    ):
         raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
     meta_strings = dict(metadata) if metadata is not None else {"format": "pt"}
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta_strings.items()):
-        raise TypeError("metadata must map strings to strings (the safetensors format stores nothing else)")
+        raise TypeError(
+            "metadata must map strings to strings (the safetensors format stores nothing else)"
+        )
     options = _options.current()
     timeout = options.async_.timeout_secs
     root, out = _paths.as_path(checkpoint), Path(out_dir).absolute()
-    group = _dispatch.check_storage(slice.group if slice is not None else _dispatch.host_group_for([]), root)
+    group = _dispatch.check_storage(
+        slice.group if slice is not None else _dispatch.host_group_for([]), root
+    )
     staging = out.with_name(f"{out.name}.milepost-export-tmp")
     planned = _dispatch.shared(
-        group, f"export-plan:{out}", lambda: _plan(root, out, staging, subtree, max_shard_bytes, meta_strings, overwrite, group.processes(), options), timeout
+        group,
+        f"export-plan:{out}",
+        lambda: _plan(
+            root,
+            out,
+            staging,
+            subtree,
+            max_shard_bytes,
+            meta_strings,
+            overwrite,
+            group.processes(),
+            options,
+        ),
+        timeout,
     )
     try:
         acks = group.run("export_safetensors", planned.plans, timeout)
@@ -218,14 +280,19 @@ def export(
         raise
 
     def commit() -> ExportSummary:
-        fmt.write_json(staging / workers.SAFETENSORS_INDEX, {"metadata": {"total_size": planned.total}, "weight_map": planned.weight_map})
+        fmt.write_json(
+            staging / workers.SAFETENSORS_INDEX,
+            {"metadata": {"total_size": planned.total}, "weight_map": planned.weight_map},
+        )
         fmt.fsync_dir(staging)
         if out.exists() and overwrite:
             shutil.rmtree(out)
         os.rename(staging, out)
         fmt.fsync_dir(out.parent)
         written = {Path(f).name for ack in acks for f in ack.files}
-        return ExportSummary(out, tuple(sorted(written)), len(planned.weight_map), planned.total, planned.skipped)
+        return ExportSummary(
+            out, tuple(sorted(written)), len(planned.weight_map), planned.total, planned.skipped
+        )
 
     return _dispatch.shared(group, f"export-commit:{out}", commit, timeout)
 
@@ -239,33 +306,58 @@ class _ExportPlanned:
 
 
 def _plan(
-    root: Path, out: Path, staging: Path, subtree: str | None, max_bytes: int, metadata: dict[str, str],
-    overwrite: bool, processes: Any, options: _options.Options,
+    root: Path,
+    out: Path,
+    staging: Path,
+    subtree: str | None,
+    max_bytes: int,
+    metadata: dict[str, str],
+    overwrite: bool,
+    processes: Any,
+    options: _options.Options,
 ) -> _ExportPlanned:
     if out.exists() and not overwrite:
-        raise CheckpointExistsError(f"{out} exists; pass overwrite=True to replace it, or choose another folder")
+        raise CheckpointExistsError(
+            f"{out} exists; pass overwrite=True to replace it, or choose another folder"
+        )
     meta = _checkpoint.read_checkpoint_metadata(root)
     items = _layout.items(root, meta)
     directory = items[_layout.main_tree(root, items)].folder
     files = _pytree_format.read(directory)
     prefix = f"{subtree}." if subtree else ""
-    chosen = [n for n, leaf in files.leaves.items() if leaf.value_type.is_array and n.startswith(prefix)]
-    skipped = tuple(n for n, leaf in files.leaves.items() if not leaf.value_type.is_array and n.startswith(prefix))
+    chosen = [
+        n for n, leaf in files.leaves.items() if leaf.value_type.is_array and n.startswith(prefix)
+    ]
+    skipped = tuple(
+        n
+        for n, leaf in files.leaves.items()
+        if not leaf.value_type.is_array and n.startswith(prefix)
+    )
     if subtree and not chosen:
-        raise StructureMismatchError(f"{root} has no arrays under {subtree!r} (its leaves: {list(files.leaves)[:8]}...)")
+        raise StructureMismatchError(
+            f"{root} has no arrays under {subtree!r} (its leaves: {list(files.leaves)[:8]}...)"
+        )
     headers = _pytree_load._headers(directory, files, chosen)
     tensors: list[tuple[str, workers.LoadTask]] = []
     for name in chosen:
         if name in files.key_impls:
-            raise StructureMismatchError(f"leaf {name!r} holds PRNG keys, which safetensors cannot store; export a subtree without it")
+            raise StructureMismatchError(
+                f"leaf {name!r} holds PRNG keys, which safetensors cannot store; export a subtree without it"
+            )
         shape, dtype = _pytree_load._header_shape_dtype(headers[name])
         if dtype.name not in workers.SAFETENSORS_CODES:
             raise StructureMismatchError(
                 f"leaf {name!r} has dtype {dtype.name}, which safetensors cannot store (it stores "
                 f"{', '.join(sorted(workers.SAFETENSORS_CODES))}); cast it before exporting"
             )
-        task = workers.LoadTask(name=name, shape=shape, dtype=dtype.name, sharding=None, checksums=_pytree_load._checksums(files, name))
-        tensors.append((name[len(prefix):], task))
+        task = workers.LoadTask(
+            name=name,
+            shape=shape,
+            dtype=dtype.name,
+            sharding=None,
+            checksums=_pytree_load._checksums(files, name),
+        )
+        tensors.append((name[len(prefix) :], task))
     groups: list[list[tuple[str, workers.LoadTask]]] = []
     size = 0
     for entry in tensors:
@@ -283,12 +375,23 @@ def _plan(
     turn = itertools.cycle(list(processes))
     for k, group in enumerate(groups):
         name = f"model-{k + 1:05d}-of-{count:05d}.safetensors"
-        header = workers.safetensors_header([(t, task.dtype, task.shape, _nbytes(task)) for t, task in group], metadata)
-        by_host[next(turn)].append(workers.ExportFile(path=str(staging / name), header=header, tensors=tuple(task for _, task in group)))
+        header = workers.safetensors_header(
+            [(t, task.dtype, task.shape, _nbytes(task)) for t, task in group], metadata
+        )
+        by_host[next(turn)].append(
+            workers.ExportFile(
+                path=str(staging / name), header=header, tensors=tuple(task for _, task in group)
+            )
+        )
         weight_map.update((t, name) for t, _ in group)
     store = files.store(directory)
     plans = {
-        p: workers.ExportPlan(store=store, files=tuple(fs), fill_missing=files.fill_missing, memory_budget_bytes=options.loading.memory_budget_bytes)
+        p: workers.ExportPlan(
+            store=store,
+            files=tuple(fs),
+            fill_missing=files.fill_missing,
+            memory_budget_bytes=options.loading.memory_budget_bytes,
+        )
         for p, fs in by_host.items()
     }
     return _ExportPlanned(plans, weight_map, sum(_nbytes(task) for _, task in tensors), skipped)

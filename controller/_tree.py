@@ -127,7 +127,9 @@ def _check_part(part: str, path: tuple[str, ...]) -> None:
     where = "/".join(path) or "<root>"
     why = unsafe_part(part)
     if why == "it is empty":
-        raise InvalidKeyError(f"tree key at {where!r} is empty; empty keys cannot name a stored array. Rename the key.")
+        raise InvalidKeyError(
+            f"tree key at {where!r} is empty; empty keys cannot name a stored array. Rename the key."
+        )
     if why is not None:
         raise InvalidKeyError(
             f"tree key {part!r} at {where!r} is not safe as a storage name ({why}); rename the key, e.g. replace '/' "

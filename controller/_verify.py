@@ -58,7 +58,13 @@ class VerifyReport:
             f"{self.path}: {'sound' if self.ok else f'{len(self.problems)} problem(s)'} — {self.files_checked} files, "
             f"{self.arrays_checked} arrays, {self.chunks_checked} chunks ({self.bytes_read / 2**20:.1f} MiB) checked"
         )
-        return "\n".join([head, *(f"  problem: {p}" for p in self.problems), *(f"  note: {n}" for n in self.notes)])
+        return "\n".join(
+            [
+                head,
+                *(f"  problem: {p}" for p in self.problems),
+                *(f"  note: {n}" for n in self.notes),
+            ]
+        )
 
 
 def verify(path: str | os.PathLike[str], *, slice: Any = None) -> VerifyReport:
@@ -72,10 +78,14 @@ def verify(path: str | os.PathLike[str], *, slice: Any = None) -> VerifyReport:
     """
     options = _options.current()
     root = _paths.as_path(path)
-    group = _dispatch.check_storage(slice.group if slice is not None else _dispatch.host_group_for([]), root)
+    group = _dispatch.check_storage(
+        slice.group if slice is not None else _dispatch.host_group_for([]), root
+    )
     timeout = options.async_.timeout_secs
     with _progress.operation("verify", root, primary=group.is_primary()) as op:
-        planned = _dispatch.shared(group, f"verify-plan:{root}", lambda: _plan(root, group.processes(), options), timeout)
+        planned = _dispatch.shared(
+            group, f"verify-plan:{root}", lambda: _plan(root, group.processes(), options), timeout
+        )
         op.expect(planned.nbytes)
         acks = group.run("verify", planned.plans, timeout) if planned.plans else []
     problems = [*planned.problems, *(p for ack in acks for p in ack.problems)]
@@ -120,17 +130,23 @@ def _plan(root: Path, processes: Any, options: _options.Options) -> _Planned:
         out.problems.append(str(e))
         checksums = None
     if checksums is None:
-        out.notes.append(f"no {fmt.CHECKSUMS} (written by Orbax or an older milepost): files were checked for form only")
+        out.notes.append(
+            f"no {fmt.CHECKSUMS} (written by Orbax or an older milepost): files were checked for form only"
+        )
     else:
         for name, (size, _) in sorted(checksums.files.items()):
             out.files += 1
             try:
                 raw = (root / name).read_bytes()
             except OSError as e:
-                out.problems.append(f"{root / name} is listed in {fmt.CHECKSUMS} but cannot be read ({e})")
+                out.problems.append(
+                    f"{root / name} is listed in {fmt.CHECKSUMS} but cannot be read ({e})"
+                )
                 continue
             if not checksums.matches(name, raw):
-                out.problems.append(f"{root / name} is damaged or changed (size {len(raw)} vs {size}, or its checksums differ)")
+                out.problems.append(
+                    f"{root / name} is damaged or changed (size {len(raw)} vs {size}, or its checksums differ)"
+                )
     # The files' checksums were checked above, each once: go on with what they hold, to check
     # the arrays too.
     try:
@@ -168,7 +184,12 @@ def _plan_tree(directory: Path, processes: Any, options: _options.Options, out: 
         except (KeyError, TypeError, ValueError, IndexError) as e:
             out.problems.append(f"the header of array {name!r} in {directory} is malformed ({e})")
             continue
-        grid = [tuple(g) for g in itertools.product(*(range(math.ceil(n / c)) for n, c in zip(shape, chunk, strict=True)))]
+        grid = [
+            tuple(g)
+            for g in itertools.product(
+                *(range(math.ceil(n / c)) for n, c in zip(shape, chunk, strict=True))
+            )
+        ]
         with contextlib.suppress(KeyError, TypeError, ValueError):
             out.nbytes += math.prod(shape) * _pytree_load._header_shape_dtype(header)[1].itemsize
         if math.prod(shape) == 0:
@@ -200,7 +221,9 @@ def _plan_tree(directory: Path, processes: Any, options: _options.Options, out: 
                 store=store,
                 name=name,
                 chunks=tuple(g for g, _ in chunks),
-                expected=None if files.chunk_crc32c.get(name) is None else tuple((g, c) for g, c in chunks if c is not None),
+                expected=None
+                if files.chunk_crc32c.get(name) is None
+                else tuple((g, c) for g, c in chunks if c is not None),
                 fill_missing=files.fill_missing,
             )
             for name, chunks in by_array.items()

@@ -101,12 +101,20 @@ def totals(leaves: Sequence[Any]) -> tuple[int, int, int]:
 # ------------------------------------------------------------------------------------------
 
 
-def rich_table(columns: Sequence[str], rows: Iterable[Sequence[Any]], *, title: str | None = None, right: Sequence[str] = ("bytes",)) -> Any:
+def rich_table(
+    columns: Sequence[str],
+    rows: Iterable[Sequence[Any]],
+    *,
+    title: str | None = None,
+    right: Sequence[str] = ("bytes",),
+) -> Any:
     """A ``rich`` Table (for the terminal)."""
     from rich import box
     from rich.table import Table
 
-    table = Table(title=title, box=box.SIMPLE_HEAD, show_edge=False, title_justify="left", pad_edge=False)
+    table = Table(
+        title=title, box=box.SIMPLE_HEAD, show_edge=False, title_justify="left", pad_edge=False
+    )
     for c in columns:
         table.add_column(c, justify="right" if c in right else "left", overflow="fold")
     for row in rows:
@@ -119,13 +127,26 @@ def render_text(*renderables: Any, width: int = 160) -> str:
     from rich.console import Console
 
     out = io.StringIO()
-    console = Console(file=out, width=width, color_system=None, force_terminal=False, force_jupyter=False, soft_wrap=False)
+    console = Console(
+        file=out,
+        width=width,
+        color_system=None,
+        force_terminal=False,
+        force_jupyter=False,
+        soft_wrap=False,
+    )
     for r in renderables:
         console.print(r, highlight=False, markup=False) if isinstance(r, str) else console.print(r)
     return "\n".join(line.rstrip() for line in out.getvalue().rstrip().splitlines())
 
 
-def text_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], *, title: str | None = None, max_rows: int = MAX_ROWS) -> str:
+def text_table(
+    columns: Sequence[str],
+    rows: Sequence[Sequence[Any]],
+    *,
+    title: str | None = None,
+    max_rows: int = MAX_ROWS,
+) -> str:
     shown = list(rows[:max_rows])
     text = render_text(rich_table(columns, shown, title=title))
     if len(rows) > max_rows:

@@ -48,7 +48,9 @@ LEASE_SUFFIX = ".milepost-lease"
 log = logging.getLogger(__name__)
 
 
-def for_path(final: Path | ObjectPath, overwrite: bool, wait_secs: float, lease_secs: float) -> LocalWorkspace | ObjectWorkspace:
+def for_path(
+    final: Path | ObjectPath, overwrite: bool, wait_secs: float, lease_secs: float
+) -> LocalWorkspace | ObjectWorkspace:
     if isinstance(final, ObjectPath):
         return ObjectWorkspace(final, overwrite, wait_secs, lease_secs)
     return LocalWorkspace(final, overwrite, wait_secs)
@@ -103,7 +105,9 @@ class LocalWorkspace:
     def prepare(self, names: Iterable[str]) -> None:
         final, tmp = self.final, self.dir
         if final.parent.exists() and not final.parent.is_dir():
-            raise NotADirectoryError(f"{final.parent} is a file; a checkpoint's parent must be a directory")
+            raise NotADirectoryError(
+                f"{final.parent} is a file; a checkpoint's parent must be a directory"
+            )
         check_final(final, self.overwrite)
         final.parent.mkdir(parents=True, exist_ok=True)
         # Locked from the moment it appears; a leftover of a dead writer is removed first.
@@ -208,7 +212,9 @@ def rename_new(tmp: Path, final: Path) -> None:
             "replaced. Pass overwrite=True to replace it, or choose another path"
         ) from None
     if final.exists() or final.is_symlink():
-        raise CheckpointExistsError(f"a checkpoint appeared at {final} while this save ran; nothing was replaced")
+        raise CheckpointExistsError(
+            f"a checkpoint appeared at {final} while this save ran; nothing was replaced"
+        )
     os.rename(tmp, final)
 
 
@@ -244,7 +250,9 @@ def read_lease(path: ObjectPath) -> tuple[Lease | None, bytes | None]:
 
 
 class ObjectWorkspace:
-    def __init__(self, final: ObjectPath, overwrite: bool, wait_secs: float, lease_secs: float) -> None:
+    def __init__(
+        self, final: ObjectPath, overwrite: bool, wait_secs: float, lease_secs: float
+    ) -> None:
         self.final = final
         self.dir = final
         self.overwrite = overwrite
@@ -262,7 +270,9 @@ class ObjectWorkspace:
 
     # -- the lease ------------------------------------------------------------------------
     def _new_lease(self, save_id: str, since: float) -> bytes:
-        self.lease = Lease(socket.gethostname(), os.getpid(), save_id, since, time.time() + self.lease_secs)
+        self.lease = Lease(
+            socket.gethostname(), os.getpid(), save_id, since, time.time() + self.lease_secs
+        )
         return json.dumps(asdict(self.lease)).encode()
 
     def acquire(self) -> None:
@@ -272,7 +282,9 @@ class ObjectWorkspace:
         while True:
             current, generation = read_lease(self.lease_path)
             if current is None or current.expires < time.time():
-                got = self.lease_path.write_bytes(self._new_lease(save_id, since), if_generation=generation or NO_VALUE)
+                got = self.lease_path.write_bytes(
+                    self._new_lease(save_id, since), if_generation=generation or NO_VALUE
+                )
                 if got:  # ours; if someone else raced us to it, look again
                     self.generation = got
                     self.took_over = current is not None
@@ -303,13 +315,17 @@ class ObjectWorkspace:
                 self._renew()
             except Exception as e:  # storage unreachable: the next check reports it
                 with self._lock:
-                    self._lost = self._lost or f"its lease could not be renewed ({type(e).__name__}: {e})"
+                    self._lost = (
+                        self._lost or f"its lease could not be renewed ({type(e).__name__}: {e})"
+                    )
 
     def prepare(self, names: Iterable[str]) -> None:
         if _layout.is_committed(self.final):
             check_final(self.final, self.overwrite)
         self.acquire()
-        self._heartbeat = threading.Thread(target=self._beat, name=f"milepost-lease:{self.final.name}", daemon=True)
+        self._heartbeat = threading.Thread(
+            target=self._beat, name=f"milepost-lease:{self.final.name}", daemon=True
+        )
         self._heartbeat.start()
         try:
             # Another writer may have committed while we waited. What is there now is a committed
@@ -335,7 +351,8 @@ class ObjectWorkspace:
         with self._lock:
             if self._lost is not None:
                 raise OSError(
-                    errno.ESTALE, f"the save to {self.final} lost its ownership: {self._lost}; nothing was committed. Save again"
+                    errno.ESTALE,
+                    f"the save to {self.final} lost its ownership: {self._lost}; nothing was committed. Save again",
                 )
 
     def publish(self) -> None:

@@ -25,7 +25,9 @@ def same_bits(a: Any, b: Any) -> bool:
     width = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}.get(x.dtype.itemsize)
     if width is None or x.dtype.kind == "c":
         return x.tobytes() == y.tobytes()
-    return bool(np.array_equal(np.ascontiguousarray(x).view(width), np.ascontiguousarray(y).view(width)))
+    return bool(
+        np.array_equal(np.ascontiguousarray(x).view(width), np.ascontiguousarray(y).view(width))
+    )
 
 
 def assert_tree_equal(got: Any, want: Any, *, check_sharding: bool = True) -> None:
@@ -39,12 +41,16 @@ def assert_tree_equal(got: Any, want: Any, *, check_sharding: bool = True) -> No
             assert isinstance(g, jax.Array), f"{where}: got {type(g).__name__}, want jax.Array"
             assert same_bits(g, w), f"{where}: values differ\n got  {g}\n want {w}"
             if check_sharding:
-                assert g.sharding.is_equivalent_to(w.sharding, w.ndim), f"{where}: {g.sharding} vs {w.sharding}"
+                assert g.sharding.is_equivalent_to(w.sharding, w.ndim), (
+                    f"{where}: {g.sharding} vs {w.sharding}"
+                )
         elif isinstance(w, np.ndarray | np.generic):
             assert type(g) is type(w), f"{where}: got {type(g).__name__}, want {type(w).__name__}"
             assert same_bits(g, w), f"{where}: values differ: {g!r} vs {w!r}"
         else:
-            assert type(g) is type(w), f"{where}: got {type(g).__name__} {g!r}, want {type(w).__name__} {w!r}"
+            assert type(g) is type(w), (
+                f"{where}: got {type(g).__name__} {g!r}, want {type(w).__name__} {w!r}"
+            )
             assert g == w or (g is w), f"{where}: {g!r} != {w!r}"
 
 
@@ -56,7 +62,11 @@ def abstract_of(tree: Any) -> Any:
     """The abstract tree of ``tree``: ShapeDtypeStructs (with sharding) for jax.Arrays, the
     leaves themselves otherwise."""
     return jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x,
+        lambda x: (
+            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+            if isinstance(x, jax.Array)
+            else x
+        ),
         tree,
     )
 

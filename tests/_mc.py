@@ -39,7 +39,12 @@ class Result:
 
 
 def launch(
-    scenario: str, processes: int, devices: int, *args: str, timeout: float = 240, module: str = "tests._mc_worker"
+    scenario: str,
+    processes: int,
+    devices: int,
+    *args: str,
+    timeout: float = 240,
+    module: str = "tests._mc_worker",
 ) -> list[Result]:
     """Run ``python -m module scenario INDEX COUNT PORT *args`` in ``processes`` processes on
     localhost; each prints a JSON line last."""
@@ -47,7 +52,11 @@ def launch(
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", module, scenario, str(i), str(processes), str(port), *args],
-            cwd=ROOT, env=_subproc.env(devices), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            cwd=ROOT,
+            env=_subproc.env(devices),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for i in range(processes)
     ]

@@ -72,9 +72,15 @@ def mesh_b() -> jax.sharding.Mesh:
 
 
 def resharded_abstract(mesh: jax.sharding.Mesh) -> dict:
-    specs = {"w": P(None, mesh.axis_names[0]), "b": P(mesh.axis_names[-1]), "r": P(mesh.axis_names[0])}
-    out: dict = {k: jax.ShapeDtypeStruct(shape, np.dtype(dtype), sharding=NamedSharding(mesh, specs[k]))
-                 for k, (shape, dtype) in SHAPES.items()}
+    specs = {
+        "w": P(None, mesh.axis_names[0]),
+        "b": P(mesh.axis_names[-1]),
+        "r": P(mesh.axis_names[0]),
+    }
+    out: dict = {
+        k: jax.ShapeDtypeStruct(shape, np.dtype(dtype), sharding=NamedSharding(mesh, specs[k]))
+        for k, (shape, dtype) in SHAPES.items()
+    }
     out.update(step=0, note="", host=np.zeros(5, np.int64))
     return out
 
@@ -90,7 +96,9 @@ def outcome(fn: Callable[[], Any]) -> dict:
     return {"error": error, "seconds": round(time.monotonic() - t0, 2)}
 
 
-def inject(obj: Any, attr: str, when: Callable[..., bool], exc: BaseException) -> Callable[[], None]:
+def inject(
+    obj: Any, attr: str, when: Callable[..., bool], exc: BaseException
+) -> Callable[[], None]:
     """Make ``obj.attr`` raise ``exc`` when ``when(*args)`` holds; returns the undo."""
     real = getattr(obj, attr)
 
@@ -115,7 +123,9 @@ class FailingIterator:
 
 def load_each(out: dict, paths: list[str]) -> None:
     for path in paths:
-        out[f"checked_{os.path.basename(path)}"] = check(mp.load(path, resharded_abstract(mesh_b())))
+        out[f"checked_{os.path.basename(path)}"] = check(
+            mp.load(path, resharded_abstract(mesh_b()))
+        )
 
 
 def two_save(root: str, embedded: str) -> dict:
@@ -140,7 +150,9 @@ def two_save(root: str, embedded: str) -> dict:
     from jax._src import distributed
 
     distributed.global_state.client.wait_at_barrier("leak-check", 60_000)
-    out["leftover_keys"] = [k for k, _ in distributed.global_state.client.key_value_dir_get("milepost/")]
+    out["leftover_keys"] = [
+        k for k, _ in distributed.global_state.client.key_value_dir_get("milepost/")
+    ]
     return out
 
 
@@ -153,24 +165,34 @@ def four(root: str, embedded: str, *others: str) -> dict:
     mp.save_async(b, tree).result(120)
     out["meta_procs"] = mp.metadata(a).custom_metadata["procs"]
     out["meta_shape"] = list(mp.metadata(a).tree["w"].shape)
-    report = mp.verify(a)  # collective: every process checks its share, every process gets the report
+    report = mp.verify(
+        a
+    )  # collective: every process checks its share, every process gets the report
     out["verify"] = [report.ok, report.chunks_checked, list(report.problems)]
     want = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(11), 8)))
     keys = jax.random.wrap_key_data(
-        jax.make_array_from_callback((8, 2), NamedSharding(mesh_a(), P("data")), lambda idx: want[idx])
+        jax.make_array_from_callback(
+            (8, 2), NamedSharding(mesh_a(), P("data")), lambda idx: want[idx]
+        )
     )
     mp.save(os.path.join(root, "keys"), {"k": keys})
     back = jax.random.key_data(mp.load(os.path.join(root, "keys"))["k"])
-    out["keys"] = [str(mp.metadata(os.path.join(root, "keys")).tree["k"].dtype),
-                   all(np.array_equal(np.asarray(s.data), want[s.index]) for s in back.addressable_shards)]
+    out["keys"] = [
+        str(mp.metadata(os.path.join(root, "keys")).tree["k"].dtype),
+        all(np.array_equal(np.asarray(s.data), want[s.index]) for s in back.addressable_shards),
+    ]
     out["checked_same"] = check(mp.load(a), {k: tree[k].sharding for k in SHAPES})
     out["checked_resharded"] = check(mp.load(b, resharded_abstract(mesh_b())))
     load_each(out, [embedded, *others])
 
     # several checkpointables: a JSON one (read once, on the primary) and a zero-size array
     multi = os.path.join(root, "multi")
-    empty = jax.make_array_from_callback((0, 4), NamedSharding(mesh_a(), P()), lambda idx: np.zeros((0, 4), np.float32))
-    mp.save_checkpointables(multi, {"state": tree, "config": {"lr": 0.5, "name": "mc"}, "empty": {"z": empty}})
+    empty = jax.make_array_from_callback(
+        (0, 4), NamedSharding(mesh_a(), P()), lambda idx: np.zeros((0, 4), np.float32)
+    )
+    mp.save_checkpointables(
+        multi, {"state": tree, "config": {"lr": 0.5, "name": "mc"}, "empty": {"z": empty}}
+    )
     loaded = mp.load_checkpointables(multi)
     out["json"] = loaded["config"]
     out["empty_shape"] = list(loaded["empty"]["z"].shape)
@@ -178,7 +200,9 @@ def four(root: str, embedded: str, *others: str) -> dict:
 
     # two saves in flight at once, then consecutive saves to one path: their barriers stay apart
     handles = [mp.save_async(os.path.join(root, f"concurrent{i}"), tree) for i in range(2)]
-    out["concurrent"] = [str(h.result(120)) == os.path.join(root, f"concurrent{i}") for i, h in enumerate(handles)]
+    out["concurrent"] = [
+        str(h.result(120)) == os.path.join(root, f"concurrent{i}") for i, h in enumerate(handles)
+    ]
     for _ in range(2):
         mp.save(os.path.join(root, "again"), tree, overwrite=True)
     out["checked_again"] = check(mp.load(os.path.join(root, "again"), resharded_abstract(mesh_b())))
@@ -191,34 +215,65 @@ def four(root: str, embedded: str, *others: str) -> dict:
     # every process gets the same error, and nothing is committed
     out["exists"] = outcome(lambda: mp.save(a, tree))
     os.makedirs(os.path.join(root, "not_a_ckpt"), exist_ok=True)
-    out["not_a_ckpt"] = outcome(lambda: mp.save(os.path.join(root, "not_a_ckpt"), tree, overwrite=True))
+    out["not_a_ckpt"] = outcome(
+        lambda: mp.save(os.path.join(root, "not_a_ckpt"), tree, overwrite=True)
+    )
     out["missing"] = outcome(lambda: mp.load(os.path.join(root, "nowhere")))
     out["missing_meta"] = outcome(lambda: mp.metadata(os.path.join(root, "nowhere")))
     out["mismatch"] = outcome(lambda: mp.load(a, {"w": jax.ShapeDtypeStruct((3, 3), np.float32)}))
     failing = os.path.join(root, "stage_fails")
-    undo = inject(workers, "start_save", lambda plan, *_: INDEX == 2 and plan.store.directory.startswith(failing),
-                  RuntimeError("injected staging failure"))
+    undo = inject(
+        workers,
+        "start_save",
+        lambda plan, *_: INDEX == 2 and plan.store.directory.startswith(failing),
+        RuntimeError("injected staging failure"),
+    )
     out["stage_fails"] = outcome(lambda: mp.save(failing, tree))
     undo()
     failing = os.path.join(root, "commit_fails")
-    undo = inject(_checkpoint, "_commit", lambda tmp, final, *_: str(final) == failing, OSError("injected commit failure"))
+    undo = inject(
+        _checkpoint,
+        "_commit",
+        lambda tmp, final, *_: str(final) == failing,
+        OSError("injected commit failure"),
+    )
     out["commit_fails"] = outcome(lambda: mp.save(failing, tree))
     undo()
     # failures of the primary alone reach the others at once
     failing = os.path.join(root, "controller_stage_fails")
-    undo = inject(workers, "start_save", lambda plan, *_: plan.process_index == "controller" and plan.store.directory.startswith(failing),
-                  RuntimeError("injected controller staging failure"))
+    undo = inject(
+        workers,
+        "start_save",
+        lambda plan, *_: (
+            plan.process_index == "controller" and plan.store.directory.startswith(failing)
+        ),
+        RuntimeError("injected controller staging failure"),
+    )
     out["controller_stage_fails"] = outcome(lambda: mp.save(failing, tree))
     undo()
     failing = os.path.join(root, "controller_write_fails")
-    undo = inject(workers.PendingSave, "wait",
-                  lambda self, *_, **__: self._plan.process_index == "controller" and self._plan.store.directory.startswith(failing),
-                  OSError("injected controller write failure"))
+    undo = inject(
+        workers.PendingSave,
+        "wait",
+        lambda self, *_, **__: (
+            self._plan.process_index == "controller"
+            and self._plan.store.directory.startswith(failing)
+        ),
+        OSError("injected controller write failure"),
+    )
     out["controller_write_fails"] = outcome(lambda: mp.save(failing, tree))
     undo()
-    out["stateful_fails"] = outcome(lambda: mp.save_checkpointables(os.path.join(root, "stateful_fails"), {"state": tree, "it": FailingIterator()}))
-    undo = inject(workers, "load", lambda plan, *_: INDEX == 3 and any(t.name == "w" for t in plan.tasks),
-                  ValueError("injected read failure"))
+    out["stateful_fails"] = outcome(
+        lambda: mp.save_checkpointables(
+            os.path.join(root, "stateful_fails"), {"state": tree, "it": FailingIterator()}
+        )
+    )
+    undo = inject(
+        workers,
+        "load",
+        lambda plan, *_: INDEX == 3 and any(t.name == "w" for t in plan.tasks),
+        ValueError("injected read failure"),
+    )
     out["load_fails"] = outcome(lambda: mp.load(a, resharded_abstract(mesh_b())))
     undo()
     out["committed"] = sorted(p for p in os.listdir(root) if not p.startswith("."))
@@ -230,7 +285,9 @@ def four(root: str, embedded: str, *others: str) -> dict:
     assert isinstance(group, MultiControllerHostGroup)
     out["is_primary"] = group.is_primary()
     mp.save(os.path.join(root, "last_primary"), tree)
-    out["checked_last_primary"] = check(mp.load(os.path.join(root, "last_primary"), resharded_abstract(mesh_b())))
+    out["checked_last_primary"] = check(
+        mp.load(os.path.join(root, "last_primary"), resharded_abstract(mesh_b()))
+    )
     set_primary_process(0)
     return out
 
@@ -240,6 +297,7 @@ def die(root: str, victim: str, primary: str, timeout: str) -> dict:
     set_primary_process(int(primary))
     tree = make_tree(mesh_a())
     if INDEX == int(victim):
+
         def wait_then_die(self: Any, timeout: float | None = None) -> Any:
             print(json.dumps({"process": INDEX, "died": True}), flush=True)
             os.kill(os.getpid(), 9)
@@ -280,7 +338,9 @@ def object_store(url: str) -> dict:
         ckpt.wait()
         out["ckpt_steps"] = ckpt.steps
     with Checkpointer(f"{url}/run", read_only=True) as reader:
-        latest = reader.load_checkpointables(None, {"state": resharded_abstract(mesh_b()), "data": None})
+        latest = reader.load_checkpointables(
+            None, {"state": resharded_abstract(mesh_b()), "data": None}
+        )
         out["ckpt_latest"] = [reader.latest, latest["data"]["step"], check(latest["state"])]
     out["memory_save"] = outcome(lambda: mp.save("memory://mc/1", tree))
     out["memory_load"] = outcome(lambda: mp.load("memory://mc/1", resharded_abstract(mesh_b())))
@@ -289,7 +349,11 @@ def object_store(url: str) -> dict:
 
 
 SCENARIOS: dict[str, Callable[..., dict]] = {
-    "two_save": two_save, "four": four, "load": lambda root, *paths: _load(paths), "die": die, "absent": absent,
+    "two_save": two_save,
+    "four": four,
+    "load": lambda root, *paths: _load(paths),
+    "die": die,
+    "absent": absent,
     "object_store": object_store,
 }
 
@@ -301,7 +365,11 @@ def _load(paths: tuple[str, ...]) -> dict:
 
 
 def main() -> dict:
-    out: dict = {"process": INDEX, "global_devices": len(jax.devices()), "device_ids": [d.id for d in jax.local_devices()]}
+    out: dict = {
+        "process": INDEX,
+        "global_devices": len(jax.devices()),
+        "device_ids": [d.id for d in jax.local_devices()],
+    }
     out.update(SCENARIOS[SCENARIO](*ARGS))
     return out
 

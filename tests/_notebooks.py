@@ -30,8 +30,12 @@ def execute(name: str, cwd: Path, folder_prefix: str | None = None) -> Executed:
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
-    assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), "save the notebook without outputs"
-    client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(cwd)}})
+    assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), (
+        "save the notebook without outputs"
+    )
+    client = nbclient.NotebookClient(
+        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}
+    )
     left: list[str] = []
     written: list[str] = []
     try:

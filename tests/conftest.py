@@ -23,7 +23,9 @@ def ray_runtime():  # type: ignore[no-untyped-def]
     """One local Ray runtime for the whole session (slice tests)."""
     ray = pytest.importorskip("ray")
     if not ray.is_initialized():
-        ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False, object_store_memory=1 << 30)
+        ray.init(
+            num_cpus=16, include_dashboard=False, log_to_driver=False, object_store_memory=1 << 30
+        )
     yield ray
     ray.shutdown()
 

@@ -27,7 +27,10 @@ from tests._helpers import assert_tree_equal, gate_merge, listing, put, same_bit
 def big_state(mesh: jax.sharding.Mesh, mib: int = 32) -> dict[str, Any]:
     rows = mib * (1 << 20) // (4 * 1024) // 8
     rng = np.random.default_rng(0)
-    return {f"w{i}": put(rng.standard_normal((rows, 1024), dtype=np.float32), mesh, P("data", "model")) for i in range(8)}
+    return {
+        f"w{i}": put(rng.standard_normal((rows, 1024), dtype=np.float32), mesh, P("data", "model"))
+        for i in range(8)
+    }
 
 
 class Position:
@@ -44,19 +47,35 @@ class Position:
         self.index = json.loads((directory / "position.json").read_text())["index"]
 
 
-def test_caller_may_delete_donate_and_overwrite_after_save_async(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
+def test_caller_may_delete_donate_and_overwrite_after_save_async(
+    tmp_path: Path, mesh24: jax.sharding.Mesh
+) -> None:
     s = NamedSharding(mesh24, P("data", "model"))
     rng = np.random.default_rng(1)
     donated = jax.device_put(rng.standard_normal((512, 512), dtype=np.float32), s)
-    deleted = jax.device_put(rng.standard_normal((512, 256), dtype=np.float32), NamedSharding(mesh24, P()))
-    dropped = jax.device_put(jnp.arange(4096, dtype=jnp.bfloat16), NamedSharding(mesh24, P("model")))
+    deleted = jax.device_put(
+        rng.standard_normal((512, 256), dtype=np.float32), NamedSharding(mesh24, P())
+    )
+    dropped = jax.device_put(
+        jnp.arange(4096, dtype=jnp.bfloat16), NamedSharding(mesh24, P("model"))
+    )
     single = jax.device_put(rng.standard_normal((300,), dtype=np.float32), jax.devices()[5])
     host = rng.standard_normal((256, 256))
     ints = np.arange(1000, dtype=np.int32)
     items = [np.ones(10, np.float32)]
-    state = {"donated": donated, "deleted": deleted, "dropped": dropped, "single": single,
-             "host": host, "ints": ints, "items": items, "step": 3}
-    want = jax.tree_util.tree_map(lambda x: np.array(x) if isinstance(x, jax.Array | np.ndarray) else x, state)
+    state = {
+        "donated": donated,
+        "deleted": deleted,
+        "dropped": dropped,
+        "single": single,
+        "host": host,
+        "ints": ints,
+        "items": items,
+        "step": 3,
+    }
+    want = jax.tree_util.tree_map(
+        lambda x: np.array(x) if isinstance(x, jax.Array | np.ndarray) else x, state
+    )
     want["items"] = [np.ones(10, np.float32)]
     it = Position(100)
 
@@ -79,7 +98,9 @@ def test_caller_may_delete_donate_and_overwrite_after_save_async(tmp_path: Path,
     assert handle.result(timeout=120) == (tmp_path / "c").absolute()
     assert handle.done()
     restored = mp.load_checkpointables(tmp_path / "c", {"state": None, "data": Position()})
-    got = jax.tree_util.tree_map(lambda x: np.asarray(x) if isinstance(x, jax.Array) else x, restored["state"])
+    got = jax.tree_util.tree_map(
+        lambda x: np.asarray(x) if isinstance(x, jax.Array) else x, restored["state"]
+    )
     assert set(got) == set(want)
     for k in want:
         if isinstance(want[k], np.ndarray):
@@ -89,7 +110,9 @@ def test_caller_may_delete_donate_and_overwrite_after_save_async(tmp_path: Path,
     assert restored["data"].index == 100
 
 
-def test_save_async_of_a_large_tree_holds_call_time_values(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
+def test_save_async_of_a_large_tree_holds_call_time_values(
+    tmp_path: Path, mesh24: jax.sharding.Mesh
+) -> None:
     state = big_state(mesh24, mib=64)
     want = {k: np.asarray(v).copy() for k, v in state.items()}
     handle = mp.save_async(tmp_path / "c", state)
@@ -105,7 +128,9 @@ def test_save_async_of_a_large_tree_holds_call_time_values(tmp_path: Path, mesh2
     assert len(outs) == 8
 
 
-def test_save_async_creates_arrays_it_writes_no_chunks_of(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
+def test_save_async_creates_arrays_it_writes_no_chunks_of(
+    tmp_path: Path, mesh24: jax.sharding.Mesh
+) -> None:
     """Arrays are opened by their first write, off the caller's thread; an array with no chunks to
     write (zero-size) is still created, and a header-only array among staged ones is complete."""
     state = {
@@ -179,7 +204,11 @@ FAILURES = {
 @pytest.mark.parametrize("failure", list(FAILURES))
 @pytest.mark.parametrize("overwrite", [False, True], ids=["new", "overwrite"])
 def test_background_failure_is_reraised_and_nothing_committed(
-    tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch, failure: str, overwrite: bool
+    tmp_path: Path,
+    mesh24: jax.sharding.Mesh,
+    monkeypatch: pytest.MonkeyPatch,
+    failure: str,
+    overwrite: bool,
 ) -> None:
     inject, exc, words = FAILURES[failure]
     old = {"x": put(np.full((16, 16), 7.0, np.float32), mesh24, P("data")), "tag": "old"}
@@ -187,7 +216,10 @@ def test_background_failure_is_reraised_and_nothing_committed(
         mp.save(tmp_path / "c", old)
     before = listing(tmp_path)
     inject(monkeypatch)
-    state = {"x": put(np.arange(256, dtype=np.float32).reshape(16, 16), mesh24, P("data", "model")), "n": np.arange(5)}
+    state = {
+        "x": put(np.arange(256, dtype=np.float32).reshape(16, 16), mesh24, P("data", "model")),
+        "n": np.arange(5),
+    }
     handle = mp.save_async(tmp_path / "c", state, overwrite=overwrite)
     with pytest.raises(exc, match=words):
         handle.result(timeout=120)
@@ -202,7 +234,9 @@ def test_background_failure_is_reraised_and_nothing_committed(
     assert_tree_equal(mp.load(tmp_path / "c"), state)
 
 
-def test_failure_in_the_blocking_part_raises_at_the_call(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
+def test_failure_in_the_blocking_part_raises_at_the_call(
+    tmp_path: Path, mesh24: jax.sharding.Mesh
+) -> None:
     class Broken:
         def save(self, directory: Path) -> None:
             raise RuntimeError("iterator state is not serializable (injected)")
@@ -211,11 +245,15 @@ def test_failure_in_the_blocking_part_raises_at_the_call(tmp_path: Path, mesh24:
             raise AssertionError("never loaded")
 
     with pytest.raises(RuntimeError, match="not serializable"):
-        mp.save_checkpointables_async(tmp_path / "c", {"state": big_state(mesh24, mib=8), "data": Broken()})
+        mp.save_checkpointables_async(
+            tmp_path / "c", {"state": big_state(mesh24, mib=8), "data": Broken()}
+        )
     assert listing(tmp_path) == []
 
 
-def test_options_are_snapshotted_at_call_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_options_are_snapshotted_at_call_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     gate = threading.Event()
     real = mp.workers.merge_ocdbt
     monkeypatch.setattr(mp.workers, "merge_ocdbt", lambda d: (gate.wait(60), real(d)))
@@ -230,7 +268,10 @@ def test_options_are_snapshotted_at_call_time(tmp_path: Path, monkeypatch: pytes
 
 
 def test_concurrent_saves_to_different_paths(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
-    states = [{"x": put(np.full((64, 64), float(i), np.float32), mesh24, P("data", "model")), "i": i} for i in range(4)]
+    states = [
+        {"x": put(np.full((64, 64), float(i), np.float32), mesh24, P("data", "model")), "i": i}
+        for i in range(4)
+    ]
     handles = [mp.save_async(tmp_path / str(i), s) for i, s in enumerate(states)]
     with pytest.raises(mp.CheckpointExistsError, match="in flight|already exists"):
         mp.save_async(tmp_path / "0", states[0]).result(60)
@@ -253,17 +294,23 @@ class FailingFinish:
         raise AssertionError("never loaded")
 
 
-def test_failure_leaves_no_temporary_directory_behind_in_flight_writes(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
+def test_failure_leaves_no_temporary_directory_behind_in_flight_writes(
+    tmp_path: Path, mesh24: jax.sharding.Mesh
+) -> None:
     """Found by this test: when one checkpointable failed, the writes another had already issued
     were still in flight when the temporary directory was removed, and recreated it."""
     # The failure comes first (the background part of 'data'), while 'state' is still writing.
-    handle = mp.save_checkpointables_async(tmp_path / "bg", {"data": FailingFinish(), "state": big_state(mesh24, mib=64)})
+    handle = mp.save_checkpointables_async(
+        tmp_path / "bg", {"data": FailingFinish(), "state": big_state(mesh24, mib=64)}
+    )
     with pytest.raises(OSError, match="quota"):
         handle.result(timeout=300)
     assert listing(tmp_path) == []
     # The failure comes in the blocking part, after 'state' has issued its writes.
     with pytest.raises(mp.UnsupportedLeafError, match="'bad'"):
-        mp.save_checkpointables(tmp_path / "fg", {"state": big_state(mesh24, mib=64), "extra": {"bad": object()}})
+        mp.save_checkpointables(
+            tmp_path / "fg", {"state": big_state(mesh24, mib=64), "extra": {"bad": object()}}
+        )
     assert listing(tmp_path) == []
     mp.save(tmp_path / "ok", {"x": np.arange(3)})  # some time later, still nothing stray
     assert listing(tmp_path) == sorted(["ok", *(f"ok/{p}" for p in listing(tmp_path / "ok"))])
@@ -274,7 +321,9 @@ def test_failure_leaves_no_temporary_directory_behind_in_flight_writes(tmp_path:
 # ------------------------------------------------------------------------------------------
 
 
-def test_consecutive_saves_reuse_staging_memory_and_keep_every_checkpoint_exact(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
+def test_consecutive_saves_reuse_staging_memory_and_keep_every_checkpoint_exact(
+    tmp_path: Path, mesh24: jax.sharding.Mesh
+) -> None:
     from milepost.workers import _staging
 
     _staging.POOL.clear()
@@ -297,7 +346,9 @@ def test_consecutive_saves_reuse_staging_memory_and_keep_every_checkpoint_exact(
         m.setattr(_staging.POOL, "take", take)
         for k in (1, 2):
             mp.save_async(tmp_path / str(k), states[k]).result(60)
-    assert len(set(taken)) == len(taken) // 2, "the second and third saves copied into the same buffers"
+    assert len(set(taken)) == len(taken) // 2, (
+        "the second and third saves copied into the same buffers"
+    )
     for k, s in enumerate(states):  # reusing a buffer never changed what an earlier save wrote
         assert_tree_equal(mp.load(tmp_path / str(k)), s)
 
@@ -312,7 +363,9 @@ def test_a_buffer_still_referenced_is_not_reused_and_idle_buffers_are_freed() ->
     raws = [raw]
     del raw  # the pool's caller holds its raw buffers in a list only
     pool.give_back(raws, keep_bytes=1 << 30)
-    assert pool.pooled_bytes == 0, "a live view (as TensorStore may still hold) keeps its buffer out of the pool"
+    assert pool.pooled_bytes == 0, (
+        "a live view (as TensorStore may still hold) keeps its buffer out of the pool"
+    )
     view, raw = pool.take((256, 256), np.dtype(np.float32))
     raws = [raw]
     del raw, view

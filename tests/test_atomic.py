@@ -98,7 +98,9 @@ def run_and_kill(path: Path, point: str, mode: str, overwrite: bool) -> str:
                 proc.send_signal(signal.SIGKILL)
                 break
         else:
-            pytest.fail(f"the saver exited before {point!r} (printed {seen}): {proc.stderr.read()[-3000:]}")
+            pytest.fail(
+                f"the saver exited before {point!r} (printed {seen}): {proc.stderr.read()[-3000:]}"
+            )
         seen.extend(line.strip() for line in proc.stdout)
     finally:
         proc.kill()
@@ -112,7 +114,9 @@ def run_and_kill(path: Path, point: str, mode: str, overwrite: bool) -> str:
 
 def fingerprint(root: Path) -> dict[str, str]:
     return {
-        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        if p.is_file()
+        else "dir"
         for p in sorted(root.rglob("*"))
     }
 
@@ -145,7 +149,10 @@ SLOW_POINTS = {"ready"}
 
 @pytest.mark.parametrize(
     ("point", "mode"),
-    [pytest.param(p, m, marks=[pytest.mark.slow] if p in SLOW_POINTS else [], id=f"{p}-{m}") for p, m in KILL_POINTS],
+    [
+        pytest.param(p, m, marks=[pytest.mark.slow] if p in SLOW_POINTS else [], id=f"{p}-{m}")
+        for p, m in KILL_POINTS
+    ],
 )
 def test_sigkill_mid_save_leaves_nothing_at_the_final_path(
     tmp_path: Path, bystander: tuple[Path, dict[str, Any], dict[str, str]], point: str, mode: str
@@ -191,8 +198,13 @@ def test_sigkill_during_overwrite_keeps_old_or_new(
 # ------------------------------------------------------------------------------------------
 
 
-def test_overwrite_false_raises_and_writes_nothing(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
-    state = {"w": put(np.arange(32, dtype=np.float32).reshape(4, 8), mesh24, P("data", "model")), "step": 1}
+def test_overwrite_false_raises_and_writes_nothing(
+    tmp_path: Path, mesh24: jax.sharding.Mesh
+) -> None:
+    state = {
+        "w": put(np.arange(32, dtype=np.float32).reshape(4, 8), mesh24, P("data", "model")),
+        "step": 1,
+    }
     ckpt = mp.save(tmp_path / "c", state, custom_metadata={"v": 1})
     prints = fingerprint(tmp_path)
     for call in (
@@ -200,7 +212,9 @@ def test_overwrite_false_raises_and_writes_nothing(tmp_path: Path, mesh24: jax.s
         lambda: mp.save_async(ckpt, {"x": 2}),
         lambda: mp.save_checkpointables(ckpt, {"state": {"x": 2}, "other": {"y": 1}}),
     ):
-        with pytest.raises(mp.CheckpointExistsError, match=r"(?s)already exists.*overwrite=True") as info:
+        with pytest.raises(
+            mp.CheckpointExistsError, match=r"(?s)already exists.*overwrite=True"
+        ) as info:
             call()
         assert str(ckpt) in str(info.value) and isinstance(info.value, FileExistsError)
         assert fingerprint(tmp_path) == prints
@@ -208,10 +222,14 @@ def test_overwrite_false_raises_and_writes_nothing(tmp_path: Path, mesh24: jax.s
 
 
 def test_overwrite_true_replaces(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
-    ckpt = mp.save(tmp_path / "c", {"w": put(np.ones((8, 8), np.float32), mesh24, P("data")), "old_only": 1})
+    ckpt = mp.save(
+        tmp_path / "c", {"w": put(np.ones((8, 8), np.float32), mesh24, P("data")), "old_only": 1}
+    )
     new = {"w": put(np.full((8, 8), 2.0, np.float32), mesh24, P(None, "model")), "new_only": "yes"}
     handle = mp.save_async(ckpt, new, overwrite=True, custom_metadata={"v": 2})
-    assert_tree_equal(mp.load(ckpt)["w"], put(np.ones((8, 8), np.float32), mesh24, P("data")))  # old until committed
+    assert_tree_equal(
+        mp.load(ckpt)["w"], put(np.ones((8, 8), np.float32), mesh24, P("data"))
+    )  # old until committed
     handle.result(timeout=120)
     assert_tree_equal(mp.load(ckpt), new)
     assert mp.metadata(ckpt).custom_metadata == {"v": 2}
@@ -244,7 +262,9 @@ def test_stale_temporary_directory_is_replaced(tmp_path: Path) -> None:
     assert same_bits(mp.load(tmp_path / "c")["x"], np.arange(5))
 
 
-def test_commit_rename_failure_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_commit_rename_failure_keeps_the_previous_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """If the final rename fails, an overwritten checkpoint is put back (without an atomic swap
     the old one is first moved aside)."""
     from milepost import _workspace

@@ -15,7 +15,9 @@ from tests import _subproc
 from tests._helpers import gate_merge, listing, same_bits
 
 
-def test_done_callbacks_run_once_with_the_handle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_done_callbacks_run_once_with_the_handle(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     gate = gate_merge(monkeypatch)
     seen: list[tuple[str, bool]] = []
     called = threading.Event()
@@ -62,7 +64,9 @@ def test_done_callback_sees_a_failure(tmp_path: Path, monkeypatch: pytest.Monkey
     assert listing(tmp_path) == []
 
 
-def test_wait_for_saves_waits_for_every_save_in_flight(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_wait_for_saves_waits_for_every_save_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     gate = gate_merge(monkeypatch)
     handles = [mp.save_async(tmp_path / str(i), {"x": np.full(4, i)}) for i in range(3)]
     with pytest.raises(TimeoutError, match="3 milepost save"):
@@ -94,17 +98,23 @@ print("returned", flush=True)
 
 
 def test_interpreter_exit_waits_for_a_save_in_flight(tmp_path: Path) -> None:
-    proc = _subproc.popen(EXIT.replace("sys.argv[1], sys.argv[2]", f"{str(tmp_path / 'c')!r}, 'wait'"))
+    proc = _subproc.popen(
+        EXIT.replace("sys.argv[1], sys.argv[2]", f"{str(tmp_path / 'c')!r}, 'wait'")
+    )
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     assert "returned" in out
     assert "waiting" in err and "c" in err  # says what it waits for
     loaded = mp.load(tmp_path / "c")
-    assert same_bits(loaded["x"], np.arange(1000)) and same_bits(np.asarray(loaded["y"]), np.arange(1 << 20, dtype=np.int32))
+    assert same_bits(loaded["x"], np.arange(1000)) and same_bits(
+        np.asarray(loaded["y"]), np.arange(1 << 20, dtype=np.int32)
+    )
 
 
 def test_interpreter_exit_says_loudly_when_it_abandons_a_save(tmp_path: Path) -> None:
-    proc = _subproc.popen(EXIT.replace("sys.argv[1], sys.argv[2]", f"{str(tmp_path / 'c')!r}, 'hang'"))
+    proc = _subproc.popen(
+        EXIT.replace("sys.argv[1], sys.argv[2]", f"{str(tmp_path / 'c')!r}, 'hang'")
+    )
     out, err = proc.communicate(timeout=120)
     assert "returned" in out
     assert "abandoned the save to" in err and "nothing of it was committed" in err, err
@@ -143,7 +153,9 @@ class Recorder:
         return None
 
 
-def test_a_failed_part_settles_the_parts_after_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_part_settles_the_parts_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The tree's writes fail: the handler after it is settled, never waited for, and the
     temporary directory goes only then."""
     recorder = Recorder()
@@ -164,7 +176,9 @@ def test_a_failed_part_settles_the_parts_after_it(tmp_path: Path, monkeypatch: p
     assert (tmp_path / "c" / "extra" / "data").read_text() == "x"
 
 
-def test_a_save_to_a_path_in_flight_is_its_own_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_save_to_a_path_in_flight_is_its_own_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     gate = gate_merge(monkeypatch)
     handle = mp.save_async(tmp_path / "c", {"x": np.arange(3)})
     with pytest.raises(mp.SaveInProgressError, match="still in flight") as info:

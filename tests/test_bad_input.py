@@ -82,7 +82,9 @@ def test_paths_that_are_not_checkpoints(tmp_path: Path, saved: Path, call: str) 
 
 
 @pytest.mark.parametrize("call", ["load", "metadata"])
-@pytest.mark.parametrize("file", ["_CHECKPOINT_METADATA", "state/_METADATA", "state/_sharding", "state/_strings.json"])
+@pytest.mark.parametrize(
+    "file", ["_CHECKPOINT_METADATA", "state/_METADATA", "state/_sharding", "state/_strings.json"]
+)
 def test_truncated_metadata_files(saved: Path, file: str, call: str) -> None:
     if file == "state/_strings.json" and call == "metadata":
         pytest.skip("metadata() does not read string values")
@@ -112,7 +114,10 @@ def test_missing_metadata_files(saved: Path, file: str) -> None:
         ("state/_METADATA", "[]"),
         ("state/_METADATA", '{"tree_metadata": []}'),
         ("state/_METADATA", '{"tree_metadata": {"(\'w\',)": {}}}'),
-        ("state/_METADATA", '{"tree_metadata": {"(\'w\',)": {"key_metadata": 3, "value_metadata": {}}}}'),
+        (
+            "state/_METADATA",
+            '{"tree_metadata": {"(\'w\',)": {"key_metadata": 3, "value_metadata": {}}}}',
+        ),
         ("state/_sharding", "[]"),
         ("state/_sharding", '{"dw==": 5}'),
         ("state/_strings.json", "[]"),
@@ -149,7 +154,9 @@ def test_missing_chunk_is_an_error_not_zeros(tmp_path: Path, mesh24: jax.shardin
     one is lost data, as Orbax also treats it."""
     w = np.arange(1, 33, dtype=np.float32).reshape(4, 8)
     with mp.Context(saving=mp.SaveOptions(use_ocdbt=False)):
-        ckpt = mp.save(tmp_path / "c", {"w": put(w, mesh24, P("data", "model")), "n": np.arange(1, 5)})
+        ckpt = mp.save(
+            tmp_path / "c", {"w": put(w, mesh24, P("data", "model")), "n": np.arange(1, 5)}
+        )
     (ckpt / "state" / "w" / "c" / "1" / "3").unlink()
     with pytest.raises(ValueError, match=r"(?s)array 'w'.*missing or damaged"):
         mp.load(ckpt)
@@ -169,7 +176,9 @@ def test_abstract_tree_mismatches(saved: Path, mesh24: jax.sharding.Mesh) -> Non
 
     with pytest.raises(mp.StructureMismatchError, match=r"(?s)\['n'\].*partial=True"):
         mp.load(saved, {k: v for k, v in full.items() if k != "n"})
-    with pytest.raises(mp.StructureMismatchError, match=r"(?s)\['extra'\].*not\s+have.*PLACEHOLDER"):
+    with pytest.raises(
+        mp.StructureMismatchError, match=r"(?s)\['extra'\].*not\s+have.*PLACEHOLDER"
+    ):
         mp.load(saved, {**full, "extra": 1})
     with pytest.raises(mp.StructureMismatchError, match="not\\s+have"):
         mp.load(saved, {**full, "extra": 1}, partial=True)  # partial does not invent leaves
@@ -183,8 +192,17 @@ def test_abstract_tree_mismatches(saved: Path, mesh24: jax.sharding.Mesh) -> Non
         mp.load(saved, {**full, "step": jax.ShapeDtypeStruct((1,), np.int64, sharding=s)})
 
     # A dtype difference is a cast, not an error.
-    out = mp.load(saved, {**full, "w": jax.ShapeDtypeStruct((64, 64), jnp.bfloat16, sharding=s), "n": np.zeros(300, np.int8)})
-    assert same_bits(out["w"], np.arange(64 * 64, dtype=np.float32).reshape(64, 64).astype(jnp.bfloat16))
+    out = mp.load(
+        saved,
+        {
+            **full,
+            "w": jax.ShapeDtypeStruct((64, 64), jnp.bfloat16, sharding=s),
+            "n": np.zeros(300, np.int8),
+        },
+    )
+    assert same_bits(
+        out["w"], np.arange(64 * 64, dtype=np.float32).reshape(64, 64).astype(jnp.bfloat16)
+    )
     assert same_bits(out["n"], np.arange(300).astype(np.int8))
     assert issubclass(mp.StructureMismatchError, ValueError)
 
@@ -221,8 +239,12 @@ def test_unsupported_leaves_write_nothing(tmp_path: Path, kind: str) -> None:
     assert listing(tmp_path) == []
 
 
-@pytest.mark.parametrize("dtype", [jnp.uint4, jnp.float8_e4m3, jnp.uint2], ids=lambda d: np.dtype(d).name)
-def test_device_array_dtype_without_an_on_disk_form(tmp_path: Path, mesh24: jax.sharding.Mesh, dtype: Any) -> None:
+@pytest.mark.parametrize(
+    "dtype", [jnp.uint4, jnp.float8_e4m3, jnp.uint2], ids=lambda d: np.dtype(d).name
+)
+def test_device_array_dtype_without_an_on_disk_form(
+    tmp_path: Path, mesh24: jax.sharding.Mesh, dtype: Any
+) -> None:
     x = put(np.arange(8).astype(dtype), mesh24, P("model"))
     with pytest.raises(mp.UnsupportedLeafError, match=rf"(?s)'x'.*{np.dtype(dtype).name}"):
         mp.save(tmp_path / "c", {"ok": np.ones(3), "x": x})
@@ -242,7 +264,17 @@ def test_device_array_dtype_without_an_on_disk_form(tmp_path: Path, mesh24: jax.
         {"l": [np.ones(2)], "l.0": 3},
         {"deep": {"ok": [{"../escape": 1}]}},
     ],
-    ids=["slash", "dotdot", "dot", "empty", "backslash", "nul", "dot-collision", "list-collision", "nested-dotdot"],
+    ids=[
+        "slash",
+        "dotdot",
+        "dot",
+        "empty",
+        "backslash",
+        "nul",
+        "dot-collision",
+        "list-collision",
+        "nested-dotdot",
+    ],
 )
 def test_unsafe_keys_write_nothing(tmp_path: Path, tree: dict[str, Any]) -> None:
     with pytest.raises(mp.InvalidKeyError, match="(?i)rename") as info:
@@ -252,7 +284,9 @@ def test_unsafe_keys_write_nothing(tmp_path: Path, tree: dict[str, Any]) -> None
 
 
 @pytest.mark.parametrize("key", ["_METADATA", "_sharding", "_strings.json", "_milepost.json"])
-def test_keys_that_shadow_metadata_files_in_plain_zarr3(tmp_path: Path, mesh24: jax.sharding.Mesh, key: str) -> None:
+def test_keys_that_shadow_metadata_files_in_plain_zarr3(
+    tmp_path: Path, mesh24: jax.sharding.Mesh, key: str
+) -> None:
     """Plain zarr3 stores each array in a folder named after it: such a key would collide with a
     metadata file (found by these tests: the save died in finalize, or committed an unloadable
     checkpoint). With OCDBT the names live inside the database and are fine."""
@@ -314,7 +348,14 @@ def test_saved_sharding_on_missing_devices(tmp_path: Path, mesh24: jax.sharding.
         with pytest.raises(ValueError, match=r"(?s)'w'.*\[99\].*abstract tree"):
             mp.load(ckpt, {"w": jax.ShapeDtypeStruct(w.shape, w.dtype)})  # no sharding given either
         # With a sharding over devices that exist it loads.
-        out = mp.load(ckpt, {"w": jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=NamedSharding(mesh24, P("model")))})
+        out = mp.load(
+            ckpt,
+            {
+                "w": jax.ShapeDtypeStruct(
+                    w.shape, w.dtype, sharding=NamedSharding(mesh24, P("model"))
+                )
+            },
+        )
         assert same_bits(out["w"], w)
         # metadata() does not need the devices.
         assert 99 in mp.metadata(ckpt).tree["w"].sharding.device_ids
@@ -328,7 +369,9 @@ def test_sharding_spec_with_missing_devices_is_a_clear_error() -> None:
         mp.ShardingSpec.named((2, 2), ("a", "b"), (0, 1, 2), ("a",))
 
 
-def test_deleted_array_is_a_clear_error_and_writes_nothing(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
+def test_deleted_array_is_a_clear_error_and_writes_nothing(
+    tmp_path: Path, mesh24: jax.sharding.Mesh
+) -> None:
     """Found by this test: a deleted (donated) array failed deep in the engine with JAX's
     RuntimeError, and the TensorStore opens already in flight recreated the removed tmp dir."""
     x = put(np.arange(8.0, dtype=np.float32), mesh24, P("data"))
@@ -338,7 +381,9 @@ def test_deleted_array_is_a_clear_error_and_writes_nothing(tmp_path: Path, mesh2
     assert listing(tmp_path) == []
 
 
-def test_engine_failure_after_opens_leaves_nothing_in_flight(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
+def test_engine_failure_after_opens_leaves_nothing_in_flight(
+    tmp_path: Path, mesh24: jax.sharding.Mesh
+) -> None:
     """The worker engine itself: if staging fails, the array opens it issued have landed before
     it raises, so a caller's cleanup is final."""
     w = mp.workers
@@ -347,12 +392,16 @@ def test_engine_failure_after_opens_leaves_nothing_in_flight(tmp_path: Path, mes
     tasks = tuple(
         w.SaveTask(
             source=0,
-            spec=w.ArraySpec(name=f"a{i}", shape=(8,), dtype="float32", write_shape=(8,), chunk_shape=(8,)),
+            spec=w.ArraySpec(
+                name=f"a{i}", shape=(8,), dtype="float32", write_shape=(8,), chunk_shape=(8,)
+            ),
             regions=(w.Region(device_id=0, index=((0, 8),)),),
         )
         for i in range(64)
     )
-    plan = w.SavePlan(store=w.StoreSpec(directory=str(tmp_path / "store")), process_index=0, tasks=tasks)
+    plan = w.SavePlan(
+        store=w.StoreSpec(directory=str(tmp_path / "store")), process_index=0, tasks=tasks
+    )
     with pytest.raises(RuntimeError, match="deleted"):
         w.start_save(plan, [x])
     shutil.rmtree(tmp_path / "store", ignore_errors=True)

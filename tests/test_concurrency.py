@@ -52,7 +52,9 @@ for r in range(rounds):
 
 
 def _writer_tree(me: int) -> dict[str, Any]:
-    tree: dict[str, Any] = {f"w{i}": np.full((256, 1024), me * 1000 + i, np.float32) for i in range(8)}
+    tree: dict[str, Any] = {
+        f"w{i}": np.full((256, 1024), me * 1000 + i, np.float32) for i in range(8)
+    }
     tree["who"] = f"writer{me}"
     return tree
 
@@ -60,27 +62,39 @@ def _writer_tree(me: int) -> dict[str, Any]:
 def _start(code: str, *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(code), *args],
-        env=_subproc.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=_subproc.env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
 def _race(tmp_path: Path, rounds: int, overwrite: bool) -> list[list[str]]:
     """Two writer processes save to ``c<r>`` at the same moment, ``rounds`` times; each one's
     outcome per round."""
-    procs = [_start(WRITER, str(me), str(rounds), str(tmp_path), "1" if overwrite else "0") for me in (1, 2)]
+    procs = [
+        _start(WRITER, str(me), str(rounds), str(tmp_path), "1" if overwrite else "0")
+        for me in (1, 2)
+    ]
     outcomes: list[list[str]] = [["" for _ in range(rounds)] for _ in procs]
     try:
         for r in range(rounds):
             for proc in procs:
                 assert proc.stdout is not None
                 line = proc.stdout.readline()
-                assert line.strip() == f"ready {r}", (line, proc.stderr.read() if proc.poll() is not None else "")  # type: ignore[union-attr]
+                assert line.strip() == f"ready {r}", (
+                    line,
+                    proc.stderr.read() if proc.poll() is not None else "",
+                )  # type: ignore[union-attr]
             (tmp_path / f"go{r}").touch()
             for k, proc in enumerate(procs):
                 assert proc.stdout is not None
                 line = proc.stdout.readline()
-                assert line.startswith("outcome "), (line, proc.stderr.read() if proc.poll() is not None else "")  # type: ignore[union-attr]
-                got_round, outcome = json.loads(line[len("outcome "):])
+                assert line.startswith("outcome "), (
+                    line,
+                    proc.stderr.read() if proc.poll() is not None else "",
+                )  # type: ignore[union-attr]
+                got_round, outcome = json.loads(line[len("outcome ") :])
                 assert got_round == r
                 outcomes[k][r] = outcome
     finally:
@@ -95,15 +109,23 @@ def test_two_writers_of_one_path_never_commit_a_mix(tmp_path: Path) -> None:
     outcomes = _race(tmp_path, rounds, overwrite=False)
     for r in range(rounds):
         first, second = outcomes[0][r], outcomes[1][r]
-        assert sorted([first == "committed", second == "committed"]) == [False, True], (r, first, second)
+        assert sorted([first == "committed", second == "committed"]) == [False, True], (
+            r,
+            first,
+            second,
+        )
         loser = second if first == "committed" else first
         # Raced while the winner wrote ("is writing it now"), or after it committed ("already exists").
-        assert loser.startswith("exists: ") and ("is writing it now" in loser or "already exists" in loser), loser
+        assert loser.startswith("exists: ") and (
+            "is writing it now" in loser or "already exists" in loser
+        ), loser
         winner = 1 if first == "committed" else 2
         assert_tree_equal(mp.load(tmp_path / f"c{r}"), _writer_tree(winner))
     leftovers = [p for p in listing(tmp_path) if not p.startswith(("c", "go"))]
     assert leftovers == [], leftovers
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("c")) == [f"c{r}" for r in range(rounds)]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("c")) == [
+        f"c{r}" for r in range(rounds)
+    ]
 
 
 def test_two_overwriting_writers_leave_one_whole_checkpoint(tmp_path: Path) -> None:
@@ -113,21 +135,25 @@ def test_two_overwriting_writers_leave_one_whole_checkpoint(tmp_path: Path) -> N
         committed = [k + 1 for k in range(2) if outcomes[k][r] == "committed"]
         assert committed, (r, outcomes[0][r], outcomes[1][r])
         for k in range(2):  # whoever did not commit was told another writer was busy
-            assert outcomes[k][r] == "committed" or "is writing it now" in outcomes[k][r], outcomes[k][r]
+            assert outcomes[k][r] == "committed" or "is writing it now" in outcomes[k][r], outcomes[
+                k
+            ][r]
         restored = mp.load(tmp_path / f"c{r}")
         winner = 1 if restored["who"] == "writer1" else 2
         assert winner in committed
         assert_tree_equal(restored, _writer_tree(winner))  # all of one writer, none of the other
 
 
-def test_a_waiting_writer_goes_after_the_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_waiting_writer_goes_after_the_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """SaveOptions(wait_for_writer_secs=...) waits for the other writer instead of failing."""
     gate = gate_merge(monkeypatch)
     handle = mp.save_async(tmp_path / "c", {"x": np.arange(3)})
     code = f"""
         import numpy as np, milepost as mp
         with mp.Context(saving=mp.SaveOptions(wait_for_writer_secs=60)):
-            mp.save({str(tmp_path / 'c')!r}, {{"x": np.arange(5)}}, overwrite=True)
+            mp.save({str(tmp_path / "c")!r}, {{"x": np.arange(5)}}, overwrite=True)
         print("saved", flush=True)
     """
     other = _subproc.popen(code)
@@ -179,7 +205,10 @@ def test_a_polling_checkpointer_never_deletes_a_live_save(tmp_path: Path, read_o
                             got = watcher.load(latest)
                         except mp.CheckpointReplacedError:
                             continue
-                        assert same_bits(got["w"], np.full((512, 1024), latest, np.float32)) and got["step"] == latest
+                        assert (
+                            same_bits(got["w"], np.full((512, 1024), latest, np.float32))
+                            and got["step"] == latest
+                        )
                         seen[latest] = seen.get(latest, 0) + 1
             time.sleep(0.02)
         out, err = trainer.communicate(timeout=300)
@@ -195,7 +224,9 @@ def test_a_polling_checkpointer_never_deletes_a_live_save(tmp_path: Path, read_o
     assert not any(".orbax-checkpoint-tmp" in p or "milepost-new" in p for p in listing(root))
 
 
-def test_a_read_only_checkpointer_writes_and_deletes_nothing(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
+def test_a_read_only_checkpointer_writes_and_deletes_nothing(
+    tmp_path: Path, mesh24: jax.sharding.Mesh
+) -> None:
     from milepost.training import Checkpointer
 
     root = tmp_path / "run"
@@ -214,7 +245,9 @@ def test_a_read_only_checkpointer_writes_and_deletes_nothing(tmp_path: Path, mes
         with pytest.raises(PermissionError, match="read-only"):
             reader.delete(1)
     assert listing(root) == before
-    with Checkpointer(root) as writer:  # a writer removes what a dead save left, once it holds its lock
+    with Checkpointer(
+        root
+    ) as writer:  # a writer removes what a dead save left, once it holds its lock
         assert writer.steps == [1]
     assert not leftover.exists()
 
@@ -271,13 +304,18 @@ def _delete_tmp_when(monkeypatch: pytest.MonkeyPatch, stage: str, tmp: Path) -> 
 def test_a_save_notices_its_directory_deleted_from_outside(
     tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch, stage: str
 ) -> None:
-    state = {"x": put(np.arange(4096, dtype=np.float32).reshape(64, 64), mesh24, P("data", "model")), "n": np.arange(300)}
+    state = {
+        "x": put(np.arange(4096, dtype=np.float32).reshape(64, 64), mesh24, P("data", "model")),
+        "n": np.arange(300),
+    }
     _delete_tmp_when(monkeypatch, stage, tmp_path / "c.orbax-checkpoint-tmp")
     handle = mp.save_async(tmp_path / "c", state)
     with pytest.raises(OSError) as info:
         handle.result(timeout=120)
     assert not (tmp_path / "c").exists(), "nothing may be committed"
-    assert info.value.errno in (errno.ESTALE, errno.ENOENT) or "removed" in str(info.value), info.value
+    assert info.value.errno in (errno.ESTALE, errno.ENOENT) or "removed" in str(info.value), (
+        info.value
+    )
     monkeypatch.undo()
     mp.save(tmp_path / "c", state)  # the path is usable again
     assert_tree_equal(mp.load(tmp_path / "c"), state)
@@ -307,7 +345,9 @@ print("overwrites", n, flush=True)
 
 def test_loads_racing_overwrites_get_one_checkpoint_whole(tmp_path: Path) -> None:
     path = tmp_path / "c"
-    writer = _subproc.popen(OVERWRITER.replace("sys.argv[1], float(sys.argv[2])", f"{str(path)!r}, 8.0"))
+    writer = _subproc.popen(
+        OVERWRITER.replace("sys.argv[1], float(sys.argv[2])", f"{str(path)!r}, 8.0")
+    )
     assert writer.stdout is not None
     assert writer.stdout.readline().strip() == "ready"
     outcomes: dict[str, int] = {}
@@ -320,7 +360,9 @@ def test_loads_racing_overwrites_get_one_checkpoint_whole(tmp_path: Path) -> Non
                 continue
             k = got["k"]
             assert k in (0, 1)
-            assert same_bits(got["a"], np.full((256, 1024), k, np.float32)), "a load mixed two checkpoints"
+            assert same_bits(got["a"], np.full((256, 1024), k, np.float32)), (
+                "a load mixed two checkpoints"
+            )
             assert same_bits(got["b"], np.full((512,), k, np.int64)), "a load mixed two checkpoints"
             outcomes[f"whole {k}"] = outcomes.get(f"whole {k}", 0) + 1
         out, err = writer.communicate(timeout=120)
@@ -328,7 +370,10 @@ def test_loads_racing_overwrites_get_one_checkpoint_whole(tmp_path: Path) -> Non
         writer.kill()
     assert writer.returncode == 0, err
     overwrites = int(out.split("overwrites")[-1])
-    assert overwrites >= 5 and outcomes.get("whole 0", 0) + outcomes.get("whole 1", 0) >= 3, (overwrites, outcomes)
+    assert overwrites >= 5 and outcomes.get("whole 0", 0) + outcomes.get("whole 1", 0) >= 3, (
+        overwrites,
+        outcomes,
+    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -342,7 +387,11 @@ def small_tmpfs(tmp_path: Path) -> Any:
     mount.mkdir()
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True, text=True)
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
     yield mount
@@ -350,8 +399,12 @@ def small_tmpfs(tmp_path: Path) -> Any:
 
 
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["save", "save_async"])
-def test_a_full_disk_is_enospc_and_leaves_nothing(small_tmpfs: Path, mesh24: jax.sharding.Mesh, asynchronous: bool) -> None:
-    state = {"x": put(np.ones((1024, 2048), np.float32), mesh24, P("data", "model"))}  # 8 MiB > 4 MiB
+def test_a_full_disk_is_enospc_and_leaves_nothing(
+    small_tmpfs: Path, mesh24: jax.sharding.Mesh, asynchronous: bool
+) -> None:
+    state = {
+        "x": put(np.ones((1024, 2048), np.float32), mesh24, P("data", "model"))
+    }  # 8 MiB > 4 MiB
     with pytest.raises(OSError) as info:
         if asynchronous:
             mp.save_async(small_tmpfs / "c", state).result(120)

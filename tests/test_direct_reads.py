@@ -75,7 +75,10 @@ def test_saved_layout_is_read_directly_and_exactly(
             tuple((s.start or 0, s.stop or n) for s, n in zip(sh.index, shape, strict=True))
             for sh in state[name].addressable_shards
         }
-        expected += sum(math.prod((b - a) // w for (a, b), w in zip(box, write_shape, strict=True)) for box in boxes)
+        expected += sum(
+            math.prod((b - a) // w for (a, b), w in zip(box, write_shape, strict=True))
+            for box in boxes
+        )
     assert expected > 1 + 8 + 4 + 1 + 8  # the replicated boxes really span several shards
     assert len(direct_spy) == expected
     direct_spy.clear()
@@ -88,23 +91,36 @@ def test_resharded_boxes_read_the_chunks_they_touch_directly(
     tmp_path: Path, mesh24: jax.sharding.Mesh, direct_spy: list[str]
 ) -> None:
     x = np.arange(64 * 48, dtype=np.float32).reshape(64, 48)
-    mp.save(tmp_path / "c", {"x": put(x, mesh24, P("data", None))})  # replica-parallel: shards of 8 full rows
+    mp.save(
+        tmp_path / "c", {"x": put(x, mesh24, P("data", None))}
+    )  # replica-parallel: shards of 8 full rows
     mesh81 = jax.make_mesh((8, 1), ("rows", "cols"))
     mesh18 = jax.make_mesh((1, 8), ("rows", "cols"))
     # 8 rows x 48 columns: one shard each -> one range each
-    rows = mp.load(tmp_path / "c", {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh81, P("rows")))})
+    rows = mp.load(
+        tmp_path / "c",
+        {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh81, P("rows")))},
+    )
     assert len(direct_spy) == 8
     np.testing.assert_array_equal(np.asarray(rows["x"]), x)
     direct_spy.clear()
     # 64 rows x 6 columns: each box keeps 6 columns of all 8 shards, strided in each: every
     # chunk is read whole (checked), beside the box, and its columns copied into place
     cols = mp.load(
-        tmp_path / "c", {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh18, P(None, "cols")))}
+        tmp_path / "c",
+        {
+            "x": jax.ShapeDtypeStruct(
+                x.shape, x.dtype, sharding=NamedSharding(mesh18, P(None, "cols"))
+            )
+        },
     )
     assert sorted(direct_spy) == sorted(f"x/c/{i}/0" for i in range(8) for _ in range(8))
     np.testing.assert_array_equal(np.asarray(cols["x"]), x)
     # a cast reads the stored dtype directly and casts after
-    cast = mp.load(tmp_path / "c", {"x": jax.ShapeDtypeStruct(x.shape, np.int32, sharding=NamedSharding(mesh81, P("rows")))})
+    cast = mp.load(
+        tmp_path / "c",
+        {"x": jax.ShapeDtypeStruct(x.shape, np.int32, sharding=NamedSharding(mesh81, P("rows")))},
+    )
     np.testing.assert_array_equal(np.asarray(cast["x"]), x.astype(np.int32))
 
 
@@ -128,7 +144,9 @@ def _shard_file(root: Path) -> Path:
 def test_damaged_shard_is_an_error_on_both_paths(
     tmp_path: Path, mesh24: jax.sharding.Mesh, damage: str, direct: bool
 ) -> None:
-    state = {"w": put(np.arange(64 * 96, dtype=np.float32).reshape(64, 96), mesh24, P("data", "model"))}
+    state = {
+        "w": put(np.arange(64 * 96, dtype=np.float32).reshape(64, 96), mesh24, P("data", "model"))
+    }
     with mp.Context(saving=mp.SaveOptions(use_ocdbt=False)):
         mp.save(tmp_path / "c", state)
     shard = _shard_file(tmp_path / "c")
@@ -154,10 +172,14 @@ def test_a_missing_chunk_in_the_shard_index_falls_back(tmp_path: Path) -> None:
     file.write_bytes(payload + index + struct.pack("<I", _direct.crc32c(index)))
     reader = _direct.DirectReader()
     try:
-        value = _direct.Locator(mp.workers.StoreSpec(directory=str(tmp_path), use_ocdbt=False)).locate("shard")
+        value = _direct.Locator(
+            mp.workers.StoreSpec(directory=str(tmp_path), use_ocdbt=False)
+        ).locate("shard")
         assert value is not None and value.length == 36
         read = _direct.BoxRead(key="shard", offset_in_chunk=0, chunk_nbytes=16)
-        assert reader.read_box([value], [read], np.empty(16, np.uint8), [None]).result() is True  # fall back
+        assert (
+            reader.read_box([value], [read], np.empty(16, np.uint8), [None]).result() is True
+        )  # fall back
     finally:
         reader.close()
 
@@ -168,7 +190,10 @@ def test_a_missing_chunk_in_the_shard_index_falls_back(tmp_path: Path) -> None:
         (((0, 4), (0, 6)), [("a/c/0/0", 0, 0)]),  # a whole shard
         (((5, 7), (0, 6)), [("a/c/1/0", 4 * 1 * 6, 0)]),  # whole rows inside the second shard row
         (((2, 3), (1, 4)), [("a/c/0/0", 4 * (2 * 6 + 1), 0)]),  # part of a single row
-        (((2, 6), (0, 6)), [("a/c/0/0", 4 * 2 * 6, 0), ("a/c/1/0", 0, 4 * 2 * 6)]),  # rows across two shards
+        (
+            ((2, 6), (0, 6)),
+            [("a/c/0/0", 4 * 2 * 6, 0), ("a/c/1/0", 0, 4 * 2 * 6)],
+        ),  # rows across two shards
         # strided columns: the whole chunk is read, and the box's part placed
         (((0, 4), (0, 3)), [("a/c/0/0", 0, ((0, 4), (0, 3)))]),
         # whole shards side by side: each is strided in the box buffer, so it is placed there
@@ -178,10 +203,14 @@ def test_a_missing_chunk_in_the_shard_index_falls_back(tmp_path: Path) -> None:
     ],
 )
 def test_box_reads_find_contiguous_ranges(box: Any, expected: Any) -> None:
-    layout = _direct.ShardLayout(name="a", shard_shape=(4, 6), dtype=np.dtype(np.float32), separator="/")
+    layout = _direct.ShardLayout(
+        name="a", shard_shape=(4, 6), dtype=np.dtype(np.float32), separator="/"
+    )
     got = _direct.box_reads(layout, box)
     assert (
-        None if got is None else [(p.key, p.offset_in_chunk, p.scatter or p.offset_in_box) for p in got]
+        None
+        if got is None
+        else [(p.key, p.offset_in_chunk, p.scatter or p.offset_in_box) for p in got]
     ) == expected
 
 
@@ -196,7 +225,12 @@ def test_locator_walks_a_deep_btree(tmp_path: Path) -> None:
         }
     ).result()
     txn = ts.Transaction()
-    values = {f"{name}/c/{i}/{j}": os.urandom(7 + i * 3 + j) for name in ("aa", "ab", "b") for i in range(6) for j in range(3)}
+    values = {
+        f"{name}/c/{i}/{j}": os.urandom(7 + i * 3 + j)
+        for name in ("aa", "ab", "b")
+        for i in range(6)
+        for j in range(3)
+    }
     for key, value in values.items():
         kv.with_transaction(txn)[key] = value
     txn.commit_sync()
@@ -219,8 +253,12 @@ def _big_state(mesh: jax.sharding.Mesh) -> dict[str, Any]:
     """Shards of 1 MiB and more (the size from which read buffers are mappings of their own)."""
     rng = np.random.default_rng(11)
     return {
-        "w": put(rng.standard_normal((1024, 2048), dtype=np.float32), mesh, P("data", "model")),  # 1 MiB shards
-        "r": put(rng.integers(0, 255, (1024, 1536), dtype=np.uint8), mesh, P()),  # 1.5 MiB, replicated
+        "w": put(
+            rng.standard_normal((1024, 2048), dtype=np.float32), mesh, P("data", "model")
+        ),  # 1 MiB shards
+        "r": put(
+            rng.integers(0, 255, (1024, 1536), dtype=np.uint8), mesh, P()
+        ),  # 1.5 MiB, replicated
     }
 
 
@@ -278,7 +316,9 @@ def test_shards_side_by_side_are_read_directly_into_place(
     places it in the box; values exact, and a flipped byte in a strip is still caught."""
     from tests.test_integrity import chunk_value, flip
 
-    x = np.random.default_rng(3).standard_normal((5, 1024), dtype=np.float32)  # 5 rows: cut along columns
+    x = np.random.default_rng(3).standard_normal(
+        (5, 1024), dtype=np.float32
+    )  # 5 rows: cut along columns
     state = {"r": put(x, mesh24, P())}
     mp.save(tmp_path / "c", state)
     assert mp.metadata(tmp_path / "c").tree["r"].write_shape == (5, 128)
@@ -300,7 +340,10 @@ def test_many_small_arrays_are_read_in_batches_and_errors_stay_with_their_array(
 
     rng = np.random.default_rng(5)
     specs = [P("data", "model"), P(None, ("data", "model")), P()]
-    state = {f"a{i:02d}": put(rng.standard_normal((16, 256), dtype=np.float32), mesh24, specs[i % 3]) for i in range(30)}
+    state = {
+        f"a{i:02d}": put(rng.standard_normal((16, 256), dtype=np.float32), mesh24, specs[i % 3])
+        for i in range(30)
+    }
     mp.save(tmp_path / "c", state)
     calls: list[int] = []
     real = os.preadv
@@ -319,7 +362,9 @@ def test_many_small_arrays_are_read_in_batches_and_errors_stay_with_their_array(
 
     monkeypatch.setattr(_direct.DirectReader, "_read_batch", read_batch)
     assert_tree_equal(mp.load(tmp_path / "c", abstract_of(state)), state)
-    shards = 10 * 8 + 10 * 8 + 10 * 8  # the replicated arrays' boxes span 8 replica-parallel shards each
+    shards = (
+        10 * 8 + 10 * 8 + 10 * 8
+    )  # the replicated arrays' boxes span 8 replica-parallel shards each
     assert sum(batches) == 10 * 8 + 10 * 8 + 10 and len(batches) < 10
     assert sum(n // 2 for n in calls) == shards  # every value read once, with its index
     assert len(calls) < shards // 4, calls
@@ -345,7 +390,9 @@ def _banded(mesh: jax.sharding.Mesh, seed: int = 21) -> dict[str, Any]:
     return {"w": put(x, mesh, P("data", "model"))}
 
 
-def _save_banded(path: Path, state: dict[str, Any], *, use_ocdbt: bool = True, band: int = BAND_BYTES) -> Path:
+def _save_banded(
+    path: Path, state: dict[str, Any], *, use_ocdbt: bool = True, band: int = BAND_BYTES
+) -> Path:
     with mp.Context(saving=mp.SaveOptions(chunk_byte_size=band, use_ocdbt=use_ocdbt)):
         mp.save(path, state)
     return path
@@ -381,12 +428,17 @@ def _preadv_calls(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
 def _target(state: dict[str, Any], mesh_shape: tuple[int, int], spec: P) -> tuple[Any, Any]:
     sharding = NamedSharding(jax.make_mesh(mesh_shape, ("a", "b")), spec)
     x = np.asarray(state["w"])
-    return {"w": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)}, {"w": jax.device_put(x, sharding)}
+    return {"w": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)}, {
+        "w": jax.device_put(x, sharding)
+    }
 
 
 @pytest.mark.parametrize("use_ocdbt", [True, False], ids=["ocdbt", "zarr3"])
 def test_subchunked_shards_are_read_directly_each_in_one_preadv(
-    tmp_path: Path, mesh24: jax.sharding.Mesh, piece_spy: list[_direct.BoxRead], monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    mesh24: jax.sharding.Mesh,
+    piece_spy: list[_direct.BoxRead],
+    monkeypatch: pytest.MonkeyPatch,
     use_ocdbt: bool,
 ) -> None:
     """A box that is a saved shard of row bands: its bands lie one after another in the shard
@@ -403,9 +455,13 @@ def test_subchunked_shards_are_read_directly_each_in_one_preadv(
     )
     index = 4 * 16 + 4
     values = [c for c in calls if c[-1] == index]
-    assert sum(len(c) // 2 for c in values) == 8, calls  # each shard value once: its bands and its index
+    assert sum(len(c) // 2 for c in values) == 8, (
+        calls
+    )  # each shard value once: its bands and its index
     assert all(c == [4 * BAND_BYTES, index] * (len(c) // 2) for c in values), calls
-    assert len(calls) <= 8 + 2, calls  # (+ a couple of small reads of the controller's NumPy leaves, if any)
+    assert len(calls) <= 8 + 2, (
+        calls
+    )  # (+ a couple of small reads of the controller's NumPy leaves, if any)
 
 
 @pytest.mark.parametrize(
@@ -426,7 +482,12 @@ def test_subchunked_shards_are_read_directly_each_in_one_preadv(
     ids=["rows", "half-bands", "columns", "replicated"],
 )
 def test_subchunked_resharded_loads_read_the_bands_they_touch_directly(
-    tmp_path: Path, mesh24: jax.sharding.Mesh, piece_spy: list[_direct.BoxRead], target: Any, band: int, mode: str
+    tmp_path: Path,
+    mesh24: jax.sharding.Mesh,
+    piece_spy: list[_direct.BoxRead],
+    target: Any,
+    band: int,
+    mode: str,
 ) -> None:
     state = _banded(mesh24)
     _save_banded(tmp_path / "c", state, band=band)
@@ -440,7 +501,9 @@ def test_subchunked_resharded_loads_read_the_bands_they_touch_directly(
         # each band once per distinct box that keeps it, plus a shard index per piece (and a
         # few KiB of metadata): nothing read twice or beside the boxes
         assert sum(p.nbytes for p in piece_spy) == np.asarray(state["w"]).nbytes
-        assert read <= sum(p.nbytes for p in piece_spy) + len(piece_spy) * (4 * 16 + 4) + (64 << 10), read
+        assert read <= sum(p.nbytes for p in piece_spy) + len(piece_spy) * (4 * 16 + 4) + (
+            64 << 10
+        ), read
     elif mode == "in place, half":
         assert all(p.in_place and p.scratch == p.nbytes == BAND_BYTES for p in piece_spy)
     else:
@@ -471,19 +534,27 @@ def test_a_flipped_byte_in_one_inner_chunk_is_caught_on_the_direct_path(
     state = _banded(mesh24)
     _save_banded(tmp_path / "c", state)
     file, offset, _ = chunk_value(tmp_path / "c", "w/c/1/2")
-    flip(file, offset + 2 * BAND_BYTES + 4 * 1024 + 3, 0x40)  # shard (1, 2), its third band (inner chunk (6, 2))
+    flip(
+        file, offset + 2 * BAND_BYTES + 4 * 1024 + 3, 0x40
+    )  # shard (1, 2), its third band (inner chunk (6, 2))
     with pytest.raises(mp.CorruptCheckpointError) as info:
         _load_banded(tmp_path / "c", state, target)
     message = str(info.value)
     assert message.startswith("array 'w': chunk (6, 2)"), message
-    assert f"{file} at byte {offset + 2 * BAND_BYTES}" in message and "'w/c/1/2'" in message, message
+    assert f"{file} at byte {offset + 2 * BAND_BYTES}" in message and "'w/c/1/2'" in message, (
+        message
+    )
     assert piece_spy, "the direct path was not taken"
 
 
 @pytest.mark.parametrize("target", list(TARGETS))
 @pytest.mark.parametrize("damage", ["index", "truncated", "cut-to-index"])
 def test_a_damaged_subchunked_shard_is_an_error_on_the_direct_path(
-    tmp_path: Path, mesh24: jax.sharding.Mesh, piece_spy: list[_direct.BoxRead], target: str, damage: str
+    tmp_path: Path,
+    mesh24: jax.sharding.Mesh,
+    piece_spy: list[_direct.BoxRead],
+    target: str,
+    damage: str,
 ) -> None:
     from tests.test_integrity import chunk_value, flip, truncate
 
@@ -491,7 +562,9 @@ def test_a_damaged_subchunked_shard_is_an_error_on_the_direct_path(
     _save_banded(tmp_path / "c", state, use_ocdbt=False)
     file, offset, length = chunk_value(tmp_path / "c", "w/c/1/2")
     if damage == "index":
-        flip(file, offset + length - 20)  # inside the 4 x 16-byte index: its CRC32C no longer matches
+        flip(
+            file, offset + length - 20
+        )  # inside the 4 x 16-byte index: its CRC32C no longer matches
     elif damage == "truncated":
         truncate(file, offset + length // 2)
     else:
@@ -500,7 +573,9 @@ def test_a_damaged_subchunked_shard_is_an_error_on_the_direct_path(
         _load_banded(tmp_path / "c", state, target)
     message = str(info.value)
     assert message.startswith("array 'w'"), message
-    assert "damaged index" in message if damage == "index" else "missing or damaged" in message, message
+    assert "damaged index" in message if damage == "index" else "missing or damaged" in message, (
+        message
+    )
     assert piece_spy, "the direct path was not taken"
 
 
@@ -529,7 +604,9 @@ def test_inner_chunks_stored_out_of_order_are_found_through_the_index(
     one go: the index is checked after, and chunks stored elsewhere are read from there."""
     state = _banded(mesh24)
     _save_banded(tmp_path / "c", state, use_ocdbt=False)
-    _rewrite_shard(tmp_path / "c" / "state" / "w" / "c" / "1" / "2", 4, lambda parts: ([2, 0, 3, 1], set()))
+    _rewrite_shard(
+        tmp_path / "c" / "state" / "w" / "c" / "1" / "2", 4, lambda parts: ([2, 0, 3, 1], set())
+    )
     got, want = _load_banded(tmp_path / "c", state, target)
     assert_tree_equal(got, want)
     assert piece_spy, "the direct path was not taken"
@@ -537,7 +614,10 @@ def test_inner_chunks_stored_out_of_order_are_found_through_the_index(
 
 @pytest.mark.parametrize("target", list(TARGETS))
 def test_a_missing_inner_chunk_falls_back_to_tensorstore(
-    tmp_path: Path, mesh24: jax.sharding.Mesh, piece_spy: list[_direct.BoxRead], monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    mesh24: jax.sharding.Mesh,
+    piece_spy: list[_direct.BoxRead],
+    monkeypatch: pytest.MonkeyPatch,
     target: str,
 ) -> None:
     """A band written as missing (its values equal the fill value, in a checkpoint that says it
@@ -551,7 +631,9 @@ def test_a_missing_inner_chunk_falls_back_to_tensorstore(
     x[48:56, 2048:3072] = 0  # shard (1, 2), its third band
     state = {"w": put(x, mesh24, P("data", "model"))}
     _save_banded(tmp_path / "c", state, use_ocdbt=False)
-    _rewrite_shard(tmp_path / "c" / "state" / "w" / "c" / "1" / "2", 4, lambda parts: ([0, 1, 2, 3], {2}))
+    _rewrite_shard(
+        tmp_path / "c" / "state" / "w" / "c" / "1" / "2", 4, lambda parts: ([0, 1, 2, 3], {2})
+    )
     tree_file = tmp_path / "c" / "state" / "_METADATA"
     tree = json.loads(tree_file.read_text())
     tree["store_array_data_equal_to_fill_value"] = False
@@ -576,24 +658,55 @@ def test_a_missing_inner_chunk_falls_back_to_tensorstore(
         # a whole shard of four (1, 6) bands: each band one range of the box, in order
         (((0, 4), (0, 6)), [("a/c/0/0", k, 0, 24 * k, True) for k in range(4)]),
         # rows 2-5: the last two bands of shard 0 and the first two of shard 1
-        (((2, 6), (0, 6)), [("a/c/0/0", 2, 0, 0, True), ("a/c/0/0", 3, 0, 24, True), ("a/c/1/0", 0, 0, 48, True), ("a/c/1/0", 1, 0, 72, True)]),
+        (
+            ((2, 6), (0, 6)),
+            [
+                ("a/c/0/0", 2, 0, 0, True),
+                ("a/c/0/0", 3, 0, 24, True),
+                ("a/c/1/0", 0, 0, 48, True),
+                ("a/c/1/0", 1, 0, 72, True),
+            ],
+        ),
         # columns 0-2 of rows 0-1: strided in each band, read whole and placed (runs too short: beside the box)
-        (((0, 2), (0, 3)), [("a/c/0/0", 0, 0, ((0, 1), (0, 3)), False), ("a/c/0/0", 1, 0, ((1, 2), (0, 3)), False)]),
+        (
+            ((0, 2), (0, 3)),
+            [
+                ("a/c/0/0", 0, 0, ((0, 1), (0, 3)), False),
+                ("a/c/0/0", 1, 0, ((1, 2), (0, 3)), False),
+            ],
+        ),
     ],
 )
 def test_box_reads_of_subchunked_shards(box: Any, expected: Any) -> None:
     layout = _direct.ShardLayout(
-        name="a", shard_shape=(4, 6), dtype=np.dtype(np.float32), separator="/", chunk_shape=(1, 6), shape=(8, 12)
+        name="a",
+        shard_shape=(4, 6),
+        dtype=np.dtype(np.float32),
+        separator="/",
+        chunk_shape=(1, 6),
+        shape=(8, 12),
     )
     got = _direct.box_reads(layout, box, whole_chunks=True)
     assert got is not None
-    assert [(p.key, p.chunk, p.offset_in_chunk, p.scatter or p.offset_in_box, p.scatter is None) for p in got] == expected
+    assert [
+        (p.key, p.chunk, p.offset_in_chunk, p.scatter or p.offset_in_box, p.scatter is None)
+        for p in got
+    ] == expected
     assert all(p.whole and p.chunks == 4 for p in got)
     # without checksums to check, a piece reads only what it keeps when that is one range
     partial = _direct.box_reads(layout, ((0, 1), (2, 5)), whole_chunks=False)
-    assert partial is not None and [(p.offset_in_chunk, p.nbytes, p.whole) for p in partial] == [(8, 12, False)]
+    assert partial is not None and [(p.offset_in_chunk, p.nbytes, p.whole) for p in partial] == [
+        (8, 12, False)
+    ]
     # with them, a chunk reaching past the array's edge (stored padding, unchecked) is not read directly
-    edge = _direct.ShardLayout(name="a", shard_shape=(4, 6), dtype=np.dtype(np.float32), separator="/", chunk_shape=(2, 6), shape=(7, 6))
+    edge = _direct.ShardLayout(
+        name="a",
+        shard_shape=(4, 6),
+        dtype=np.dtype(np.float32),
+        separator="/",
+        chunk_shape=(2, 6),
+        shape=(7, 6),
+    )
     assert _direct.box_reads(edge, ((6, 7), (0, 6)), whole_chunks=True) is None
 
 
@@ -606,8 +719,15 @@ def test_loads_of_large_boxes_read_in_large_batches_exactly_and_catch_damage(
     from tests.test_integrity import chunk_value, flip
 
     rng = np.random.default_rng(11)
-    state = {f"w{i}": put(rng.standard_normal((1024, 2048), dtype=np.float32), mesh24, P("data", "model")) for i in range(4)}
-    with mp.Context(saving=mp.SaveOptions(ocdbt_writers_per_host=1)):  # one database: values back to back
+    state = {
+        f"w{i}": put(
+            rng.standard_normal((1024, 2048), dtype=np.float32), mesh24, P("data", "model")
+        )
+        for i in range(4)
+    }
+    with mp.Context(
+        saving=mp.SaveOptions(ocdbt_writers_per_host=1)
+    ):  # one database: values back to back
         mp.save(tmp_path / "c", state)
     readers: list[_direct.DirectReader] = []
     real_init = _direct.DirectReader.__init__
@@ -621,8 +741,13 @@ def test_loads_of_large_boxes_read_in_large_batches_exactly_and_catch_damage(
     assert_tree_equal(mp.load(tmp_path / "c", abstract_of(state)), state)
     got = mp.io_stats() - before
     (reader,) = readers
-    assert reader._batch_bytes > _direct._BATCH_BYTES[0] and reader._pool._max_workers > _direct._READ_THREADS
-    assert got.read_requests < 32, f"{got.read_requests} reads for 32 shards: none were read together"
+    assert (
+        reader._batch_bytes > _direct._BATCH_BYTES[0]
+        and reader._pool._max_workers > _direct._READ_THREADS
+    )
+    assert got.read_requests < 32, (
+        f"{got.read_requests} reads for 32 shards: none were read together"
+    )
     file, offset, length = chunk_value(tmp_path / "c", "w2/c/1/3")
     flip(file, offset + length // 3)
     with pytest.raises(mp.CorruptCheckpointError, match="array 'w2'"):
@@ -633,7 +758,15 @@ def test_value_paths_are_percent_decoded_before_the_containment_check(tmp_path: 
     """TensorStore's B-tree dump percent-encodes file names: the direct reader opens the file
     TensorStore would open (``d/a:b``, not ``d/a%3Ab``), and checks the decoded path."""
     value = _direct._parse_value(str(tmp_path), "value:d/:a%3Ab%25:7:9")
-    assert value is not None and value.path == os.path.join(str(tmp_path), "d/a:b%") and (value.offset, value.length) == (7, 9)
-    for crafted in ("value:d/:%2E%2E/%2E%2E/etc/passwd:0:1", "value:%2Fetc/:passwd:0:1", "value:d/:a%00b:0:1"):
+    assert (
+        value is not None
+        and value.path == os.path.join(str(tmp_path), "d/a:b%")
+        and (value.offset, value.length) == (7, 9)
+    )
+    for crafted in (
+        "value:d/:%2E%2E/%2E%2E/etc/passwd:0:1",
+        "value:%2Fetc/:passwd:0:1",
+        "value:d/:a%00b:0:1",
+    ):
         with pytest.raises(mp.CorruptCheckpointError, match="outside the checkpoint"):
             _direct._parse_value(str(tmp_path), crafted)

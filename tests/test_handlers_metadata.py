@@ -30,10 +30,16 @@ def metadata_state(mesh: jax.sharding.Mesh) -> dict[str, Any]:
     return {
         "params": {
             "w": put(rng.standard_normal((64, 128), dtype=np.float32), mesh, P("data", "model")),
-            "emb": put(jnp.asarray(rng.standard_normal((32, 64)), dtype=jnp.bfloat16), mesh, P(None, "model")),
+            "emb": put(
+                jnp.asarray(rng.standard_normal((32, 64)), dtype=jnp.bfloat16),
+                mesh,
+                P(None, "model"),
+            ),
             "b": put(rng.standard_normal((128,), dtype=np.float32), mesh, P()),
             "odd": put(rng.standard_normal((3, 5), dtype=np.float32), mesh, P()),
-            "dev": jax.device_put(rng.standard_normal((40, 40), dtype=np.float32), jax.devices()[4]),
+            "dev": jax.device_put(
+                rng.standard_normal((40, 40), dtype=np.float32), jax.devices()[4]
+            ),
         },
         "host": rng.standard_normal((50, 20)).astype(np.float16),
         "step": 1234,
@@ -50,7 +56,13 @@ def test_metadata_reports_everything_without_reading_array_data(
     tmp_path: Path, mesh24: jax.sharding.Mesh, use_ocdbt: bool
 ) -> None:
     state = metadata_state(mesh24)
-    custom = {"run": {"name": "r1", "seed": 3}, "tags": ["a", "b"], "lr": 0.1, "ok": True, "none": None}
+    custom = {
+        "run": {"name": "r1", "seed": 3},
+        "tags": ["a", "b"],
+        "lr": 0.1,
+        "ok": True,
+        "none": None,
+    }
     before = time.time_ns()
     with mp.Context(saving=mp.SaveOptions(use_ocdbt=use_ocdbt, chunk_byte_size=2048)):
         ckpt = mp.save(tmp_path / "c", state, custom_metadata=custom)
@@ -69,11 +81,18 @@ def test_metadata_reports_everything_without_reading_array_data(
     tree = meta.tree
     w = tree["params"]["w"]
     assert isinstance(w, mp.LeafMetadata)
-    assert (w.name, w.value_type, w.shape, w.dtype) == ("params.w", "jax.Array", (64, 128), np.dtype(np.float32))
+    assert (w.name, w.value_type, w.shape, w.dtype) == (
+        "params.w",
+        "jax.Array",
+        (64, 128),
+        np.dtype(np.float32),
+    )
     assert w.sharding == mp.ShardingSpec.from_jax(state["params"]["w"].sharding)
     assert w.sharding.to_jax() == state["params"]["w"].sharding
     assert w.write_shape == (32, 32)  # the shard shape
-    assert w.chunk_shape == (16, 32) and 16 * 32 * 4 <= 2048  # cut to chunk_byte_size: bands of whole rows
+    assert (
+        w.chunk_shape == (16, 32) and 16 * 32 * 4 <= 2048
+    )  # cut to chunk_byte_size: bands of whole rows
 
     emb = tree["params"]["emb"]
     assert emb.dtype == jnp.bfloat16 and emb.shape == (32, 64)
@@ -85,8 +104,17 @@ def test_metadata_reports_everything_without_reading_array_data(
     assert dev.chunk_shape is not None and int(np.prod(dev.chunk_shape)) * 4 <= 2048
 
     host = tree["host"]
-    assert (host.value_type, host.shape, host.dtype, host.sharding) == ("np.ndarray", (50, 20), np.dtype(np.float16), None)
-    assert (tree["step"].value_type, tree["step"].shape, tree["step"].dtype) == ("scalar", (), np.dtype(np.int64))
+    assert (host.value_type, host.shape, host.dtype, host.sharding) == (
+        "np.ndarray",
+        (50, 20),
+        np.dtype(np.float16),
+        None,
+    )
+    assert (tree["step"].value_type, tree["step"].shape, tree["step"].dtype) == (
+        "scalar",
+        (),
+        np.dtype(np.int64),
+    )
     assert tree["lr"].dtype == np.float32
     assert tree["run"].value_type == "string" and tree["run"].shape is None
     assert tree["none"] is None and tree["empty"] == {}
@@ -107,7 +135,9 @@ def test_metadata_of_several_checkpointables(tmp_path: Path, mesh24: jax.shardin
     params = {"w": put(np.ones((8, 8), np.float32), mesh24, P("data"))}
     with mp.Context(handlers=[(mp.JsonHandler(), "config")]):
         ckpt = mp.save_checkpointables(
-            tmp_path / "c", {"params": params, "config": {"lr": 0.5}, "data": Position(3)}, metrics={"loss": 1.5}
+            tmp_path / "c",
+            {"params": params, "config": {"lr": 0.5}, "data": Position(3)},
+            metrics={"loss": 1.5},
         )
     meta = mp.metadata(ckpt)
     assert set(meta.checkpointables) == {"params", "config", "data"}
@@ -158,7 +188,9 @@ def test_stateful_checkpointable_round_trip(tmp_path: Path, mesh24: jax.sharding
     assert isinstance(it, mp.StatefulCheckpointable)
     state = {"w": put(np.arange(64, dtype=np.float32).reshape(8, 8), mesh24, P("data"))}
     handle = mp.save_checkpointables_async(tmp_path / "c", {"state": state, "dataset": it})
-    expected_next = [next(it) for _ in range(3)]  # the caller goes on; the checkpoint must not see it
+    expected_next = [
+        next(it) for _ in range(3)
+    ]  # the caller goes on; the checkpoint must not see it
     handle.result(timeout=60)
     assert (tmp_path / "c" / "dataset" / "position.json").exists()
 
@@ -193,13 +225,22 @@ def test_stateful_save_may_write_synchronously(tmp_path: Path) -> None:
 # JSON handler
 # ------------------------------------------------------------------------------------------
 
-CONFIG = {"lr": 0.001, "layers": [64, 64, 10], "name": "mlp ✓", "dropout": None, "flags": {"bf16": True}, "eps": 1e-8}
+CONFIG = {
+    "lr": 0.001,
+    "layers": [64, 64, 10],
+    "name": "mlp ✓",
+    "dropout": None,
+    "flags": {"bf16": True},
+    "eps": 1e-8,
+}
 
 
 def test_json_handler_per_context(tmp_path: Path) -> None:
     config = json.loads(json.dumps(CONFIG))
     with mp.Context(handlers=[(mp.JsonHandler(), "config")]):
-        handle = mp.save_checkpointables_async(tmp_path / "c", {"config": config, "state": {"step": 3}})
+        handle = mp.save_checkpointables_async(
+            tmp_path / "c", {"config": config, "state": {"step": 3}}
+        )
         config["lr"] = 1.0  # mutated after the call: not in the checkpoint
         config["layers"].append(1)
         handle.result(timeout=60)
@@ -207,7 +248,9 @@ def test_json_handler_per_context(tmp_path: Path) -> None:
     assert json.loads((ckpt / "config" / "data.json").read_text()) == CONFIG
     meta = json.loads((ckpt / "_CHECKPOINT_METADATA").read_text())
     assert meta["item_handlers"]["config"].endswith("JsonHandler")
-    assert meta["item_handlers"]["state"].endswith("PyTreeHandler")  # name-scoped: 'state' is a PyTree
+    assert meta["item_handlers"]["state"].endswith(
+        "PyTreeHandler"
+    )  # name-scoped: 'state' is a PyTree
     assert (ckpt / "state" / "_METADATA").exists()
     # Loading needs no registration: the recorded handler is a built-in.
     out = mp.load_checkpointables(ckpt)
@@ -314,7 +357,9 @@ def test_handler_resolution_order(tmp_path: Path) -> None:
         _handlers._registry.remove((global_handler, None))
     assert global_handler.saved == ["v"] and context_handler.saved == ["v", "v"]
     for name, tag in (("g", "global"), ("c", "context"), ("n", "context")):
-        item = json.loads((tmp_path / name / "_CHECKPOINT_METADATA").read_text())["item_handlers"]["v"]
+        item = json.loads((tmp_path / name / "_CHECKPOINT_METADATA").read_text())["item_handlers"][
+            "v"
+        ]
         assert item == f"tests.Tagged.{tag}"
     with pytest.raises(TypeError, match="not a CheckpointableHandler"):
         mp.register_handler(object())  # type: ignore[arg-type]

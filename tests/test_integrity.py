@@ -45,7 +45,8 @@ def make_state(mesh: jax.sharding.Mesh, offset: int = 0) -> dict[str, Any]:
     w = rng.standard_normal((64, 128), dtype=np.float32) + np.float32(offset)
     return {
         "w": put(w, mesh, P("data", "model")),  # 8 shards of 32 x 32 float32 (4 KiB each)
-        "host": rng.integers(-(2**30), 2**30, size=2048, dtype=np.int32) + np.int32(offset),  # the controller's
+        "host": rng.integers(-(2**30), 2**30, size=2048, dtype=np.int32)
+        + np.int32(offset),  # the controller's
         "step": 7 + offset,
         "lr": np.float32(0.25),
         "tag": "integrity-check",
@@ -95,7 +96,9 @@ def _find_value(kv: Any, location: str, prefix: bytes, key: bytes) -> str | None
     node = ts.ocdbt.dump(kv, location).result()
     for entry in node["entries"]:
         if "location" in entry:
-            found = _find_value(kv, entry["location"], prefix + entry.get("subtree_common_prefix", b""), key)
+            found = _find_value(
+                kv, entry["location"], prefix + entry.get("subtree_common_prefix", b""), key
+            )
             if found is not None:
                 return found
         elif prefix + entry["key"] == key:
@@ -107,7 +110,9 @@ def problems(report: mp.VerifyReport) -> str:
     return "\n".join(report.problems)
 
 
-def assert_refused_or_exact(load: Callable[[], Any], want: Any, damaged: str) -> BaseException | None:
+def assert_refused_or_exact(
+    load: Callable[[], Any], want: Any, damaged: str
+) -> BaseException | None:
     """The property: ``load()`` raises a clear error naming the damaged file, or returns ``want``
     exactly (same values, types and strings). Returns the error, if any."""
     try:
@@ -115,7 +120,9 @@ def assert_refused_or_exact(load: Callable[[], Any], want: Any, damaged: str) ->
     except (ValueError, OSError) as e:
         # Damage is a CorruptCheckpointError (a ValueError) or an OSError (a file gone); a
         # plain ValueError would be a failure nobody named (TensorStore's own words).
-        assert isinstance(e, mp.CorruptCheckpointError | OSError), f"{type(e).__name__} is not CorruptCheckpointError: {e}"
+        assert isinstance(e, mp.CorruptCheckpointError | OSError), (
+            f"{type(e).__name__} is not CorruptCheckpointError: {e}"
+        )
         assert damaged in str(e), f"the error does not name {damaged}: {type(e).__name__}: {e}"
         return e
     assert_tree_equal(got, want)
@@ -123,7 +130,9 @@ def assert_refused_or_exact(load: Callable[[], Any], want: Any, damaged: str) ->
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory, mesh24: jax.sharding.Mesh) -> dict[str, tuple[Path, Any]]:
+def saved(
+    tmp_path_factory: pytest.TempPathFactory, mesh24: jax.sharding.Mesh
+) -> dict[str, tuple[Path, Any]]:
     """One pristine checkpoint per layout; tests damage copies."""
     root = tmp_path_factory.mktemp("pristine")
     state = make_state(mesh24)
@@ -149,7 +158,9 @@ def test_flipped_byte_in_a_chunk_is_caught(
     base, state = saved[layout]
     ckpt = copy_of(base, tmp_path / "c")
     file, offset, length = chunk_value(ckpt, "w/c/1/2")
-    flip(file, offset + length // 2)  # the middle of the shard's encoded values (its index is at the end)
+    flip(
+        file, offset + length // 2
+    )  # the middle of the shard's encoded values (its index is at the end)
     for budget in (128 << 20, 1):  # many reads in flight, or one at a time
         with mp.Context(loading=mp.LoadOptions(direct_reads=direct, memory_budget_bytes=budget)):
             with pytest.raises(mp.CorruptCheckpointError) as info:
@@ -157,9 +168,14 @@ def test_flipped_byte_in_a_chunk_is_caught(
         message = str(info.value)
         assert "array 'w'" in message and "chunk" in message, message
         assert str(ckpt / "state") in message, message
-        if direct and layout in ("ocdbt", "zarr3"):  # read straight from the file: named with the offset
+        if direct and layout in (
+            "ocdbt",
+            "zarr3",
+        ):  # read straight from the file: named with the offset
             assert f"{file} at byte {offset}" in message, message
-        elif layout != "subchunked":  # (subchunked: see test_subchunked_damage_names_the_damaged_shard)
+        elif (
+            layout != "subchunked"
+        ):  # (subchunked: see test_subchunked_damage_names_the_damaged_shard)
             assert "'w/c/1/2'" in message, message
     with reading(direct):  # the rest of the checkpoint is still readable, exactly
         rest = mp.load(ckpt, {"host": np.zeros(2048, np.int32), "step": 0, "tag": ""}, partial=True)
@@ -200,7 +216,10 @@ def test_deleted_chunk_is_not_zeros_even_if_the_metadata_says_fill_values(
     (ckpt / "state" / "w" / "c" / "1" / "2").unlink()
     reseal(ckpt)
     for direct in (True, False):
-        with reading(direct), pytest.raises(mp.CorruptCheckpointError, match=r"array 'w': chunk \(1, 2\)"):
+        with (
+            reading(direct),
+            pytest.raises(mp.CorruptCheckpointError, match=r"array 'w': chunk \(1, 2\)"),
+        ):
             mp.load(ckpt, abstract_of(state))
     assert not mp.verify(ckpt).ok
 
@@ -245,10 +264,15 @@ def test_flipped_byte_is_caught_on_a_resharded_load(
     base, state = saved[layout]
     mesh_shape, spec = RESHARDINGS[resharding]
     sharding = NamedSharding(jax.make_mesh(mesh_shape, ("a", "b")), spec)
-    abstract = {**abstract_of(state), "w": jax.ShapeDtypeStruct((64, 128), np.float32, sharding=sharding)}
+    abstract = {
+        **abstract_of(state),
+        "w": jax.ShapeDtypeStruct((64, 128), np.float32, sharding=sharding),
+    }
     want = {**state, "w": jax.device_put(np.asarray(state["w"]), sharding)}
     with reading(direct):
-        assert_tree_equal(mp.load(base, abstract), want)  # the undamaged checkpoint reshards exactly
+        assert_tree_equal(
+            mp.load(base, abstract), want
+        )  # the undamaged checkpoint reshards exactly
     ckpt = copy_of(base, tmp_path / "c")
     file, offset, _ = chunk_value(ckpt, "w/c/0/1")
     flip(file, offset + 5, 0x40)  # an exponent bit of the chunk's second float
@@ -259,19 +283,26 @@ def test_flipped_byte_is_caught_on_a_resharded_load(
     assert not report.ok and "'w'" in problems(report), report
 
 
-def test_a_cast_does_not_hide_damage(saved: dict[str, tuple[Path, Any]], tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
+def test_a_cast_does_not_hide_damage(
+    saved: dict[str, tuple[Path, Any]], tmp_path: Path, mesh24: jax.sharding.Mesh
+) -> None:
     """The checksum is of the stored values: checked before the cast to the abstract dtype."""
     base, state = saved["ocdbt"]
     ckpt = copy_of(base, tmp_path / "c")
     file, offset, _ = chunk_value(ckpt, "w/c/0/0")
     flip(file, offset)  # the lowest mantissa bit of w[0, 0]: invisible after a cast to bfloat16
-    abstract = {**abstract_of(state), "w": jax.ShapeDtypeStruct((64, 128), jax.numpy.bfloat16, sharding=state["w"].sharding)}
+    abstract = {
+        **abstract_of(state),
+        "w": jax.ShapeDtypeStruct((64, 128), jax.numpy.bfloat16, sharding=state["w"].sharding),
+    }
     for direct in (True, False):
         with reading(direct), pytest.raises(mp.CorruptCheckpointError, match="array 'w'"):
             mp.load(ckpt, abstract)
 
 
-def test_zstd_frame_damage_names_the_array_and_the_chunk(saved: dict[str, tuple[Path, Any]], tmp_path: Path) -> None:
+def test_zstd_frame_damage_names_the_array_and_the_chunk(
+    saved: dict[str, tuple[Path, Any]], tmp_path: Path
+) -> None:
     """Damage that the decompressor itself rejects (the frame header) fails in TensorStore, before
     any checksum: the error still names the array and the stored chunk's key."""
     base, state = saved["zstd"]
@@ -285,7 +316,9 @@ def test_zstd_frame_damage_names_the_array_and_the_chunk(saved: dict[str, tuple[
     assert not mp.verify(ckpt).ok
 
 
-def test_subchunked_damage_names_the_damaged_shard(saved: dict[str, tuple[Path, Any]], tmp_path: Path) -> None:
+def test_subchunked_damage_names_the_damaged_shard(
+    saved: dict[str, tuple[Path, Any]], tmp_path: Path
+) -> None:
     base, state = saved["subchunked"]
     ckpt = copy_of(base, tmp_path / "c")
     file, offset, _ = chunk_value(ckpt, "w/c/1/2")
@@ -335,7 +368,9 @@ def test_swapped_ocdbt_data_files_are_refused(tmp_path: Path, direct: bool) -> N
     fx, x_offset, x_length = chunk_value(ckpt, "x/c/0/0")
     fy, y_offset, y_length = chunk_value(ckpt, "y/c/0/0")
     assert fx.parent.parent != fy.parent.parent, "x and y should be in different writer databases"
-    assert (x_offset, x_length) == (y_offset, y_length) == (0, 16 * 128 * 4 + 20)  # values, index, CRC
+    assert (
+        (x_offset, x_length) == (y_offset, y_length) == (0, 16 * 128 * 4 + 20)
+    )  # values, index, CRC
     # After the value, each data file holds its writer's own B-tree node (compressed, not used by
     # the merged root view, a byte or two longer or shorter as its keys compress). Pad the shorter
     # one past its end, where nothing points, so that the swap exchanges two files of the same
@@ -347,7 +382,9 @@ def test_swapped_ocdbt_data_files_are_refused(tmp_path: Path, direct: bool) -> N
     swap(fx, fy)
     with reading(direct), pytest.raises(mp.CorruptCheckpointError) as info:
         mp.load(ckpt, abstract_of(state))
-    assert "chunk" in str(info.value) and ("array 'x'" in str(info.value) or "array 'y'" in str(info.value))
+    assert "chunk" in str(info.value) and (
+        "array 'x'" in str(info.value) or "array 'y'" in str(info.value)
+    )
     for name in ("x", "y"):  # each alone is refused too, never returned with the other's values
         with reading(direct), pytest.raises(mp.CorruptCheckpointError, match=f"array '{name}'"):
             mp.load(ckpt, {name: abstract_of(state)[name]}, partial=True)
@@ -357,7 +394,9 @@ def test_swapped_ocdbt_data_files_are_refused(tmp_path: Path, direct: bool) -> N
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "tensorstore"])
 @pytest.mark.parametrize(
-    ("a", "b"), [("x/c/0/0", "y/c/0/0"), ("x/c/0/0", "x/c/0/1"), ("x/c/0/0", "x/c/1/0")], ids=["x-y", "x-row", "x-col"]
+    ("a", "b"),
+    [("x/c/0/0", "y/c/0/0"), ("x/c/0/0", "x/c/0/1"), ("x/c/0/0", "x/c/1/0")],
+    ids=["x-y", "x-row", "x-col"],
 )
 def test_swapped_zarr3_chunk_files_are_refused(
     tmp_path: Path, mesh24: jax.sharding.Mesh, direct: bool, a: str, b: str
@@ -371,7 +410,9 @@ def test_swapped_zarr3_chunk_files_are_refused(
     with reading(direct), pytest.raises(mp.CorruptCheckpointError) as info:
         mp.load(ckpt, abstract_of(state))
     message = str(info.value)
-    assert "chunk" in message and (f"array '{a[0]}'" in message or f"array '{b[0]}'" in message), message
+    assert "chunk" in message and (f"array '{a[0]}'" in message or f"array '{b[0]}'" in message), (
+        message
+    )
     assert not mp.verify(ckpt).ok
 
 
@@ -407,11 +448,15 @@ def flip_positions(data: bytes, needle: str | None) -> list[int]:
     if needle is not None:
         at = data.find(needle.encode())
         assert at >= 0, f"{needle!r} not found"
-        positions.append(at + len(needle) // 2)  # a letter: mask 0x20 flips its case, the JSON stays valid
+        positions.append(
+            at + len(needle) // 2
+        )  # a letter: mask 0x20 flips its case, the JSON stays valid
     return positions
 
 
-@pytest.mark.parametrize(("layout", "file", "needle"), SMALL_FILES, ids=[f"{lay}:{f}" for lay, f, _ in SMALL_FILES])
+@pytest.mark.parametrize(
+    ("layout", "file", "needle"), SMALL_FILES, ids=[f"{lay}:{f}" for lay, f, _ in SMALL_FILES]
+)
 def test_flipped_metadata_byte_never_gives_wrong_data(
     saved: dict[str, tuple[Path, Any]], tmp_path: Path, layout: str, file: str, needle: str | None
 ) -> None:
@@ -437,10 +482,13 @@ def test_flipped_metadata_byte_never_gives_wrong_data(
         else:
             assert got.tree == meta.tree, where
             assert (got.item_handlers, got.custom_metadata, got.metrics) == (
-                meta.item_handlers, meta.custom_metadata, meta.metrics,
+                meta.item_handlers,
+                meta.custom_metadata,
+                meta.metrics,
             ), where
             assert (got.init_timestamp_nsecs, got.commit_timestamp_nsecs) == (
-                meta.init_timestamp_nsecs, meta.commit_timestamp_nsecs,
+                meta.init_timestamp_nsecs,
+                meta.commit_timestamp_nsecs,
             ), where
         report = mp.verify(ckpt)
         assert not report.ok, f"{where}: verify found nothing"
@@ -448,10 +496,16 @@ def test_flipped_metadata_byte_never_gives_wrong_data(
         shutil.rmtree(ckpt)
 
 
-JSON_READ_BY_LOAD = [c for c in SMALL_FILES if c[1] not in NOT_READ_BY_LOAD and not c[1].endswith(".ocdbt")]
+JSON_READ_BY_LOAD = [
+    c for c in SMALL_FILES if c[1] not in NOT_READ_BY_LOAD and not c[1].endswith(".ocdbt")
+]
 
 
-@pytest.mark.parametrize(("layout", "file", "needle"), JSON_READ_BY_LOAD, ids=[f"{lay}:{f}" for lay, f, _ in JSON_READ_BY_LOAD])
+@pytest.mark.parametrize(
+    ("layout", "file", "needle"),
+    JSON_READ_BY_LOAD,
+    ids=[f"{lay}:{f}" for lay, f, _ in JSON_READ_BY_LOAD],
+)
 def test_flipped_json_metadata_is_a_corrupt_checkpoint_error(
     saved: dict[str, tuple[Path, Any]], tmp_path: Path, layout: str, file: str, needle: str | None
 ) -> None:
@@ -491,17 +545,23 @@ def test_damaged_ocdbt_root_is_a_corrupt_checkpoint_error(
         assert str(file) in str(info.value)  # TensorStore's message does name the file
         errors.append(info.value)
     assert not mp.verify(ckpt).ok
-    assert all(isinstance(e, mp.CorruptCheckpointError) for e in errors), [f"{type(e).__name__}: {e}" for e in errors]
+    assert all(isinstance(e, mp.CorruptCheckpointError) for e in errors), [
+        f"{type(e).__name__}: {e}" for e in errors
+    ]
 
 
-def test_whitespace_in_the_checksums_file_is_damage(saved: dict[str, tuple[Path, Any]], tmp_path: Path) -> None:
+def test_whitespace_in_the_checksums_file_is_damage(
+    saved: dict[str, tuple[Path, Any]], tmp_path: Path
+) -> None:
     """The checksums file is written in canonical JSON (sorted keys, no spaces), so even a
     change that leaves what it says intact (a space added) is reported as damage."""
     base, _ = saved["ocdbt"]
     ckpt = copy_of(base, tmp_path / "c")
     file = ckpt / "_milepost_checksums.json"
     file.write_bytes(file.read_bytes().replace(b'{"', b'{ "', 1))
-    assert json.loads(file.read_bytes()) == json.loads((base / file.name).read_bytes())  # same content
+    assert json.loads(file.read_bytes()) == json.loads(
+        (base / file.name).read_bytes()
+    )  # same content
     with pytest.raises(mp.CorruptCheckpointError, match="_milepost_checksums.json"):
         mp.load(ckpt)
     assert not mp.verify(ckpt).ok
@@ -525,7 +585,12 @@ DATA_DAMAGE = ["cut-in-chunk", "cut-to-zero", "deleted"]
 @pytest.mark.parametrize("key", ["w/c/1/2", "host/c/0"])
 @pytest.mark.parametrize("layout", ["ocdbt", "zarr3", "zstd", "subchunked"])
 def test_truncated_or_deleted_data_is_an_error_not_zeros(
-    saved: dict[str, tuple[Path, Any]], tmp_path: Path, layout: str, key: str, damage: str, direct: bool
+    saved: dict[str, tuple[Path, Any]],
+    tmp_path: Path,
+    layout: str,
+    key: str,
+    damage: str,
+    direct: bool,
 ) -> None:
     base, state = saved[layout]
     ckpt = copy_of(base, tmp_path / "c")
@@ -559,7 +624,9 @@ def strip_checksums(ckpt: Path) -> None:
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_checkpoints_without_checksums_still_load(saved: dict[str, tuple[Path, Any]], tmp_path: Path, layout: str) -> None:
+def test_checkpoints_without_checksums_still_load(
+    saved: dict[str, tuple[Path, Any]], tmp_path: Path, layout: str
+) -> None:
     base, state = saved[layout]
     ckpt = copy_of(base, tmp_path / "c")
     strip_checksums(ckpt)
@@ -587,7 +654,9 @@ def test_orbax_written_checkpoints_load_exactly(tmp_path: Path, mesh24: jax.shar
             assert_tree_equal(mp.load(tmp_path / "orbax", abstract_of(state)), state)
     report = mp.verify(tmp_path / "orbax")
     assert report.ok, report
-    assert any("checksums" in n for n in report.notes) and any("no recorded chunk checksums" in n for n in report.notes), report
+    assert any("checksums" in n for n in report.notes) and any(
+        "no recorded chunk checksums" in n for n in report.notes
+    ), report
 
 
 # ------------------------------------------------------------------------------------------
@@ -649,7 +718,9 @@ def test_hostile_tree_keys(
     ckpt = save(tmp_path / "ck" / "ckpt", state, options)
     decoy = save(tmp_path / "decoy", other, options)
     if layout == "zarr3" and key == "../x":
-        copy_of(decoy / "state" / "host", ckpt / "x")  # state/../x: a valid zarr3 array of other values
+        copy_of(
+            decoy / "state" / "host", ckpt / "x"
+        )  # state/../x: a valid zarr3 array of other values
     tree_file = ckpt / "state" / "_METADATA"
     tree = json.loads(tree_file.read_text())
     entry = tree["tree_metadata"].pop("('host',)")
@@ -662,7 +733,11 @@ def test_hostile_tree_keys(
     info["chunk_crc32c"][key] = decoy_info["chunk_crc32c"]["host"]  # the decoy's own checksums
     info_file.write_text(json.dumps(info))
     reseal(ckpt)
-    for call in (lambda: mp.load(ckpt), lambda: mp.metadata(ckpt), lambda: mp.load(ckpt, {"w": mp.PLACEHOLDER}, partial=True)):
+    for call in (
+        lambda: mp.load(ckpt),
+        lambda: mp.metadata(ckpt),
+        lambda: mp.load(ckpt, {"w": mp.PLACEHOLDER}, partial=True),
+    ):
         with pytest.raises(mp.CorruptCheckpointError) as caught:
             call()
         assert "_METADATA" in str(caught.value) and repr(key) in str(caught.value), caught.value
@@ -684,7 +759,9 @@ NOT_UTF8 = b"\xff\xfe{\x00}\x00"
         ("zarr3", "state/w/zarr.json"),
     ],
 )
-def test_metadata_that_is_not_utf8(saved: dict[str, tuple[Path, Any]], tmp_path: Path, layout: str, file: str) -> None:
+def test_metadata_that_is_not_utf8(
+    saved: dict[str, tuple[Path, Any]], tmp_path: Path, layout: str, file: str
+) -> None:
     base, _ = saved[layout]
     ckpt = copy_of(base, tmp_path / "c")
     (ckpt / file).write_bytes(NOT_UTF8 + (ckpt / file).read_bytes())
@@ -698,7 +775,9 @@ def test_metadata_that_is_not_utf8(saved: dict[str, tuple[Path, Any]], tmp_path:
     assert not report.ok and Path(file).name in problems(report), report
 
 
-def test_checksums_file_that_is_not_utf8(saved: dict[str, tuple[Path, Any]], tmp_path: Path) -> None:
+def test_checksums_file_that_is_not_utf8(
+    saved: dict[str, tuple[Path, Any]], tmp_path: Path
+) -> None:
     base, _ = saved["ocdbt"]
     ckpt = copy_of(base, tmp_path / "c")
     file = ckpt / "_milepost_checksums.json"
@@ -724,7 +803,9 @@ def test_symlinked_checkpointable_is_not_followed_outside(
         loaded_decoy = False
     else:
         loaded_decoy = same_bits(got["host"], decoy[1]["host"])
-    assert not loaded_decoy, "the load returned the values of a checkpoint outside the one asked for"
+    assert not loaded_decoy, (
+        "the load returned the values of a checkpoint outside the one asked for"
+    )
     assert not report.ok, report
 
 
@@ -740,7 +821,10 @@ def test_a_fifo_in_place_of_a_data_file_is_refused_not_waited_on(
     file, _, _ = chunk_value(ckpt, "w/c/1/2")
     file.unlink()
     os.mkfifo(file)
-    with reading(direct), pytest.raises(mp.CorruptCheckpointError, match="not a regular file") as info:
+    with (
+        reading(direct),
+        pytest.raises(mp.CorruptCheckpointError, match="not a regular file") as info,
+    ):
         mp.load(ckpt, abstract_of(state))
     assert str(file) in str(info.value)
     report = mp.verify(ckpt)
@@ -748,7 +832,10 @@ def test_a_fifo_in_place_of_a_data_file_is_refused_not_waited_on(
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("file", ["_CHECKPOINT_METADATA", "commit_success.txt", "state/_milepost.json", "state/manifest.ocdbt"])
+@pytest.mark.parametrize(
+    "file",
+    ["_CHECKPOINT_METADATA", "commit_success.txt", "state/_milepost.json", "state/manifest.ocdbt"],
+)
 def test_a_fifo_in_place_of_a_metadata_file_is_refused_not_waited_on(
     saved: dict[str, tuple[Path, Any]], tmp_path: Path, file: str
 ) -> None:
@@ -802,7 +889,9 @@ def test_a_different_ocdbt_file_of_the_same_size_fails_the_file_checksums(tmp_pa
     assert not report.ok and f"{a / key} is damaged or changed" in problems(report), report
 
 
-def test_checksums_written_before_the_second_digest_still_check(saved: dict[str, tuple[Path, Any]], tmp_path: Path) -> None:
+def test_checksums_written_before_the_second_digest_still_check(
+    saved: dict[str, tuple[Path, Any]], tmp_path: Path
+) -> None:
     """A checkpoint of an earlier milepost has CRC32C only: it loads and verifies as before."""
     from milepost import _format
 
@@ -822,7 +911,9 @@ def test_checksums_written_before_the_second_digest_still_check(saved: dict[str,
 # ------------------------------------------------------------------------------------------
 
 
-def test_deleted_milepost_info_is_noticed(saved: dict[str, tuple[Path, Any]], tmp_path: Path) -> None:
+def test_deleted_milepost_info_is_noticed(
+    saved: dict[str, tuple[Path, Any]], tmp_path: Path
+) -> None:
     base, state = saved["ocdbt"]
     ckpt = copy_of(base, tmp_path / "c")
     (ckpt / "state" / "_milepost.json").unlink()
@@ -830,7 +921,9 @@ def test_deleted_milepost_info_is_noticed(saved: dict[str, tuple[Path, Any]], tm
     assert_refused_or_exact(lambda: mp.load(ckpt), state, "_milepost.json")
 
 
-def test_deleted_milepost_info_does_not_disable_chunk_checks(saved: dict[str, tuple[Path, Any]], tmp_path: Path) -> None:
+def test_deleted_milepost_info_does_not_disable_chunk_checks(
+    saved: dict[str, tuple[Path, Any]], tmp_path: Path
+) -> None:
     base, state = saved["ocdbt"]
     ckpt = copy_of(base, tmp_path / "c")
     (ckpt / "state" / "_milepost.json").unlink()
@@ -843,12 +936,18 @@ def test_deleted_milepost_info_does_not_disable_chunk_checks(saved: dict[str, tu
     assert same_bits(got["host"], state["host"]), "wrong values returned without an error"
 
 
-@pytest.mark.parametrize("file", ["state/_METADATA", "state/_strings.json", "state/_sharding", "state/manifest.ocdbt"])
-def test_deleted_metadata_files_are_errors(saved: dict[str, tuple[Path, Any]], tmp_path: Path, file: str) -> None:
+@pytest.mark.parametrize(
+    "file", ["state/_METADATA", "state/_strings.json", "state/_sharding", "state/manifest.ocdbt"]
+)
+def test_deleted_metadata_files_are_errors(
+    saved: dict[str, tuple[Path, Any]], tmp_path: Path, file: str
+) -> None:
     base, _ = saved["ocdbt"]
     ckpt = copy_of(base, tmp_path / "c")
     (ckpt / file).unlink()
-    with pytest.raises((mp.CorruptCheckpointError, mp.CheckpointNotFoundError, mp.StructureMismatchError)):
+    with pytest.raises(
+        (mp.CorruptCheckpointError, mp.CheckpointNotFoundError, mp.StructureMismatchError)
+    ):
         mp.load(ckpt)
     report = mp.verify(ckpt)
     assert not report.ok and Path(file).name in problems(report), report
@@ -869,8 +968,12 @@ class Counter:
 
 def test_flipped_json_checkpointable_is_caught(tmp_path: Path) -> None:
     with mp.Context(handlers=[(mp.JsonHandler(), "config")]):
-        ckpt = mp.save_checkpointables(tmp_path / "c", {"state": {"x": 1}, "config": {"depth": 12345}})
-    flip(ckpt / "config" / "data.json", (ckpt / "config" / "data.json").read_bytes().index(b"2"))  # 12345 -> 13345
+        ckpt = mp.save_checkpointables(
+            tmp_path / "c", {"state": {"x": 1}, "config": {"depth": 12345}}
+        )
+    flip(
+        ckpt / "config" / "data.json", (ckpt / "config" / "data.json").read_bytes().index(b"2")
+    )  # 12345 -> 13345
     with pytest.raises(mp.CorruptCheckpointError, match="data.json"):
         mp.load_checkpointables(ckpt, {"config": None})
     assert not mp.verify(ckpt).ok
@@ -894,19 +997,47 @@ def test_flipped_stateful_checkpointable_is_caught(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------------------
 
 BAD_OPTIONS: dict[str, tuple[Callable[[], Any], type[Exception], str]] = {
-    "writers-float": (lambda: mp.SaveOptions(ocdbt_writers_per_host=2.5), TypeError, "ocdbt_writers_per_host"),
-    "writers-bool": (lambda: mp.SaveOptions(ocdbt_writers_per_host=True), TypeError, "ocdbt_writers_per_host"),
-    "writers-zero": (lambda: mp.SaveOptions(ocdbt_writers_per_host=0), ValueError, "ocdbt_writers_per_host"),
+    "writers-float": (
+        lambda: mp.SaveOptions(ocdbt_writers_per_host=2.5),
+        TypeError,
+        "ocdbt_writers_per_host",
+    ),
+    "writers-bool": (
+        lambda: mp.SaveOptions(ocdbt_writers_per_host=True),
+        TypeError,
+        "ocdbt_writers_per_host",
+    ),
+    "writers-zero": (
+        lambda: mp.SaveOptions(ocdbt_writers_per_host=0),
+        ValueError,
+        "ocdbt_writers_per_host",
+    ),
     "chunk-str": (lambda: mp.SaveOptions(chunk_byte_size="x"), TypeError, "chunk_byte_size"),
     "chunk-float": (lambda: mp.SaveOptions(chunk_byte_size=1024.0), TypeError, "chunk_byte_size"),
     "chunk-zero": (lambda: mp.SaveOptions(chunk_byte_size=0), ValueError, "chunk_byte_size"),
     "use-ocdbt-int": (lambda: mp.SaveOptions(use_ocdbt=1), TypeError, "use_ocdbt"),
     "replica-str": (lambda: mp.SaveOptions(replica_parallel="yes"), TypeError, "replica_parallel"),
     "compression": (lambda: mp.SaveOptions(compression="gzip"), ValueError, "compression"),
-    "wait-str": (lambda: mp.SaveOptions(wait_for_writer_secs="x"), TypeError, "wait_for_writer_secs"),
-    "wait-nan": (lambda: mp.SaveOptions(wait_for_writer_secs=float("nan")), ValueError, "wait_for_writer_secs"),
-    "budget-str": (lambda: mp.LoadOptions(memory_budget_bytes="x"), TypeError, "memory_budget_bytes"),
-    "budget-negative": (lambda: mp.LoadOptions(memory_budget_bytes=-1), ValueError, "memory_budget_bytes"),
+    "wait-str": (
+        lambda: mp.SaveOptions(wait_for_writer_secs="x"),
+        TypeError,
+        "wait_for_writer_secs",
+    ),
+    "wait-nan": (
+        lambda: mp.SaveOptions(wait_for_writer_secs=float("nan")),
+        ValueError,
+        "wait_for_writer_secs",
+    ),
+    "budget-str": (
+        lambda: mp.LoadOptions(memory_budget_bytes="x"),
+        TypeError,
+        "memory_budget_bytes",
+    ),
+    "budget-negative": (
+        lambda: mp.LoadOptions(memory_budget_bytes=-1),
+        ValueError,
+        "memory_budget_bytes",
+    ),
     "direct-int": (lambda: mp.LoadOptions(direct_reads=0), TypeError, "direct_reads"),
     "timeout-str": (lambda: mp.AsyncOptions(timeout_secs="x"), TypeError, "timeout_secs"),
     "timeout-nan": (lambda: mp.AsyncOptions(timeout_secs=float("nan")), ValueError, "timeout_secs"),
@@ -917,7 +1048,9 @@ BAD_OPTIONS: dict[str, tuple[Callable[[], Any], type[Exception], str]] = {
 
 
 def _context_argument(options: Any) -> str:
-    return {mp.SaveOptions: "saving", mp.LoadOptions: "loading", mp.AsyncOptions: "async_"}[type(options)]
+    return {mp.SaveOptions: "saving", mp.LoadOptions: "loading", mp.AsyncOptions: "async_"}[
+        type(options)
+    ]
 
 
 @pytest.mark.parametrize("case", list(BAD_OPTIONS))
@@ -961,13 +1094,19 @@ def test_each_host_is_sent_only_the_checksums_of_the_chunks_its_boxes_touch() ->
     from milepost import _pytree_load
     from milepost.workers import LoadTask, ShardingSpec
 
-    header = {"zarr_format": 3, "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [8, 16]}}, "codecs": [{"name": "bytes"}]}
+    header = {
+        "zarr_format": 3,
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [8, 16]}},
+        "codecs": [{"name": "bytes"}],
+    }
     # (60, 16) in row chunks of 8 (8 chunks); P("model") on a (data 2, model 4) mesh: boxes of 15 rows, devices 4-7 repeat 0-3
     spec = ShardingSpec.named((2, 4), ("data", "model"), tuple(range(8)), ("model",))
     recorded = tuple(((g, 0), 1000 + g) for g in range(8))
     task = LoadTask(name="w", shape=(60, 16), dtype="float32", sharding=spec, checksums=recorded)
     plain = LoadTask(name="v", shape=(60, 16), dtype="float32", sharding=spec, checksums=None)
-    plans = _pytree_load._checksums_per_process([task, plain], {"w": header, "v": header}, _FourHosts())
+    plans = _pytree_load._checksums_per_process(
+        [task, plain], {"w": header, "v": header}, _FourHosts()
+    )
     # host 0: devices 0, 1 = rows 0-30 (chunks 0-3); host 1: rows 30-60 (chunks 3-7, chunk 3 shared); hosts 2, 3 the same
     want = {0: range(0, 4), 1: range(3, 8), 2: range(0, 4), 3: range(3, 8)}
     for host, chunks in want.items():
@@ -994,5 +1133,11 @@ def test_a_chunk_read_without_its_recorded_checksum_fails(
         return found[1:] if found else found
 
     monkeypatch.setattr(_pytree_load, "_checksums", drop_one)
-    with reading(direct), pytest.raises(mp.CorruptCheckpointError, match="has no recorded checksum although the array's others do"):
+    with (
+        reading(direct),
+        pytest.raises(
+            mp.CorruptCheckpointError,
+            match="has no recorded checksum although the array's others do",
+        ),
+    ):
         mp.load(ckpt)

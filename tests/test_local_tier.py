@@ -43,7 +43,11 @@ def names(folder: Path) -> list[str]:
 
 
 def committed(folder: Path) -> list[int]:
-    return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit() and (p / fmt.COMMIT_MARKER).is_file())
+    return sorted(
+        int(p.name)
+        for p in folder.iterdir()
+        if p.name.isdigit() and (p / fmt.COMMIT_MARKER).is_file()
+    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -51,12 +55,16 @@ def committed(folder: Path) -> list[int]:
 # ------------------------------------------------------------------------------------------
 
 
-def test_copy_round_trips_between_storages(tmp_path: Path, mesh24: jax.sharding.Mesh, s3_endpoint: Any) -> None:
+def test_copy_round_trips_between_storages(
+    tmp_path: Path, mesh24: jax.sharding.Mesh, s3_endpoint: Any
+) -> None:
     want = state(mesh24)
     mp.save(tmp_path / "a", want)
     report = mp.copy(tmp_path / "a", tmp_path / "b")
     assert report.path == tmp_path / "b" and report.files > 10
-    assert set(report.by_host) == {"0", "controller"} and report.by_host["0"] > 64 * 128 * 4  # the shards: the host's
+    assert (
+        set(report.by_host) == {"0", "controller"} and report.by_host["0"] > 64 * 128 * 4
+    )  # the shards: the host's
     assert_tree_equal(mp.load(tmp_path / "b"), want)
     assert mp.verify(tmp_path / "b").ok
     url = f"s3://{new_s3_bucket(s3_endpoint[0])}/run/1"
@@ -88,7 +96,9 @@ def test_copy_refuses_what_it_must_not_do(tmp_path: Path, mesh24: jax.sharding.M
     assert names(tmp_path) == ["a", "b"]  # nothing written for any refused copy
 
 
-def test_a_copy_cut_short_leaves_nothing(tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_copy_cut_short_leaves_nothing(
+    tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
     mp.save(tmp_path / "a", state(mesh24))
     real = workers.JOBS["copy_files"]
 
@@ -103,7 +113,9 @@ def test_a_copy_cut_short_leaves_nothing(tmp_path: Path, mesh24: jax.sharding.Me
     assert names(tmp_path) == ["a"]
 
 
-def test_a_copy_that_runs_out_of_time_stops(tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_copy_that_runs_out_of_time_stops(
+    tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
     mp.save(tmp_path / "a", state(mesh24))
     real = workers.JOBS["copy_files"]
     slow_copier = workers._copy._local_copier
@@ -124,7 +136,9 @@ def test_a_copy_that_runs_out_of_time_stops(tmp_path: Path, mesh24: jax.sharding
 # ------------------------------------------------------------------------------------------
 
 
-def test_steps_commit_locally_and_mirror_to_root(tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_steps_commit_locally_and_mirror_to_root(
+    tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
     root, local = tmp_path / "root", tmp_path / "local"
     with Checkpointer(root, local=local, keep=KeepLatest(n=3)) as ckpt:
         for step in range(5):
@@ -134,7 +148,11 @@ def test_steps_commit_locally_and_mirror_to_root(tmp_path: Path, mesh24: jax.sha
         assert committed(root) == [2, 3, 4] and committed(local) == [3, 4]
         read: list[str] = []
         real_load = mp._api.load
-        monkeypatch.setattr(mp._api, "load", lambda path, *a, **k: (read.append(str(path)), real_load(path, *a, **k))[1])
+        monkeypatch.setattr(
+            mp._api,
+            "load",
+            lambda path, *a, **k: (read.append(str(path)), real_load(path, *a, **k))[1],
+        )
         assert_tree_equal(ckpt.load(4), state(mesh24, 4))  # the local copy
         assert_tree_equal(ckpt.load(2), state(mesh24, 2))  # only in root
         assert read == [str(local / "4"), str(root / "2")]
@@ -160,7 +178,9 @@ def gate_mirrors(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, list
     return gate, started
 
 
-def test_a_slow_mirror_holds_local_rotation_back(tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_slow_mirror_holds_local_rotation_back(
+    tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
     root, local = tmp_path / "root", tmp_path / "local"
     gate, started = gate_mirrors(monkeypatch)
     with Checkpointer(root, local=local, keep=KeepAll(), local_keep=KeepLatest(n=1)) as ckpt:
@@ -178,7 +198,9 @@ def test_a_slow_mirror_holds_local_rotation_back(tmp_path: Path, mesh24: jax.sha
         assert committed(root) == [0, 1, 2, 3] and committed(local) == [3]
 
 
-def test_a_failed_mirror_keeps_the_local_step(tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_mirror_keeps_the_local_step(
+    tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
     root, local = tmp_path / "root", tmp_path / "local"
     real = workers.JOBS["copy_files"]
 
@@ -208,11 +230,17 @@ def test_a_failed_mirror_keeps_the_local_step(tmp_path: Path, mesh24: jax.shardi
     assert_tree_equal(mp.load(root / "1"), state(mesh24, 1))
 
 
-def test_a_mirror_out_of_time_fails_and_keeps_the_step(tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_mirror_out_of_time_fails_and_keeps_the_step(
+    tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
     root, local = tmp_path / "root", tmp_path / "local"
     slow_copier = workers._copy._local_copier
     monkeypatch.setattr(
-        workers._copy, "_local_copier", lambda s, t: (lambda copy: lambda name: (time.sleep(0.2), copy(name))[1])(slow_copier(s, t))
+        workers._copy,
+        "_local_copier",
+        lambda s, t: (lambda copy: lambda name: (time.sleep(0.2), copy(name))[1])(
+            slow_copier(s, t)
+        ),
     )
     with Checkpointer(root, local=local, mirror_timeout_secs=0.3) as ckpt:
         ckpt.save(0, state(mesh24, 0))
@@ -285,7 +313,9 @@ def test_killed_during_the_mirror_of_a_preemption_save(
         root: Any = f"s3://{new_s3_bucket(endpoint)}/run"
     else:
         root = tmp_path / "root"
-    proc = _subproc.popen(PREEMPTED.replace("sys.argv[1], sys.argv[2]", f"{str(root)!r}, {str(local)!r}"))
+    proc = _subproc.popen(
+        PREEMPTED.replace("sys.argv[1], sys.argv[2]", f"{str(root)!r}, {str(local)!r}")
+    )
     assert proc.stdout is not None
     try:
         assert proc.stdout.readline().strip() == "ready"

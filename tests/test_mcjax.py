@@ -23,7 +23,9 @@ from tests import _mc
 
 def ok(results: list[_mc.Result]) -> list[dict]:
     for r in results:
-        assert r.returncode == 0 and "exception" not in r.out, f"process failed:\n{r.out.get('exception')}\n{r.stderr}"
+        assert r.returncode == 0 and "exception" not in r.out, (
+            f"process failed:\n{r.out.get('exception')}\n{r.stderr}"
+        )
     assert [r.out["process"] for r in results] == list(range(len(results)))
     return [r.out for r in results]
 
@@ -31,16 +33,20 @@ def ok(results: list[_mc.Result]) -> list[dict]:
 def embedded_tree() -> dict:
     mesh = jax.make_mesh((2, 4), ("data", "model"))
     specs = {"w": P("data", "model"), "b": P("model"), "r": P()}
-    tree: dict = {k: jax.device_put(_mc.global_value(k, shape, dtype), NamedSharding(mesh, specs[k]))
-                  for k, (shape, dtype) in _mc.SHAPES.items()}
+    tree: dict = {
+        k: jax.device_put(_mc.global_value(k, shape, dtype), NamedSharding(mesh, specs[k]))
+        for k, (shape, dtype) in _mc.SHAPES.items()
+    }
     tree.update(step=7, note="mc", host=np.arange(5))
     return tree
 
 
 def check_embedded(path: Path) -> None:
     mesh = jax.make_mesh((8,), ("z",))
-    abstract = {k: jax.ShapeDtypeStruct(shape, np.dtype(dtype), sharding=NamedSharding(mesh, P("z")))
-                for k, (shape, dtype) in _mc.SHAPES.items()}
+    abstract = {
+        k: jax.ShapeDtypeStruct(shape, np.dtype(dtype), sharding=NamedSharding(mesh, P("z")))
+        for k, (shape, dtype) in _mc.SHAPES.items()
+    }
     abstract.update(step=0, note="", host=np.zeros(5, np.int64))
     out = mp.load(path, abstract)
     for k, (shape, dtype) in _mc.SHAPES.items():
@@ -62,9 +68,19 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     root = tmp_path_factory.mktemp("mc")
     mp.save(root / "embedded", embedded_tree())
     two = ok(_mc.launch("two_save", 2, 4, str(root / "two"), str(root / "embedded")))
-    four = ok(_mc.launch("four", 4, 2, str(root / "four"), str(root / "embedded"),
-                         *(str(root / "two" / n) for n in ("c", "orbax", "plain"))))
-    back = ok(_mc.launch("load", 2, 4, str(root), str(root / "four" / "a"), str(root / "four" / "b")))
+    four = ok(
+        _mc.launch(
+            "four",
+            4,
+            2,
+            str(root / "four"),
+            str(root / "embedded"),
+            *(str(root / "two" / n) for n in ("c", "orbax", "plain")),
+        )
+    )
+    back = ok(
+        _mc.launch("load", 2, 4, str(root), str(root / "four" / "a"), str(root / "four" / "b"))
+    )
     return Runs(root, two, four, back)
 
 
@@ -95,18 +111,32 @@ def test_four_processes_save_and_load_resharded(runs: Runs) -> None:
         assert o["keys"] == ["key<fry>", True]
         assert o["checked_same"] == o["checked_resharded"] == o["checked_again"] == FOUR
         assert o["concurrent"] == [True, True]
-        assert o["json"] == {"lr": 0.5, "name": "mc"} and o["empty_shape"] == [0, 4] and o["checked_multi"] == FOUR
+        assert (
+            o["json"] == {"lr": 0.5, "name": "mc"}
+            and o["empty_shape"] == [0, 4]
+            and o["checked_multi"] == FOUR
+        )
         assert o["ckpt_steps"] == [0, 1, 2]
     state = runs.root / "four" / "a" / "state"
-    assert _writers(state) == {"process_0", "process_1", "process_2", "process_3", "process_controller"}
-    assert sorted(p.name for p in (state / "array_metadatas").iterdir()) == [f"process_{i}" for i in range(4)]
+    assert _writers(state) == {
+        "process_0",
+        "process_1",
+        "process_2",
+        "process_3",
+        "process_controller",
+    }
+    assert sorted(p.name for p in (state / "array_metadatas").iterdir()) == [
+        f"process_{i}" for i in range(4)
+    ]
 
 
 def test_checkpoints_cross_two_four_processes_and_embedded(runs: Runs) -> None:
     for o in runs.two:
         assert o["checked_embedded"] == TWO  # embedded -> 2
     for o in runs.four:
-        assert o["checked_embedded"] == o["checked_c"] == o["checked_plain"] == FOUR  # embedded, 2 -> 4
+        assert (
+            o["checked_embedded"] == o["checked_c"] == o["checked_plain"] == FOUR
+        )  # embedded, 2 -> 4
     for o in runs.back:
         assert o["checked_a"] == o["checked_b"] == TWO  # 4 -> 2
     for path in ("four/a", "four/b", "two/c", "two/plain"):  # 4, 2 -> embedded
@@ -141,7 +171,13 @@ def test_every_process_gets_the_same_error_and_nothing_is_committed(runs: Runs) 
         assert all(o[key]["seconds"] < 30 for o in runs.four), key  # reported, not timed out
     assert "Nothing was committed" in runs.four[0]["stage_fails"]["error"]
     committed = runs.four[0]["committed"]
-    assert not {"stage_fails", "commit_fails", "controller_stage_fails", "controller_write_fails", "stateful_fails"} & set(committed)
+    assert not {
+        "stage_fails",
+        "commit_fails",
+        "controller_stage_fails",
+        "controller_write_fails",
+        "stateful_fails",
+    } & set(committed)
     assert not any(".orbax-checkpoint-tmp" in name for name in committed)
     assert all(o["after_failures"] == FOUR for o in runs.four)
 
@@ -157,9 +193,13 @@ def test_the_primary_is_configurable(runs: Runs) -> None:
     [(2, 1, 0), (2, 1, 1), pytest.param(4, 2, 0, marks=pytest.mark.slow)],
     ids=["non-primary-dies", "primary-dies", "one-of-four-dies"],
 )
-def test_a_process_killed_mid_save_fails_the_others_cleanly(tmp_path: Path, processes: int, victim: int, primary: int) -> None:
+def test_a_process_killed_mid_save_fails_the_others_cleanly(
+    tmp_path: Path, processes: int, victim: int, primary: int
+) -> None:
     timeout = 6
-    results = _mc.launch("die", processes, 8 // processes, str(tmp_path), str(victim), str(primary), str(timeout))
+    results = _mc.launch(
+        "die", processes, 8 // processes, str(tmp_path), str(victim), str(primary), str(timeout)
+    )
     dead = results[victim]
     assert dead.returncode == -9 and dead.out.get("died")
     for i, r in enumerate(results):
@@ -167,7 +207,9 @@ def test_a_process_killed_mid_save_fails_the_others_cleanly(tmp_path: Path, proc
             continue
         survivor = r.out
         assert survivor["error"] is not None, survivor
-        assert survivor["error"].startswith(f"HostError: process {victim} did not reach 'written:"), survivor
+        assert survivor["error"].startswith(
+            f"HostError: process {victim} did not reach 'written:"
+        ), survivor
         assert "Nothing was committed" in survivor["error"]
         assert timeout <= survivor["seconds"] < timeout + 30
         assert survivor["committed"] is False
@@ -178,17 +220,26 @@ def test_a_process_that_never_arrives_is_named(tmp_path: Path) -> None:
     timeout = 4
     first, second = ok(_mc.launch("absent", 2, 4, str(tmp_path), str(timeout)))
     assert first["error"].startswith("HostError: process 1 did not reach 'staged:"), first
-    assert "did not make this milepost call" in first["error"] and "Nothing was committed" in first["error"]
+    assert (
+        "did not make this milepost call" in first["error"]
+        and "Nothing was committed" in first["error"]
+    )
     assert timeout <= first["seconds"] < timeout + 30
     assert first["committed"] is False and not (tmp_path / "lonely").exists()
     assert "error" not in second
 
 
 @pytest.mark.slow
-def test_four_process_checkpoint_loads_on_a_ray_slice_and_back(runs: Runs, ray_runtime: object, tmp_path: Path) -> None:
+def test_four_process_checkpoint_loads_on_a_ray_slice_and_back(
+    runs: Runs, ray_runtime: object, tmp_path: Path
+) -> None:
     def abstract(mesh: mp.colocated.SliceMesh) -> dict:
-        out: dict = {k: mp.AbstractArray(shape, np.dtype(dtype), mesh.sharding(P("x") if len(shape) == 1 else P(None, "x")))
-                     for k, (shape, dtype) in _mc.SHAPES.items()}
+        out: dict = {
+            k: mp.AbstractArray(
+                shape, np.dtype(dtype), mesh.sharding(P("x") if len(shape) == 1 else P(None, "x"))
+            )
+            for k, (shape, dtype) in _mc.SHAPES.items()
+        }
         out.update(step=0, note="", host=np.zeros(5, np.int64))
         return out
 

@@ -39,7 +39,9 @@ def test_single_controller_notebook_executes(tmp_path: Path) -> None:
 
     # plans and acks through the controller, not the model's bytes
     model = _number(r"model: ([\d,]+) bytes", text)
-    save = _number(r"save_async \(planning and staging\): ([\d,]+) bytes through the controller", text)
+    save = _number(
+        r"save_async \(planning and staging\): ([\d,]+) bytes through the controller", text
+    )
     load = _number(r"load onto slice B: ([\d,]+) bytes through the controller", text)
     assert model > 1_000_000
     assert 0 < save < model // 50 and 0 < load < model // 50

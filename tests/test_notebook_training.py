@@ -20,13 +20,21 @@ def test_training_checkpointer_notebook_executes(tmp_path: Path) -> None:
     assert "preempted: saved step 37, stopping" in text
     assert "committed steps: [30, 35, 37] - latest step after the preemption: 37" in text
     # the steps table (text and HTML), with the loss of each step and the preemption noted
-    tables = [str(o["data"]["text/plain"]) for o in outs if str(o.get("data", {}).get("text/plain", "")).startswith("Checkpointer(")]
+    tables = [
+        str(o["data"]["text/plain"])
+        for o in outs
+        if str(o.get("data", {}).get("text/plain", "")).startswith("Checkpointer(")
+    ]
     assert len(tables) == 3
     steps = [[int(line.split()[0]) for line in table.splitlines()[3:]] for table in tables]
     assert steps == [[30, 35, 37], [50, 55, 60], [50, 55, 60]]  # KeepLatest(n=3)
     assert re.search(r"latest 37; .*keep=KeepLatest\(n=3\), preempted", tables[0])
-    assert "latest 60;" in tables[1] and "preempted" not in tables[1] and "read_only=True" in tables[2]
-    assert all(table.splitlines()[1].split() == ["step", "tier", "state", "loss"] for table in tables)
+    assert (
+        "latest 60;" in tables[1] and "preempted" not in tables[1] and "read_only=True" in tables[2]
+    )
+    assert all(
+        table.splitlines()[1].split() == ["step", "tier", "state", "loss"] for table in tables
+    )
     assert "<table" in html and "loss" in html
 
     # the resume: from the preempted step, and the run then matches one never interrupted, bit for bit

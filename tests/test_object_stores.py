@@ -26,8 +26,10 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def state(mesh: jax.sharding.Mesh, k: int = 0) -> dict[str, Any]:
     rng = np.random.default_rng(k)
     return {
-        "params": {"w": put(rng.standard_normal((64, 128), dtype=np.float32), mesh, P("data", "model")),
-                   "b": put(np.arange(128, dtype=np.float32) + k, mesh, P())},
+        "params": {
+            "w": put(rng.standard_normal((64, 128), dtype=np.float32), mesh, P("data", "model")),
+            "b": put(np.arange(128, dtype=np.float32) + k, mesh, P()),
+        },
         "host": np.arange(300) * (k + 1),
         "step": 10 + k,
         "note": f"state {k}",
@@ -46,18 +48,36 @@ def test_round_trip_metadata_and_verify(bucket_url: str, mesh24: jax.sharding.Me
     assert str(path) == f"{bucket_url}/1"
     assert_tree_equal(mp.load(f"{bucket_url}/1"), want)
     other = jax.make_mesh((8,), ("x",))
-    resharded = mp.load(f"{bucket_url}/1", {"params": {"w": jax.ShapeDtypeStruct((64, 128), np.float32, sharding=jax.sharding.NamedSharding(other, P("x")))}}, partial=True)
+    resharded = mp.load(
+        f"{bucket_url}/1",
+        {
+            "params": {
+                "w": jax.ShapeDtypeStruct(
+                    (64, 128), np.float32, sharding=jax.sharding.NamedSharding(other, P("x"))
+                )
+            }
+        },
+        partial=True,
+    )
     assert np.array_equal(np.asarray(resharded["params"]["w"]), np.asarray(want["params"]["w"]))
     meta = mp.metadata(f"{bucket_url}/1")
     assert meta.tree["params"]["w"].shape == (64, 128)
     report = mp.verify(f"{bucket_url}/1")
     assert report.ok and report.chunks_checked > 0, report
     names = objects(f"{bucket_url}/1")
-    assert "commit_success.txt" in names and "_CHECKPOINT_METADATA" in names and "state/_METADATA" in names
-    assert not any("milepost-lease" in n or "orbax-checkpoint-tmp" in n for n in objects(bucket_url))
+    assert (
+        "commit_success.txt" in names
+        and "_CHECKPOINT_METADATA" in names
+        and "state/_METADATA" in names
+    )
+    assert not any(
+        "milepost-lease" in n or "orbax-checkpoint-tmp" in n for n in objects(bucket_url)
+    )
 
 
-def test_without_its_commit_marker_a_checkpoint_is_invisible(bucket_url: str, mesh24: jax.sharding.Mesh) -> None:
+def test_without_its_commit_marker_a_checkpoint_is_invisible(
+    bucket_url: str, mesh24: jax.sharding.Mesh
+) -> None:
     from milepost import _paths
 
     mp.save(f"{bucket_url}/1", state(mesh24))
@@ -74,10 +94,14 @@ def test_overwrite_replaces_whole(bucket_url: str, mesh24: jax.sharding.Mesh) ->
         mp.save(f"{bucket_url}/1", state(mesh24, 1))
     mp.save(f"{bucket_url}/1", {"only": np.arange(3)}, overwrite=True)
     assert_tree_equal(mp.load(f"{bucket_url}/1"), {"only": np.arange(3)})
-    assert not any(n.startswith("state/params") for n in objects(f"{bucket_url}/1"))  # nothing of the old one left
+    assert not any(
+        n.startswith("state/params") for n in objects(f"{bucket_url}/1")
+    )  # nothing of the old one left
 
 
-def test_a_failed_save_leaves_nothing(bucket_url: str, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_save_leaves_nothing(
+    bucket_url: str, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def merge(directory: Any) -> None:
         raise OSError(5, "Input/output error (injected)")
 
@@ -114,7 +138,9 @@ def test_checkpointer_with_retention(bucket_url: str, mesh24: jax.sharding.Mesh)
         assert_tree_equal(reader.load(), state(mesh24, 4))
 
 
-def test_no_local_side_effects(tmp_path: Path, mesh24: jax.sharding.Mesh, s3_endpoint: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_local_side_effects(
+    tmp_path: Path, mesh24: jax.sharding.Mesh, s3_endpoint: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Found by a user: s3:// and gs:// paths were written as local folders ('./s3:/bucket')."""
     from etils import epath
 
@@ -125,7 +151,9 @@ def test_no_local_side_effects(tmp_path: Path, mesh24: jax.sharding.Mesh, s3_end
     assert_tree_equal(mp.load(epath.Path(f"s3://{bucket}/b")), {"x": np.arange(3)})
     assert list(tmp_path.iterdir()) == [] and not Path("/s3").exists()
     for bad in ("hdfs://cluster/ckpt", "ftp://host/x", "s3:///no-bucket"):
-        with pytest.raises(mp.workers.UnknownStorageError, match="Nothing was written|names no bucket"):
+        with pytest.raises(
+            mp.workers.UnknownStorageError, match="Nothing was written|names no bucket"
+        ):
             mp.save(bad, {"x": 1})
     assert list(tmp_path.iterdir()) == []
 
@@ -153,7 +181,9 @@ def test_a_second_writer_is_refused_and_a_dead_ones_lease_expires(s3_endpoint: A
     assert holder.stdout is not None
     try:
         assert holder.stdout.readline().strip() == "holding"
-        with pytest.raises(mp.CheckpointExistsError, match=r"process \d+ on host .* is writing it now"):
+        with pytest.raises(
+            mp.CheckpointExistsError, match=r"process \d+ on host .* is writing it now"
+        ):
             mp.save(url, {"x": np.arange(3)})
         holder.send_signal(signal.SIGKILL)  # dies mid-save: its lease is no longer renewed
         holder.wait(60)
@@ -189,14 +219,22 @@ def test_a_checkpointer_removes_a_dead_writers_leftovers(s3_endpoint: Any) -> No
         holder.wait(60)
 
 
-def test_s3_requests_grow_with_files_not_chunks(s3_endpoint: Any, mesh24: jax.sharding.Mesh) -> None:
+def test_s3_requests_grow_with_files_not_chunks(
+    s3_endpoint: Any, mesh24: jax.sharding.Mesh
+) -> None:
     endpoint, log = s3_endpoint
     bucket = new_s3_bucket(endpoint)
     counts = {}
     for chunk_bytes in (None, 1024):  # 8 shards, or 8 x 32 inner chunks of 1 KiB
-        value = {"w": put(np.arange(256 * 128, dtype=np.float32).reshape(256, 128), mesh24, P("data", "model"))}
+        value = {
+            "w": put(
+                np.arange(256 * 128, dtype=np.float32).reshape(256, 128), mesh24, P("data", "model")
+            )
+        }
         before = log.count()
-        with mp.Context(saving=mp.SaveOptions(chunk_byte_size=chunk_bytes, ocdbt_writers_per_host=1)):
+        with mp.Context(
+            saving=mp.SaveOptions(chunk_byte_size=chunk_bytes, ocdbt_writers_per_host=1)
+        ):
             mp.save(f"s3://{bucket}/{chunk_bytes}", value)
         saved = log.count() - before
         before = log.count()
@@ -208,12 +246,17 @@ def test_s3_requests_grow_with_files_not_chunks(s3_endpoint: Any, mesh24: jax.sh
     assert os.environ["AWS_ENDPOINT_URL"] == endpoint
 
 
-def test_s3_loads_of_many_small_arrays_coalesce_their_reads(s3_endpoint: Any, mesh24: jax.sharding.Mesh) -> None:
+def test_s3_loads_of_many_small_arrays_coalesce_their_reads(
+    s3_endpoint: Any, mesh24: jax.sharding.Mesh
+) -> None:
     endpoint, log = s3_endpoint
     bucket = new_s3_bucket(endpoint)
     loads = {}
     for n in (8, 64):  # each array: 8 shards of 2 KiB, all in the hosts' few data files
-        value = {f"w{i}": put(np.full((64, 64), i, np.float32), mesh24, P("data", "model")) for i in range(n)}
+        value = {
+            f"w{i}": put(np.full((64, 64), i, np.float32), mesh24, P("data", "model"))
+            for i in range(n)
+        }
         mp.save(f"s3://{bucket}/{n}", value)
         before = log.count()
         assert_tree_equal(mp.load(f"s3://{bucket}/{n}"), value)
@@ -221,7 +264,9 @@ def test_s3_loads_of_many_small_arrays_coalesce_their_reads(s3_endpoint: Any, me
     assert loads[64] <= loads[8] + 24, loads  # 8x the shards (448 more), a handful more requests
 
 
-def test_a_slow_retention_delete_never_stalls_saves(s3_endpoint: Any, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_slow_retention_delete_never_stalls_saves(
+    s3_endpoint: Any, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import threading
 
     from milepost.training import Checkpointer, KeepLatest, _tier

@@ -22,9 +22,14 @@ def make_state(mesh: jax.sharding.Mesh) -> dict:
     rng = np.random.default_rng(7)
     return {
         "params": {
-            "w": jax.device_put(rng.standard_normal((16, 8), dtype=np.float32), NamedSharding(mesh, P("data", "model"))),
+            "w": jax.device_put(
+                rng.standard_normal((16, 8), dtype=np.float32),
+                NamedSharding(mesh, P("data", "model")),
+            ),
             "b": jax.device_put(jnp.arange(8, dtype=jnp.bfloat16), NamedSharding(mesh, P("model"))),
-            "r": jax.device_put(rng.standard_normal((4, 4), dtype=np.float32), NamedSharding(mesh, P())),
+            "r": jax.device_put(
+                rng.standard_normal((4, 4), dtype=np.float32), NamedSharding(mesh, P())
+            ),
         },
         "counts": np.arange(6, dtype=np.int32),
         "step": 42,
@@ -37,7 +42,9 @@ def resharded_abstract(state: dict) -> tuple[dict, jax.sharding.Mesh]:
     other = jax.make_mesh((4, 2), ("x", "y"))
     return {
         "params": {
-            "w": jax.ShapeDtypeStruct((16, 8), np.float32, sharding=NamedSharding(other, P(None, "x"))),
+            "w": jax.ShapeDtypeStruct(
+                (16, 8), np.float32, sharding=NamedSharding(other, P(None, "x"))
+            ),
             "b": jax.ShapeDtypeStruct((8,), jnp.bfloat16, sharding=NamedSharding(other, P("x"))),
             "r": jax.ShapeDtypeStruct((4, 4), np.float32, sharding=NamedSharding(other, P("y"))),
         },
@@ -51,9 +58,15 @@ def resharded_abstract(state: dict) -> tuple[dict, jax.sharding.Mesh]:
 def check(restored: dict, state: dict) -> None:
     for k in ("w", "b", "r"):
         got, want = np.asarray(restored["params"][k]), np.asarray(state["params"][k])
-        assert got.dtype == want.dtype and np.array_equal(got.view(np.uint8), want.view(np.uint8)), k
+        assert got.dtype == want.dtype and np.array_equal(
+            got.view(np.uint8), want.view(np.uint8)
+        ), k
     assert np.array_equal(np.asarray(restored["counts"]), state["counts"])
-    assert int(restored["step"]) == 42 and float(restored["lr"]) == 0.125 and restored["name"] == "run-7"
+    assert (
+        int(restored["step"]) == 42
+        and float(restored["lr"]) == 0.125
+        and restored["name"] == "run-7"
+    )
 
 
 @pytest.mark.parametrize("use_ocdbt", [True, False], ids=["ocdbt", "zarr3"])
@@ -99,8 +112,20 @@ def test_milepost_reads_orbax(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None
 # ------------------------------------------------------------------------------------------
 
 INTEROP_DTYPES = [
-    np.float32, np.float16, jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.int4,
-    np.int8, np.int16, np.int32, np.uint8, np.uint16, np.uint32, np.bool_, np.complex64,
+    np.float32,
+    np.float16,
+    jnp.bfloat16,
+    jnp.float8_e4m3fn,
+    jnp.float8_e5m2,
+    jnp.int4,
+    np.int8,
+    np.int16,
+    np.int32,
+    np.uint8,
+    np.uint16,
+    np.uint32,
+    np.bool_,
+    np.complex64,
 ]
 
 
@@ -118,11 +143,19 @@ def wide_state(mesh: jax.sharding.Mesh) -> dict:
         arrays[name] = jax.device_put(host, NamedSharding(mesh, P("data", "model")))
     return {
         "arrays": arrays,
-        "replicated": jax.device_put(rng.standard_normal((3, 5), dtype=np.float32), NamedSharding(mesh, P())),
-        "partial": jax.device_put(rng.standard_normal((8, 6), dtype=np.float32), NamedSharding(mesh, P("data"))),
+        "replicated": jax.device_put(
+            rng.standard_normal((3, 5), dtype=np.float32), NamedSharding(mesh, P())
+        ),
+        "partial": jax.device_put(
+            rng.standard_normal((8, 6), dtype=np.float32), NamedSharding(mesh, P("data"))
+        ),
         "scalar_array": jax.device_put(np.float32(-1.5), NamedSharding(mesh, P())),
         "single": jax.device_put(rng.standard_normal((6,), dtype=np.float32), jax.devices()[6]),
-        "numpy": {"f64": rng.standard_normal((4, 3)), "i16": np.arange(5, dtype=np.int16), "bf16": np.arange(3).astype(jnp.bfloat16)},
+        "numpy": {
+            "f64": rng.standard_normal((4, 3)),
+            "i16": np.arange(5, dtype=np.int16),
+            "bf16": np.arange(3).astype(jnp.bfloat16),
+        },
         "py": {"int": -5, "float": 1.5, "bool": True, "string": "héllo", "empty_string": ""},
         "nested": [1, [2.5, "y"], {"deep": np.arange(2, dtype=np.int32)}],
         "none": None,
@@ -154,7 +187,9 @@ def assert_same_values(got: object, want: object) -> None:
     ],
     ids=["default", "zarr3", "zstd-subchunked", "no-replica-parallel"],
 )
-def test_orbax_reads_every_leaf_kind(tmp_path: Path, mesh24: jax.sharding.Mesh, saving: mp.SaveOptions) -> None:
+def test_orbax_reads_every_leaf_kind(
+    tmp_path: Path, mesh24: jax.sharding.Mesh, saving: mp.SaveOptions
+) -> None:
     state = wide_state(mesh24)
     with mp.Context(saving=saving):
         mp.save(tmp_path / "c", state, custom_metadata={"run": "r", "n": [1, 2]})
@@ -169,17 +204,23 @@ def test_orbax_reads_every_leaf_kind(tmp_path: Path, mesh24: jax.sharding.Mesh, 
 def test_orbax_reads_the_default_banded_chunks(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
     """Shards of 2 MiB and more are written as bands of about 1 MiB by default: Orbax reads them
     exactly, onto the saved sharding and resharded."""
-    x = np.random.default_rng(4).standard_normal((1024, 4096), dtype=np.float32)  # shards of (512, 1024): 2 MiB
+    x = np.random.default_rng(4).standard_normal(
+        (1024, 4096), dtype=np.float32
+    )  # shards of (512, 1024): 2 MiB
     state = {"w": jax.device_put(x, NamedSharding(mesh24, P("data", "model")))}
     mp.save(tmp_path / "c", state)
     assert mp.metadata(tmp_path / "c").tree["w"].chunk_shape == (256, 1024)  # two bands of 1 MiB
     assert same_bits(ocp.load(tmp_path / "c")["w"], x)
     rows = NamedSharding(jax.make_mesh((8,), ("x",)), P("x", None))
-    restored = ocp.load(tmp_path / "c", {"w": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rows)})
+    restored = ocp.load(
+        tmp_path / "c", {"w": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rows)}
+    )
     assert same_bits(restored["w"], x) and restored["w"].sharding == rows
 
 
-def test_orbax_metadata_of_a_milepost_checkpoint_matches_its_own(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
+def test_orbax_metadata_of_a_milepost_checkpoint_matches_its_own(
+    tmp_path: Path, mesh24: jax.sharding.Mesh
+) -> None:
     """Same tree saved by each: Orbax describes both the same way (shapes, dtypes, shardings,
     write and chunk shapes)."""
     state = wide_state(mesh24)
@@ -196,13 +237,24 @@ def test_orbax_metadata_of_a_milepost_checkpoint_matches_its_own(tmp_path: Path,
         assert type(a) is type(b), where
         for attr in ("shape", "dtype", "sharding_metadata"):
             if hasattr(b, attr):
-                assert getattr(a, attr) == getattr(b, attr), (where, attr, getattr(a, attr), getattr(b, attr))
+                assert getattr(a, attr) == getattr(b, attr), (
+                    where,
+                    attr,
+                    getattr(a, attr),
+                    getattr(b, attr),
+                )
         if getattr(b, "storage_metadata", None) is not None:
             sa, sb = a.storage_metadata, b.storage_metadata
-            assert (sa.write_shape, sa.chunk_shape) == (sb.write_shape, sb.chunk_shape), (where, sa, sb)
+            assert (sa.write_shape, sa.chunk_shape) == (sb.write_shape, sb.chunk_shape), (
+                where,
+                sa,
+                sb,
+            )
 
 
-def test_milepost_reads_every_leaf_kind_from_orbax(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
+def test_milepost_reads_every_leaf_kind_from_orbax(
+    tmp_path: Path, mesh24: jax.sharding.Mesh
+) -> None:
     state = wide_state(mesh24)
     ocp.save(tmp_path / "c", state, custom_metadata={"from": "orbax"})
     restored = mp.load(tmp_path / "c")
@@ -214,17 +266,24 @@ def test_milepost_reads_every_leaf_kind_from_orbax(tmp_path: Path, mesh24: jax.s
     other = jax.make_mesh((4, 2), ("x", "y"))
     abstract = {
         "arrays": {
-            "bfloat16": jax.ShapeDtypeStruct((8, 4), jnp.bfloat16, sharding=NamedSharding(other, P(None, "y"))),
+            "bfloat16": jax.ShapeDtypeStruct(
+                (8, 4), jnp.bfloat16, sharding=NamedSharding(other, P(None, "y"))
+            ),
             "int8": mp.PLACEHOLDER,
         },
-        "partial": jax.ShapeDtypeStruct((8, 6), np.float32, sharding=NamedSharding(other, P("x", "y"))),
+        "partial": jax.ShapeDtypeStruct(
+            (8, 6), np.float32, sharding=NamedSharding(other, P("x", "y"))
+        ),
         "py": {"string": "", "int": 0},
     }
     out = mp.load(tmp_path / "c", abstract, partial=True)
     assert same_bits(out["arrays"]["bfloat16"], state["arrays"]["bfloat16"])
     assert out["arrays"]["bfloat16"].sharding == abstract["arrays"]["bfloat16"].sharding
     assert out["arrays"]["int8"] is mp.PLACEHOLDER
-    assert same_bits(out["partial"], state["partial"]) and out["partial"].sharding == abstract["partial"].sharding
+    assert (
+        same_bits(out["partial"], state["partial"])
+        and out["partial"].sharding == abstract["partial"].sharding
+    )
     assert out["py"] == {"string": "héllo", "int": -5}
     meta = mp.metadata(tmp_path / "c")
     assert meta.custom_metadata == {"from": "orbax"}
@@ -234,8 +293,15 @@ def test_milepost_reads_every_leaf_kind_from_orbax(tmp_path: Path, mesh24: jax.s
 
 def test_checkpointables_both_ways(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
     rng = np.random.default_rng(12)
-    params = {"w": jax.device_put(rng.standard_normal((8, 8), dtype=np.float32), NamedSharding(mesh24, P("data", "model")))}
-    opt = {"mu": jax.device_put(np.ones((8, 8), jnp.bfloat16), NamedSharding(mesh24, P("data"))), "count": 4}
+    params = {
+        "w": jax.device_put(
+            rng.standard_normal((8, 8), dtype=np.float32), NamedSharding(mesh24, P("data", "model"))
+        )
+    }
+    opt = {
+        "mu": jax.device_put(np.ones((8, 8), jnp.bfloat16), NamedSharding(mesh24, P("data"))),
+        "count": 4,
+    }
 
     ocp.save_checkpointables(tmp_path / "orbax", {"params": params, "opt": opt})
     only = mp.load_checkpointables(tmp_path / "orbax", {"params": None})
@@ -250,7 +316,11 @@ def test_checkpointables_both_ways(tmp_path: Path, mesh24: jax.sharding.Mesh) ->
 
 def test_orbax_plain_zarr3_layout(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
     state = make_state(mesh24)
-    with ocp.Context(array_options=ocp.options.ArrayOptions(saving=ocp.options.ArrayOptions.Saving(use_ocdbt=False))):
+    with ocp.Context(
+        array_options=ocp.options.ArrayOptions(
+            saving=ocp.options.ArrayOptions.Saving(use_ocdbt=False)
+        )
+    ):
         ocp.save(tmp_path / "c", state)
     assert not any((tmp_path / "c" / "state").glob("ocdbt.process_*"))
     check(mp.load(tmp_path / "c"), state)

@@ -42,7 +42,11 @@ def make_state(mesh: jax.sharding.Mesh, k: int = 0) -> dict[str, Any]:
     return {
         "params": {
             "w": put(rng.standard_normal((64, 32), dtype=np.float32), mesh, P("data", "model")),
-            "v": put(rng.standard_normal((16, 8), dtype=np.float32).astype(jax.numpy.bfloat16), mesh, P("model")),
+            "v": put(
+                rng.standard_normal((16, 8), dtype=np.float32).astype(jax.numpy.bfloat16),
+                mesh,
+                P("model"),
+            ),
             "r": put(rng.integers(-9, 9, (6, 5), dtype=np.int32), mesh, P()),
         },
         "host": {"f64": rng.standard_normal((5, 3)), "i16": np.arange(7, dtype=np.int16) * (k + 1)},
@@ -56,8 +60,10 @@ def resharded(state: dict[str, Any]) -> dict[str, Any]:
     other = jax.make_mesh((4, 2), ("x", "y"))
     specs = {"w": P(None, "x"), "v": P("x"), "r": P("y")}
     return {
-        "params": {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(other, specs[k]))
-                   for k, a in state["params"].items()},
+        "params": {
+            k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(other, specs[k]))
+            for k, a in state["params"].items()
+        },
         "host": state["host"],
         "step": 0,
         "lr": 0.0,
@@ -69,7 +75,9 @@ def assert_orbax_equal(got: dict[str, Any], want: dict[str, Any]) -> None:
     for k, w in want["params"].items():
         assert isinstance(got["params"][k], jax.Array)
         g = np.asarray(got["params"][k])
-        assert g.dtype == w.dtype and np.array_equal(g.view(np.uint8), np.asarray(w).view(np.uint8)), k
+        assert g.dtype == w.dtype and np.array_equal(
+            g.view(np.uint8), np.asarray(w).view(np.uint8)
+        ), k
     for k, w in want["host"].items():
         assert got["host"][k].dtype == w.dtype and np.array_equal(got["host"][k], w), k
     assert int(got["step"]) == want["step"] and float(got["lr"]) == want["lr"]
@@ -98,7 +106,9 @@ def orbax_gcs(gcs_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[st
     # for each bucket's layout, which the emulator does not serve (a 60 s timeout per bucket).
     monkeypatch.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
     monkeypatch.setenv("FSSPEC_GCS", json.dumps(settings))
-    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_endpoint)  # google-cloud-storage clients (Orbax's step code)
+    monkeypatch.setenv(
+        "STORAGE_EMULATOR_HOST", gcs_endpoint
+    )  # google-cloud-storage clients (Orbax's step code)
     pytest.importorskip("gcsfs")
     import fsspec.config
     import gcsfs.core
@@ -108,7 +118,9 @@ def orbax_gcs(gcs_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[st
     # protocol: both may predate this test, so set the options and the plain class directly.
     for protocol in ("gcs", "gs"):
         monkeypatch.setitem(fsspec.config.conf, protocol, dict(settings))
-        monkeypatch.setitem(importlib.import_module("fsspec.registry")._registry, protocol, gcsfs.core.GCSFileSystem)
+        monkeypatch.setitem(
+            importlib.import_module("fsspec.registry")._registry, protocol, gcsfs.core.GCSFileSystem
+        )
 
     def forget_filesystems() -> None:
         backend.fsspec_backend._get_filesystem.cache_clear()
@@ -121,12 +133,19 @@ def orbax_gcs(gcs_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[st
         forget_filesystems()
 
 
-def test_milepost_reads_orbax_on_gcs(orbax_gcs: str, gcs_endpoint: str, mesh24: jax.sharding.Mesh) -> None:
+def test_milepost_reads_orbax_on_gcs(
+    orbax_gcs: str, gcs_endpoint: str, mesh24: jax.sharding.Mesh
+) -> None:
     state = make_state(mesh24)
     path = f"{orbax_gcs}/orbax/1"
     ocp.save(path, state)
     written = gcs_objects(gcs_endpoint, path)  # in place (no temporary directory), marker included
-    assert {"commit_success.txt", "_CHECKPOINT_METADATA", "state/_METADATA", "state/manifest.ocdbt"} <= set(written)
+    assert {
+        "commit_success.txt",
+        "_CHECKPOINT_METADATA",
+        "state/_METADATA",
+        "state/manifest.ocdbt",
+    } <= set(written)
     assert not any("_milepost" in n for n in written)
     assert_tree_equal(mp.load(path), state)  # saved shardings, exact values, Python scalars
     abstract = resharded(state)
@@ -134,7 +153,10 @@ def test_milepost_reads_orbax_on_gcs(orbax_gcs: str, gcs_endpoint: str, mesh24: 
     assert_tree_equal(got, state, check_sharding=False)
     assert all(got["params"][k].sharding == a.sharding for k, a in abstract["params"].items())
     meta = mp.metadata(path)
-    assert meta.tree["params"]["w"].shape == (64, 32) and meta.tree["params"]["v"].dtype == jax.numpy.bfloat16
+    assert (
+        meta.tree["params"]["w"].shape == (64, 32)
+        and meta.tree["params"]["v"].dtype == jax.numpy.bfloat16
+    )
     assert meta.tree["params"]["w"].sharding.to_jax() == state["params"]["w"].sharding
     assert meta.commit_timestamp_nsecs
 
@@ -154,7 +176,9 @@ def test_milepost_checkpointer_reads_orbax_training_steps(
         assert ours.metadata(1).tree["host"]["i16"].shape == (7,)
 
 
-def test_orbax_reads_milepost_on_gcs(orbax_gcs: str, gcs_endpoint: str, mesh24: jax.sharding.Mesh) -> None:
+def test_orbax_reads_milepost_on_gcs(
+    orbax_gcs: str, gcs_endpoint: str, mesh24: jax.sharding.Mesh
+) -> None:
     state = make_state(mesh24)
     path = f"{orbax_gcs}/milepost/1"
     mp.save(path, state)
@@ -167,7 +191,9 @@ def test_orbax_reads_milepost_on_gcs(orbax_gcs: str, gcs_endpoint: str, mesh24: 
     assert got["params"]["w"].sharding == abstract["params"]["w"].sharding
 
 
-def test_orbax_reads_milepost_checkpointer_steps_on_gcs(orbax_gcs: str, mesh24: jax.sharding.Mesh) -> None:
+def test_orbax_reads_milepost_checkpointer_steps_on_gcs(
+    orbax_gcs: str, mesh24: jax.sharding.Mesh
+) -> None:
     root = f"{orbax_gcs}/train"
     with mp.training.Checkpointer(root) as ours:
         for step in (3, 4):
@@ -192,8 +218,11 @@ def test_milepost_s3_checkpoint_is_orbax_format(
     state = make_state(mesh24)
     mp.save(f"s3://{bucket}/run/7", state)
     s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-    keys = [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix="run/7/")
-            for o in page.get("Contents", [])]
+    keys = [
+        o["Key"]
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix="run/7/")
+        for o in page.get("Contents", [])
+    ]
     assert "run/7/commit_success.txt" in keys and "run/7/state/manifest.ocdbt" in keys
     for key in keys:
         local = tmp_path / "7" / key.removeprefix("run/7/")

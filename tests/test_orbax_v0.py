@@ -27,7 +27,9 @@ def make_tree() -> dict[str, Any]:
     mesh = jax.make_mesh((4, 2), ("data", "model"))
     return {
         "params": {
-            "w": jax.device_put(jnp.arange(128.0).reshape(16, 8), NamedSharding(mesh, P("data", "model"))),
+            "w": jax.device_put(
+                jnp.arange(128.0).reshape(16, 8), NamedSharding(mesh, P("data", "model"))
+            ),
             "b": jnp.arange(8, dtype=jnp.bfloat16),
         },
         "n": np.arange(6, dtype=np.int32).reshape(2, 3),
@@ -38,7 +40,9 @@ def make_tree() -> dict[str, Any]:
 
 def check(got: dict[str, Any], want: dict[str, Any]) -> None:
     assert np.array_equal(np.asarray(got["params"]["w"]), np.asarray(want["params"]["w"]))
-    assert got["params"]["b"].dtype == jnp.bfloat16 and np.array_equal(np.asarray(got["params"]["b"]), np.asarray(want["params"]["b"]))
+    assert got["params"]["b"].dtype == jnp.bfloat16 and np.array_equal(
+        np.asarray(got["params"]["b"]), np.asarray(want["params"]["b"])
+    )
     assert np.array_equal(np.asarray(got["n"]), want["n"]) and int(got["step"]) == 3
     assert np.array_equal(jax.random.key_data(got["rng"]), jax.random.key_data(want["rng"]))
 
@@ -59,12 +63,25 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, A
             manager.save(step, args=ocp.args.StandardSave(tree))
         manager.wait_until_finished()
     with ocp.CheckpointManager(root / "composite", item_names=("state", "extra")) as manager:
-        manager.save(7, args=ocp.args.Composite(state=ocp.args.StandardSave(tree), extra=ocp.args.JsonSave({"epoch": 2})))
+        manager.save(
+            7,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(tree), extra=ocp.args.JsonSave({"epoch": 2})
+            ),
+        )
         manager.wait_until_finished()
     return root, tree
 
 
-LAYOUTS = ["standard", "standard-plain", "pytree", "pytree-zarr3-plain", "pytree-zarr3", "manager/10", "composite/7"]
+LAYOUTS = [
+    "standard",
+    "standard-plain",
+    "pytree",
+    "pytree-zarr3-plain",
+    "pytree-zarr3",
+    "manager/10",
+    "composite/7",
+]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -82,13 +99,17 @@ def test_v0_loads_resharded_and_cast(written: tuple[Path, dict[str, Any]], layou
     other = jax.make_mesh((2, 4), ("x", "y"))
     abstract = {
         "params": {
-            "w": jax.ShapeDtypeStruct((16, 8), jnp.bfloat16, sharding=NamedSharding(other, P(None, "y"))),
+            "w": jax.ShapeDtypeStruct(
+                (16, 8), jnp.bfloat16, sharding=NamedSharding(other, P(None, "y"))
+            ),
             "b": jax.ShapeDtypeStruct((8,), jnp.float32, sharding=NamedSharding(other, P("y"))),
         },
     }
     got = mp.load(root / layout, abstract, partial=True)["params"]
     assert got["w"].dtype == jnp.bfloat16 and got["w"].sharding.spec == P(None, "y")
-    assert np.array_equal(np.asarray(got["w"]), np.asarray(tree["params"]["w"]).astype(jnp.bfloat16))
+    assert np.array_equal(
+        np.asarray(got["w"]), np.asarray(tree["params"]["w"]).astype(jnp.bfloat16)
+    )
     assert np.array_equal(np.asarray(got["b"]), np.asarray(tree["params"]["b"]).astype(np.float32))
 
 
@@ -97,7 +118,9 @@ def test_v0_checkpointables(written: tuple[Path, dict[str, Any]]) -> None:
     parts = mp.load_checkpointables(root / "composite" / "7")
     assert parts["extra"] == {"epoch": 2}
     check(parts["state"], tree)
-    assert set(mp.load_checkpointables(root / "standard")) == {"default"}  # a single checkpointer's item
+    assert set(mp.load_checkpointables(root / "standard")) == {
+        "default"
+    }  # a single checkpointer's item
     assert mp.load_checkpointables(root / "pytree", {"default": None})["default"]["note"] == "hi"
 
 
@@ -110,7 +133,9 @@ def test_a_checkpointer_reads_a_v0_manager_root(written: tuple[Path, dict[str, A
         assert ckpt.metadata(0).tree["n"].shape == (2, 3)
 
 
-def test_older_v0_without_commit_marker_or_checkpoint_metadata(written: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+def test_older_v0_without_commit_marker_or_checkpoint_metadata(
+    written: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
     root, tree = written
     no_marker = shutil.copytree(root / "standard", tmp_path / "no-marker")
     (no_marker / "commit_success.txt").unlink()  # older Orbax wrote none on local disks
@@ -125,15 +150,24 @@ def test_an_unknown_layout_says_what_it_found(tmp_path: Path) -> None:
     odd = tmp_path / "odd"
     odd.mkdir()
     (odd / "weights.npz").write_bytes(b"x")
-    with pytest.raises(mp.CheckpointNotFoundError, match=r"(?s)weights\.npz.*Orbax v0.*safetensors"):
+    with pytest.raises(
+        mp.CheckpointNotFoundError, match=r"(?s)weights\.npz.*Orbax v0.*safetensors"
+    ):
         mp.load(odd)
 
 
-def test_a_handler_milepost_does_not_read_is_named(written: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+def test_a_handler_milepost_does_not_read_is_named(
+    written: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
     root, _ = written
     ckpt = shutil.copytree(root / "composite" / "7", tmp_path / "c")
-    meta = (ckpt / "_CHECKPOINT_METADATA").read_text().replace(
-        "json_checkpoint_handler.JsonCheckpointHandler", "proto_checkpoint_handler.ProtoCheckpointHandler"
+    meta = (
+        (ckpt / "_CHECKPOINT_METADATA")
+        .read_text()
+        .replace(
+            "json_checkpoint_handler.JsonCheckpointHandler",
+            "proto_checkpoint_handler.ProtoCheckpointHandler",
+        )
     )
     (ckpt / "_CHECKPOINT_METADATA").write_text(meta)
     with pytest.raises(TypeError, match=r"(?s)'extra'.*ProtoCheckpointHandler.*does not read"):

@@ -31,7 +31,10 @@ class Terminal(io.StringIO):
 def _state(mesh: jax.sharding.Mesh, arrays: int = 8, rows: int = 512) -> dict:
     sharding = NamedSharding(mesh, P("data", "model"))
     return {
-        "params": {f"w{i}": jax.device_put(np.full((rows, 1024), i, np.float32), sharding) for i in range(arrays)},
+        "params": {
+            f"w{i}": jax.device_put(np.full((rows, 1024), i, np.float32), sharding)
+            for i in range(arrays)
+        },
         "step": 7,
         "note": "x",
     }
@@ -49,7 +52,9 @@ def _advancing(frames: list[tuple[float, float]], total_mib: float) -> None:
     assert done[-1] == total_mib and frames[-1][1] == total_mib, frames
 
 
-def test_save_load_verify_bars_show_bytes_advancing(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
+def test_save_load_verify_bars_show_bytes_advancing(
+    tmp_path: Path, mesh24: jax.sharding.Mesh
+) -> None:
     state = _state(mesh24)  # 16 MiB in 8 arrays of 64 chunks each
     for kind in ("save", "load", "verify"):
         stream = Terminal()
@@ -65,15 +70,23 @@ def test_save_load_verify_bars_show_bytes_advancing(tmp_path: Path, mesh24: jax.
         _advancing(_frames(text), 16.0)
 
 
-def test_surgery_bars_count_every_byte_read_and_written_from_the_start(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
+def test_surgery_bars_count_every_byte_read_and_written_from_the_start(
+    tmp_path: Path, mesh24: jax.sharding.Mesh
+) -> None:
     from milepost import surgery as ms
 
     mp.save(tmp_path / "c", _state(mesh24))  # 16 MiB of float32
     stream = Terminal()
     with mp.Context(progress=mp.ProgressOptions(file=stream, delay_secs=0, refresh_secs=0)):
-        ms.write(tmp_path / "half", ms.cast(ms.open(tmp_path / "c").tree, np.float16), memory_budget_bytes=4 << 20)
+        ms.write(
+            tmp_path / "half",
+            ms.cast(ms.open(tmp_path / "c").tree, np.float16),
+            memory_budget_bytes=4 << 20,
+        )
     frames = _frames(stream.getvalue())
-    assert {t for _, t in frames} == {24.0}, frames  # 16 MiB read + 8 MiB written, known before the first group
+    assert {t for _, t in frames} == {24.0}, (
+        frames
+    )  # 16 MiB read + 8 MiB written, known before the first group
     _advancing(frames, 24.0)
     stream = Terminal()
     with mp.Context(progress=mp.ProgressOptions(file=stream, delay_secs=0, refresh_secs=0)):
@@ -82,7 +95,9 @@ def test_surgery_bars_count_every_byte_read_and_written_from_the_start(tmp_path:
     _advancing(_frames(stream.getvalue()), 16.0)
 
 
-def test_progress_is_off_by_default_and_waits_for_its_delay(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+def test_progress_is_off_by_default_and_waits_for_its_delay(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     mp.save(tmp_path / "a", {"x": np.arange(1000)})
     mp.load(tmp_path / "a")
     assert capfd.readouterr().err == ""
@@ -122,7 +137,9 @@ def test_a_slice_counts_each_host_as_its_ack_arrives() -> None:
         sink.acked(0, SaveAck(process_index=0, bytes_written=100, arrays=()))
         assert op.done == 100
         sink.acked(1, SaveAck(process_index=1, bytes_written=120, arrays=()))
-        sink.acked(1, SaveAck(process_index=1, bytes_written=120, arrays=()))  # the same host again: not twice
+        sink.acked(
+            1, SaveAck(process_index=1, bytes_written=120, arrays=())
+        )  # the same host again: not twice
         sink.acked(2, "a token, not an ack")
     assert op.done == 220
     sink.acked(3, SaveAck(process_index=3, bytes_written=80, arrays=()))  # no sink outside: ignored
@@ -130,7 +147,9 @@ def test_a_slice_counts_each_host_as_its_ack_arrives() -> None:
     assert op.done == 300 and "300 B in" in op.summary()
 
 
-def test_log_lines_at_info(tmp_path: Path, mesh24: jax.sharding.Mesh, caplog: pytest.LogCaptureFixture) -> None:
+def test_log_lines_at_info(
+    tmp_path: Path, mesh24: jax.sharding.Mesh, caplog: pytest.LogCaptureFixture
+) -> None:
     state = _state(mesh24, arrays=2)
     with caplog.at_level(logging.INFO, logger="milepost"):
         mp.save(tmp_path / "a", state)
@@ -139,8 +158,12 @@ def test_log_lines_at_info(tmp_path: Path, mesh24: jax.sharding.Mesh, caplog: py
         mp.verify(tmp_path / "b")
     lines = [r.getMessage() for r in caplog.records if r.name == "milepost"]
     pattern = r"{} {}: 4\.0 MiB in [\d.]+ s \([\d.]+ GB/s\)"
-    assert re.fullmatch(pattern.format("saved", re.escape(str(tmp_path / "a"))) + r", blocking [\d.]+ s", lines[0]), lines
-    assert re.fullmatch(pattern.format("saved", re.escape(str(tmp_path / "b"))) + r", blocking [\d.]+ s", lines[1]), lines
+    assert re.fullmatch(
+        pattern.format("saved", re.escape(str(tmp_path / "a"))) + r", blocking [\d.]+ s", lines[0]
+    ), lines
+    assert re.fullmatch(
+        pattern.format("saved", re.escape(str(tmp_path / "b"))) + r", blocking [\d.]+ s", lines[1]
+    ), lines
     assert re.fullmatch(pattern.format("loaded", re.escape(str(tmp_path / "a"))), lines[2]), lines
     assert re.fullmatch(pattern.format("verified", re.escape(str(tmp_path / "b"))), lines[3]), lines
     assert len(lines) == 4
@@ -150,7 +173,9 @@ def test_log_lines_at_info(tmp_path: Path, mesh24: jax.sharding.Mesh, caplog: py
         mp.load(tmp_path / "c")
     debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
     assert any(m.startswith("save plan for") and "2 arrays on 1 hosts" in m for m in debug), debug
-    assert any(m.startswith("load plan for") and "2 arrays read by 1 hosts" in m for m in debug), debug
+    assert any(m.startswith("load plan for") and "2 arrays read by 1 hosts" in m for m in debug), (
+        debug
+    )
 
 
 def test_checkpointer_logs_its_decisions(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -167,5 +192,9 @@ def test_checkpointer_logs_its_decisions(tmp_path: Path, caplog: pytest.LogCaptu
     assert any(m.startswith("skipped step 1: the save policy") for m in messages), messages
     assert any(m.startswith("preempted: saving step 2") for m in messages), messages
     assert f"saved step 2 to {tmp_path} (loss=0.5)" in messages
-    assert any(m.startswith("deleted steps [0] of") and "KeepLatest(n=1)" in m for m in messages), messages
-    assert not any("milepost" in m.split(" ")[0] for m in messages), messages  # no logger name in the text
+    assert any(m.startswith("deleted steps [0] of") and "KeepLatest(n=1)" in m for m in messages), (
+        messages
+    )
+    assert not any("milepost" in m.split(" ")[0] for m in messages), (
+        messages
+    )  # no logger name in the text

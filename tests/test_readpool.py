@@ -57,7 +57,9 @@ def test_an_adopted_buffer_returns_only_when_the_device_array_is_gone(pool: Read
         pytest.skip("this JAX copies on device_put instead of adopting the buffer")
     assert pool.pooled_bytes == 0, "the device array still uses the mapping"
     view = np.asarray(device)
-    doubled = jax.jit(lambda x: x * 2, donate_argnums=0)(device)  # donation does not pass the memory on
+    doubled = jax.jit(lambda x: x * 2, donate_argnums=0)(
+        device
+    )  # donation does not pass the memory on
     assert doubled.unsafe_buffer_pointer() != pointer
     del device
     gc.collect()
@@ -97,7 +99,9 @@ def test_idle_memory_goes_back_and_close_stops_the_keeper() -> None:
     buffers = [pool.take(2 * MIB), pool.take(3 * MIB)]
     del buffers
     gc.collect()
-    deadline = time.monotonic() + 10  # released 0.3-0.45 s after the last take (a busy machine: later)
+    deadline = (
+        time.monotonic() + 10
+    )  # released 0.3-0.45 s after the last take (a busy machine: later)
     while pool.pooled_bytes and time.monotonic() < deadline:
         time.sleep(0.05)
     assert pool.pooled_bytes == 0, "everything pooled is released once idle"
@@ -111,13 +115,21 @@ def test_idle_memory_goes_back_and_close_stops_the_keeper() -> None:
     assert pool.pooled_bytes == 0, "a closed pool keeps nothing"
 
 
-def test_repeated_loads_reuse_the_read_buffers_and_stay_exact(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
+def test_repeated_loads_reuse_the_read_buffers_and_stay_exact(
+    tmp_path: Path, mesh24: jax.sharding.Mesh
+) -> None:
     from milepost.workers import _readpool
 
     rng = np.random.default_rng(7)
-    tree = {f"w{i}": put(rng.standard_normal((512, 1024), dtype=np.float32), mesh24, P("data", None)) for i in range(4)}
+    tree = {
+        f"w{i}": put(rng.standard_normal((512, 1024), dtype=np.float32), mesh24, P("data", None))
+        for i in range(4)
+    }
     mp.save(tmp_path / "c", tree)
-    abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh24, P("data", None))) for k, v in tree.items()}
+    abstract = {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh24, P("data", None)))
+        for k, v in tree.items()
+    }
     _readpool.POOL.clear()
     hits = _readpool.POOL.hits
     first = mp.load(tmp_path / "c", abstract)

@@ -73,7 +73,14 @@ def leaf_zoo(mesh: jax.sharding.Mesh) -> dict[str, Any]:
             "empty": np.zeros((2, 0), np.uint8),
             "nan_inf": np.array([np.nan, np.inf, -np.inf, -0.0, 0.0], np.float32),
         },
-        "python": {"int": 7, "neg_int": -(2**63), "float": 2.5, "bool": True, "false": False, "complex": 1 - 2j},
+        "python": {
+            "int": 7,
+            "neg_int": -(2**63),
+            "float": 2.5,
+            "bool": True,
+            "false": False,
+            "complex": 1 - 2j,
+        },
         "numpy_scalars": {
             "i32": np.int32(-3),
             "f16": np.float16(1.5),
@@ -84,7 +91,13 @@ def leaf_zoo(mesh: jax.sharding.Mesh) -> dict[str, Any]:
             "c64": np.complex64(1 + 1j),
             "f64": np.float64(1e-300),
         },
-        "strings": {"plain": "hello", "empty": "", "unicode": "π ≈ 3.14159 ✓", "slashy": "a/b/../c", "newline": "x\ny"},
+        "strings": {
+            "plain": "hello",
+            "empty": "",
+            "unicode": "π ≈ 3.14159 ✓",
+            "slashy": "a/b/../c",
+            "newline": "x\ny",
+        },
         "none": None,
         "empty_dict": {},
         "empty_list": [],
@@ -109,7 +122,16 @@ def test_every_leaf_kind_with_abstract_tree(tmp_path: Path, mesh24: jax.sharding
 
 
 def test_root_leaves(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
-    roots = [put(np.arange(8.0, dtype=np.float32), mesh24, P("model")), np.arange(3), 4, "text", None, {}, [], ()]
+    roots = [
+        put(np.arange(8.0, dtype=np.float32), mesh24, P("model")),
+        np.arange(3),
+        4,
+        "text",
+        None,
+        {},
+        [],
+        (),
+    ]
     for i, root in enumerate(roots):
         mp.save(tmp_path / str(i), root)
         assert_tree_equal(mp.load(tmp_path / str(i)), root)
@@ -159,29 +181,50 @@ class Named:
 
 jax.tree_util.register_pytree_with_keys(
     Named,
-    lambda n: ([(jax.tree_util.GetAttrKey(k), v) for k, v in sorted(n.fields.items())], tuple(sorted(n.fields))),
+    lambda n: (
+        [(jax.tree_util.GetAttrKey(k), v) for k, v in sorted(n.fields.items())],
+        tuple(sorted(n.fields)),
+    ),
     lambda keys, children: Named(**dict(zip(keys, children, strict=True))),
 )
 
 
-def test_containers_round_trip_with_abstract_tree(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
+def test_containers_round_trip_with_abstract_tree(
+    tmp_path: Path, mesh24: jax.sharding.Mesh
+) -> None:
     s = lambda spec: NamedSharding(mesh24, spec)  # noqa: E731
     rng = np.random.default_rng(1)
     state = {
-        "list": [jax.device_put(np.arange(8.0, dtype=np.float32), s(P("model"))), 2, "two", [3, [4.0]]],
+        "list": [
+            jax.device_put(np.arange(8.0, dtype=np.float32), s(P("model"))),
+            2,
+            "two",
+            [3, [4.0]],
+        ],
         "tuple": (np.arange(3), (True, None), ()),
-        "point": Point(jax.device_put(rng.standard_normal((4, 4), dtype=np.float32), s(P("data"))), "p", 0.5),
+        "point": Point(
+            jax.device_put(rng.standard_normal((4, 4), dtype=np.float32), s(P("data"))), "p", 0.5
+        ),
         "layers": [
             Layer(
-                w=jax.device_put(rng.standard_normal((8, 4), dtype=np.float32), s(P("data", "model"))),
+                w=jax.device_put(
+                    rng.standard_normal((8, 4), dtype=np.float32), s(P("data", "model"))
+                ),
                 b=jax.device_put(np.zeros(4, np.float32), s(P())),
                 name=f"layer{i}",
             )
             for i in range(2)
         ],
-        "pair": Pair(np.arange(4, dtype=np.uint16), Pair("inner", jax.device_put(np.int8(3), s(P())))),
-        "named": Named(alpha=np.float32(1.25), beta={"deep": jax.device_put(np.ones((2, 8), np.int32), s(P(None, "model")))}),
-        "many": [np.int32(i) for i in range(12)],  # more than 10: order must be numeric, not lexical
+        "pair": Pair(
+            np.arange(4, dtype=np.uint16), Pair("inner", jax.device_put(np.int8(3), s(P())))
+        ),
+        "named": Named(
+            alpha=np.float32(1.25),
+            beta={"deep": jax.device_put(np.ones((2, 8), np.int32), s(P(None, "model")))},
+        ),
+        "many": [
+            np.int32(i) for i in range(12)
+        ],  # more than 10: order must be numeric, not lexical
     }
     mp.save(tmp_path / "c", state)
     restored = mp.load(tmp_path / "c", abstract_of(state))
@@ -189,12 +232,17 @@ def test_containers_round_trip_with_abstract_tree(tmp_path: Path, mesh24: jax.sh
     assert isinstance(restored["point"], Point) and isinstance(restored["tuple"], tuple)
     assert [layer.name for layer in restored["layers"]] == ["layer0", "layer1"]
     assert isinstance(restored["pair"].right, Pair) and restored["pair"].right.left == "inner"
-    assert isinstance(restored["named"], Named) and restored["named"].fields["alpha"] == np.float32(1.25)
+    assert isinstance(restored["named"], Named) and restored["named"].fields["alpha"] == np.float32(
+        1.25
+    )
     # Storage names follow the key paths (what Orbax reads too).
     names = set(mp.metadata(tmp_path / "c").tree)
     assert {"list", "tuple", "point", "layers", "pair", "named", "many"} == names
     meta = mp.metadata(tmp_path / "c").tree
-    assert meta["layers"][1]["w"].name == "layers.1.w" and meta["named"]["beta"]["deep"].name == "named.beta.deep"
+    assert (
+        meta["layers"][1]["w"].name == "layers.1.w"
+        and meta["named"]["beta"]["deep"].name == "named.beta.deep"
+    )
     assert meta["pair"][1][1].name == "pair.1.1"  # positional children: a sequence
 
     # Without an abstract tree: plain dicts and lists with the same values.
@@ -209,11 +257,31 @@ def test_containers_round_trip_with_abstract_tree(tmp_path: Path, mesh24: jax.sh
 # ------------------------------------------------------------------------------------------
 
 DTYPES = [
-    np.float64, np.float32, np.float16, jnp.bfloat16,
-    jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float8_e4m3fnuz, jnp.float8_e5m2fnuz, jnp.float8_e4m3b11fnuz,
-    jnp.float8_e3m4, jnp.float8_e8m0fnu, jnp.float4_e2m1fn, jnp.int4, jnp.int2,
-    np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
-    np.bool_, np.complex64, np.complex128,
+    np.float64,
+    np.float32,
+    np.float16,
+    jnp.bfloat16,
+    jnp.float8_e4m3fn,
+    jnp.float8_e5m2,
+    jnp.float8_e4m3fnuz,
+    jnp.float8_e5m2fnuz,
+    jnp.float8_e4m3b11fnuz,
+    jnp.float8_e3m4,
+    jnp.float8_e8m0fnu,
+    jnp.float4_e2m1fn,
+    jnp.int4,
+    jnp.int2,
+    np.int8,
+    np.int16,
+    np.int32,
+    np.int64,
+    np.uint8,
+    np.uint16,
+    np.uint32,
+    np.uint64,
+    np.bool_,
+    np.complex64,
+    np.complex128,
 ]
 
 
@@ -251,7 +319,9 @@ def test_dtype_round_trip(tmp_path: Path, mesh24: jax.sharding.Mesh, dtype: Any)
         assert_tree_equal(restored, state)
         assert type(restored["scalar"]) is type(host[1, 2])
         meta = mp.metadata(tmp_path / "c").tree
-        assert meta["sharded"].dtype == dt and meta["numpy"].dtype == dt and meta["scalar"].dtype == dt
+        assert (
+            meta["sharded"].dtype == dt and meta["numpy"].dtype == dt and meta["scalar"].dtype == dt
+        )
 
 
 # ------------------------------------------------------------------------------------------
@@ -271,16 +341,24 @@ def test_memory_kinds_are_saved_and_loaded(tmp_path: Path, mesh24: jax.sharding.
     w = rng.standard_normal((16, 8), dtype=np.float32)
     v = rng.integers(0, 9, (6,), dtype=np.int32)
     state = {
-        "opt": jax.device_put(w, NamedSharding(mesh24, P("data", "model"), memory_kind="pinned_host")),
+        "opt": jax.device_put(
+            w, NamedSharding(mesh24, P("data", "model"), memory_kind="pinned_host")
+        ),
         "one": jax.device_put(v, SingleDeviceSharding(jax.devices()[3], memory_kind="pinned_host")),
         "w": put(w, mesh24, P("model")),
     }
     mp.save(tmp_path / "c", state)
     restored = mp.load(tmp_path / "c")
     assert_tree_equal(restored, state)
-    assert [restored[k].sharding.memory_kind for k in ("opt", "one", "w")] == ["pinned_host", "pinned_host", "device"]
+    assert [restored[k].sharding.memory_kind for k in ("opt", "one", "w")] == [
+        "pinned_host",
+        "pinned_host",
+        "device",
+    ]
     meta = mp.metadata(tmp_path / "c").tree
-    assert meta["opt"].sharding.memory_kind == "pinned_host" and meta["w"].sharding.memory_kind is None
+    assert (
+        meta["opt"].sharding.memory_kind == "pinned_host" and meta["w"].sharding.memory_kind is None
+    )
     saved = json.loads((tmp_path / "c" / "state" / "_sharding").read_text())
     assert ["memory_kind" in json.loads(text) for text in saved.values()].count(True) == 2
 
@@ -288,7 +366,11 @@ def test_memory_kinds_are_saved_and_loaded(tmp_path: Path, mesh24: jax.sharding.
     for source in ("opt", "w"):
         for kind in ("pinned_host", "unpinned_host", "device"):
             target = NamedSharding(mesh42, P(None, "x"), memory_kind=kind)
-            out = mp.load(tmp_path / "c", {source: jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=target)}, partial=True)
+            out = mp.load(
+                tmp_path / "c",
+                {source: jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=target)},
+                partial=True,
+            )
             assert out[source].sharding == target, (source, kind)
             assert_shards_exact(out[source], w)
 
@@ -302,7 +384,9 @@ def test_resharded_loads(tmp_path: Path, mesh24: jax.sharding.Mesh, subchunked: 
     with mp.Context(saving=mp.SaveOptions(chunk_byte_size=64 if subchunked else None)):
         mp.save(tmp_path / "c", state)
     mesh42 = jax.make_mesh((4, 2), ("x", "y"))
-    shuffled = jax.sharding.Mesh(np.array(jax.devices())[[5, 2, 7, 0, 3, 6, 1, 4]].reshape(2, 4), ("a", "b"))
+    shuffled = jax.sharding.Mesh(
+        np.array(jax.devices())[[5, 2, 7, 0, 3, 6, 1, 4]].reshape(2, 4), ("a", "b")
+    )
     targets = {
         "(4,2) P(None,'x')": NamedSharding(mesh42, P(None, "x")),
         "(4,2) P('y','x')": NamedSharding(mesh42, P("y", "x")),
@@ -317,7 +401,11 @@ def test_resharded_loads(tmp_path: Path, mesh24: jax.sharding.Mesh, subchunked: 
             {
                 "w": jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=target),
                 # (5, 3) divides no axis: replicated, or on the single device
-                "r": jax.ShapeDtypeStruct(r.shape, r.dtype, sharding=target if label == "single device" else NamedSharding(mesh42, P())),
+                "r": jax.ShapeDtypeStruct(
+                    r.shape,
+                    r.dtype,
+                    sharding=target if label == "single device" else NamedSharding(mesh42, P()),
+                ),
             },
         )
         assert out["w"].sharding == target, label
@@ -325,8 +413,13 @@ def test_resharded_loads(tmp_path: Path, mesh24: jax.sharding.Mesh, subchunked: 
         assert same_bits(out["w"], w) and same_bits(out["r"], r), label
     # Saved replicated, loaded sharded (and onto an 8-way 1-D mesh).
     mesh8 = jax.make_mesh((8,), ("z",))
-    out = mp.load(tmp_path / "c", {"w": jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=NamedSharding(mesh8, P("z"))),
-                                   "r": jax.ShapeDtypeStruct(r.shape, r.dtype, sharding=NamedSharding(mesh8, P(None)))})
+    out = mp.load(
+        tmp_path / "c",
+        {
+            "w": jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=NamedSharding(mesh8, P("z"))),
+            "r": jax.ShapeDtypeStruct(r.shape, r.dtype, sharding=NamedSharding(mesh8, P(None))),
+        },
+    )
     assert_shards_exact(out["w"], w)
     assert_shards_exact(out["r"], r)
     # A concrete array works as the abstract leaf too (its sharding is used; it is not modified).
@@ -341,7 +434,12 @@ def test_cast_on_load(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
     w = rng.standard_normal((8, 8), dtype=np.float32) * 1000
     b = jnp.asarray(rng.standard_normal(8, dtype=np.float32), dtype=jnp.bfloat16)
     n = np.arange(10, dtype=np.int32) - 5
-    state = {"w": put(w, mesh24, P("data", "model")), "b": put(b, mesh24, P("model")), "n": n, "i": np.int16(-7)}
+    state = {
+        "w": put(w, mesh24, P("data", "model")),
+        "b": put(b, mesh24, P("model")),
+        "n": n,
+        "i": np.int16(-7),
+    }
     mp.save(tmp_path / "c", state)
     s = NamedSharding(jax.make_mesh((4, 2), ("x", "y")), P("x"))
     out = mp.load(
@@ -357,7 +455,9 @@ def test_cast_on_load(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
     assert same_bits(out["b"], np.asarray(b).astype(np.float32))
     assert same_bits(out["n"], n.astype(np.float16))
     assert type(out["i"]) is np.int64 and out["i"] == -7
-    out16 = mp.load(tmp_path / "c", {"w": jax.ShapeDtypeStruct(w.shape, jnp.float16, sharding=s)}, partial=True)
+    out16 = mp.load(
+        tmp_path / "c", {"w": jax.ShapeDtypeStruct(w.shape, jnp.float16, sharding=s)}, partial=True
+    )
     assert same_bits(out16["w"], w.astype(np.float16))  # includes overflow to inf, as astype does
 
 
@@ -366,8 +466,10 @@ def test_partial_and_placeholder_read_only_what_is_asked(
 ) -> None:
     rng = np.random.default_rng(4)
     state = {
-        "params": {"w": put(rng.standard_normal((8, 8), dtype=np.float32), mesh24, P("data")),
-                   "b": put(np.arange(8.0, dtype=np.float32), mesh24, P())},
+        "params": {
+            "w": put(rng.standard_normal((8, 8), dtype=np.float32), mesh24, P("data")),
+            "b": put(np.arange(8.0, dtype=np.float32), mesh24, P()),
+        },
         "opt": {"mu": put(np.ones((8, 8), np.float32), mesh24, P("data")), "count": np.int32(3)},
         "step": 12,
         "name": "run",
@@ -375,7 +477,11 @@ def test_partial_and_placeholder_read_only_what_is_asked(
     mp.save(tmp_path / "c", state)
     spy_reads["arrays"].clear()
 
-    sub = mp.load(tmp_path / "c", {"params": {"w": abstract_of(state["params"]["w"])}, "step": 0}, partial=True)
+    sub = mp.load(
+        tmp_path / "c",
+        {"params": {"w": abstract_of(state["params"]["w"])}, "step": 0},
+        partial=True,
+    )
     assert set(sub) == {"params", "step"} and set(sub["params"]) == {"w"}
     assert_tree_equal(sub, {"params": {"w": state["params"]["w"]}, "step": 12})
     assert sorted(spy_reads["arrays"]) == ["params.w", "step"]
@@ -391,11 +497,15 @@ def test_partial_and_placeholder_read_only_what_is_asked(
     assert sorted(spy_reads["arrays"]) == ["params.w", "step"]
 
     # partial=True with PLACEHOLDER in a partial tree: both at once
-    both = mp.load(tmp_path / "c", {"opt": {"mu": mp.PLACEHOLDER, "count": np.int32(0)}}, partial=True)
+    both = mp.load(
+        tmp_path / "c", {"opt": {"mu": mp.PLACEHOLDER, "count": np.int32(0)}}, partial=True
+    )
     assert both == {"opt": {"mu": ..., "count": np.int32(3)}}
 
 
-def test_abstract_without_sharding_uses_the_saved_one(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
+def test_abstract_without_sharding_uses_the_saved_one(
+    tmp_path: Path, mesh24: jax.sharding.Mesh
+) -> None:
     x = put(np.arange(32, dtype=np.float32).reshape(4, 8), mesh24, P("data", "model"))
     mp.save(tmp_path / "c", {"x": x})
     out = mp.load(tmp_path / "c", {"x": jax.ShapeDtypeStruct((4, 8), jnp.bfloat16)})
@@ -430,7 +540,14 @@ def _zarr_header(ckpt: Path, name: str) -> dict[str, Any]:
         mp.SaveOptions(chunk_byte_size=100),
         mp.SaveOptions(replica_parallel=False),
     ],
-    ids=["default", "plain-zarr3", "zstd", "zarr3-zstd-subchunked", "subchunked", "no-replica-parallel"],
+    ids=[
+        "default",
+        "plain-zarr3",
+        "zstd",
+        "zarr3-zstd-subchunked",
+        "subchunked",
+        "no-replica-parallel",
+    ],
 )
 def test_save_options(tmp_path: Path, mesh24: jax.sharding.Mesh, saving: mp.SaveOptions) -> None:
     rng = np.random.default_rng(5)
@@ -471,7 +588,10 @@ def test_save_options(tmp_path: Path, mesh24: jax.sharding.Mesh, saving: mp.Save
     assert meta["w"].write_shape == (16, 4)
     assert meta["odd"].write_shape == (3, 5)  # no axis divisible by 8: one writer
     array_meta = json.loads((ckpt / "state" / "array_metadatas" / "process_0").read_text())
-    recorded = {e["array_metadata"]["param_name"]: e["array_metadata"] for e in array_meta["array_metadatas"]}
+    recorded = {
+        e["array_metadata"]["param_name"]: e["array_metadata"]
+        for e in array_meta["array_metadatas"]
+    }
     assert tuple(recorded["w"]["write_shape"]) == meta["w"].write_shape
 
     # Chunk shape: divides the write shape and fits chunk_byte_size (host NumPy leaves too).
@@ -479,14 +599,19 @@ def test_save_options(tmp_path: Path, mesh24: jax.sharding.Mesh, saving: mp.Save
         ws, cs = meta[name].write_shape, meta[name].chunk_shape
         assert all(w % c == 0 for w, c in zip(ws, cs, strict=True)), (name, ws, cs)
         if isinstance(saving.chunk_byte_size, int):
-            assert int(np.prod(cs)) * meta[name].dtype.itemsize <= saving.chunk_byte_size, (name, cs)
+            assert int(np.prod(cs)) * meta[name].dtype.itemsize <= saving.chunk_byte_size, (
+                name,
+                cs,
+            )
         else:
             assert cs == ws  # (the default, "auto", keeps shards under 2 MiB whole)
     if isinstance(saving.chunk_byte_size, int):
         assert meta["w"].chunk_shape != meta["w"].write_shape
         # A resharded read of subchunked data gives the same values.
         s = NamedSharding(jax.make_mesh((8,), ("z",)), P(None, "z"))
-        out = mp.load(ckpt, {"w": jax.ShapeDtypeStruct((32, 16), np.float32, sharding=s)}, partial=True)
+        out = mp.load(
+            ckpt, {"w": jax.ShapeDtypeStruct((32, 16), np.float32, sharding=s)}, partial=True
+        )
         assert_shards_exact(out["w"], np.asarray(state["w"]))
 
 
@@ -499,10 +624,15 @@ def test_checkpointables_load_a_subset_without_reading_the_others(
     tmp_path: Path, mesh24: jax.sharding.Mesh, spy_reads: dict[str, list[Any]]
 ) -> None:
     rng = np.random.default_rng(6)
-    params = {"w": put(rng.standard_normal((8, 8), dtype=np.float32), mesh24, P("data", "model")), "step": 5}
+    params = {
+        "w": put(rng.standard_normal((8, 8), dtype=np.float32), mesh24, P("data", "model")),
+        "step": 5,
+    }
     opt = {"mu": put(np.full((8, 8), 2.0, np.float32), mesh24, P("data")), "nu": np.ones(3)}
     dataset = {"position": 17, "shard": "train-00003"}
-    ckpt = mp.save_checkpointables(tmp_path / "c", {"params": params, "opt": opt, "dataset": dataset})
+    ckpt = mp.save_checkpointables(
+        tmp_path / "c", {"params": params, "opt": opt, "dataset": dataset}
+    )
     assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["dataset", "opt", "params"]
 
     everything = mp.load_checkpointables(ckpt)
@@ -522,7 +652,9 @@ def test_checkpointables_load_a_subset_without_reading_the_others(
         mp.load_checkpointables(ckpt, {"opt": None})
 
 
-def test_load_reads_only_the_state_checkpointable(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
+def test_load_reads_only_the_state_checkpointable(
+    tmp_path: Path, mesh24: jax.sharding.Mesh
+) -> None:
     state = {"x": put(np.arange(8.0, dtype=np.float32), mesh24, P("model"))}
     ckpt = mp.save_checkpointables(tmp_path / "c", {"state": state, "extra": {"y": np.arange(3)}})
     shutil.rmtree(ckpt / "extra")
@@ -534,19 +666,31 @@ def test_64_bit_arrays_need_x64_on_load(tmp_path: Path, mesh24: jax.sharding.Mes
     32 bits (2**40 + 1 came back as 1). Now: a clear error, or an explicit cast."""
     big = np.arange(8, dtype=np.int64) + 2**40
     with jax.enable_x64(True):
-        mp.save(tmp_path / "c", {"i": put(big, mesh24, P("data")), "f": put(np.full(8, 1 + 2**-40), mesh24, P()), "n": big})
+        mp.save(
+            tmp_path / "c",
+            {
+                "i": put(big, mesh24, P("data")),
+                "f": put(np.full(8, 1 + 2**-40), mesh24, P()),
+                "n": big,
+            },
+        )
     with pytest.raises(ValueError, match=r"(?s)array '(i|f)'.*(int64|float64).*x64"):
         mp.load(tmp_path / "c")
     # Host NumPy leaves are not affected; an explicit 32-bit dtype is a cast; x64 loads exactly.
     s = NamedSharding(mesh24, P())
-    out = mp.load(tmp_path / "c", {"i": jax.ShapeDtypeStruct((8,), np.int32, sharding=s), "f": mp.PLACEHOLDER, "n": big})
+    out = mp.load(
+        tmp_path / "c",
+        {"i": jax.ShapeDtypeStruct((8,), np.int32, sharding=s), "f": mp.PLACEHOLDER, "n": big},
+    )
     assert same_bits(out["i"], big.astype(np.int32)) and same_bits(out["n"], big)
     with jax.enable_x64(True):
         exact = mp.load(tmp_path / "c")
         assert same_bits(exact["i"], big) and same_bits(exact["f"], np.full(8, 1 + 2**-40))
 
 
-def test_default_chunking_cuts_large_shards_into_bands(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
+def test_default_chunking_cuts_large_shards_into_bands(
+    tmp_path: Path, mesh24: jax.sharding.Mesh
+) -> None:
     """SaveOptions' default chunking ("auto"): a shard of 2 MiB or more becomes bands of whole
     rows of about 1 MiB, a smaller one stays one chunk. The bands are read directly (same
     topology: a shard at a time; resharded along the rows: only the bands each device keeps)."""
@@ -561,7 +705,10 @@ def test_default_chunking_cuts_large_shards_into_bands(tmp_path: Path, mesh24: j
     assert mp.SaveOptions().chunk_byte_size == "auto"
     mp.save(tmp_path / "c", state)
     meta = mp.metadata(tmp_path / "c").tree
-    assert meta["big"].write_shape == (2048, 2048) and meta["big"].chunk_shape == (512, 2048)  # 4 bands of 1 MiB
+    assert meta["big"].write_shape == (2048, 2048) and meta["big"].chunk_shape == (
+        512,
+        2048,
+    )  # 4 bands of 1 MiB
     assert meta["small"].chunk_shape == meta["small"].write_shape
     pieces: list[Any] = []
     real = _direct.DirectReader.read_box
@@ -577,11 +724,17 @@ def test_default_chunking_cuts_large_shards_into_bands(tmp_path: Path, mesh24: j
         pieces.clear()
         rows = NamedSharding(jax.make_mesh((8,), ("x",)), P("x", None))
         before = mp.io_stats()
-        out = mp.load(tmp_path / "c", {"big": jax.ShapeDtypeStruct(big.shape, big.dtype, sharding=rows)}, partial=True)
+        out = mp.load(
+            tmp_path / "c",
+            {"big": jax.ShapeDtypeStruct(big.shape, big.dtype, sharding=rows)},
+            partial=True,
+        )
         read = (mp.io_stats() - before).bytes_read
     assert_shards_exact(out["big"], big)
     # (the paper's (2, 4) -> (8, 1): a device keeps a quarter of the rows of four shards, one band of each)
-    assert len(pieces) == 8 * 4 and sum(p.nbytes for p in pieces) == big.nbytes  # each band once, all of it kept
+    assert (
+        len(pieces) == 8 * 4 and sum(p.nbytes for p in pieces) == big.nbytes
+    )  # each band once, all of it kept
     assert read < 1.01 * big.nbytes, read
 
 
@@ -592,13 +745,19 @@ def test_default_chunking_cuts_large_shards_into_bands(tmp_path: Path, mesh24: j
         ((512, 512), 4, (512, 512)),  # 1 MiB: kept whole
         ((1000,), 4, (1000,)),
         ((8192, 8192), 2, (64, 8192)),
-        ((50257, 512), 4, (1733, 512)),  # 29 x 1733 rows: 29 bands of 3.4 MiB, not 50,257 rows of 2 KiB
+        (
+            (50257, 512),
+            4,
+            (1733, 512),
+        ),  # 29 x 1733 rows: 29 bands of 3.4 MiB, not 50,257 rows of 2 KiB
         ((64, 768, 512), 4, (1, 768, 512)),  # a layer (1.5 MiB) per band
         ((3, 1000000), 4, (1, 250000)),  # one index of the first axis is 4 MB: bands of the second
         ((4, 3, 1000003), 4, (1, 1, 1000003)),  # a prime length: its whole row (3.8 MiB)
     ],
 )
-def test_auto_chunk_shape(write_shape: tuple[int, ...], itemsize: int, chunk_shape: tuple[int, ...]) -> None:
+def test_auto_chunk_shape(
+    write_shape: tuple[int, ...], itemsize: int, chunk_shape: tuple[int, ...]
+) -> None:
     from milepost import _planning
 
     got = _planning.inner_chunk_shape(write_shape, itemsize, "auto")

@@ -34,7 +34,9 @@ def test_mesh_and_sharding_map_by_device_id() -> None:
     assert sharding.shard_shape((8, 16)) == (4, 4)
     assert sharding.__milepost_host_group__ is group
     assert sharding == mesh.sharding(P("data", "model")) and sharding != mesh.sharding(P("model"))
-    assert sharding != SliceMesh(FakeGroup(), {"data": 2, "model": 4}, IDS).sharding(P("data", "model"))
+    assert sharding != SliceMesh(FakeGroup(), {"data": 2, "model": 4}, IDS).sharding(
+        P("data", "model")
+    )
     with pytest.raises(ValueError, match="has 6 devices but the slice has 8"):
         SliceMesh(group, {"a": 6}, IDS)
     with pytest.raises(ValueError, match=r"names axes \['batch'\]"):
@@ -75,20 +77,26 @@ def test_pickled_size_counts_buffers_and_traffic_subtracts() -> None:
 
 def test_group_owner_map_and_device_checks() -> None:
     idents = [{"node": f"n{i}" * 8, "ip": "127.0.0.1", "pid": 100 + i} for i in range(4)]
-    group = RayHostGroup([object()] * 4, idents, [IDS[2 * i: 2 * i + 2] for i in range(4)], timeout_secs=5)
+    group = RayHostGroup(
+        [object()] * 4, idents, [IDS[2 * i : 2 * i + 2] for i in range(4)], timeout_secs=5
+    )
     assert [group.process_of_device(d) for d in IDS] == [0, 0, 1, 1, 2, 2, 3, 3]
     assert list(group.processes()) == [0, 1, 2, 3] and group.is_primary()
     assert group.describe_host(2) == "host 2 (node n2n2n2n2n2n2, ip 127.0.0.1, pid 102)"
     with pytest.raises(ValueError, match="device 2 is not in this slice"):
         group.process_of_device(2)
     spec = mp.ShardingSpec.named((8,), ("x",), (0, 1, 2, 3, 4, 5, 6, 7), ("x",))
-    with pytest.raises(ValueError, match=r"cannot load 'w'.*devices \[2, 3, 4, 5, 6, 7\] are not in this slice"):
+    with pytest.raises(
+        ValueError, match=r"cannot load 'w'.*devices \[2, 3, 4, 5, 6, 7\] are not in this slice"
+    ):
         group.check_devices(spec, "w")
     group.barrier("b", 1.0)
     assert group.broadcast("k", 7, 1.0) == 7
 
 
-def test_a_hosts_wait_sent_with_its_plan_ends_when_staging_fails_or_never_runs(tmp_path: Path) -> None:
+def test_a_hosts_wait_sent_with_its_plan_ends_when_staging_fails_or_never_runs(
+    tmp_path: Path,
+) -> None:
     """A slice sends each host's ``wait_save`` together with its ``start_save``: the wait (on
     the actor's wait threads) first waits for the staging, and ends at once when the staging
     failed, or when the controller abandoned a staging call that never ran; nothing stays."""
@@ -97,7 +105,11 @@ def test_a_hosts_wait_sent_with_its_plan_ends_when_staging_fails_or_never_runs(t
     from milepost.colocated._ray_host import HostActor, Ref
 
     host = HostActor(0, 1, 1)
-    plan = mp.workers.SavePlan(store=mp.workers.StoreSpec(directory=str(tmp_path), use_ocdbt=True), process_index=0, tasks=())
+    plan = mp.workers.SavePlan(
+        store=mp.workers.StoreSpec(directory=str(tmp_path), use_ocdbt=True),
+        process_index=0,
+        tasks=(),
+    )
     with ThreadPoolExecutor(2) as pool:
         waiting = pool.submit(host.wait_save, "t1", 60.0)  # sent first, arrives first
         with pytest.raises(KeyError, match="holds no array 'gone'"):

@@ -27,12 +27,17 @@ MIB = 1 << 20
 def state(mesh: jax.sharding.Mesh, mib: int) -> dict[str, Any]:
     rows = mib * MIB // (4 * 1024) // 8
     rng = np.random.default_rng(3)
-    out: dict[str, Any] = {f"w{i}": put(rng.standard_normal((rows, 1024), dtype=np.float32), mesh, P("data", "model")) for i in range(8)}
+    out: dict[str, Any] = {
+        f"w{i}": put(rng.standard_normal((rows, 1024), dtype=np.float32), mesh, P("data", "model"))
+        for i in range(8)
+    }
     out["host"] = rng.standard_normal((256, 1024)).astype(np.float32)  # 1 MiB the controller writes
     return out
 
 
-@pytest.mark.parametrize("budget", [0, 5 * MIB, None], ids=["nothing-staged", "part-staged", "no-budget"])
+@pytest.mark.parametrize(
+    "budget", [0, 5 * MIB, None], ids=["nothing-staged", "part-staged", "no-budget"]
+)
 def test_budgeted_save_async_holds_call_time_values_and_stages_at_most_the_budget(
     tmp_path: Path, mesh24: jax.sharding.Mesh, budget: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -67,7 +72,9 @@ def test_budgeted_save_async_holds_call_time_values_and_stages_at_most_the_budge
     else:
         assert staged <= 2 * budget and all(n <= budget for n in taken)
         assert (staged > 0) == (budget > 0)
-        assert _staging.POOL.pooled_bytes <= 2 * budget + 4096, "the pool keeps only what a budgeted save staged"
+        assert _staging.POOL.pooled_bytes <= 2 * budget + 4096, (
+            "the pool keeps only what a budgeted save staged"
+        )
     assert len(outs) == 8
 
 
@@ -107,10 +114,14 @@ def test_checksums_of_unstaged_regions_are_computed_before_save_async_returns(
     from milepost.workers import _engine
 
     host = np.arange(4 * MIB, dtype=np.float32)  # 16 MiB the controller writes
-    device = put(np.arange(64 * 1024, dtype=np.float32).reshape(64, 1024), mesh24, P("data", "model"))
+    device = put(
+        np.arange(64 * 1024, dtype=np.float32).reshape(64, 1024), mesh24, P("data", "model")
+    )
     want = {"host": host.copy(), "device": np.asarray(device).copy()}
     for attempt in range(3):
-        busy = [_engine._copy_pool().submit(time.sleep, 0.3) for _ in range(_engine._copy_threads())]
+        busy = [
+            _engine._copy_pool().submit(time.sleep, 0.3) for _ in range(_engine._copy_threads())
+        ]
         with mp.Context(saving=mp.SaveOptions(host_staging_budget_bytes=0)):
             handle = mp.save_async(tmp_path / str(attempt), {"host": host, "device": device})
         host[:] = -1.0  # the caller's memory is its own again
@@ -118,21 +129,36 @@ def test_checksums_of_unstaged_regions_are_computed_before_save_async_returns(
         for future in busy:
             future.result()
         restored = mp.load(tmp_path / str(attempt))
-        assert same_bits(restored["host"], want["host"]) and same_bits(restored["device"], want["device"])
+        assert same_bits(restored["host"], want["host"]) and same_bits(
+            restored["device"], want["device"]
+        )
         host[:] = want["host"]
 
 
 def test_peak_memory_of_a_budgeted_save_async_stays_within_the_budget(tmp_path: Path) -> None:
     from tests import _subproc
 
-    proc = subprocess.run([sys.executable, "-c", PEAK.replace("ROOT", repr(str(tmp_path))).replace("MEMORY_PROBES", _subproc.MEMORY_PROBES)], env=_subproc.env(8),
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            PEAK.replace("ROOT", repr(str(tmp_path))).replace(
+                "MEMORY_PROBES", _subproc.MEMORY_PROBES
+            ),
+        ],
+        env=_subproc.env(8),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     growth = json.loads(proc.stdout.strip().splitlines()[-1])
     budget, checkpoint = 64 * MIB, 256 * MIB
     # Measured: +66 MiB capped, +258 MiB uncapped. The margin is wide; the uncapped run shows
     # the measurement does see staging memory.
-    assert growth["capped"] < 1.5 * budget, f"peak RSS grew {growth['capped'] // MIB} MiB under a {budget // MIB} MiB budget"
+    assert growth["capped"] < 1.5 * budget, (
+        f"peak RSS grew {growth['capped'] // MIB} MiB under a {budget // MIB} MiB budget"
+    )
     assert growth["uncapped"] > 0.8 * checkpoint, growth
     got = mp.load(tmp_path / "capped")
     assert same_bits(got["w3"], mp.load(tmp_path / "uncapped")["w3"])

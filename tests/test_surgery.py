@@ -29,8 +29,13 @@ def values() -> dict[str, Any]:
     rng = np.random.default_rng(0)
     return {
         "params": {
-            **{f"layer{i}": {"w": rng.standard_normal((16, 32), dtype=np.float32), "b": np.arange(32, dtype=np.float32) + i}
-               for i in range(LAYERS)},
+            **{
+                f"layer{i}": {
+                    "w": rng.standard_normal((16, 32), dtype=np.float32),
+                    "b": np.arange(32, dtype=np.float32) + i,
+                }
+                for i in range(LAYERS)
+            },
             "q": rng.standard_normal((16, 8), dtype=np.float32),
             "k": rng.standard_normal((16, 8), dtype=np.float32),
             "v": rng.standard_normal((16, 8), dtype=np.float32),
@@ -61,11 +66,17 @@ def listing(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir())
 
 
-def test_open_is_lazy_and_previews_read_only_their_chunks(tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_open_is_lazy_and_previews_read_only_their_chunks(
+    tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
     rng = np.random.default_rng(1)
     w = rng.standard_normal((64, 256), dtype=np.float32)
-    with mp.Context(saving=mp.SaveOptions(chunk_byte_size=4096)):  # chunks of 1024 values: 16 of them
-        mp.save(tmp_path / "src", {"w": put(w, mesh24, P("data", "model")), "step": 3, "note": "hi"})
+    with mp.Context(
+        saving=mp.SaveOptions(chunk_byte_size=4096)
+    ):  # chunks of 1024 values: 16 of them
+        mp.save(
+            tmp_path / "src", {"w": put(w, mesh24, P("data", "model")), "step": 3, "note": "hi"}
+        )
     ck = ms.open(tmp_path / "src")
     assert ck.tree["step"] == 3 and ck.tree["note"] == "hi"
     assert isinstance(ck.tree["w"], ms.LazyArray) and ck.tree["w"].shape == (64, 256)
@@ -74,7 +85,11 @@ def test_open_is_lazy_and_previews_read_only_their_chunks(tmp_path: Path, mesh24
 
     checked: list[int] = []
     real = _checksum.region_crc32c
-    monkeypatch.setattr(_checksum, "region_crc32c", lambda data, box, chunk: (checked.append(data.size), real(data, box, chunk))[1])
+    monkeypatch.setattr(
+        _checksum,
+        "region_crc32c",
+        lambda data, box, chunk: (checked.append(data.size), real(data, box, chunk))[1],
+    )
     got = np.asarray(ck.tree["w"][:4, 8:16])
     assert same_bits(got, w[:4, 8:16])
     assert checked == [1024], "only the one chunk holding the box is read and checked"
@@ -82,7 +97,9 @@ def test_open_is_lazy_and_previews_read_only_their_chunks(tmp_path: Path, mesh24
     assert same_bits(np.asarray(ck.tree["w"].T[:2, :3]), w.T[:2, :3])  # more than a box: computed
 
 
-def test_rename_drop_cast_stack_and_write(source: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+def test_rename_drop_cast_stack_and_write(
+    source: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
     path, want = source
     ck = ms.open(path)
     t = ms.rename(ck.tree, {r"^params\.(.*)": r"model.\1", r"^opt_state\..*": None})
@@ -91,18 +108,26 @@ def test_rename_drop_cast_stack_and_write(source: tuple[Path, dict[str, Any]], t
     out = ms.write(tmp_path / "out", t)
     got = mp.load(out)
     layers = [want["params"][f"layer{i}"] for i in range(LAYERS)]
-    assert same_bits(got["model"]["layers"]["w"], np.stack([x["w"] for x in layers]).astype(ml_dtypes.bfloat16))
+    assert same_bits(
+        got["model"]["layers"]["w"], np.stack([x["w"] for x in layers]).astype(ml_dtypes.bfloat16)
+    )
     assert same_bits(got["model"]["layers"]["b"], np.stack([x["b"] for x in layers]))
     for k in "qkv":
         assert same_bits(got["model"][k], want["params"][k])
     assert got["step"] == 100 and got["note"] == "run" and "opt_state" not in got
     meta = mp.metadata(out)
     assert meta.custom_metadata["milepost.surgery"]["sources"] == [str(path)]
-    assert set(meta.custom_metadata["milepost.surgery"]["operations"]) == {"rename", "cast", "stack"}
+    assert set(meta.custom_metadata["milepost.surgery"]["operations"]) == {
+        "rename",
+        "cast",
+        "stack",
+    }
     assert mp.verify(out).ok
 
 
-def test_unstack_concat_split_reshape_and_transpose(source: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+def test_unstack_concat_split_reshape_and_transpose(
+    source: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
     path, want = source
     t = ms.open(path).tree
     t = ms.stack(t, r"^params\.layer(\d+)\.w$", r"params.stacked")
@@ -120,16 +145,24 @@ def test_unstack_concat_split_reshape_and_transpose(source: tuple[Path, dict[str
     assert same_bits(got["params"]["kv_t"], qkv[:, 8:].T.reshape(32, 8))
 
 
-def test_map_merges_a_lora_adapter_and_average_makes_a_soup(source: tuple[Path, dict[str, Any]], tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
+def test_map_merges_a_lora_adapter_and_average_makes_a_soup(
+    source: tuple[Path, dict[str, Any]], tmp_path: Path, mesh24: jax.sharding.Mesh
+) -> None:
     path, want = source
     rng = np.random.default_rng(5)
-    lora = {f"layer{i}": {"a": rng.standard_normal((16, 4), dtype=np.float32), "b": rng.standard_normal((4, 32), dtype=np.float32)}
-            for i in range(LAYERS)}
+    lora = {
+        f"layer{i}": {
+            "a": rng.standard_normal((16, 4), dtype=np.float32),
+            "b": rng.standard_normal((4, 32), dtype=np.float32),
+        }
+        for i in range(LAYERS)
+    }
     mp.save(tmp_path / "lora", {"lora": jax.tree.map(lambda x: put(x, mesh24, P()), lora)})
     base = ms.select(ms.open(path).tree, r"^params\.layer\d+\.w$")
     adapter = ms.open(tmp_path / "lora").tree
     a = ms.rename(ms.select(adapter, r"\.a$"), {r"^lora\.(layer\d+)\.a$": r"params.\1.w"})
     b = ms.rename(ms.select(adapter, r"\.b$"), {r"^lora\.(layer\d+)\.b$": r"params.\1.w"})
+
     def merge(w: Any, a: Any, b: Any) -> Any:
         return w + 0.5 * jnp.dot(a, b, precision="highest")
 
@@ -143,7 +176,9 @@ def test_map_merges_a_lora_adapter_and_average_makes_a_soup(source: tuple[Path, 
         a_, b_ = (put(lora[f"layer{i}"][k], auto, P()) for k in "ab")
         expected = jax.jit(merge, out_shardings=w.sharding)(w, a_, b_)
         assert same_bits(got["params"][f"layer{i}"]["w"], expected)
-        close = want["params"][f"layer{i}"]["w"] + 0.5 * (lora[f"layer{i}"]["a"].astype(np.float64) @ lora[f"layer{i}"]["b"])
+        close = want["params"][f"layer{i}"]["w"] + 0.5 * (
+            lora[f"layer{i}"]["a"].astype(np.float64) @ lora[f"layer{i}"]["b"]
+        )
         assert np.allclose(got["params"][f"layer{i}"]["w"], close, rtol=1e-6, atol=1e-6)
 
     # Three checkpoints of small integers and weights that are powers of two: every sum is
@@ -155,20 +190,37 @@ def test_map_merges_a_lora_adapter_and_average_makes_a_soup(source: tuple[Path, 
         mp.save(tmp_path / f"s{k}", on_devices(tree, mesh24))
         soups.append(ms.open(tmp_path / f"s{k}").tree)
     weights = (0.5, 0.25, 0.25)
-    soup = mp.load(ms.write(tmp_path / "soup", ms.average(*soups, weights=weights, where=r"^params\.")))
+    soup = mp.load(
+        ms.write(tmp_path / "soup", ms.average(*soups, weights=weights, where=r"^params\."))
+    )
     for i in range(LAYERS):
-        ref = sum(np.float32(wt) * t["params"][f"layer{i}"]["w"] for wt, t in zip(weights, trees, strict=True))
+        ref = sum(
+            np.float32(wt) * t["params"][f"layer{i}"]["w"]
+            for wt, t in zip(weights, trees, strict=True)
+        )
         assert same_bits(soup["params"][f"layer{i}"]["w"], ref.astype(np.float32))
-    assert same_bits(soup["opt_state"]["mu"], trees[0]["opt_state"]["mu"])  # not averaged (where=): the first tree's
+    assert same_bits(
+        soup["opt_state"]["mu"], trees[0]["opt_state"]["mu"]
+    )  # not averaged (where=): the first tree's
 
 
-def test_a_surgery_loads_straight_onto_devices(source: tuple[Path, dict[str, Any]], mesh24: jax.sharding.Mesh) -> None:
+def test_a_surgery_loads_straight_onto_devices(
+    source: tuple[Path, dict[str, Any]], mesh24: jax.sharding.Mesh
+) -> None:
     path, want = source
     t = ms.cast(ms.select(ms.open(path).tree, r"^params\.layer0\."), jnp.bfloat16)
     other = NamedSharding(jax.make_mesh((8,), ("x",)), P(None, "x"))
-    got = mp.load(t, {"params": {"layer0": {"w": jax.ShapeDtypeStruct((16, 32), jnp.bfloat16, sharding=other)}}})
-    assert isinstance(got["params"]["layer0"]["w"], jax.Array) and got["params"]["layer0"]["w"].sharding == other
-    assert same_bits(got["params"]["layer0"]["w"], want["params"]["layer0"]["w"].astype(ml_dtypes.bfloat16))
+    got = mp.load(
+        t,
+        {"params": {"layer0": {"w": jax.ShapeDtypeStruct((16, 32), jnp.bfloat16, sharding=other)}}},
+    )
+    assert (
+        isinstance(got["params"]["layer0"]["w"], jax.Array)
+        and got["params"]["layer0"]["w"].sharding == other
+    )
+    assert same_bits(
+        got["params"]["layer0"]["w"], want["params"]["layer0"]["w"].astype(ml_dtypes.bfloat16)
+    )
 
 
 def test_stats_and_diff(source: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
@@ -188,14 +240,20 @@ def test_stats_and_diff(source: tuple[Path, dict[str, Any]], tmp_path: Path) -> 
     assert d.different == ("params.layer2.w",) and d.table["params.layer2.w"]["max_abs_diff"] == 2.0
 
 
-def test_orbax_reads_what_surgery_wrote(source: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+def test_orbax_reads_what_surgery_wrote(
+    source: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
     from orbax.checkpoint.experimental import v1 as ocp
 
     path, want = source
-    t = ms.cast(ms.rename(ms.open(path).tree, {r"^opt_state\..*": None}), jnp.bfloat16, where=r"\.w$")
+    t = ms.cast(
+        ms.rename(ms.open(path).tree, {r"^opt_state\..*": None}), jnp.bfloat16, where=r"\.w$"
+    )
     out = ms.write(tmp_path / "out", t)
     got = ocp.load_pytree(out)
-    assert same_bits(got["params"]["layer1"]["w"], want["params"]["layer1"]["w"].astype(ml_dtypes.bfloat16))
+    assert same_bits(
+        got["params"]["layer1"]["w"], want["params"]["layer1"]["w"].astype(ml_dtypes.bfloat16)
+    )
     assert same_bits(got["params"]["q"], want["params"]["q"])
 
 
@@ -207,20 +265,36 @@ def test_orbax_reads_what_surgery_wrote(source: tuple[Path, dict[str, Any]], tmp
         (lambda t: ms.cast(t, "not-a-dtype"), "not a dtype"),
         (lambda t: ms.cast(t, np.complex64, where="nothing"), "matches no leaf"),
         (lambda t: ms.stack(t, r"^params\.(q|k)$", "qk"), "must be an integer index"),
-        (lambda t: ms.stack(ms.rename(t, {r"^params\.q$": "x.1", r"^params\.layer0\.w$": "x.2"}), r"^x\.(\d)$", "xs"), "differ in shape"),
-        (lambda t: ms.map(lambda a, b: a @ b, t, t, where=r"^params\.layer0\.w$"), "map of 'params.layer0.w' fails"),
+        (
+            lambda t: ms.stack(
+                ms.rename(t, {r"^params\.q$": "x.1", r"^params\.layer0\.w$": "x.2"}),
+                r"^x\.(\d)$",
+                "xs",
+            ),
+            "differ in shape",
+        ),
+        (
+            lambda t: ms.map(lambda a, b: a @ b, t, t, where=r"^params\.layer0\.w$"),
+            "map of 'params.layer0.w' fails",
+        ),
         (lambda t: ms.concat(t, ["params.q", "params.layer0.b"], "x"), "concat of 'x' fails"),
         (lambda t: ms.split(t, "params.q", {"a": 3, "b": 3}, axis=1), "add up to 6"),
     ],
 )
-def test_bad_surgery_fails_before_anything_is_written(source: tuple[Path, dict[str, Any]], tmp_path: Path, plan: Any, message: str) -> None:
+def test_bad_surgery_fails_before_anything_is_written(
+    source: tuple[Path, dict[str, Any]], tmp_path: Path, plan: Any, message: str
+) -> None:
     path, _ = source
-    with pytest.raises((ValueError, TypeError), match=re.escape(message) if "\\" not in message else message):
+    with pytest.raises(
+        (ValueError, TypeError), match=re.escape(message) if "\\" not in message else message
+    ):
         ms.write(tmp_path / "out", plan(ms.open(path).tree))
     assert listing(tmp_path) == ["src"]
 
 
-def test_not_a_checkpoint_and_foreign_arrays_are_refused(tmp_path: Path, source: tuple[Path, dict[str, Any]]) -> None:
+def test_not_a_checkpoint_and_foreign_arrays_are_refused(
+    tmp_path: Path, source: tuple[Path, dict[str, Any]]
+) -> None:
     with pytest.raises(mp.CheckpointNotFoundError):
         ms.open(tmp_path / "missing")
     t = ms.open(source[0]).tree
@@ -230,7 +304,9 @@ def test_not_a_checkpoint_and_foreign_arrays_are_refused(tmp_path: Path, source:
     assert listing(tmp_path) == ["src"]
 
 
-def test_groups_stream_under_the_memory_budget(tmp_path: Path, mesh24: jax.sharding.Mesh, caplog: pytest.LogCaptureFixture) -> None:
+def test_groups_stream_under_the_memory_budget(
+    tmp_path: Path, mesh24: jax.sharding.Mesh, caplog: pytest.LogCaptureFixture
+) -> None:
     """Eight 4 MiB leaves under a 6 MiB budget: written in groups (one OCDBT database per
     group and host), every leaf exact."""
     rng = np.random.default_rng(2)
@@ -257,16 +333,22 @@ def test_groups_stream_under_the_memory_budget(tmp_path: Path, mesh24: jax.shard
     import json
 
     (listed,) = [json.loads(p.read_text()) for p in (out / "state" / "array_metadatas").iterdir()]
-    assert sorted(e["array_metadata"]["param_name"] for e in listed["array_metadatas"]) == sorted(big)
+    assert sorted(e["array_metadata"]["param_name"] for e in listed["array_metadatas"]) == sorted(
+        big
+    )
 
 
-def test_a_rename_only_surgery_moves_no_array_bytes(source: tuple[Path, dict[str, Any]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_rename_only_surgery_moves_no_array_bytes(
+    source: tuple[Path, dict[str, Any]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from orbax.checkpoint.experimental import v1 as ocp
 
     from milepost.surgery import _run
 
     path, want = source
-    monkeypatch.setattr(_run, "compute", lambda *a: pytest.fail("a rename-only surgery computed arrays"))
+    monkeypatch.setattr(
+        _run, "compute", lambda *a: pytest.fail("a rename-only surgery computed arrays")
+    )
     t = ms.rename(ms.open(path).tree, {r"^params\.(.*)": r"model.\1"})
     out = ms.write(tmp_path / "out", t)
     monkeypatch.undo()
@@ -276,29 +358,41 @@ def test_a_rename_only_surgery_moves_no_array_bytes(source: tuple[Path, dict[str
         assert same_bits(got["model"][f"layer{i}"]["w"], want["params"][f"layer{i}"]["w"])
     assert same_bits(got["opt_state"]["count"], want["opt_state"]["count"]) and got["step"] == 100
     linked = [p for p in _data_files(out) if p.stat().st_nlink > 1]
-    assert linked and sum(p.stat().st_size for p in linked) >= sum(v["w"].nbytes for k, v in want["params"].items() if k.startswith("layer"))
+    assert linked and sum(p.stat().st_size for p in linked) >= sum(
+        v["w"].nbytes for k, v in want["params"].items() if k.startswith("layer")
+    )
     assert mp.verify(out).ok and mp.verify(path).ok  # the source is untouched
     assert same_bits(mp.load(path)["params"]["layer0"]["w"], want["params"]["layer0"]["w"])
     assert same_bits(ocp.load_pytree(out)["model"]["q"], want["params"]["q"])
 
 
-def test_dropped_arrays_leave_no_bytes_in_the_output(source: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+def test_dropped_arrays_leave_no_bytes_in_the_output(
+    source: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
     """Pruning a checkpoint (its optimizer state, say) to share it: the dropped arrays' bytes
     are not in the output's files, so a drop is written anew instead of relinked."""
     path, want = source
     t = ms.rename(ms.open(path).tree, {r"^params\.(.*)": r"model.\1", r"^opt_state\.mu$": None})
     out = ms.write(tmp_path / "out", ms.drop(t, r"^model\.v$"))
     got = mp.load(out)
-    assert sorted(got) == ["model", "note", "opt_state", "step"] and "v" not in got["model"] and "mu" not in got["opt_state"]
+    assert (
+        sorted(got) == ["model", "note", "opt_state", "step"]
+        and "v" not in got["model"]
+        and "mu" not in got["opt_state"]
+    )
     assert same_bits(got["model"]["layer0"]["w"], want["params"]["layer0"]["w"])
     stored = b"".join(p.read_bytes() for p in _data_files(out))
     for dropped in (np.asarray(want["params"]["v"]), np.asarray(want["opt_state"]["mu"])):
-        assert dropped.nbytes >= 256 and dropped.tobytes()[:256] not in stored, "a dropped array's bytes are in the output"
+        assert dropped.nbytes >= 256 and dropped.tobytes()[:256] not in stored, (
+            "a dropped array's bytes are in the output"
+        )
     assert not [p for p in _data_files(out) if p.stat().st_nlink > 1]
     assert mp.verify(out).ok and mp.verify(path).ok
 
 
-def test_a_symlink_planted_in_the_source_after_open_is_not_followed(source: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+def test_a_symlink_planted_in_the_source_after_open_is_not_followed(
+    source: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
     import shutil
 
     path, _ = source
@@ -316,11 +410,22 @@ def test_a_symlink_planted_in_the_source_after_open_is_not_followed(source: tupl
 
 
 def _data_files(ckpt: Path) -> list[Path]:
-    return [p for p in (ckpt / "state").rglob("*") if p.is_file() and p.parent.name == "d" and p.parent.parent.name.startswith("ocdbt.process_")]
+    return [
+        p
+        for p in (ckpt / "state").rglob("*")
+        if p.is_file()
+        and p.parent.name == "d"
+        and p.parent.parent.name.startswith("ocdbt.process_")
+    ]
 
 
-def test_programs_are_shared_only_when_they_compute_the_same(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
-    mp.save(tmp_path / "src", {"i": put(np.arange(64, dtype=np.int32).reshape(8, 8), mesh24, P("data", "model"))})
+def test_programs_are_shared_only_when_they_compute_the_same(
+    tmp_path: Path, mesh24: jax.sharding.Mesh
+) -> None:
+    mp.save(
+        tmp_path / "src",
+        {"i": put(np.arange(64, dtype=np.int32).reshape(8, 8), mesh24, P("data", "model"))},
+    )
     tree = ms.open(tmp_path / "src").tree
 
     def scaled(c: Any) -> Any:
@@ -365,19 +470,34 @@ def test_peak_memory_stays_within_the_budget(tmp_path: Path) -> None:
 
     from tests import _subproc
 
-    proc = subprocess.run([sys.executable, "-c", PEAK.replace("ROOT", repr(str(tmp_path))).replace("MEMORY_PROBES", _subproc.MEMORY_PROBES)], env=_subproc.env(8),
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            PEAK.replace("ROOT", repr(str(tmp_path))).replace(
+                "MEMORY_PROBES", _subproc.MEMORY_PROBES
+            ),
+        ],
+        env=_subproc.env(8),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     growth = json.loads(proc.stdout.strip().splitlines()[-1])["growth"]
     budget, largest, checkpoint = 64 << 20, 32 << 20, 256 << 20
-    assert growth < 2 * (budget + largest), f"peak RSS grew {growth >> 20} MiB for a {budget >> 20} MiB budget"
+    assert growth < 2 * (budget + largest), (
+        f"peak RSS grew {growth >> 20} MiB for a {budget >> 20} MiB budget"
+    )
     assert growth < checkpoint * 0.75, "the surgery held most of the checkpoint at once"
     got = mp.load(tmp_path / "big-out")
     assert same_bits(got["w5"], np.full((2048, 4096), 5, ml_dtypes.bfloat16))
 
 
 @pytest.mark.parametrize("chunking", [256, None], ids=["subchunked", "one-chunk-per-shard"])
-def test_rechunking_rewrites_every_array(source: tuple[Path, dict[str, Any]], tmp_path: Path, chunking: int | None) -> None:
+def test_rechunking_rewrites_every_array(
+    source: tuple[Path, dict[str, Any]], tmp_path: Path, chunking: int | None
+) -> None:
     """A chunking asked for (a number of bytes, or None: one chunk per shard) rewrites every
     array; only the default ("auto") keeps stored leaves as they are (relinked)."""
     path, want = source
@@ -399,6 +519,8 @@ def test_the_same_surgery_in_a_multi_controller_job(tmp_path: Path) -> None:
 
     outs = _mc.launch("run", 2, 4, str(tmp_path), module="tests._mc_surgery")
     for r in outs:
-        assert r.returncode == 0 and "exception" not in r.out, f"{r.out.get('exception')}\n{r.stderr}"
+        assert r.returncode == 0 and "exception" not in r.out, (
+            f"{r.out.get('exception')}\n{r.stderr}"
+        )
         assert r.out["exact"] == 8 and r.out["step"] == 5 and r.out["equal"], r.out
         assert r.out["preview"] == [float(x) for x in (np.arange(64, 67) * 3 - 7)], r.out

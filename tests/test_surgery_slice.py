@@ -28,7 +28,10 @@ def slice42() -> Iterator[mp.Slice]:
 
 def layers(rows: int, k: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(rows)
-    return {f"layer{i}": np.round(rng.standard_normal((rows, 256), dtype=np.float32) * 8) + k for i in range(3)}
+    return {
+        f"layer{i}": np.round(rng.standard_normal((rows, 256), dtype=np.float32) * 8) + k
+        for i in range(3)
+    }
 
 
 def save_on(s: mp.Slice, path: Path, values: dict[str, np.ndarray]) -> None:
@@ -41,12 +44,24 @@ def test_surgery_on_the_hosts(slice42: mp.Slice, tmp_path: Path) -> None:
     want = layers(64)
     save_on(slice42, tmp_path / "src", want)
     ck = ms.open(tmp_path / "src", slice=slice42)
-    assert same_bits(np.asarray(ck.tree["params"]["layer1"][3:5, 10:20]), want["layer1"][3:5, 10:20])  # read by a host
+    assert same_bits(
+        np.asarray(ck.tree["params"]["layer1"][3:5, 10:20]), want["layer1"][3:5, 10:20]
+    )  # read by a host
     t = ms.rename(ck.tree, {r"^params\.(.*)": r"model.\1", r"^opt\..*": None})
     t = ms.stack(ms.cast(t, jnp.bfloat16), r"^model\.layer(\d+)$", "model.layers")
     out = ms.write(tmp_path / "out", t)
     mesh = slice42.mesh({"x": 8})
-    got = mp.load(out, {"model": {"layers": mp.AbstractArray((3, 64, 256), ml_dtypes.bfloat16, mesh.sharding(P(None, "x")))}, "step": 0})
+    got = mp.load(
+        out,
+        {
+            "model": {
+                "layers": mp.AbstractArray(
+                    (3, 64, 256), ml_dtypes.bfloat16, mesh.sharding(P(None, "x"))
+                )
+            },
+            "step": 0,
+        },
+    )
     assert isinstance(got["model"]["layers"], mp.RemoteArray) and got["step"] == 4
     ref = np.stack([want[f"layer{i}"] for i in range(3)]).astype(ml_dtypes.bfloat16)
     assert same_bits(slice42.fetch(got["model"]["layers"]), ref)
@@ -63,10 +78,17 @@ def test_merge_and_soup_on_the_hosts(slice42: mp.Slice, tmp_path: Path) -> None:
     soup = ms.average(*opened, weights=weights, where=r"^params\.")
     merged = ms.map(lambda w, a: w + 2 * a, soup, opened[1], where=r"^params\.layer0$")
     mesh = slice42.mesh({"data": 2, "model": 4})
-    abstract = {"params": {f"layer{i}": mp.AbstractArray((32, 256), np.float32, mesh.sharding(P("data", "model"))) for i in range(3)}}
+    abstract = {
+        "params": {
+            f"layer{i}": mp.AbstractArray((32, 256), np.float32, mesh.sharding(P("data", "model")))
+            for i in range(3)
+        }
+    }
     out = mp.load(ms.write(tmp_path / "soup", merged), abstract, partial=True)
     for i in range(3):
-        ref = sum(np.float32(w) * t[f"layer{i}"] for w, t in zip(weights, trees, strict=True)).astype(np.float32)
+        ref = sum(
+            np.float32(w) * t[f"layer{i}"] for w, t in zip(weights, trees, strict=True)
+        ).astype(np.float32)
         if i == 0:
             ref = ref + 2 * trees[1]["layer0"]
         assert same_bits(slice42.fetch(out["params"][f"layer{i}"]), ref), i
@@ -86,4 +108,6 @@ def test_the_controller_only_plans(slice42: mp.Slice, tmp_path: Path) -> None:
         rss[rows] = process.memory_info().rss - rss_before
         per_leaf[rows] = moved.total_bytes / 5  # 3 layers + mu + step
     assert per_leaf[8192] <= per_leaf[64] * 1.2 + 256, per_leaf
-    assert rss[8192] < 24 << 20, f"the controller grew by {rss[8192] >> 20} MiB for 24 MiB of leaves"
+    assert rss[8192] < 24 << 20, (
+        f"the controller grew by {rss[8192] >> 20} MiB for 24 MiB of leaves"
+    )

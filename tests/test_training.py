@@ -39,7 +39,12 @@ from milepost.training import (
 
 
 def ctx(step: int, **kw: Any) -> SaveContext:
-    base: dict[str, Any] = {"latest_step": None, "last_save_start": None, "save_in_flight": False, "now": 100.0}
+    base: dict[str, Any] = {
+        "latest_step": None,
+        "last_save_start": None,
+        "save_in_flight": False,
+        "now": 100.0,
+    }
     base.update(kw)
     return SaveContext(step=step, **base)
 
@@ -79,16 +84,24 @@ class Gate:
 def test_save_policies() -> None:
     assert [s for s in range(10) if FixedInterval(interval=3).should_save(ctx(s))] == [0, 3, 6, 9]
     assert [s for s in range(10) if SpecificSteps(steps=[5, 7]).should_save(ctx(s))] == [5, 7]
-    assert InitialStep().should_save(ctx(4)) and not InitialStep().should_save(ctx(4, latest_step=3))
+    assert InitialStep().should_save(ctx(4)) and not InitialStep().should_save(
+        ctx(4, latest_step=3)
+    )
     c = Continuous(min_interval_secs=10)
     assert c.should_save(ctx(1)) and not c.should_save(ctx(1, save_in_flight=True))
-    assert not c.should_save(ctx(1, last_save_start=95.0)) and c.should_save(ctx(1, last_save_start=90.0))
+    assert not c.should_save(ctx(1, last_save_start=95.0)) and c.should_save(
+        ctx(1, last_save_start=90.0)
+    )
     assert Continuous().should_save(ctx(1, last_save_start=100.0))
     assert Preemption().should_save(ctx(1, preempted=True)) and not Preemption().should_save(ctx(1))
     both = AnyOf(InitialStep(), FixedInterval(interval=100), Preemption(signals=(signal.SIGUSR1,)))
     assert [s for s in (7, 200, 201) if both.should_save(ctx(s, latest_step=7))] == [200]
     assert both.should_save(ctx(7)) and both.should_save(ctx(201, latest_step=7, preempted=True))
-    for bad in (lambda: FixedInterval(interval=0), lambda: FixedInterval(interval=2.5), lambda: Continuous(min_interval_secs=-1)):
+    for bad in (
+        lambda: FixedInterval(interval=0),
+        lambda: FixedInterval(interval=2.5),
+        lambda: Continuous(min_interval_secs=-1),
+    ):
         with pytest.raises(ValueError):
             bad()
     with pytest.raises(ValueError, match="non-negative ints"):
@@ -100,7 +113,18 @@ def test_save_policies() -> None:
 
 
 def test_retention_policies() -> None:
-    losses = {0: 10.0, 5: 5.0, 10: 7.0, 15: 9.0, 20: 4.0, 25: 6.0, 30: 8.0, 35: 10.0, 40: 5.0, 45: 7.0}
+    losses = {
+        0: 10.0,
+        5: 5.0,
+        10: 7.0,
+        15: 9.0,
+        20: 4.0,
+        25: 6.0,
+        30: 8.0,
+        35: 10.0,
+        40: 5.0,
+        45: 7.0,
+    }
     infos = [StepInfo(step=s, metrics={"loss": v}) for s, v in losses.items()]
     assert KeepLatest(n=2).keep(infos) == {40, 45}
     assert KeepLatest(n=20).keep(infos) == set(losses)
@@ -108,10 +132,16 @@ def test_retention_policies() -> None:
     assert KeepBest(n=2, metric="loss").keep(infos) == {20, 40}  # 5.0 twice: the newer wins
     assert KeepBest(n=1, metric="loss", mode="max").keep(infos) == {35}
     assert KeepBest(n=3, metric="missing").keep(infos) == set()
-    odd = [StepInfo(step=1, metrics={"loss": "n/a"}), StepInfo(step=2, metrics={"loss": float("nan")}), StepInfo(step=3, metrics={"loss": 2})]
+    odd = [
+        StepInfo(step=1, metrics={"loss": "n/a"}),
+        StepInfo(step=2, metrics={"loss": float("nan")}),
+        StepInfo(step=3, metrics={"loss": 2}),
+    ]
     assert KeepBest(n=2, metric="loss").keep(odd) == {3}
     assert KeepAll().keep(infos) == set(losses)
-    assert KeepUnion(KeepLatest(n=1), KeepEvery(n=25), KeepBest(n=1, metric="loss")).keep(infos) == {0, 20, 25, 45}
+    assert KeepUnion(KeepLatest(n=1), KeepEvery(n=25), KeepBest(n=1, metric="loss")).keep(
+        infos
+    ) == {0, 20, 25, 45}
     assert KeepLatest(n=3).keep([]) == set()
     for bad in (
         lambda: KeepLatest(n=0),
@@ -133,12 +163,19 @@ def test_save_load_latest_delete_and_retention(tmp_path: Path, mesh24: jax.shard
     root = tmp_path / "run"
     with Checkpointer(root, save_policy=FixedInterval(interval=2), keep=KeepLatest(n=2)) as ckpt:
         assert ckpt.latest is None and ckpt.steps == []
-        saved = [s for s in range(7) if ckpt.save(s, tree(mesh24, s), metrics={"loss": np.float32(s / 2)})]
+        saved = [
+            s
+            for s in range(7)
+            if ckpt.save(s, tree(mesh24, s), metrics={"loss": np.float32(s / 2)})
+        ]
         assert saved == [0, 2, 4, 6]
         ckpt.wait()
         assert ckpt.steps == [4, 6] and ckpt.latest == 6 and names(root) == ["4", "6"]
         out = ckpt.load()
-        assert np.array_equal(np.asarray(out["w"]), np.full((16, 8), 6, np.float32)) and out["step"] == 6
+        assert (
+            np.array_equal(np.asarray(out["w"]), np.full((16, 8), 6, np.float32))
+            and out["step"] == 6
+        )
         assert out["w"].sharding == NamedSharding(mesh24, P("data", "model"))
         assert ckpt.load(4)["step"] == 4
         meta = ckpt.metadata()
@@ -160,10 +197,15 @@ def test_orbax_v1_reads_a_single_step(tmp_path: Path, mesh24: jax.sharding.Mesh)
     with Checkpointer(tmp_path / "run") as ckpt:
         ckpt.save(100, tree(mesh24, 100))
     restored = ocp.load(tmp_path / "run" / "100")
-    assert np.array_equal(np.asarray(restored["w"]), np.full((16, 8), 100, np.float32)) and int(restored["step"]) == 100
+    assert (
+        np.array_equal(np.asarray(restored["w"]), np.full((16, 8), 100, np.float32))
+        and int(restored["step"]) == 100
+    )
 
 
-def test_keep_best_reads_metrics_back_and_never_drops_latest(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
+def test_keep_best_reads_metrics_back_and_never_drops_latest(
+    tmp_path: Path, mesh24: jax.sharding.Mesh
+) -> None:
     losses = {0: 5.0, 1: 1.0, 2: 3.0, 3: 9.0}
     with Checkpointer(tmp_path / "r", keep=KeepBest(n=1, metric="loss")) as ckpt:
         for s, loss in losses.items():
@@ -176,7 +218,9 @@ def test_keep_best_reads_metrics_back_and_never_drops_latest(tmp_path: Path, mes
         assert again.steps == [1, 4]  # step 1's loss was read back from its _CHECKPOINT_METADATA
 
 
-def test_policies_in_a_loop(tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_policies_in_a_loop(
+    tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
     initial = AnyOf(InitialStep(), SpecificSteps(steps=[7]))
     with Checkpointer(tmp_path / "a", save_policy=initial) as ckpt:
         assert [s for s in range(3, 9) if ckpt.save(s, tree(mesh24, s))] == [3, 7]
@@ -193,7 +237,9 @@ def test_policies_in_a_loop(tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypat
     assert Checkpointer(tmp_path / "b").steps == [0, 3]
 
 
-def test_synchronous_mode_commits_before_returning(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
+def test_synchronous_mode_commits_before_returning(
+    tmp_path: Path, mesh24: jax.sharding.Mesh
+) -> None:
     with Checkpointer(tmp_path / "r", asynchronous=False, keep=KeepLatest(n=1)) as ckpt:
         ckpt.save(1, tree(mesh24, 1))
         assert ckpt.steps == [1] and (tmp_path / "r" / "1" / "commit_success.txt").is_file()
@@ -201,7 +247,9 @@ def test_synchronous_mode_commits_before_returning(tmp_path: Path, mesh24: jax.s
         assert ckpt.steps == [2] and names(tmp_path / "r") == ["2"]
 
 
-def test_at_most_one_save_in_flight(tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_at_most_one_save_in_flight(
+    tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
     gate = Gate(monkeypatch, steps={0})
     with Checkpointer(tmp_path / "r") as ckpt:
         ckpt.save(0, tree(mesh24, 0))
@@ -237,22 +285,30 @@ def test_background_failure_reraised_with_step_and_only_checkpoint_kept(
         monkeypatch.setattr(mp.workers, "merge_ocdbt", broken)
         assert ckpt.save(1, tree(mesh24, 1))
         # the failure surfaces on the next call, whichever it is
-        with pytest.raises(BackgroundSaveError, match=r"step 1 failed: OSError: simulated disk failure") as info:
+        with pytest.raises(
+            BackgroundSaveError, match=r"step 1 failed: OSError: simulated disk failure"
+        ) as info:
             ckpt.save(2, tree(mesh24, 2))
         assert info.value.step == 1 and isinstance(info.value.__cause__, OSError)
         assert ckpt.steps == [0] and ckpt.latest == 0 and names(root) == ["0"]
         assert ckpt.save(2, tree(mesh24, 2))  # reported once; the next save runs (and fails too)
         with pytest.raises(BackgroundSaveError, match="step 2"):
             ckpt.wait()
-        assert names(root) == ["0"] and ckpt.load()["step"] == 0  # never deleted: the only committed step
+        assert (
+            names(root) == ["0"] and ckpt.load()["step"] == 0
+        )  # never deleted: the only committed step
         monkeypatch.undo()
         ckpt.save(3, tree(mesh24, 3))
         ckpt.wait()
         assert ckpt.steps == [3] and names(root) == ["3"]
 
 
-def test_failure_reraised_by_close(tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(mp.workers, "merge_ocdbt", lambda d: (_ for _ in ()).throw(OSError("disk full")))
+def test_failure_reraised_by_close(
+    tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(
+        mp.workers, "merge_ocdbt", lambda d: (_ for _ in ()).throw(OSError("disk full"))
+    )
     ckpt = Checkpointer(tmp_path / "r")
     ckpt.save(5, tree(mesh24, 5))
     with pytest.raises(BackgroundSaveError, match="step 5 failed: OSError: disk full"):
@@ -264,7 +320,9 @@ def test_failure_reraised_by_close(tmp_path: Path, mesh24: jax.sharding.Mesh, mo
 # -- retention never touches what is in use -------------------------------------------------
 
 
-def test_retention_never_deletes_a_step_in_flight(tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_retention_never_deletes_a_step_in_flight(
+    tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
     gate = Gate(monkeypatch, steps={0})
     root = tmp_path / "r"
     with Checkpointer(root, keep=KeepLatest(n=1), max_in_flight=2) as ckpt:
@@ -279,7 +337,9 @@ def test_retention_never_deletes_a_step_in_flight(tmp_path: Path, mesh24: jax.sh
         assert ckpt.steps == [1] and names(root) == ["1"]  # 0 committed after 1, then aged out
 
 
-def test_retention_never_deletes_a_step_being_loaded(tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_retention_never_deletes_a_step_being_loaded(
+    tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
     root = tmp_path / "r"
     with Checkpointer(root, keep=KeepLatest(n=1)) as ckpt:
         ckpt.save(0, tree(mesh24, 0))
@@ -309,7 +369,9 @@ def test_retention_never_deletes_a_step_being_loaded(tmp_path: Path, mesh24: jax
         assert ckpt.steps == [1] and names(root) == ["1"]
 
 
-def test_retention_keeps_the_latest_even_if_the_policy_does_not(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
+def test_retention_keeps_the_latest_even_if_the_policy_does_not(
+    tmp_path: Path, mesh24: jax.sharding.Mesh
+) -> None:
     with Checkpointer(tmp_path / "r", keep=KeepEvery(n=10)) as ckpt:
         for s in (10, 13, 14, 20, 21):
             ckpt.save(s, tree(mesh24, s))
@@ -340,7 +402,9 @@ def test_uncommitted_steps_are_ignored_and_removed_at_start(
     assert caplog.text.count("did not finish") == 3 and "7.orbax-checkpoint-tmp" in caplog.text
 
 
-def test_start_up_leaves_a_save_in_flight_alone(tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_start_up_leaves_a_save_in_flight_alone(
+    tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
     gate = Gate(monkeypatch)
     root = tmp_path / "r"
     root.mkdir()
@@ -370,8 +434,12 @@ def test_bad_input(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
             ckpt.load()
         with pytest.raises(StepNotFoundError, match="nothing to load"):
             ckpt.metadata()
-        for step, err, match in ((-1, ValueError, "non-negative"), (1.5, TypeError, "non-negative int"),
-                                 (True, TypeError, "non-negative int"), ("3", TypeError, "non-negative int")):
+        for step, err, match in (
+            (-1, ValueError, "non-negative"),
+            (1.5, TypeError, "non-negative int"),
+            (True, TypeError, "non-negative int"),
+            ("3", TypeError, "non-negative int"),
+        ):
             with pytest.raises(err, match=match):
                 ckpt.save(step, {"x": 1})  # type: ignore[arg-type]
             with pytest.raises(err, match=match):
@@ -392,7 +460,9 @@ def test_bad_input(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
         assert ckpt.load(2)["step"] == 2  # nothing on disk was lost
 
 
-def test_preemption_signal_saves_at_the_next_step(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
+def test_preemption_signal_saves_at_the_next_step(
+    tmp_path: Path, mesh24: jax.sharding.Mesh
+) -> None:
     before_usr1, before_term = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)
     policy = AnyOf(FixedInterval(interval=1000), Preemption(signals=(signal.SIGUSR1,)))
     with Checkpointer(tmp_path / "r", save_policy=policy) as ckpt:
@@ -434,15 +504,23 @@ class Follower(LocalHostGroup):
         return self.answers[what]
 
 
-def test_a_non_primary_process_takes_the_primarys_listing_and_decisions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    group = Follower({"open": (True, ({5: {"loss": 1.0}, 10: {}}, {})), "should-save": (True, (True, True))})
+def test_a_non_primary_process_takes_the_primarys_listing_and_decisions(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    group = Follower(
+        {"open": (True, ({5: {"loss": 1.0}, 10: {}}, {})), "should-save": (True, (True, True))}
+    )
     monkeypatch.setattr(_dispatch, "_default_group", lambda: group)
     root = tmp_path / "r"
     with Checkpointer(root, save_policy=FixedInterval(interval=1000)) as ckpt:
         assert ckpt.steps == [5, 10] and ckpt.latest == 10
         assert not root.exists(), "only the primary lists and creates the root"
-        assert ckpt.should_save(11) and ckpt.preempted  # its own policy says no; the primary says yes
+        assert (
+            ckpt.should_save(11) and ckpt.preempted
+        )  # its own policy says no; the primary says yes
     assert group.asked == ["open", "should-save"]
-    monkeypatch.setattr(group, "answers", {"open": (False, NotADirectoryError(f"checkpoint root {root} is a file"))})
+    monkeypatch.setattr(
+        group, "answers", {"open": (False, NotADirectoryError(f"checkpoint root {root} is a file"))}
+    )
     with pytest.raises(NotADirectoryError, match="is a file"):  # the primary's error, not a hang
         Checkpointer(root)

@@ -66,14 +66,27 @@ def assert_committed_steps_exact(root: Path, reference: Reference) -> int | None
         return ckpt.latest
 
 
-def run_child(root: Path, steps: int, every: int = 1, kill_at: str | None = None, external_kill: tuple[int, float] | None = None) -> tuple[int, str | None]:
+def run_child(
+    root: Path,
+    steps: int,
+    every: int = 1,
+    kill_at: str | None = None,
+    external_kill: tuple[int, float] | None = None,
+) -> tuple[int, str | None]:
     """Run the training loop in a subprocess. ``kill_at`` is the child's own kill point;
     ``external_kill=(n, delay)`` SIGKILLs it from here ``delay`` s after its n-th save.
     Returns (returncode, final digest or None)."""
     cmd = [sys.executable, "-m", "tests._train_loop", str(root), str(steps), "--every", str(every)]
     if kill_at:
         cmd += ["--kill-at", kill_at]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_subproc.env(8), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=_subproc.env(8),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout is not None and proc.stderr is not None
     digest = None
     saves = 0
@@ -111,7 +124,9 @@ def test_interrupted_run_resumes_bit_identical(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("kill_at", ["merge:2:0", "renamed:2:0"])
-def test_sigkill_during_save_then_resume(tmp_path: Path, kill_at: str, reference: Reference) -> None:
+def test_sigkill_during_save_then_resume(
+    tmp_path: Path, kill_at: str, reference: Reference
+) -> None:
     """Killed entering the merge of its 2nd save (step 2 is lost) or just after the rename
     that committed it (step 2 is kept); a restart resumes and ends bit-identical."""
     root = tmp_path / "r"
@@ -135,7 +150,9 @@ def test_random_sigkills_across_save_phases(tmp_path: Path, reference: Reference
     plan: list[dict[str, Any]] = []
     for phase in _train_loop.PHASES:
         for _ in range(4):
-            delay = 0.0 if phase in ("renamed", "gc") or rng.random() < 0.3 else rng.uniform(0.0, 0.02)
+            delay = (
+                0.0 if phase in ("renamed", "gc") or rng.random() < 0.3 else rng.uniform(0.0, 0.02)
+            )
             plan.append({"phase": phase, "nth": rng.randint(1, 3), "delay": delay})
     rng.shuffle(plan)
     latest_seen: list[int | None] = []
@@ -143,11 +160,15 @@ def test_random_sigkills_across_save_phases(tmp_path: Path, reference: Reference
         if kill["phase"] == "saved":
             code, _ = run_child(root, 1000, external_kill=(kill["nth"], rng.uniform(0.0, 0.3)))
         else:
-            code, _ = run_child(root, 1000, kill_at=f"{kill['phase']}:{kill['nth']}:{kill['delay']}")
+            code, _ = run_child(
+                root, 1000, kill_at=f"{kill['phase']}:{kill['nth']}:{kill['delay']}"
+            )
         assert code == -signal.SIGKILL, f"{kill} did not kill the loop"
         latest = assert_committed_steps_exact(root, reference)
         if latest_seen and latest_seen[-1] is not None:
-            assert latest is not None and latest >= latest_seen[-1], f"{kill}: latest went back to {latest}"
+            assert latest is not None and latest >= latest_seen[-1], (
+                f"{kill}: latest went back to {latest}"
+            )
         latest_seen.append(latest)
     assert latest_seen[-1] is not None and latest_seen[-1] >= 10
     end = latest_seen[-1] + 2

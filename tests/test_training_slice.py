@@ -21,14 +21,21 @@ def test_a_training_loop_on_a_slice_saves_keeps_and_resumes(tmp_path: Path) -> N
     with mp.Slice.start(hosts=2, devices_per_host=2) as s:
         mesh = s.mesh({"data": 2, "model": 2})
         sharding = mesh.sharding(P("data", "model"))
-        with Checkpointer(root, save_policy=FixedInterval(interval=2), keep=KeepLatest(n=2)) as ckpt:
+        with Checkpointer(
+            root, save_policy=FixedInterval(interval=2), keep=KeepLatest(n=2)
+        ) as ckpt:
             for step in range(6):
                 state: dict[str, Any] = {"w": s.put(values[step], sharding), "step": step}
                 ckpt.save_checkpointables(step, {"state": state, "data": {"position": step}})
             ckpt.wait()
             assert ckpt.steps == [2, 4] and sorted(p.name for p in root.iterdir()) == ["2", "4"]
         with Checkpointer(root) as again:
-            abstract = {"w": mp.AbstractArray((32, 16), np.float32, mesh.sharding(P("model"))), "step": 0}
+            abstract = {
+                "w": mp.AbstractArray((32, 16), np.float32, mesh.sharding(P("model"))),
+                "step": 0,
+            }
             out = again.load_checkpointables(None, {"state": abstract, "data": None})
             assert isinstance(out["state"]["w"], mp.RemoteArray) and out["state"]["step"] == 4
-            assert np.array_equal(s.fetch(out["state"]["w"]), values[4]) and out["data"] == {"position": 4}
+            assert np.array_equal(s.fetch(out["state"]["w"]), values[4]) and out["data"] == {
+                "position": 4
+            }

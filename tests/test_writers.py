@@ -19,19 +19,31 @@ from tests._helpers import abstract_of, assert_tree_equal, put
 
 def _task(name: str, rows: int, regions: int) -> SaveTask:
     step = rows // regions
-    spec = ArraySpec(name=name, shape=(rows, 4), dtype="float32", write_shape=(step, 4), chunk_shape=(step, 4))
+    spec = ArraySpec(
+        name=name, shape=(rows, 4), dtype="float32", write_shape=(step, 4), chunk_shape=(step, 4)
+    )
     return SaveTask(
         source=0,
         spec=spec,
-        regions=tuple(Region(device_id=i, index=((i * step, (i + 1) * step), (0, 4))) for i in range(regions)),
+        regions=tuple(
+            Region(device_id=i, index=((i * step, (i + 1) * step), (0, 4))) for i in range(regions)
+        ),
     )
 
 
 def test_split_gives_every_region_to_one_writer_and_balances_bytes() -> None:
-    tasks = [_task("big", 800, 8), _task("a", 100, 1), _task("b", 100, 2), _task("c", 50, 1), _task("d", 50, 1)]
+    tasks = [
+        _task("big", 800, 8),
+        _task("a", 100, 1),
+        _task("b", 100, 2),
+        _task("c", 50, 1),
+        _task("d", 50, 1),
+    ]
     parts = _engine._split_among_writers(tasks, 4)
     seen = Counter((task.spec.name, r.index) for _, task, regions in parts for r in regions)
-    assert seen == Counter((t.spec.name, r.index) for t in tasks for r in t.regions)  # each exactly once
+    assert seen == Counter(
+        (t.spec.name, r.index) for t in tasks for r in t.regions
+    )  # each exactly once
     load: Counter[int] = Counter()
     for writer, _, regions in parts:
         load[writer] += sum((b - a) for (a, b), _ in (r.index for r in regions)) * 16
@@ -48,9 +60,16 @@ def test_one_writer_keeps_everything_in_one_database() -> None:
 
 
 @pytest.mark.parametrize("writers", [1, 3])
-def test_writers_round_trip_and_layout(tmp_path: Path, mesh24: jax.sharding.Mesh, writers: int) -> None:
+def test_writers_round_trip_and_layout(
+    tmp_path: Path, mesh24: jax.sharding.Mesh, writers: int
+) -> None:
     rng = np.random.default_rng(3)
-    state = {f"layer{i}": put(rng.standard_normal((16, 32), dtype=np.float32), mesh24, P("data", "model")) for i in range(6)}
+    state = {
+        f"layer{i}": put(
+            rng.standard_normal((16, 32), dtype=np.float32), mesh24, P("data", "model")
+        )
+        for i in range(6)
+    }
     state["host"] = np.arange(12, dtype=np.int32)
     with mp.Context(saving=mp.SaveOptions(ocdbt_writers_per_host=writers)):
         mp.save(tmp_path / "c", state)
@@ -64,7 +83,9 @@ def test_writers_option_is_checked() -> None:
         mp.SaveOptions(ocdbt_writers_per_host=0)
 
 
-def test_auto_writers_follow_the_bytes_a_host_writes(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
+def test_auto_writers_follow_the_bytes_a_host_writes(
+    tmp_path: Path, mesh24: jax.sharding.Mesh
+) -> None:
     """The default, 'auto': one database per 32 MiB a host writes, at most 4 (a small save does
     not pay for databases it cannot fill)."""
     from milepost._options import writers_for
@@ -72,15 +93,29 @@ def test_auto_writers_follow_the_bytes_a_host_writes(tmp_path: Path, mesh24: jax
     options = mp.SaveOptions()
     assert options.ocdbt_writers_per_host == "auto"
     mib = 1 << 20
-    assert [writers_for(options, n) for n in (0, 1, 32 * mib, 32 * mib + 1, 96 * mib + 1, 10 << 30)] == [1, 1, 1, 2, 4, 4]
+    assert [
+        writers_for(options, n) for n in (0, 1, 32 * mib, 32 * mib + 1, 96 * mib + 1, 10 << 30)
+    ] == [1, 1, 1, 2, 4, 4]
     assert writers_for(mp.SaveOptions(ocdbt_writers_per_host=3), 0) == 3, "an int is used as given"
     rng = np.random.default_rng(5)
     small = {"w": put(rng.standard_normal((16, 32), dtype=np.float32), mesh24, P("data", "model"))}
     mp.save(tmp_path / "small", small)
-    assert sorted(p.name for p in (tmp_path / "small" / "state").glob("ocdbt.process_0*")) == ["ocdbt.process_0"]
-    big = {f"w{i}": put(rng.standard_normal((1024, 2048), dtype=np.float32), mesh24, P("data", "model")) for i in range(5)}  # 40 MiB
+    assert sorted(p.name for p in (tmp_path / "small" / "state").glob("ocdbt.process_0*")) == [
+        "ocdbt.process_0"
+    ]
+    big = {
+        f"w{i}": put(
+            rng.standard_normal((1024, 2048), dtype=np.float32), mesh24, P("data", "model")
+        )
+        for i in range(5)
+    }  # 40 MiB
     mp.save(tmp_path / "big", big)
-    assert sorted(p.name for p in (tmp_path / "big" / "state").glob("ocdbt.process_0*")) == ["ocdbt.process_0", "ocdbt.process_0.1"]
+    assert sorted(p.name for p in (tmp_path / "big" / "state").glob("ocdbt.process_0*")) == [
+        "ocdbt.process_0",
+        "ocdbt.process_0.1",
+    ]
     assert_tree_equal(mp.load(tmp_path / "big", abstract_of(big)), big)
-    with pytest.raises(TypeError, match=r"ocdbt_writers_per_host \(or 'auto'\) must be an int, got 'many'"):
+    with pytest.raises(
+        TypeError, match=r"ocdbt_writers_per_host \(or 'auto'\) must be an int, got 'many'"
+    ):
         mp.SaveOptions(ocdbt_writers_per_host="many")  # type: ignore[arg-type]

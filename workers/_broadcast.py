@@ -49,11 +49,17 @@ def route(sharding: Any, shape: tuple[int, ...], itemsize: int, axis: str) -> Ro
     shard_bytes = math.prod(sharding.shard_shape(shape)) * itemsize
     sent = received = 0
     for src, dst in _pairs(replicas):
-        for a, b in zip(np.take(mesh.devices, src, axis=where).flat, np.take(mesh.devices, dst, axis=where).flat, strict=True):
+        for a, b in zip(
+            np.take(mesh.devices, src, axis=where).flat,
+            np.take(mesh.devices, dst, axis=where).flat,
+            strict=True,
+        ):
             if a.process_index != b.process_index:
                 sent += shard_bytes if a.process_index == me else 0
                 received += shard_bytes if b.process_index == me else 0
-    readers = frozenset(d.id for d in np.take(mesh.devices, 0, axis=where).flat if d.process_index == me)
+    readers = frozenset(
+        d.id for d in np.take(mesh.devices, 0, axis=where).flat if d.process_index == me
+    )
     return Route(readers=readers, sent=sent, received=received)
 
 
@@ -92,7 +98,9 @@ def _program(mesh: Any, spec: Any, axis: str) -> Any:
         return x
 
     return jax.jit(
-        jax.shard_map(body, mesh=mesh, in_specs=PartitionSpec(axis, *spec), out_specs=spec, check_vma=False)
+        jax.shard_map(
+            body, mesh=mesh, in_specs=PartitionSpec(axis, *spec), out_specs=spec, check_vma=False
+        )
     )
 
 
@@ -106,11 +114,19 @@ def _placeholder(device: Any, shape: tuple[int, ...], dtype: np.dtype) -> Any:
         return jax.device_put(read_buffer(shape, dtype), device)  # adopted, its pages never touched
     import jax.numpy as jnp
 
-    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=jax.sharding.SingleDeviceSharding(device))()
+    return jax.jit(
+        lambda: jnp.zeros(shape, dtype), out_shardings=jax.sharding.SingleDeviceSharding(device)
+    )()
 
 
-def broadcast(shape: tuple[int, ...], dtype: np.dtype, sharding: Any, axis: str, route: Route,
-              data: Mapping[int, Any]) -> Any:
+def broadcast(
+    shape: tuple[int, ...],
+    dtype: np.dtype,
+    sharding: Any,
+    axis: str,
+    route: Route,
+    data: Mapping[int, Any],
+) -> Any:
     """The global array of ``shape`` with ``sharding``: ``data`` holds, for each of this host's
     reading devices, the shard it read (a NumPy array or a device array on it); every other
     device of the mesh gets the shard of its replica 0. Missing reader data (after a failure
@@ -142,4 +158,6 @@ def broadcast(shape: tuple[int, ...], dtype: np.dtype, sharding: Any, axis: str,
     if getattr(sharding, "memory_kind", None) not in (None, default):
         return jax.device_put(out, sharding)  # the collective ran in the devices' default memory
     # The same buffers under the caller's sharding object (no copy).
-    return jax.make_array_from_single_device_arrays(shape, sharding, [s.data for s in out.addressable_shards])
+    return jax.make_array_from_single_device_arrays(
+        shape, sharding, [s.data for s in out.addressable_shards]
+    )

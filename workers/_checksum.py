@@ -73,24 +73,35 @@ def values_crc32c(array: np.ndarray) -> int:
     return value
 
 
-def chunk_boxes(box: tuple[tuple[int, int], ...], chunk_shape: tuple[int, ...]) -> Iterator[tuple[Grid, tuple[slice, ...]]]:
+def chunk_boxes(
+    box: tuple[tuple[int, int], ...], chunk_shape: tuple[int, ...]
+) -> Iterator[tuple[Grid, tuple[slice, ...]]]:
     """The chunks of a chunk-aligned ``box``: each one's grid index and its slices within the box."""
     ranges = [range(a // c, (b + c - 1) // c) for (a, b), c in zip(box, chunk_shape, strict=True)]
     for grid in itertools.product(*ranges):
-        yield grid, tuple(
-            slice(g * c - a, min((g + 1) * c, b) - a) for g, c, (a, b) in zip(grid, chunk_shape, box, strict=True)
+        yield (
+            grid,
+            tuple(
+                slice(g * c - a, min((g + 1) * c, b) - a)
+                for g, c, (a, b) in zip(grid, chunk_shape, box, strict=True)
+            ),
         )
 
 
-def region_crc32c(data: np.ndarray, box: tuple[tuple[int, int], ...], chunk_shape: tuple[int, ...]) -> list[tuple[Grid, int]]:
+def region_crc32c(
+    data: np.ndarray, box: tuple[tuple[int, int], ...], chunk_shape: tuple[int, ...]
+) -> list[tuple[Grid, int]]:
     """The checksum of every chunk of ``data``, which holds the chunk-aligned ``box``."""
     return [(grid, values_crc32c(data[local])) for grid, local in chunk_boxes(box, chunk_shape)]
 
 
-def aligned_box(box: tuple[tuple[int, int], ...], chunk_shape: tuple[int, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+def aligned_box(
+    box: tuple[tuple[int, int], ...], chunk_shape: tuple[int, ...], shape: tuple[int, ...]
+) -> tuple[tuple[int, int], ...]:
     """The smallest box of whole chunks (clipped to the array) containing ``box``."""
     return tuple(
-        (a // c * c, min(math.ceil(b / c) * c, n)) for (a, b), c, n in zip(box, chunk_shape, shape, strict=True)
+        (a // c * c, min(math.ceil(b / c) * c, n))
+        for (a, b), c, n in zip(box, chunk_shape, shape, strict=True)
     )
 
 
@@ -103,9 +114,7 @@ def parse_grid_key(key: str) -> Grid:
     return tuple(int(part) for part in key.split(".")) if key else ()
 
 
-def check(
-    name: str, grid: Grid, got: int, expected: dict[Grid, int], where: str
-) -> None:
+def check(name: str, grid: Grid, got: int, expected: dict[Grid, int], where: str) -> None:
     """Raise a CorruptCheckpointError naming the array, the chunk and the file unless ``got``
     is the recorded checksum of chunk ``grid``."""
     want = expected.get(grid)

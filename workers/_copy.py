@@ -56,7 +56,9 @@ def copy_files(plan: CopyPlan, process_index: int | str = 0) -> CopyAck:
     for name in plan.names:
         parts = name.split("/")
         if not name or name.startswith("/") or any(p in ("", ".", "..") for p in parts):
-            raise ValueError(f"cannot copy {name!r}: a file of a checkpoint is a relative path without '..'")
+            raise ValueError(
+                f"cannot copy {name!r}: a file of a checkpoint is a relative path without '..'"
+            )
 
     def run(name: str) -> int:
         if time.monotonic() > deadline:
@@ -66,7 +68,9 @@ def copy_files(plan: CopyPlan, process_index: int | str = 0) -> CopyAck:
             )
         return copy_one(name)
 
-    with ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="milepost-copy", initializer=_behind) as pool:
+    with ThreadPoolExecutor(
+        COPY_THREADS, thread_name_prefix="milepost-copy", initializer=_behind
+    ) as pool:
         sizes = list(pool.map(run, plan.names))
     return CopyAck(process_index=process_index, files=len(sizes), bytes_copied=sum(sizes))
 
@@ -82,7 +86,9 @@ def _local_copier(source: Location, target: Location) -> Any:
     def copy(name: str) -> int:
         src, dst = os.path.join(source.key, name), os.path.join(target.key, name)
         if os.path.islink(src):
-            raise CorruptCheckpointError(f"{src} is a symbolic link; a checkpoint holds only files, so it is not copied")
+            raise CorruptCheckpointError(
+                f"{src} is a symbolic link; a checkpoint holds only files, so it is not copied"
+            )
         os.makedirs(os.path.dirname(dst), exist_ok=True)
         shutil.copyfile(src, dst)
         with open(dst, "rb") as f:
@@ -104,7 +110,9 @@ def _kvstore_copier(source: Location, target: Location) -> Any:
     def copy(name: str) -> int:
         got = src.read(name).result()
         if got.state != "value":
-            raise FileNotFoundError(f"{source / name} disappeared while it was being copied to {target / name}")
+            raise FileNotFoundError(
+                f"{source / name} disappeared while it was being copied to {target / name}"
+            )
         value = bytes(got.value)
         dst.write(name, value).result()
         return len(value)

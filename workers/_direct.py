@@ -105,7 +105,9 @@ class ShardLayout:
         return self.chunk_shape or self.shard_shape
 
 
-def shard_layout(name: str, store: Any, metadata: dict[str, Any] | None = None) -> ShardLayout | None:
+def shard_layout(
+    name: str, store: Any, metadata: dict[str, Any] | None = None
+) -> ShardLayout | None:
     """The array's layout when its shards can be read directly, else None. ``metadata``: the
     array's zarr metadata, if the caller has it (else it is taken from ``store``'s spec)."""
     if sys.byteorder != "little":
@@ -144,8 +146,12 @@ def shard_layout(name: str, store: Any, metadata: dict[str, Any] | None = None) 
         return None
     separator = encoding.get("configuration", {}).get("separator", "/")
     return ShardLayout(
-        name=name, shard_shape=shard_shape, dtype=dtype, separator=separator,
-        chunk_shape=chunk_shape if chunk_shape != shard_shape else (), shape=shape,
+        name=name,
+        shard_shape=shard_shape,
+        dtype=dtype,
+        separator=separator,
+        chunk_shape=chunk_shape if chunk_shape != shard_shape else (),
+        shape=shape,
     )
 
 
@@ -257,12 +263,27 @@ def box_reads(layout: ShardLayout, box: Box, whole_chunks: bool = False) -> list
         grid = tuple(a // s for (a, _), s in zip(box, shape, strict=True))
         key = layout.name + "/c" + "".join(sep + str(g) for g in grid)
         if not layout.chunk_shape:
-            return [BoxRead(key=key, offset_in_chunk=0, chunk_nbytes=chunk_nbytes, offset_in_box=0, nbytes=chunk_nbytes, grid=grid)]
+            return [
+                BoxRead(
+                    key=key,
+                    offset_in_chunk=0,
+                    chunk_nbytes=chunk_nbytes,
+                    offset_in_box=0,
+                    nbytes=chunk_nbytes,
+                    grid=grid,
+                )
+            ]
         first = [g * k for g, k in zip(grid, per_shard, strict=True)]
         return [
             BoxRead(
-                key=key, offset_in_chunk=0, chunk_nbytes=chunk_nbytes, offset_in_box=i * chunk_nbytes, nbytes=chunk_nbytes,
-                grid=tuple(f + j for f, j in zip(first, inner, strict=True)), chunk=i, chunks=chunks,
+                key=key,
+                offset_in_chunk=0,
+                chunk_nbytes=chunk_nbytes,
+                offset_in_box=i * chunk_nbytes,
+                nbytes=chunk_nbytes,
+                grid=tuple(f + j for f, j in zip(first, inner, strict=True)),
+                chunk=i,
+                chunks=chunks,
             )
             for i, inner in enumerate(itertools.product(*(range(k) for k in per_shard)))
         ]
@@ -272,11 +293,20 @@ def box_reads(layout: ShardLayout, box: Box, whole_chunks: bool = False) -> list
         return None
     pieces = []
     for grid in itertools.product(*spans):
-        if whole_chunks and layout.shape and any((g + 1) * c > n for g, c, n in zip(grid, chunk, layout.shape, strict=True)):
+        if (
+            whole_chunks
+            and layout.shape
+            and any((g + 1) * c > n for g, c, n in zip(grid, chunk, layout.shape, strict=True))
+        ):
             return None
         # the piece: box ∩ chunk, in global coordinates
-        piece = [(max(a, g * c), min(b, (g + 1) * c)) for (a, b), g, c in zip(box, grid, chunk, strict=True)]
-        in_chunk = tuple((a - g * c, b - g * c) for (a, b), g, c in zip(piece, grid, chunk, strict=True))
+        piece = [
+            (max(a, g * c), min(b, (g + 1) * c))
+            for (a, b), g, c in zip(box, grid, chunk, strict=True)
+        ]
+        in_chunk = tuple(
+            (a - g * c, b - g * c) for (a, b), g, c in zip(piece, grid, chunk, strict=True)
+        )
         in_box = tuple((a - ba, b - ba) for (a, b), (ba, _) in zip(piece, box, strict=True))
         shard_grid = [g // k for g, k in zip(grid, per_shard, strict=True)]
         position = _offset([(g % k, 0) for g, k in zip(grid, per_shard, strict=True)], per_shard)
@@ -288,9 +318,14 @@ def box_reads(layout: ShardLayout, box: Box, whole_chunks: bool = False) -> list
             if _contiguous(in_box, box_shape):
                 pieces.append(
                     BoxRead(
-                        key=key, offset_in_chunk=offset_in_chunk, chunk_nbytes=chunk_nbytes,
-                        offset_in_box=_offset(in_box, box_shape) * itemsize, nbytes=nbytes, grid=tuple(grid),
-                        chunk=position, chunks=chunks,
+                        key=key,
+                        offset_in_chunk=offset_in_chunk,
+                        chunk_nbytes=chunk_nbytes,
+                        offset_in_box=_offset(in_box, box_shape) * itemsize,
+                        nbytes=nbytes,
+                        grid=tuple(grid),
+                        chunk=position,
+                        chunks=chunks,
                     )
                 )
                 continue
@@ -301,10 +336,19 @@ def box_reads(layout: ShardLayout, box: Box, whole_chunks: bool = False) -> list
         full = within or tuple((0, n) for n in read_shape)
         pieces.append(
             BoxRead(
-                key=key, offset_in_chunk=offset_in_chunk, chunk_nbytes=chunk_nbytes, nbytes=nbytes, grid=tuple(grid),
-                scatter=in_box, chunk=position, chunks=chunks, read_nbytes=math.prod(read_shape) * itemsize,
-                read_shape=read_shape, within=within,
-                in_place=_run_bytes(full, read_shape, in_box, box_shape, itemsize) >= _IN_PLACE_RUN_BYTES,
+                key=key,
+                offset_in_chunk=offset_in_chunk,
+                chunk_nbytes=chunk_nbytes,
+                nbytes=nbytes,
+                grid=tuple(grid),
+                scatter=in_box,
+                chunk=position,
+                chunks=chunks,
+                read_nbytes=math.prod(read_shape) * itemsize,
+                read_shape=read_shape,
+                within=within,
+                in_place=_run_bytes(full, read_shape, in_box, box_shape, itemsize)
+                >= _IN_PLACE_RUN_BYTES,
             )
         )
     return pieces
@@ -333,20 +377,28 @@ def _cut(within: Box, shape: tuple[int, ...], place: Box, box_shape: tuple[int, 
     return j
 
 
-def _run_bytes(within: Box, shape: tuple[int, ...], place: Box, box_shape: tuple[int, ...], itemsize: int) -> int:
+def _run_bytes(
+    within: Box, shape: tuple[int, ...], place: Box, box_shape: tuple[int, ...], itemsize: int
+) -> int:
     """The length of the piece's runs: its stretches contiguous both where it is read from and
     where it lands."""
     j = _cut(within, shape, place, box_shape)
     return (within[j][1] - within[j][0]) * math.prod(shape[j + 1 :]) * itemsize
 
 
-def _runs(within: Box, shape: tuple[int, ...], place: Box, box_shape: tuple[int, ...], itemsize: int) -> tuple[list[int], list[int], int]:
+def _runs(
+    within: Box, shape: tuple[int, ...], place: Box, box_shape: tuple[int, ...], itemsize: int
+) -> tuple[list[int], list[int], int]:
     """The piece's runs in the order they are read: their byte offsets in what is read and in
     the box buffer, and their length (offsets worked out by NumPy: a band has a run per row)."""
     j = _cut(within, shape, place, box_shape)
     length = (within[j][1] - within[j][0]) * math.prod(shape[j + 1 :]) * itemsize
-    source = np.array(sum(w[0] * math.prod(shape[d + 1 :]) for d, w in enumerate(within)) * itemsize, np.int64)
-    target = np.array(sum(p[0] * math.prod(box_shape[d + 1 :]) for d, p in enumerate(place)) * itemsize, np.int64)
+    source = np.array(
+        sum(w[0] * math.prod(shape[d + 1 :]) for d, w in enumerate(within)) * itemsize, np.int64
+    )
+    target = np.array(
+        sum(p[0] * math.prod(box_shape[d + 1 :]) for d, p in enumerate(place)) * itemsize, np.int64
+    )
     for d in range(j):
         steps = np.arange(within[d][1] - within[d][0], dtype=np.int64)
         source = source[..., None] + steps * (math.prod(shape[d + 1 :]) * itemsize)
@@ -378,7 +430,9 @@ class Locator:
             return
         base = ts.KvStore.open(tsu.file_kvstore(self.directory)).result()
         manifest = ts.ocdbt.dump(base).result()
-        root = manifest["versions"][-1]["root"].get("location") if manifest.get("versions") else None
+        root = (
+            manifest["versions"][-1]["root"].get("location") if manifest.get("versions") else None
+        )
         if root is not None:
             self._walk(base, root, b"", _Prefixes(p.encode() for p in prefixes))
         self._indexed.update(prefixes)
@@ -391,7 +445,12 @@ class Locator:
             if "location" in entry:  # interior: the child holds keys in [key, next key)
                 upper = prefix + entries[i + 1]["key"] if i + 1 < len(entries) else None
                 if wanted.overlaps(key, upper):
-                    self._walk(base, entry["location"], prefix + entry.get("subtree_common_prefix", b""), wanted)
+                    self._walk(
+                        base,
+                        entry["location"],
+                        prefix + entry.get("subtree_common_prefix", b""),
+                        wanted,
+                    )
             elif "indirect_value" in entry and wanted.match(key):
                 value = _parse_value(self.directory, entry["indirect_value"])
                 if value is not None:
@@ -560,7 +619,12 @@ class DirectReader:
         """The checked index of each shard value read index first (by file and offset)."""
 
     def read_box(
-        self, values: list[_Value], reads: list[BoxRead], out: np.ndarray, expected: list[int | None], name: str = ""
+        self,
+        values: list[_Value],
+        reads: list[BoxRead],
+        out: np.ndarray,
+        expected: list[int | None],
+        name: str = "",
     ) -> BoxHandle:
         """Read every piece of one box (``reads[i]`` from ``values[i]``) into ``out``, checking
         each whole chunk against ``expected[i]`` (its recorded CRC32C; -1: none was recorded for
@@ -591,7 +655,9 @@ class DirectReader:
         chunks = reads[0].chunks if reads else 1
         if len(reads) % chunks == 0 and all(r.scatter is None and r.whole for r in reads):
             return True  # (most likely whole shard values, each one large read)
-        spans: dict[tuple[str, int], tuple[_Value, int, int, int]] = {}  # (first byte, end, pieces read whole into place)
+        spans: dict[
+            tuple[str, int], tuple[_Value, int, int, int]
+        ] = {}  # (first byte, end, pieces read whole into place)
         for value, read in zip(values, reads, strict=True):
             start = value.offset + read.chunk * read.chunk_nbytes + read.offset_in_chunk
             end = start + (read.length if read.length >= 0 else read.chunk_nbytes)
@@ -607,8 +673,13 @@ class DirectReader:
             try:
                 fd = self._fd(value.path)
                 os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_WILLNEED)
-                os.posix_fadvise(fd, value.offset + value.length - index, index, os.POSIX_FADV_WILLNEED)
-            except (OSError, AttributeError):  # (no posix_fadvise here; a missing file fails the read itself)
+                os.posix_fadvise(
+                    fd, value.offset + value.length - index, index, os.POSIX_FADV_WILLNEED
+                )
+            except (
+                OSError,
+                AttributeError,
+            ):  # (no posix_fadvise here; a missing file fails the read itself)
                 break
         return False
 
@@ -662,21 +733,31 @@ class DirectReader:
             while start < len(members):
                 end = start + 1
                 while (
-                    end < len(members) and end - start < _IOV_MAX // 2
-                    and members[end][0].value.offset == members[end - 1][0].value.offset + members[end - 1][0].value.length
+                    end < len(members)
+                    and end - start < _IOV_MAX // 2
+                    and members[end][0].value.offset
+                    == members[end - 1][0].value.offset + members[end - 1][0].value.length
                 ):
                     end += 1
                 run = members[start:end]
                 buffers = [b for g, whole in run for b in (whole, memoryview(g.index))]
                 first = run[0][0]
                 try:
-                    _pread_exactly(self._fd(path), buffers, first.value.offset, first.pieces[0].read.key, path)
+                    _pread_exactly(
+                        self._fd(path), buffers, first.value.offset, first.pieces[0].read.key, path
+                    )
                 except Exception:
                     # Each value again on its own, so each box gets its own error (a file cut
                     # short fails only the values past its end).
                     for g, whole in run:
                         try:
-                            _pread_exactly(self._fd(path), [whole, memoryview(g.index)], g.value.offset, g.pieces[0].read.key, path)
+                            _pread_exactly(
+                                self._fd(path),
+                                [whole, memoryview(g.index)],
+                                g.value.offset,
+                                g.pieces[0].read.key,
+                                path,
+                            )
                         except Exception as e:
                             outcomes[g.slot] = outcomes[g.slot] or e
                 start = end
@@ -712,7 +793,13 @@ class DirectReader:
                 raise FallBack
             piece.entry = entry
             if entry != piece.read.chunk * piece.read.chunk_nbytes:
-                _pread_all(self._fd(value.path), piece.buffers, value.offset + entry, piece.read.key, value.path)
+                _pread_all(
+                    self._fd(value.path),
+                    piece.buffers,
+                    value.offset + entry,
+                    piece.read.key,
+                    value.path,
+                )
 
     def _read_group(self, group: _Group) -> None:
         """Read the shard's index, then the pieces the box needs (neighbours in one preadv)."""
@@ -721,11 +808,19 @@ class DirectReader:
         fd = self._fd(value.path)
         size = _index_size(first.chunks)
         if value.length < size:
-            raise CorruptCheckpointError(f"shard {first.key!r} is {value.length} bytes, too short to hold its index")
+            raise CorruptCheckpointError(
+                f"shard {first.key!r} is {value.length} bytes, too short to hold its index"
+            )
         with self._lock:
             entries = self._indexes.get((value.path, value.offset))
         if entries is None:  # (the other boxes that touch this shard use it too)
-            _pread_exactly(fd, [memoryview(group.index)], value.offset + value.length - size, first.key, value.path)
+            _pread_exactly(
+                fd,
+                [memoryview(group.index)],
+                value.offset + value.length - size,
+                first.key,
+                value.path,
+            )
             entries = _checked_index(value, first, group.index)
             with self._lock:
                 self._indexes[value.path, value.offset] = entries
@@ -736,7 +831,13 @@ class DirectReader:
                 raise FallBack
             piece.entry = entry
             start = value.offset + entry + piece.read.offset_in_chunk
-            spans.append((start, piece.read.length if piece.read.length >= 0 else len(piece.buffers[0]), piece.buffers))
+            spans.append(
+                (
+                    start,
+                    piece.read.length if piece.read.length >= 0 else len(piece.buffers[0]),
+                    piece.buffers,
+                )
+            )
         spans.sort(key=lambda s: s[0])
         i = 0
         while i < len(spans):
@@ -756,14 +857,22 @@ class DirectReader:
             self._fds.clear()
 
 
-def _groups(slot: int, values: list[_Value], reads: list[BoxRead], out: np.ndarray, expected: list[int | None]) -> list[_Group]:
+def _groups(
+    slot: int,
+    values: list[_Value],
+    reads: list[BoxRead],
+    out: np.ndarray,
+    expected: list[int | None],
+) -> list[_Group]:
     """A box's pieces grouped by the shard value they lie in, each with its buffers."""
     flat = memoryview(out.reshape(-1).view(np.uint8))
     groups: dict[tuple[str, int], _Group] = {}
     for value, read, crc in zip(values, reads, expected, strict=True):
         group = groups.get((value.path, value.offset))
         if group is None:
-            group = groups[value.path, value.offset] = _Group(value, [], slot, bytearray(_index_size(read.chunks)))
+            group = groups[value.path, value.offset] = _Group(
+                value, [], slot, bytearray(_index_size(read.chunks))
+            )
         group.pieces.append(_piece(read, out, flat, crc))
     for group in groups.values():
         group.whole = _whole_value(group, flat)
@@ -773,7 +882,11 @@ def _groups(slot: int, values: list[_Value], reads: list[BoxRead], out: np.ndarr
 def _piece(read: BoxRead, out: np.ndarray, flat: memoryview, expected: int | None) -> _Piece:
     """Where a piece's bytes are read to, in the order they are stored."""
     if read.scatter is None:
-        target = flat[read.offset_in_box : read.offset_in_box + read.nbytes] if read.nbytes >= 0 else flat
+        target = (
+            flat[read.offset_in_box : read.offset_in_box + read.nbytes]
+            if read.nbytes >= 0
+            else flat
+        )
         return _Piece(read, [target], expected)
     if not read.in_place:
         scratch = np.empty(read.length, np.uint8)
@@ -805,7 +918,9 @@ def _whole_value(group: _Group, flat: memoryview) -> memoryview | None:
         len(pieces) != first.chunks
         or group.value.length != first.chunks * first.chunk_nbytes + _index_size(first.chunks)
         or any(
-            p.read.scatter is not None or not p.read.whole or p.read.chunk != k
+            p.read.scatter is not None
+            or not p.read.whole
+            or p.read.chunk != k
             or p.read.offset_in_box != first.offset_in_box + k * first.chunk_nbytes
             for k, p in enumerate(pieces)
         )
@@ -835,10 +950,14 @@ def _checked_index(value: _Value, read: BoxRead, index: bytearray) -> list[int |
     """Where the shard's index (its last bytes, ``index``) says each chunk starts (None: the
     chunk is missing); raises if the index is damaged or disagrees with uncompressed chunks."""
     if value.length < len(index):
-        raise CorruptCheckpointError(f"shard {read.key!r} is {value.length} bytes, too short to hold its index")
+        raise CorruptCheckpointError(
+            f"shard {read.key!r} is {value.length} bytes, too short to hold its index"
+        )
     (checksum,) = struct.unpack("<I", index[-4:])
     if crc32c(bytes(index[:-4])) != checksum:
-        raise CorruptCheckpointError(f"shard {read.key!r} has a damaged index (CRC32C mismatch) in {value.path}")
+        raise CorruptCheckpointError(
+            f"shard {read.key!r} has a damaged index (CRC32C mismatch) in {value.path}"
+        )
     room = value.length - len(index)
     entries: list[int | None] = []
     for chunk_offset, chunk_nbytes in _INDEX_ENTRY.iter_unpack(index[:-4]):

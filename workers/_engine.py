@@ -68,7 +68,9 @@ class PendingSave:
         self._inflight.append(future)
         self._nbytes += nbytes
 
-    def _checksum(self, spec: ArraySpec, box: tuple[tuple[int, int], ...], data: np.ndarray) -> Future[Any]:
+    def _checksum(
+        self, spec: ArraySpec, box: tuple[tuple[int, int], ...], data: np.ndarray
+    ) -> Future[Any]:
         """Compute the checksums of the chunks of ``data`` (the region ``box``) on the copy pool."""
         future = _on_copy_pool(_checksum.region_crc32c, data, box, spec.chunk_shape)
         self._checksums.append((spec.name, future))
@@ -80,30 +82,49 @@ class PendingSave:
                 deadline = None if timeout is None else time.monotonic() + timeout
                 try:
                     if self._issuing is not None:
-                        self._issuing.result(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+                        self._issuing.result(
+                            timeout=None
+                            if deadline is None
+                            else max(0.0, deadline - time.monotonic())
+                        )
                     for f in self._inflight or []:
-                        f.result(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+                        f.result(
+                            timeout=None
+                            if deadline is None
+                            else max(0.0, deadline - time.monotonic())
+                        )
                 except BaseException as e:
                     self._settle(timeout)  # no write may land after the caller cleans up
-                    mapped = from_tensorstore(e, "writing the checkpoint's arrays", self._plan.store.directory)
+                    mapped = from_tensorstore(
+                        e, "writing the checkpoint's arrays", self._plan.store.directory
+                    )
                     if mapped is e:
                         raise
                     raise mapped from e
                 self._inflight = None
-                checksums: dict[str, list[tuple[tuple[int, ...], int]]] = collections.defaultdict(list)
+                checksums: dict[str, list[tuple[tuple[int, ...], int]]] = collections.defaultdict(
+                    list
+                )
                 for name, future in self._checksums:
                     checksums[name].extend(future.result())
                 self._checksums = []
                 _staging.POOL.give_back(self._staged, keep_bytes=self._staged_bytes)
                 arrays = tuple(
                     WrittenArray(
-                        name=t.spec.name, write_shape=t.spec.write_shape, chunk_shape=t.spec.chunk_shape,
-                        chunk_crc32c=tuple(sorted(checksums.get(t.spec.name, ()))), random_key_impl=t.spec.random_key_impl,
+                        name=t.spec.name,
+                        write_shape=t.spec.write_shape,
+                        chunk_shape=t.spec.chunk_shape,
+                        chunk_crc32c=tuple(sorted(checksums.get(t.spec.name, ()))),
+                        random_key_impl=t.spec.random_key_impl,
                     )
                     for t in self._plan.tasks
                     if t.regions or t.create
                 )
-                self._ack = SaveAck(process_index=self._plan.process_index, bytes_written=self._nbytes, arrays=arrays)
+                self._ack = SaveAck(
+                    process_index=self._plan.process_index,
+                    bytes_written=self._nbytes,
+                    arrays=arrays,
+                )
             return self._ack
 
     def settle(self, timeout: float | None = None) -> None:
@@ -116,7 +137,9 @@ class PendingSave:
             futures_wait([self._issuing], timeout=timeout)
         for f in self._inflight or []:
             try:
-                f.result(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+                f.result(
+                    timeout=None if deadline is None else max(0.0, deadline - time.monotonic())
+                )
             except Exception:
                 pass
 
@@ -136,7 +159,9 @@ def start_save(plan: SavePlan, sources: Sequence[Any]) -> PendingSave:
     opens = []
     headers: set[str] = set()  # arrays whose zarr.json one of our writers writes
     for writer, task, _ in parts:
-        spec = tsu.create_spec(tsu.write_kvstore(plan.store, plan.process_index, plan.first_writer + writer), task.spec)
+        spec = tsu.create_spec(
+            tsu.write_kvstore(plan.store, plan.process_index, plan.first_writer + writer), task.spec
+        )
         create = task.write_metadata and task.spec.name not in headers
         if create:
             headers.add(task.spec.name)
@@ -162,7 +187,9 @@ class _Opening:
     thread gets there first): the opens of arrays whose regions are all staged then run off
     the caller's thread with their writes (``ts.open`` costs ~0.3 ms of CPU per array)."""
 
-    def __init__(self, spec: dict[str, Any], create: bool, context: Any, pending: PendingSave) -> None:
+    def __init__(
+        self, spec: dict[str, Any], create: bool, context: Any, pending: PendingSave
+    ) -> None:
         self._spec = spec
         self._create = create
         self._context = context
@@ -175,7 +202,9 @@ class _Opening:
         with self._lock:
             if self._future is None:
                 if self._create:
-                    self._future = ts.open(self._spec, create=True, open=True, context=self._context)
+                    self._future = ts.open(
+                        self._spec, create=True, open=True, context=self._context
+                    )
                 else:
                     self._future = ts.open(self._spec, assume_metadata=True, context=self._context)
                 self._pending._track(self._future)
@@ -229,7 +258,11 @@ _Write = tuple[_Opening, tuple[tuple[int, int], ...], np.ndarray, ArraySpec]
 
 
 def _issue_writes(
-    plan: SavePlan, sources: Sequence[Any], parts: list[_Part], opens: list[_Opening], pending: PendingSave
+    plan: SavePlan,
+    sources: Sequence[Any],
+    parts: list[_Part],
+    opens: list[_Opening],
+    pending: PendingSave,
 ) -> None:
     """Issue every region's write. Regions that may be the caller's memory are first copied
     into staging buffers of our own (with ``plan.copy``); with a staging budget, the regions
@@ -257,10 +290,16 @@ def _issue_writes(
 
     def write(item: _Write) -> Any:
         opening, box, data, spec = item
-        written = opening.start().result()[tsu.box_to_slices(box)].write(data, can_reference_source_data_indefinitely=True)
+        written = (
+            opening.start()
+            .result()[tsu.box_to_slices(box)]
+            .write(data, can_reference_source_data_indefinitely=True)
+        )
         pending._track(written.commit, data.nbytes)
         if progress is not None:  # a progress bar counts each write once durable
-            written.commit.add_done_callback(lambda f, n=data.nbytes: f.exception() is None and progress(n))
+            written.commit.add_done_callback(
+                lambda f, n=data.nbytes: f.exception() is None and progress(n)
+            )
         return written.commit, pending._checksum(spec, box, data)
 
     if writes or blocking or not copies:
@@ -288,6 +327,7 @@ def _issue_writes(
         # bandwidth and cores, and the copies are what the caller waits for (overlapping them
         # on 2 cores cut the total by about what it added to the blocking part).
         parallel_copy([(item[2], data) for item, (_, data) in zip(staged, copies, strict=True)])
+
         # The copies' writes read only our buffers: they are issued off the caller's thread
         # (64 writes and their checksum jobs cost ~10 ms of a 512 MiB save's blocking part),
         # after every open they wait for has started (so the opens run together).
@@ -412,7 +452,11 @@ def _shards_by_device(source: Any) -> dict[int, Any]:
 
 
 def _region_data(
-    source: Any, shards: dict[int, Any], device_id: int, box: tuple[tuple[int, int], ...], spec: ArraySpec
+    source: Any,
+    shards: dict[int, Any],
+    device_id: int,
+    box: tuple[tuple[int, int], ...],
+    spec: ArraySpec,
 ) -> np.ndarray:
     if device_id < 0:
         data = np.asarray(source)[tsu.box_to_slices(box)]
@@ -429,7 +473,9 @@ def _region_data(
         if any(sl.start != 0 or sl.stop != n for sl, n in zip(local, data.shape, strict=True)):
             data = data[local]
     if data.dtype != np.dtype(spec.dtype):
-        raise TypeError(f"array {spec.name!r}: planned dtype {spec.dtype} but the data is {data.dtype}")
+        raise TypeError(
+            f"array {spec.name!r}: planned dtype {spec.dtype} but the data is {data.dtype}"
+        )
     return data
 
 
@@ -457,10 +503,14 @@ def load(plan: LoadPlan, process_index: int | str = 0) -> tuple[list[Any], LoadA
         raise
 
 
-def _load(plan: LoadPlan, process_index: int | str, broadcasts: _Broadcasts) -> tuple[list[Any], LoadAck]:
+def _load(
+    plan: LoadPlan, process_index: int | str, broadcasts: _Broadcasts
+) -> tuple[list[Any], LoadAck]:
     _check_device_dtypes(plan.tasks)
     opens = _start_opens(plan)
-    direct = plan.direct_reads and Location.of(plan.store.directory).is_local  # straight from local files only
+    direct = (
+        plan.direct_reads and Location.of(plan.store.directory).is_local
+    )  # straight from local files only
     locator = _direct.Locator(plan.store) if direct else None
     if locator is not None:
         # Walk the B-tree while TensorStore opens the arrays (every array's chunks: which of
@@ -483,7 +533,9 @@ def _load(plan: LoadPlan, process_index: int | str, broadcasts: _Broadcasts) -> 
             locator = None
     results: list[Any] = [None] * len(plan.tasks)
     assemblers: list[_Assembler] = []
-    waiting: list[_Assembler] = []  # broadcast arrays whose collectives run once their reads are done
+    waiting: list[
+        _Assembler
+    ] = []  # broadcast arrays whose collectives run once their reads are done
     # Arrays of the same shape and sharding (the layers of a model) share one device layout.
     layouts_seen: dict[Any, Any] = {}
 
@@ -508,7 +560,9 @@ def _load(plan: LoadPlan, process_index: int | str, broadcasts: _Broadcasts) -> 
         if task.sharding is None:
             asm = _Assembler(task, None, results, i, [((), (tuple((0, n) for n in task.shape)))])
         else:
-            sharding = task.sharding.to_jax() if isinstance(task.sharding, ShardingSpec) else task.sharding
+            sharding = (
+                task.sharding.to_jax() if isinstance(task.sharding, ShardingSpec) else task.sharding
+            )
             readers = broadcasts.readers(i, task, sharding)
             if readers is None:
                 asm = _Assembler(task, sharding, results, i, *boxes_of(sharding, task.shape))
@@ -516,8 +570,14 @@ def _load(plan: LoadPlan, process_index: int | str, broadcasts: _Broadcasts) -> 
                 pieces, _ = _device_boxes(sharding, task.shape, readers)
                 asm = _BroadcastAssembler(task, sharding, results, i, pieces, broadcasts)
         assemblers.append(asm)
-    boxes = [math.prod(b - a for a, b in box) * asm.dtype.itemsize for asm in assemblers for _, box in asm.pieces]
-    reader = _BudgetedReader(plan.memory_budget_bytes, plan.store.directory, locator, sum(boxes), len(boxes))
+    boxes = [
+        math.prod(b - a for a, b in box) * asm.dtype.itemsize
+        for asm in assemblers
+        for _, box in asm.pieces
+    ]
+    reader = _BudgetedReader(
+        plan.memory_budget_bytes, plan.store.directory, locator, sum(boxes), len(boxes)
+    )
     try:
         for i, asm in zip(order, assemblers, strict=True):
             task, store, layout = plan.tasks[i], stores[i], layouts[i]
@@ -543,7 +603,9 @@ def _load(plan: LoadPlan, process_index: int | str, broadcasts: _Broadcasts) -> 
     for i, task in enumerate(plan.tasks):
         if task.random_key_impl is not None:
             results[i] = _keys.from_data(results[i], task.random_key_impl)
-    return results, LoadAck(process_index=process_index, bytes_read=reader.bytes_read, arrays=len(results))
+    return results, LoadAck(
+        process_index=process_index, bytes_read=reader.bytes_read, arrays=len(results)
+    )
 
 
 def _start_opens(plan: LoadPlan) -> list[Any]:
@@ -552,8 +614,14 @@ def _start_opens(plan: LoadPlan) -> list[Any]:
     context = tsu.new_context(plan.store.directory)
     kvstore = tsu.read_kvstore(plan.store)
     return [
-        None if t.tensor is not None
-        else ts.open(tsu.open_spec(kvstore, t.name, plan.fill_missing, plan.store.zarr_format), open=True, read=True, context=context)
+        None
+        if t.tensor is not None
+        else ts.open(
+            tsu.open_spec(kvstore, t.name, plan.fill_missing, plan.store.zarr_format),
+            open=True,
+            read=True,
+            context=context,
+        )
         for t in plan.tasks
     ]
 
@@ -567,8 +635,12 @@ def _finish_opens(plan: LoadPlan, opens: list[Any]) -> list[Any]:
         try:
             store = opening.result()
         except Exception as e:  # TensorStore raises ValueError with a long status string
-            mapped = from_tensorstore(e, f"opening array {task.name!r}", plan.store.directory, reading=True)
-            if isinstance(mapped, PermissionError | TimeoutError) or (isinstance(mapped, OSError) and mapped is not e):
+            mapped = from_tensorstore(
+                e, f"opening array {task.name!r}", plan.store.directory, reading=True
+            )
+            if isinstance(mapped, PermissionError | TimeoutError) or (
+                isinstance(mapped, OSError) and mapped is not e
+            ):
                 raise mapped from e
             raise CorruptCheckpointError(
                 f"array {task.name!r} could not be opened in {plan.store.directory}: {e}. "
@@ -620,9 +692,14 @@ def _device_boxes(
 
 
 def _slices_to_box(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-    return tuple(
-        (s.start or 0, n if s.stop is None else s.stop) for s, n in zip(index, shape, strict=True)
-    ) if index else tuple((0, n) for n in shape)
+    return (
+        tuple(
+            (s.start or 0, n if s.stop is None else s.stop)
+            for s, n in zip(index, shape, strict=True)
+        )
+        if index
+        else tuple((0, n) for n in shape)
+    )
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, alignment: int = 64) -> np.ndarray:
@@ -664,7 +741,12 @@ class _Assembler:
     """Collects the pieces of one array as they are read and builds the result."""
 
     def __init__(
-        self, task: LoadTask, sharding: Any, results: list[Any], slot: int, pieces: list[Any],
+        self,
+        task: LoadTask,
+        sharding: Any,
+        results: list[Any],
+        slot: int,
+        pieces: list[Any],
         device_boxes: dict[Any, _Box] | None = None,
     ) -> None:
         self.task = task
@@ -726,7 +808,9 @@ class _Assembler:
             memory_kind = getattr(self.sharding, "memory_kind", None)
             targets: list[Any] = list(devices)
             if memory_kind is not None:
-                targets = [jax.sharding.SingleDeviceSharding(d, memory_kind=memory_kind) for d in devices]
+                targets = [
+                    jax.sharding.SingleDeviceSharding(d, memory_kind=memory_kind) for d in devices
+                ]
             self.placed.extend(jax.device_put(list(buffers), targets))
             self.unplaced = []
 
@@ -748,7 +832,9 @@ class _Assembler:
                 by_box.setdefault(of_device[device], []).append(buffer)
             self.unplaced = []
             self.results[self.slot] = jax.make_array_from_callback(
-                self.task.shape, self.sharding, lambda index: by_box[_slices_to_box(index, self.task.shape)].pop()
+                self.task.shape,
+                self.sharding,
+                lambda index: by_box[_slices_to_box(index, self.task.shape)].pop(),
             )
             return
         self._place()
@@ -770,8 +856,15 @@ class _BroadcastAssembler(_Assembler):
     """An array loaded by load-and-broadcast: ``pieces`` are the boxes of this host's reading
     devices only; ``finish`` runs the collective that gives every device its shard."""
 
-    def __init__(self, task: LoadTask, sharding: Any, results: list[Any], slot: int, pieces: list[Any],
-                 broadcasts: _Broadcasts) -> None:
+    def __init__(
+        self,
+        task: LoadTask,
+        sharding: Any,
+        results: list[Any],
+        slot: int,
+        pieces: list[Any],
+        broadcasts: _Broadcasts,
+    ) -> None:
         super().__init__(task, sharding, results, slot, pieces)
         self.broadcasts = broadcasts
         self.data: dict[int, Any] = {}
@@ -785,12 +878,16 @@ class _BroadcastAssembler(_Assembler):
         parallel_copy([(extra, data) for extra in extras])
         for buffer, device in zip([data, *extras], devices, strict=True):
             # Off CPU the shard goes to its device now, so host buffers stay within the budget.
-            self.data[device.id] = buffer if device.platform == "cpu" else jax.device_put(buffer, device)
+            self.data[device.id] = (
+                buffer if device.platform == "cpu" else jax.device_put(buffer, device)
+            )
 
     def finish(self) -> None:
         if not self.finished:
             self.finished = True
-            self.results[self.slot] = self.broadcasts.run(self.slot, self.task, self.sharding, self.data)
+            self.results[self.slot] = self.broadcasts.run(
+                self.slot, self.task, self.sharding, self.data
+            )
             self.data = {}
 
 
@@ -800,7 +897,11 @@ class _Broadcasts:
 
     def __init__(self, plan: LoadPlan) -> None:
         self.plan = plan
-        self.pending = [i for i, t in enumerate(plan.tasks) if t.broadcast_axis is not None and t.sharding is not None]
+        self.pending = [
+            i
+            for i, t in enumerate(plan.tasks)
+            if t.broadcast_axis is not None and t.sharding is not None
+        ]
         self.routes: dict[int, Any] = {}
         self.broken = False
         """A collective itself failed: the others would fail (or wait) the same way."""
@@ -815,7 +916,9 @@ class _Broadcasts:
         from milepost.workers import _broadcast
 
         if slot not in self.routes:
-            self.routes[slot] = _broadcast.route(sharding, task.shape, np.dtype(task.dtype).itemsize, task.broadcast_axis)  # type: ignore[arg-type]
+            self.routes[slot] = _broadcast.route(
+                sharding, task.shape, np.dtype(task.dtype).itemsize, task.broadcast_axis
+            )  # type: ignore[arg-type]
         return self.routes[slot]
 
     def run(self, slot: int, task: LoadTask, sharding: Any, data: dict[int, Any]) -> Any:
@@ -824,7 +927,9 @@ class _Broadcasts:
         route = self._route(slot, task, sharding)
         self.pending.remove(slot)
         try:
-            return _broadcast.broadcast(task.shape, np.dtype(task.dtype), sharding, task.broadcast_axis, route, data)  # type: ignore[arg-type]
+            return _broadcast.broadcast(
+                task.shape, np.dtype(task.dtype), sharding, task.broadcast_axis, route, data
+            )  # type: ignore[arg-type]
         except Exception:
             self.broken = True
             raise
@@ -836,7 +941,11 @@ class _Broadcasts:
             slot = self.pending[0]
             task = self.plan.tasks[slot]
             try:
-                sharding = task.sharding.to_jax() if isinstance(task.sharding, ShardingSpec) else task.sharding
+                sharding = (
+                    task.sharding.to_jax()
+                    if isinstance(task.sharding, ShardingSpec)
+                    else task.sharding
+                )
                 self.run(slot, task, sharding, {})
             except Exception:
                 return
@@ -856,7 +965,9 @@ class _Checked:
     def key(self, grid: tuple[int, ...]) -> str:
         """The storage key of the shard holding chunk ``grid``."""
         shard = self.shard_shape or self.chunk_shape
-        return f"{self.name}/c" + "".join(f"/{g * c // s}" for g, c, s in zip(grid, self.chunk_shape, shard, strict=True))
+        return f"{self.name}/c" + "".join(
+            f"/{g * c // s}" for g, c, s in zip(grid, self.chunk_shape, shard, strict=True)
+        )
 
 
 def _metadata(store: Any) -> dict[str, Any]:
@@ -865,7 +976,9 @@ def _metadata(store: Any) -> dict[str, Any]:
     return store.spec().to_json().get("metadata", {})
 
 
-def _chunk_shapes(store: Any, metadata: dict[str, Any] | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _chunk_shapes(
+    store: Any, metadata: dict[str, Any] | None = None
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The shape of the array's stored chunks (inner chunks of a sharded zarr3 array) and of
     its shards."""
     return tsu.header_chunks(_metadata(store) if metadata is None else metadata)
@@ -881,7 +994,11 @@ class _DirectRead:
     is read through TensorStore instead."""
 
     def __init__(
-        self, handle: _direct.BoxHandle, store: Any, box: tuple[tuple[int, int], ...], out: np.ndarray,
+        self,
+        handle: _direct.BoxHandle,
+        store: Any,
+        box: tuple[tuple[int, int], ...],
+        out: np.ndarray,
         whole: tuple[tuple[int, int], ...],
     ) -> None:
         self.handle = handle
@@ -918,7 +1035,10 @@ class _TensorRead:
     def __init__(self, tensor: _safetensors.Tensor, asm: _Assembler) -> None:
         dtype = np.dtype(_safetensors._numpy_dtype(tensor.dtype))
         self.asm = asm
-        self.targets = [(devices, box, read_buffer(tuple(b - a for a, b in box), dtype)) for devices, box in asm.pieces]
+        self.targets = [
+            (devices, box, read_buffer(tuple(b - a for a, b in box), dtype))
+            for devices, box in asm.pieces
+        ]
         self.nbytes = sum(out.nbytes for _, _, out in self.targets)
         self.futures = _safetensors.read_boxes(tensor, [(box, out) for _, box, out in self.targets])
 
@@ -958,14 +1078,20 @@ class _BudgetedReader:
     """
 
     def __init__(
-        self, budget: int | None, directory: str = "", locator: _direct.Locator | None = None,
-        total_bytes: int = 0, boxes: int = 0,
+        self,
+        budget: int | None,
+        directory: str = "",
+        locator: _direct.Locator | None = None,
+        total_bytes: int = 0,
+        boxes: int = 0,
     ) -> None:
         """``total_bytes`` in ``boxes`` boxes: about what the load will read."""
         self.budget = budget
         self.directory = directory
         self.locator = locator
-        self.direct = _direct.DirectReader(total_bytes, boxes) if locator is not None else None  # with the locator
+        self.direct = (
+            _direct.DirectReader(total_bytes, boxes) if locator is not None else None
+        )  # with the locator
         self.inflight: collections.deque[_Read | _TensorRead] = collections.deque()
         self.inflight_bytes = 0
         self.bytes_read = 0
@@ -1005,9 +1131,13 @@ class _BudgetedReader:
         read = _Read(None, out, asm, devices, nbytes, checked, whole, box, scratch=scratch)
         if direct is not None:
             pieces, values = direct
-            expected = [checked.expected.get(p.grid, -1) if checked is not None else None for p in pieces]
+            expected = [
+                checked.expected.get(p.grid, -1) if checked is not None else None for p in pieces
+            ]
             handle = self.direct.read_box(values, pieces, out, expected, asm.task.name)  # type: ignore[union-attr]
-            read.future = _DirectRead(handle, store, box, out, whole)  # checked again only after a fallback
+            read.future = _DirectRead(
+                handle, store, box, out, whole
+            )  # checked again only after a fallback
         elif whole == box:
             read.future = ts.array(out).write(_box_view(store, box))
         else:
@@ -1019,7 +1149,11 @@ class _BudgetedReader:
     def read_tensor(self, tensor: _safetensors.Tensor, asm: _Assembler) -> None:
         """Read every box ``asm`` needs of a safetensors tensor."""
         if self.budget is not None:
-            needed = sum(math.prod(b - a for a, b in box) for _, box in asm.pieces) * tensor.nbytes // max(1, math.prod(tensor.shape))
+            needed = (
+                sum(math.prod(b - a for a, b in box) for _, box in asm.pieces)
+                * tensor.nbytes
+                // max(1, math.prod(tensor.shape))
+            )
             while self.inflight and self.inflight_bytes + needed > self.budget:
                 self._complete_one()
         read = _TensorRead(tensor, asm)
@@ -1041,11 +1175,21 @@ class _BudgetedReader:
                 read.staged = read.future.staged
             if read.checked is not None and (not isinstance(read.future, _DirectRead) or fell_back):
                 self._check(read)
-        except Exception as e:  # TensorStore's ValueError("NOT_FOUND: ..."), a bad checksum, a short file...
-            if isinstance(e, CorruptCheckpointError) and str(e).startswith(f"array {asm.task.name!r}"):
+        except (
+            Exception
+        ) as e:  # TensorStore's ValueError("NOT_FOUND: ..."), a bad checksum, a short file...
+            if isinstance(e, CorruptCheckpointError) and str(e).startswith(
+                f"array {asm.task.name!r}"
+            ):
                 raise  # already names the array and says what is wrong
-            mapped = from_tensorstore(e, f"reading array {asm.task.name!r}", self.directory, reading=True)
-            if isinstance(mapped, OSError) and not isinstance(mapped, FileNotFoundError) and mapped is not e:
+            mapped = from_tensorstore(
+                e, f"reading array {asm.task.name!r}", self.directory, reading=True
+            )
+            if (
+                isinstance(mapped, OSError)
+                and not isinstance(mapped, FileNotFoundError)
+                and mapped is not e
+            ):
                 raise mapped from e
             raise CorruptCheckpointError(
                 f"array {asm.task.name!r}: reading a {read.out.shape} box from {self.directory} failed ({e}); the "
@@ -1055,7 +1199,9 @@ class _BudgetedReader:
         self.inflight_bytes -= read.nbytes + read.scratch
         self.bytes_read += read.nbytes
         if self.progress is not None:
-            self.progress(read.out.nbytes)  # the box delivered (a checked read may read whole chunks around it)
+            self.progress(
+                read.out.nbytes
+            )  # the box delivered (a checked read may read whole chunks around it)
 
     def _check(self, read: _Read) -> None:
         """Check every chunk of a box read through TensorStore, then cut the box out."""
@@ -1065,14 +1211,20 @@ class _BudgetedReader:
         for grid, crc in _checksum.region_crc32c(buffer, read.whole, checked.chunk_shape):
             _checksum.check(checked.name, grid, crc, checked.expected, self._where(checked, grid))
         if read.staged is not None:
-            local = tuple(slice(a - w, b - w) for (a, b), (w, _) in zip(read.box, read.whole, strict=True))
+            local = tuple(
+                slice(a - w, b - w) for (a, b), (w, _) in zip(read.box, read.whole, strict=True)
+            )
             parallel_copy([(read.out, read.staged[local])])
             read.staged = None
 
     def _where(self, checked: _Checked, grid: tuple[int, ...]) -> str:
         key = checked.key(grid)
         value = self.locator.locate(key) if self.locator is not None else None
-        return f"{value.path} at byte {value.offset}" if value is not None else f"{self.directory}, key {key!r}"
+        return (
+            f"{value.path} at byte {value.offset}"
+            if value is not None
+            else f"{self.directory}, key {key!r}"
+        )
 
     def drain(self) -> None:
         while self.inflight:
@@ -1101,7 +1253,9 @@ def verify(plan: VerifyPlan, process_index: int | str = 0) -> VerifyAck:
     for task in plan.tasks:
         verifier.check_array(task)
     return VerifyAck(
-        process_index=process_index, chunks_checked=verifier.checked, bytes_read=verifier.nbytes,
+        process_index=process_index,
+        chunks_checked=verifier.checked,
+        bytes_read=verifier.nbytes,
         problems=tuple(verifier.problems),
     )
 
@@ -1116,7 +1270,9 @@ class _Verifier:
         self.progress = _progress.counter()
 
     def check_array(self, task: VerifyTask) -> None:
-        spec = tsu.open_spec(tsu.read_kvstore(task.store), task.name, task.fill_missing, task.store.zarr_format)
+        spec = tsu.open_spec(
+            tsu.read_kvstore(task.store), task.name, task.fill_missing, task.store.zarr_format
+        )
         try:
             store = ts.open(spec, open=True, read=True, context=self.context).result()
             chunk_shape = _inner_chunk_shape(store)
@@ -1128,16 +1284,28 @@ class _Verifier:
         inflight: collections.deque[tuple[tuple[int, ...], Any, np.ndarray]] = collections.deque()
         held = 0
         for grid in task.chunks:
-            box = tuple((g * c, min((g + 1) * c, n)) for g, c, n in zip(grid, chunk_shape, shape, strict=True))
+            box = tuple(
+                (g * c, min((g + 1) * c, n))
+                for g, c, n in zip(grid, chunk_shape, shape, strict=True)
+            )
             out = np.empty(tuple(b - a for a, b in box), store.dtype.numpy_dtype)
             while inflight and held + out.nbytes > self.budget:
                 held -= self._finish(task, expected, *inflight.popleft())
-            inflight.append((grid, ts.array(out).write(store[tsu.box_to_slices(box)] if box else store), out))
+            inflight.append(
+                (grid, ts.array(out).write(store[tsu.box_to_slices(box)] if box else store), out)
+            )
             held += out.nbytes
         while inflight:
             self._finish(task, expected, *inflight.popleft())
 
-    def _finish(self, task: VerifyTask, expected: dict[tuple[int, ...], int] | None, grid: tuple[int, ...], future: Any, out: np.ndarray) -> int:
+    def _finish(
+        self,
+        task: VerifyTask,
+        expected: dict[tuple[int, ...], int] | None,
+        grid: tuple[int, ...],
+        future: Any,
+        out: np.ndarray,
+    ) -> int:
         name = task.name
         try:
             future.result()
@@ -1150,7 +1318,9 @@ class _Verifier:
             self.progress(out.nbytes)
         if expected is not None:
             try:
-                _checksum.check(name, grid, _checksum.values_crc32c(out), expected, task.store.directory)
+                _checksum.check(
+                    name, grid, _checksum.values_crc32c(out), expected, task.store.directory
+                )
             except CorruptCheckpointError as e:
                 self.problems.append(str(e))
         return out.nbytes

@@ -32,7 +32,9 @@ def status_of(error: BaseException) -> str | None:
     return match.group(1) if match else None
 
 
-def from_tensorstore(error: BaseException, doing: str, path: str = "", *, reading: bool = False) -> BaseException:
+def from_tensorstore(
+    error: BaseException, doing: str, path: str = "", *, reading: bool = False
+) -> BaseException:
     """The builtin error a caller would catch for a TensorStore failure (TensorStore raises
     ``ValueError("<STATUS>: ...")`` for everything): a full disk is an ``OSError`` with
     ``errno.ENOSPC``, a denied permission a ``PermissionError``, damaged or missing data read
@@ -53,17 +55,35 @@ def from_tensorstore(error: BaseException, doing: str, path: str = "", *, readin
     text = str(error)
     where = f" ({path})" if path else ""
     if "No space left on device" in text or (status == "RESOURCE_EXHAUSTED" and not reading):
-        return OSError(errno.ENOSPC, f"no space left on the device while {doing}{where}; free space or save elsewhere. {text}", path or None)
+        return OSError(
+            errno.ENOSPC,
+            f"no space left on the device while {doing}{where}; free space or save elsewhere. {text}",
+            path or None,
+        )
     if "Disk quota exceeded" in text:
-        return OSError(errno.EDQUOT, f"disk quota exceeded while {doing}{where}. {text}", path or None)
+        return OSError(
+            errno.EDQUOT, f"disk quota exceeded while {doing}{where}. {text}", path or None
+        )
     if status == "PERMISSION_DENIED":
-        return PermissionError(errno.EACCES, f"permission denied while {doing}{where}. {text}", path or None)
-    if reading and status in ("DATA_LOSS", "NOT_FOUND", "OUT_OF_RANGE", "FAILED_PRECONDITION", "INVALID_ARGUMENT"):
+        return PermissionError(
+            errno.EACCES, f"permission denied while {doing}{where}. {text}", path or None
+        )
+    if reading and status in (
+        "DATA_LOSS",
+        "NOT_FOUND",
+        "OUT_OF_RANGE",
+        "FAILED_PRECONDITION",
+        "INVALID_ARGUMENT",
+    ):
         return CorruptCheckpointError(
             f"{doing}{where} failed: the checkpoint's data is missing or damaged ({text}). Load an earlier checkpoint."
         )
     if status == "NOT_FOUND":
-        return FileNotFoundError(errno.ENOENT, f"not found while {doing}{where}. {text}", path or None)
+        return FileNotFoundError(
+            errno.ENOENT, f"not found while {doing}{where}. {text}", path or None
+        )
     if status in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
-        return OSError(errno.EIO, f"storage unavailable while {doing}{where}; try again. {text}", path or None)
+        return OSError(
+            errno.EIO, f"storage unavailable while {doing}{where}; try again. {text}", path or None
+        )
     return error

@@ -45,7 +45,12 @@ def export_safetensors(plan: ExportPlan, process_index: int | str = 0) -> Export
     written = 0
 
     def read(task: LoadTask) -> np.ndarray:
-        load = LoadPlan(store=plan.store, tasks=(task,), memory_budget_bytes=plan.memory_budget_bytes, fill_missing=plan.fill_missing)
+        load = LoadPlan(
+            store=plan.store,
+            tasks=(task,),
+            memory_budget_bytes=plan.memory_budget_bytes,
+            fill_missing=plan.fill_missing,
+        )
         (array,), _ = _engine.load(load, process_index)
         return np.asarray(array)
 
@@ -53,7 +58,9 @@ def export_safetensors(plan: ExportPlan, process_index: int | str = 0) -> Export
         for file in plan.files:
             arrays = _prefetched(reader, read, file.tensors)
             written += _safetensors.write_file(file.path, file.header, arrays)
-    return ExportAck(process_index=process_index, files=tuple(f.path for f in plan.files), bytes_written=written)
+    return ExportAck(
+        process_index=process_index, files=tuple(f.path for f in plan.files), bytes_written=written
+    )
 
 
 def _prefetched(pool: ThreadPoolExecutor, read: Any, tasks: tuple[LoadTask, ...]) -> Any:

@@ -32,7 +32,12 @@ from dataclasses import dataclass, fields
 STORAGE_DRIVERS = ("file", "s3", "gcs", "gcs_grpc", "http")
 """TensorStore kvstore drivers that reach storage (``memory`` is this process's RAM)."""
 
-_TS_FIELDS = {"read": "read_requests", "bytes_read": "bytes_read", "write": "write_requests", "bytes_written": "bytes_written"}
+_TS_FIELDS = {
+    "read": "read_requests",
+    "bytes_read": "bytes_read",
+    "write": "write_requests",
+    "bytes_written": "bytes_written",
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,8 +61,14 @@ class HostIoStats:
         if not isinstance(other, HostIoStats):
             return NotImplemented
         if other.process_index != self.process_index:
-            raise ValueError(f"cannot subtract the counters of host {other.process_index!r} from those of host {self.process_index!r}")
-        counts = {f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self) if f.name != "process_index"}
+            raise ValueError(
+                f"cannot subtract the counters of host {other.process_index!r} from those of host {self.process_index!r}"
+            )
+        counts = {
+            f.name: getattr(self, f.name) - getattr(other, f.name)
+            for f in fields(self)
+            if f.name != "process_index"
+        }
         return HostIoStats(process_index=self.process_index, **counts)
 
 
@@ -66,7 +77,14 @@ class _Counters:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._values = {"bytes_read": 0, "read_requests": 0, "bytes_written": 0, "write_requests": 0, "bytes_sent": 0, "bytes_received": 0}
+        self._values = {
+            "bytes_read": 0,
+            "read_requests": 0,
+            "bytes_written": 0,
+            "write_requests": 0,
+            "bytes_sent": 0,
+            "bytes_received": 0,
+        }
 
     def add(self, **counts: int) -> None:
         with self._lock:
@@ -101,7 +119,9 @@ def _tensorstore_counts() -> dict[str, int]:
         for metric in ts.experimental_collect_matching_metrics(f"/tensorstore/kvstore/{driver}/"):
             name = metric["name"].rsplit("/", 1)[-1]
             if name in _TS_FIELDS:
-                out[_TS_FIELDS[name]] += sum(int(v.get("value", 0)) for v in metric.get("values", ()))
+                out[_TS_FIELDS[name]] += sum(
+                    int(v.get("value", 0)) for v in metric.get("values", ())
+                )
     return out
 
 

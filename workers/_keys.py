@@ -27,7 +27,9 @@ def impl_name(dtype: Any) -> str:
     impl = getattr(dtype, "_impl", None)
     name = getattr(impl, "name", None)
     if not isinstance(name, str):
-        raise TypeError(f"cannot tell the PRNG implementation of dtype {dtype}; this JAX version is not supported for keys")
+        raise TypeError(
+            f"cannot tell the PRNG implementation of dtype {dtype}; this JAX version is not supported for keys"
+        )
     return name
 
 
@@ -39,7 +41,9 @@ def key_dtype(impl: str) -> Any:
     try:
         return jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype
     except (ValueError, TypeError, KeyError) as e:
-        raise ValueError(f"unknown PRNG key implementation {impl!r} ({e}); known: threefry2x32, rbg, unsafe_rbg") from e
+        raise ValueError(
+            f"unknown PRNG key implementation {impl!r} ({e}); known: threefry2x32, rbg, unsafe_rbg"
+        ) from e
 
 
 @functools.cache
@@ -47,7 +51,9 @@ def key_words(impl: str) -> tuple[int, ...]:
     """The trailing shape of one key's data (``(2,)`` for threefry2x32)."""
     import jax
 
-    return tuple(jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct((), key_dtype(impl))).shape)
+    return tuple(
+        jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct((), key_dtype(impl))).shape
+    )
 
 
 def to_data(array: Any) -> Any:

@@ -37,12 +37,18 @@ def read_box(plan: BoxPlan, process_index: int | str = 0) -> np.ndarray:
         whole = _checksum.aligned_box(plan.box, inner, tuple(store.shape))
         data = np.asarray(store[tsu.box_to_slices(whole)].read().result())
     except Exception as e:
-        mapped = from_tensorstore(e, f"reading array {plan.name!r}", plan.store.directory, reading=True)
+        mapped = from_tensorstore(
+            e, f"reading array {plan.name!r}", plan.store.directory, reading=True
+        )
         if mapped is not e:
             raise mapped from e
-        raise CorruptCheckpointError(f"array {plan.name!r} could not be read from {plan.store.directory}: {e}") from e
+        raise CorruptCheckpointError(
+            f"array {plan.name!r} could not be read from {plan.store.directory}: {e}"
+        ) from e
     expected = dict(plan.checksums)
     for grid, crc in _checksum.region_crc32c(data, whole, inner):
-        _checksum.check(plan.name, grid, crc, expected, f"{plan.store.directory}, array {plan.name!r}")
+        _checksum.check(
+            plan.name, grid, crc, expected, f"{plan.store.directory}, array {plan.name!r}"
+        )
     local = tuple(slice(a - w, b - w) for (a, b), (w, _) in zip(plan.box, whole, strict=True))
     return np.ascontiguousarray(data[local])

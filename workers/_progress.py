@@ -30,7 +30,9 @@ class Sink(Protocol):
         ...
 
 
-_SINK: contextvars.ContextVar[Sink | None] = contextvars.ContextVar("milepost_progress_sink", default=None)
+_SINK: contextvars.ContextVar[Sink | None] = contextvars.ContextVar(
+    "milepost_progress_sink", default=None
+)
 
 
 def current() -> Sink | None:

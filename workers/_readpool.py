@@ -134,7 +134,9 @@ class ReadPool:
 
     def _start_keeper(self) -> None:
         if self._keeper is None and not self._closed:
-            self._keeper = threading.Thread(target=self._keep, name="milepost-readpool", daemon=True)
+            self._keeper = threading.Thread(
+                target=self._keep, name="milepost-readpool", daemon=True
+            )
             self._keeper.start()
 
     def _keep(self) -> None:

@@ -30,10 +30,25 @@ from milepost.workers._errors import CorruptCheckpointError
 from milepost.workers._iostats import count_read, count_write
 
 DTYPES = {
-    "BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16", "F16": "float16",
-    "BF16": "bfloat16", "U32": "uint32", "I32": "int32", "F32": "float32", "U64": "uint64", "I64": "int64",
-    "F64": "float64", "C64": "complex64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-    "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz", "F8_E8M0": "float8_e8m0fnu",
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "U16": "uint16",
+    "I16": "int16",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "U32": "uint32",
+    "I32": "int32",
+    "F32": "float32",
+    "U64": "uint64",
+    "I64": "int64",
+    "F64": "float64",
+    "C64": "complex64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "F8_E8M0": "float8_e8m0fnu",
 }
 """safetensors dtype codes and the NumPy (ml_dtypes) dtype names they are."""
 CODES = {name: code for code, name in DTYPES.items()}
@@ -92,14 +107,28 @@ def read_header(path: str) -> tuple[dict[str, Tensor], dict[str, str]]:
     spans = []
     for name, info in header.items():
         try:
-            code, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
+            code, shape, (begin, end) = (
+                info["dtype"],
+                tuple(int(d) for d in info["shape"]),
+                info["data_offsets"],
+            )
         except (KeyError, TypeError, ValueError) as e:
             raise bad(f"tensor {name!r} lacks dtype, shape or data_offsets ({e})") from e
         if code not in DTYPES:
-            raise bad(f"tensor {name!r} has dtype {code!r}, which milepost does not read (it reads {', '.join(DTYPES)})")
-        tensor = Tensor(path=path, name=name, dtype=DTYPES[code], shape=shape, offset=base + int(begin))
-        if any(d < 0 for d in shape) or int(end) - int(begin) != tensor.nbytes or base + int(end) > size:
-            raise bad(f"tensor {name!r}: data_offsets {[begin, end]} do not hold a {code} tensor of shape {list(shape)}")
+            raise bad(
+                f"tensor {name!r} has dtype {code!r}, which milepost does not read (it reads {', '.join(DTYPES)})"
+            )
+        tensor = Tensor(
+            path=path, name=name, dtype=DTYPES[code], shape=shape, offset=base + int(begin)
+        )
+        if (
+            any(d < 0 for d in shape)
+            or int(end) - int(begin) != tensor.nbytes
+            or base + int(end) > size
+        ):
+            raise bad(
+                f"tensor {name!r}: data_offsets {[begin, end]} do not hold a {code} tensor of shape {list(shape)}"
+            )
         tensors[name] = tensor
         spans.append((int(begin), int(end)))
     covered = 0
@@ -110,7 +139,9 @@ def read_header(path: str) -> tuple[dict[str, Tensor], dict[str, str]]:
     return tensors, {str(k): str(v) for k, v in metadata.items()}
 
 
-def header_bytes(tensors: Sequence[tuple[str, str, tuple[int, ...], int]], metadata: dict[str, str] | None) -> bytes:
+def header_bytes(
+    tensors: Sequence[tuple[str, str, tuple[int, ...], int]], metadata: dict[str, str] | None
+) -> bytes:
     """The header of a file holding ``(name, numpy dtype name, shape, nbytes)`` tensors in this
     order, padded with spaces to a multiple of 8 bytes (length prefix included)."""
     body: dict[str, Any] = {}
@@ -118,7 +149,11 @@ def header_bytes(tensors: Sequence[tuple[str, str, tuple[int, ...], int]], metad
         body["__metadata__"] = dict(metadata)
     offset = 0
     for name, dtype, shape, nbytes in tensors:
-        body[name] = {"dtype": CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        body[name] = {
+            "dtype": CODES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     text = json.dumps(body, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
@@ -157,7 +192,9 @@ def _pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(_THREADS, thread_name_prefix="milepost-safetensors")
 
 
-def read_boxes(tensor: Tensor, boxes: Iterable[tuple[tuple[tuple[int, int], ...], np.ndarray]]) -> list[Future[int]]:
+def read_boxes(
+    tensor: Tensor, boxes: Iterable[tuple[tuple[tuple[int, int], ...], np.ndarray]]
+) -> list[Future[int]]:
     """Start filling each ``out`` with its ``box`` of ``tensor`` on a few threads; the futures
     give the bytes each read took from the file.
 
@@ -189,7 +226,12 @@ def read_boxes(tensor: Tensor, boxes: Iterable[tuple[tuple[tuple[int, int], ...]
     def read_slab(rows: tuple[int, int]) -> int:
         slab = np.empty((rows[1] - rows[0], *shape[1:]), dtype)
         with _open(tensor.path) as fd:
-            _pread_into(fd, memoryview(slab.reshape(-1).view(np.uint8)), tensor.offset + rows[0] * row_bytes, where)
+            _pread_into(
+                fd,
+                memoryview(slab.reshape(-1).view(np.uint8)),
+                tensor.offset + rows[0] * row_bytes,
+                where,
+            )
         for box, out in sliced:  # the boxes' rows within the slab: disjoint across slabs
             lo, hi = max(box[0][0], rows[0]), min(box[0][1], rows[1])
             if lo < hi:
@@ -198,7 +240,9 @@ def read_boxes(tensor: Tensor, boxes: Iterable[tuple[tuple[tuple[int, int], ...]
         return slab.nbytes
 
     pool = _pool()
-    return [pool.submit(read_direct, box, out) for box, out in direct] + [pool.submit(read_slab, rows) for rows in slabs]
+    return [pool.submit(read_direct, box, out) for box, out in direct] + [
+        pool.submit(read_slab, rows) for rows in slabs
+    ]
 
 
 @contextlib.contextmanager

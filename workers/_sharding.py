@@ -45,7 +45,9 @@ class ShardingSpec:
         axis_types: tuple[str, ...] = (),
     ) -> ShardingSpec:
         if math.prod(mesh_shape) != len(device_ids):
-            raise ValueError(f"mesh of shape {mesh_shape} needs {math.prod(mesh_shape)} device ids, got {len(device_ids)}")
+            raise ValueError(
+                f"mesh of shape {mesh_shape} needs {math.prod(mesh_shape)} device ids, got {len(device_ids)}"
+            )
         if len(set(device_ids)) != len(device_ids):
             raise ValueError(f"mesh device ids must be distinct, got {device_ids}")
         norm: list[AxisEntry] = []
@@ -53,8 +55,16 @@ class ShardingSpec:
             names = _axes(entry)
             for n in names:
                 if n not in axis_names:
-                    raise ValueError(f"PartitionSpec names mesh axis {n!r}, but the mesh has axes {axis_names}")
-            norm.append(None if not names else names[0] if len(names) == 1 and isinstance(entry, str) else tuple(names))
+                    raise ValueError(
+                        f"PartitionSpec names mesh axis {n!r}, but the mesh has axes {axis_names}"
+                    )
+            norm.append(
+                None
+                if not names
+                else names[0]
+                if len(names) == 1 and isinstance(entry, str)
+                else tuple(names)
+            )
         return ShardingSpec(
             kind="named",
             mesh_shape=tuple(mesh_shape),
@@ -62,7 +72,8 @@ class ShardingSpec:
             device_ids=tuple(int(d) for d in device_ids),
             spec=tuple(norm),
             # JAX's Mesh default is Auto for every axis; spell it out so equal shardings compare equal.
-            axis_types=tuple(str(t).rsplit(".", 1)[-1] for t in axis_types) or ("Auto",) * len(axis_names),
+            axis_types=tuple(str(t).rsplit(".", 1)[-1] for t in axis_types)
+            or ("Auto",) * len(axis_names),
         )
 
     @staticmethod
@@ -77,7 +88,9 @@ class ShardingSpec:
             mesh = sharding.mesh
             ids = tuple(int(d.id) for d in mesh.devices.flat)
             types = tuple(str(t) for t in getattr(mesh, "axis_types", ()))
-            spec = ShardingSpec.named(tuple(mesh.devices.shape), tuple(mesh.axis_names), ids, tuple(sharding.spec), types)
+            spec = ShardingSpec.named(
+                tuple(mesh.devices.shape), tuple(mesh.axis_names), ids, tuple(sharding.spec), types
+            )
         elif isinstance(sharding, jax.sharding.SingleDeviceSharding):
             (device,) = sharding.device_set
             spec = ShardingSpec.single(device.id)
@@ -100,7 +113,9 @@ class ShardingSpec:
         if self.kind == "single":
             return (1,) * ndim
         if len(self.spec) > ndim:
-            raise ValueError(f"PartitionSpec {self.spec} has more entries than the array has dimensions ({ndim})")
+            raise ValueError(
+                f"PartitionSpec {self.spec} has more entries than the array has dimensions ({ndim})"
+            )
         sizes = dict(zip(self.axis_names, self.mesh_shape, strict=True))
         out = []
         for d in range(ndim):
@@ -112,7 +127,9 @@ class ShardingSpec:
         parts = self.partitions(len(shape))
         for dim, p in zip(shape, parts, strict=True):
             if dim % p:
-                raise ValueError(f"sharding {self.describe()} cuts a dimension of size {dim} into {p} parts, which does not divide it")
+                raise ValueError(
+                    f"sharding {self.describe()} cuts a dimension of size {dim} into {p} parts, which does not divide it"
+                )
         return tuple(dim // p for dim, p in zip(shape, parts, strict=True))
 
     def device_indices(self, shape: tuple[int, ...]) -> dict[int, tuple[tuple[int, int], ...]]:
@@ -146,7 +163,13 @@ class ShardingSpec:
         # ('memory_kind'); Orbax 0.12 reads the keys it knows and ignores it.
         memory = {"memory_kind": self.memory_kind} if self.memory_kind else {}
         if self.kind == "single":
-            return json.dumps({"sharding_type": "SingleDeviceSharding", "device_str": f"{platform}:{self.device_ids[0]}", **memory})
+            return json.dumps(
+                {
+                    "sharding_type": "SingleDeviceSharding",
+                    "device_str": f"{platform}:{self.device_ids[0]}",
+                    **memory,
+                }
+            )
         nested: Any = [{"id": i} for i in self.device_ids]
         for size in reversed(self.mesh_shape[1:]):
             nested = [nested[i : i + size] for i in range(0, len(nested), size)]
@@ -172,9 +195,13 @@ class ShardingSpec:
         elif kind == "NamedSharding":
             ids: list[int] = []
             _flatten_ids(d["device_mesh"]["mesh"], ids)
-            spec = tuple(tuple(e) if isinstance(e, list) else e for e in d.get("partition_spec", []))
+            spec = tuple(
+                tuple(e) if isinstance(e, list) else e for e in d.get("partition_spec", [])
+            )
             types = tuple(d.get("axis_types") or ())
-            out = ShardingSpec.named(tuple(d["shape"]), tuple(d["axis_names"]), tuple(ids), spec, types)
+            out = ShardingSpec.named(
+                tuple(d["shape"]), tuple(d["axis_names"]), tuple(ids), spec, types
+            )
         else:
             raise ValueError(f"unsupported saved sharding type {kind!r}")
         memory_kind = d.get("memory_kind")
@@ -223,11 +250,15 @@ def _to_jax(spec: ShardingSpec) -> Any:
             "pass an abstract tree with shardings over the devices you have to load resharded"
         )
     if spec.kind == "single":
-        return jax.sharding.SingleDeviceSharding(by_id[spec.device_ids[0]], memory_kind=spec.memory_kind)
+        return jax.sharding.SingleDeviceSharding(
+            by_id[spec.device_ids[0]], memory_kind=spec.memory_kind
+        )
     devices = np.array([by_id[i] for i in spec.device_ids], dtype=object).reshape(spec.mesh_shape)
     if spec.axis_types:
         types = tuple(getattr(jax.sharding.AxisType, t) for t in spec.axis_types)
         mesh = jax.sharding.Mesh(devices, spec.axis_names, axis_types=types)
     else:
         mesh = jax.sharding.Mesh(devices, spec.axis_names)
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec.spec), memory_kind=spec.memory_kind)
+    return jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec(*spec.spec), memory_kind=spec.memory_kind
+    )

@@ -28,9 +28,19 @@ _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):(//?)(.*)$")
 
 
 STORAGE_ENV_VARS: tuple[str, ...] = (
-    "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ACCESS_KEY_ID",
-    "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_EC2_METADATA_DISABLED",
-    "TENSORSTORE_GCS_HTTP_URL", "STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS", "GOOGLE_AUTH_TOKEN_FOR_TESTING",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_PROFILE",
+    "AWS_EC2_METADATA_DISABLED",
+    "TENSORSTORE_GCS_HTTP_URL",
+    "STORAGE_EMULATOR_HOST",
+    "GOOGLE_APPLICATION_CREDENTIALS",
+    "GOOGLE_AUTH_TOKEN_FOR_TESTING",
 )
 """The variables that decide how this module and TensorStore reach gs:// and s3:// (endpoints,
 regions, credentials, emulators): a host process must see the controller's to open its paths."""
@@ -63,7 +73,9 @@ class Location:
         if not isinstance(text, str):
             text = os.fsdecode(text)
         match = _URL.match(text)
-        if match is None or (len(match.group(1)) == 1 and os.name == "nt"):  # no scheme (or a Windows drive)
+        if match is None or (
+            len(match.group(1)) == 1 and os.name == "nt"
+        ):  # no scheme (or a Windows drive)
             return Location("file", "", os.path.abspath(text))
         scheme, _, rest = match.groups()
         scheme = scheme.lower()
@@ -112,9 +124,11 @@ class Location:
 
     def relative_to(self, other: Location) -> str:
         prefix = other.key.rstrip("/") + "/"
-        if (self.scheme, self.bucket) != (other.scheme, other.bucket) or not (self.key + "/").startswith(prefix):
+        if (self.scheme, self.bucket) != (other.scheme, other.bucket) or not (
+            self.key + "/"
+        ).startswith(prefix):
             raise ValueError(f"{self} is not inside {other}")
-        return self.key[len(prefix):]
+        return self.key[len(prefix) :]
 
     # -- TensorStore ----------------------------------------------------------------------
     def kvstore(self) -> dict[str, Any]:
@@ -142,7 +156,9 @@ def _s3_settings() -> dict[str, Any]:
     if region:
         out["aws_region"] = region
     if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
-        out["aws_credentials"] = {"type": "environment"}  # no search of profile files, no instance metadata
+        out["aws_credentials"] = {
+            "type": "environment"
+        }  # no search of profile files, no instance metadata
     return out
 
 
@@ -151,7 +167,9 @@ def _gcs_environment() -> None:
     ``STORAGE_EMULATOR_HOST`` means the same."""
     emulator = os.environ.get("STORAGE_EMULATOR_HOST")
     if emulator and not os.environ.get("TENSORSTORE_GCS_HTTP_URL"):
-        os.environ["TENSORSTORE_GCS_HTTP_URL"] = emulator if "://" in emulator else f"http://{emulator}"
+        os.environ["TENSORSTORE_GCS_HTTP_URL"] = (
+            emulator if "://" in emulator else f"http://{emulator}"
+        )
 
 
 @functools.cache

@@ -67,7 +67,9 @@ def file_kvstore(path: Any) -> dict[str, Any]:
     return Location.of(path).kvstore()
 
 
-def ocdbt_kvstore(path: Any, *, writable: bool = False, config: dict[str, Any] | None = None) -> dict[str, Any]:
+def ocdbt_kvstore(
+    path: Any, *, writable: bool = False, config: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The OCDBT database whose manifest is in folder ``path`` (``config``: the one a new
     writable database is created with, by default ``OCDBT_CONFIG``)."""
     spec: dict[str, Any] = {"driver": "ocdbt", "base": file_kvstore(path)}
@@ -86,7 +88,9 @@ def write_kvstore(store: StoreSpec, process_index: int | str, writer: int = 0) -
     """The kvstore a host's writer writes into: its own OCDBT database, or the plain folder."""
     if not store.use_ocdbt:
         return file_kvstore(store.directory)
-    return ocdbt_kvstore(Location.of(store.directory) / process_dir_name(process_index, writer), writable=True)
+    return ocdbt_kvstore(
+        Location.of(store.directory) / process_dir_name(process_index, writer), writable=True
+    )
 
 
 def read_kvstore(store: StoreSpec) -> dict[str, Any]:
@@ -109,9 +113,31 @@ def _array_kvstore(kvstore: dict[str, Any], name: str) -> dict[str, Any]:
 
 ZARR3_DTYPES = frozenset(
     {
-        "bool", "int2", "int4", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-        "float4_e2m1fn", "float8_e3m4", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e4m3b11fnuz", "float8_e5m2",
-        "float8_e5m2fnuz", "float8_e8m0fnu", "float16", "bfloat16", "float32", "float64", "complex64", "complex128",
+        "bool",
+        "int2",
+        "int4",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float4_e2m1fn",
+        "float8_e3m4",
+        "float8_e4m3fn",
+        "float8_e4m3fnuz",
+        "float8_e4m3b11fnuz",
+        "float8_e5m2",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+        "float16",
+        "bfloat16",
+        "float32",
+        "float64",
+        "complex64",
+        "complex128",
     }
 )
 """NumPy dtype names that TensorStore's zarr3 driver can store."""
@@ -131,7 +157,10 @@ def create_spec(kvstore: dict[str, Any], spec: ArraySpec) -> dict[str, Any]:
         "metadata": {
             "shape": list(spec.shape),
             "data_type": spec.dtype,
-            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(spec.write_shape)}},
+            "chunk_grid": {
+                "name": "regular",
+                "configuration": {"chunk_shape": list(spec.write_shape)},
+            },
             "chunk_key_encoding": {"name": "default"},
             "codecs": [
                 {
@@ -155,7 +184,9 @@ def header_key(store: StoreSpec, name: str) -> str:
     return f"{name}/.zarray" if store.zarr_format == 2 else f"{name}/zarr.json"
 
 
-def open_spec(kvstore: dict[str, Any], name: str, fill_missing: bool = False, zarr_format: int = 3) -> dict[str, Any]:
+def open_spec(
+    kvstore: dict[str, Any], name: str, fill_missing: bool = False, zarr_format: int = 3
+) -> dict[str, Any]:
     return {
         "driver": "zarr" if zarr_format == 2 else "zarr3",
         "kvstore": _array_kvstore(kvstore, name),
@@ -179,7 +210,9 @@ def read_array_headers(store: StoreSpec, names: Sequence[str]) -> dict[str, dict
         reads = {n: kv.read(header_key(store, n)) for n in names}
         results = {n: r.result() for n, r in reads.items()}
     except ValueError as e:  # a damaged manifest or B-tree node: DATA_LOSS
-        raise from_tensorstore(e, "reading the arrays' headers", store.directory, reading=True) from e
+        raise from_tensorstore(
+            e, "reading the arrays' headers", store.directory, reading=True
+        ) from e
     out = {}
     for name, result in results.items():
         if result.state != "value":
@@ -211,7 +244,9 @@ def process_stores(directory: Any) -> list[Location]:
     """The per-process OCDBT databases (``ocdbt.process_*``) in a checkpointable's folder."""
     location = Location.of(directory)
     if location.is_local:
-        return sorted(Location.of(p) for p in Path(location.key).glob(f"{PROCESS_PREFIX}*") if p.is_dir())
+        return sorted(
+            Location.of(p) for p in Path(location.key).glob(f"{PROCESS_PREFIX}*") if p.is_dir()
+        )
     kv = ts.KvStore.open(location.kvstore(), context=context_for(location)).result()
     prefix = PROCESS_PREFIX.encode()
     keys = kv.list(ts.KvStore.KeyRange(prefix, prefix[:-1] + bytes([prefix[-1] + 1]))).result()
@@ -225,11 +260,15 @@ def merge_ocdbt(directory: Any) -> None:
     if not children:
         return
     context = new_context(directory)
-    parent = ts.KvStore.open(ocdbt_kvstore(directory, writable=True, config=ROOT_OCDBT_CONFIG), context=context).result()
+    parent = ts.KvStore.open(
+        ocdbt_kvstore(directory, writable=True, config=ROOT_OCDBT_CONFIG), context=context
+    ).result()
     opened = [ts.KvStore.open(ocdbt_kvstore(child), context=context) for child in children]
     try:
         txn = ts.Transaction(atomic=True)
-        copies = [o.result().experimental_copy_range_to(parent.with_transaction(txn)) for o in opened]
+        copies = [
+            o.result().experimental_copy_range_to(parent.with_transaction(txn)) for o in opened
+        ]
         for c in copies:
             c.result()
         txn.commit_async().result()

@@ -55,8 +55,12 @@ class Checkpoint:
     def __repr__(self) -> str:
         rows = self.rows()
         width = max((len(r[0]) for r in rows), default=4)
-        lines = [f"Checkpoint({str(self.path)!r}, item={self.item!r}, {len(self.arrays)} arrays, {self.nbytes / 2**20:.1f} MiB)"]
-        lines += [f"  {n:<{width}}  {s:<16} {d:<10} {b / 2**20:>9.2f} MiB  {w}" for n, s, d, w, b in rows]
+        lines = [
+            f"Checkpoint({str(self.path)!r}, item={self.item!r}, {len(self.arrays)} arrays, {self.nbytes / 2**20:.1f} MiB)"
+        ]
+        lines += [
+            f"  {n:<{width}}  {s:<16} {d:<10} {b / 2**20:>9.2f} MiB  {w}" for n, s, d, w, b in rows
+        ]
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
@@ -92,7 +96,9 @@ def open(path: str | os.PathLike[str], *, slice: Any = None, item: str | None = 
             meta, items, _, checksums = _checkpoint._read_items(root)
             name = item if item is not None else _layout.main_tree(root, items)
             if name not in items:
-                raise KeyError(f"{root} has no checkpointable {name!r} (it has {sorted(items)}); pass item=one of those")
+                raise KeyError(
+                    f"{root} has no checkpointable {name!r} (it has {sorted(items)}); pass item=one of those"
+                )
             folder = items[name].folder
             with fmt.verifying(checksums):
                 files = _pytree_load._read_checked(folder)
@@ -102,14 +108,21 @@ def open(path: str | os.PathLike[str], *, slice: Any = None, item: str | None = 
     name, folder, files, described, custom = _dispatch.shared(
         placement.group, f"surgery-open:{root}", read, options.async_.timeout_secs
     )
-    meta_by_name = {n: m for n, m in flat(described).items() if isinstance(m, _pytree_load.LeafMetadata)}
+    meta_by_name = {
+        n: m for n, m in flat(described).items() if isinstance(m, _pytree_load.LeafMetadata)
+    }
     ck = Checkpoint(root, name, folder, files, placement, None, custom, meta_by_name)
     leaves: dict[str, Any] = {}
     scalars: dict[str, Any] = {}
     for leaf_name, leaf in flat(described).items():
-        if isinstance(leaf, _pytree_load.LeafMetadata) and leaf.value_type in (ValueType.JAX_ARRAY, ValueType.NP_ARRAY):
+        if isinstance(leaf, _pytree_load.LeafMetadata) and leaf.value_type in (
+            ValueType.JAX_ARRAY,
+            ValueType.NP_ARRAY,
+        ):
             spec = leaf.sharding if placement.usable(leaf.sharding, leaf.shape or ()) else None
-            leaves[leaf_name] = LazyArray(Source(ck, leaf_name), leaf.shape or (), np.dtype(leaf.dtype), spec)
+            leaves[leaf_name] = LazyArray(
+                Source(ck, leaf_name), leaf.shape or (), np.dtype(leaf.dtype), spec
+            )
         elif isinstance(leaf, _pytree_load.LeafMetadata) and leaf.value_type is ValueType.STRING:
             leaves[leaf_name] = files.strings.get(leaf_name, "")
         elif isinstance(leaf, _pytree_load.LeafMetadata) and leaf.value_type is ValueType.SCALAR:

@@ -64,7 +64,8 @@ class Table:
     def _repr_html_(self) -> str:
         head = "".join(f"<th>{html.escape(c)}</th>" for c in self.columns)
         body = "".join(
-            "<tr>" + "".join(f"<td>{html.escape(self._cell(v))}</td>" for v in row) + "</tr>" for row in self.rows
+            "<tr>" + "".join(f"<td>{html.escape(self._cell(v))}</td>" for v in row) + "</tr>"
+            for row in self.rows
         )
         return f"<p><b>{html.escape(self.title)}</b></p><table><tr>{head}</tr>{body}</table>"
 
@@ -82,7 +83,10 @@ def _run_small(kind: str, outputs: dict[str, LazyArray], budget: int) -> dict[st
     specs = {n: _replicated(placement) for n in outputs}
     out: dict[str, np.ndarray] = {}
     path = next(s.expr.checkpoint.path for x in outputs.values() for s in _sources_of(x))  # type: ignore[union-attr]
-    with _progress.operation(kind, path, primary=placement.group.is_primary()), counted(outputs, written=False):
+    with (
+        _progress.operation(kind, path, primary=placement.group.is_primary()),
+        counted(outputs, written=False),
+    ):
         for names in groups(outputs, specs, placement, budget):
             values = compute({n: outputs[n] for n in names}, placement, specs)
             fetched = placement.fetch([values[n] for n in names])
@@ -97,10 +101,16 @@ def _summary(x: Any) -> Any:
     mean = jnp.where(finite, v, 0).sum() / n
     var = jnp.where(finite, (v - mean) ** 2, 0).sum() / n
     big = jnp.finfo(jnp.float32).max
-    return jnp.stack([
-        jnp.where(finite, v, big).min(), jnp.where(finite, v, -big).max(), mean, jnp.sqrt(var),
-        jnp.isnan(v).sum().astype(jnp.float32), (~finite & ~jnp.isnan(v)).sum().astype(jnp.float32),
-    ])
+    return jnp.stack(
+        [
+            jnp.where(finite, v, big).min(),
+            jnp.where(finite, v, -big).max(),
+            mean,
+            jnp.sqrt(var),
+            jnp.isnan(v).sum().astype(jnp.float32),
+            (~finite & ~jnp.isnan(v)).sum().astype(jnp.float32),
+        ]
+    )
 
 
 def stats(tree: Any, *, where: str | None = None, memory_budget_bytes: int | None = None) -> Table:
@@ -111,17 +121,33 @@ def stats(tree: Any, *, where: str | None = None, memory_budget_bytes: int | Non
     """
     import re
 
-    leaves = {n: v for n, v in flat(tree).items() if isinstance(v, LazyArray) and (where is None or re.search(where, n))}
+    leaves = {
+        n: v
+        for n, v in flat(tree).items()
+        if isinstance(v, LazyArray) and (where is None or re.search(where, n))
+    }
     if where is not None and not leaves:
         raise ValueError(f"stats: {where!r} matches no array of the tree")
-    computed = _run_small("stats", {n: apply("stats", _summary, (x,), where=repr(n)) for n, x in leaves.items() if x.size}, memory_budget_bytes or DEFAULT_BUDGET)
+    computed = _run_small(
+        "stats",
+        {n: apply("stats", _summary, (x,), where=repr(n)) for n, x in leaves.items() if x.size},
+        memory_budget_bytes or DEFAULT_BUDGET,
+    )
     rows = []
     for name, x in leaves.items():
         s = computed.get(name)
-        values: tuple[Any, ...] = (*tuple(float(v) for v in s[:4]), int(s[4]), int(s[5])) if s is not None else (math.nan,) * 4 + (0, 0)
+        values: tuple[Any, ...] = (
+            (*tuple(float(v) for v in s[:4]), int(s[4]), int(s[5]))
+            if s is not None
+            else (math.nan,) * 4 + (0, 0)
+        )
         where_ = x.sharding.describe() if x.sharding is not None else "spread by milepost"
         rows.append((name, str(x.shape), str(x.dtype), *values, where_))
-    return Table("statistics", ("leaf", "shape", "dtype", "min", "max", "mean", "std", "nan", "inf", "sharding"), tuple(rows))
+    return Table(
+        "statistics",
+        ("leaf", "shape", "dtype", "min", "max", "mean", "std", "nan", "inf", "sharding"),
+        tuple(rows),
+    )
 
 
 @dataclass(frozen=True)
@@ -150,7 +176,11 @@ class Diff:
     __repr__ = __str__
 
     def _repr_html_(self) -> str:
-        extra = "".join(f"<p>only in {w}: <code>{html.escape(str(list(v)))}</code></p>" for w, v in (("a", self.only_a), ("b", self.only_b)) if v)
+        extra = "".join(
+            f"<p>only in {w}: <code>{html.escape(str(list(v)))}</code></p>"
+            for w, v in (("a", self.only_a), ("b", self.only_b))
+            if v
+        )
         return f"<p><b>{'equal' if self.equal else 'different'}</b></p>{extra}{self.table._repr_html_()}"
 
 

@@ -54,7 +54,12 @@ class LazyArray:
     __slots__ = ("dtype", "expr", "history", "shape", "sharding")
 
     def __init__(
-        self, expr: Source | Op, shape: tuple[int, ...], dtype: Any, sharding: ShardingSpec | None, history: tuple[str, ...] = ()
+        self,
+        expr: Source | Op,
+        shape: tuple[int, ...],
+        dtype: Any,
+        sharding: ShardingSpec | None,
+        history: tuple[str, ...] = (),
     ) -> None:
         self.expr = expr
         self.shape = tuple(int(d) for d in shape)
@@ -87,7 +92,9 @@ class LazyArray:
         """How it is computed, e.g. ``cast(stack(/ckpt/1:params.layer0.w, ...))``."""
         if isinstance(self.expr, Source):
             return f"{self.expr.checkpoint.path}:{self.expr.name}"
-        inner = ", ".join(x.describe() for x in self.expr.inputs[:3]) + (", ..." if len(self.expr.inputs) > 3 else "")
+        inner = ", ".join(x.describe() for x in self.expr.inputs[:3]) + (
+            ", ..." if len(self.expr.inputs) > 3 else ""
+        )
         return f"{self.expr.name}({inner})"
 
     @property
@@ -108,7 +115,9 @@ class LazyArray:
         index = index if isinstance(index, tuple) else (index,)
         for part in index:
             if not (part is None or part is Ellipsis or isinstance(part, int | slice | np.integer)):
-                raise TypeError(f"a LazyArray takes ints, slices, None and ... as indices (basic indexing), got {part!r}")
+                raise TypeError(
+                    f"a LazyArray takes ints, slices, None and ... as indices (basic indexing), got {part!r}"
+                )
         return apply("getitem", lambda x: x[index], (self,), params=index)
 
     def astype(self, dtype: Any) -> LazyArray:
@@ -118,11 +127,19 @@ class LazyArray:
         return apply("cast", lambda x: x.astype(target), (self,), sharding=self.sharding)
 
     def reshape(self, *shape: Any) -> LazyArray:
-        new = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], tuple | list) else tuple(shape)
+        new = (
+            tuple(shape[0])
+            if len(shape) == 1 and isinstance(shape[0], tuple | list)
+            else tuple(shape)
+        )
         return apply("reshape", lambda x: x.reshape(new), (self,))
 
     def transpose(self, *axes: Any) -> LazyArray:
-        order = tuple(axes[0]) if len(axes) == 1 and isinstance(axes[0], tuple | list) else tuple(axes) or tuple(reversed(range(self.ndim)))
+        order = (
+            tuple(axes[0])
+            if len(axes) == 1 and isinstance(axes[0], tuple | list)
+            else tuple(axes) or tuple(reversed(range(self.ndim)))
+        )
         spec = _permuted(self.sharding, order, self.ndim)
         return apply("transpose", lambda x: x.transpose(order), (self,), sharding=spec)
 
@@ -152,21 +169,35 @@ def apply(
         out = jax.eval_shape(fn, *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inputs))
     except Exception as e:
         shapes = ", ".join(f"{x.shape} {x.dtype}" for x in inputs)
-        raise ValueError(f"{name}{f' of {where}' if where else ''} fails on inputs of shapes {shapes}: {e}") from None
+        raise ValueError(
+            f"{name}{f' of {where}' if where else ''} fails on inputs of shapes {shapes}: {e}"
+        ) from None
     if not isinstance(out, jax.ShapeDtypeStruct):
-        raise TypeError(f"{name}{f' of {where}' if where else ''} must return one array, got {type(out).__name__}")
+        raise TypeError(
+            f"{name}{f' of {where}' if where else ''} must return one array, got {type(out).__name__}"
+        )
     history = (*tuple(dict.fromkeys(h for x in inputs for h in x.history)), name)
-    return LazyArray(Op(name, fn, inputs, params), out.shape, out.dtype, sharding if fits(sharding, out.shape) else None, history)
+    return LazyArray(
+        Op(name, fn, inputs, params),
+        out.shape,
+        out.dtype,
+        sharding if fits(sharding, out.shape) else None,
+        history,
+    )
 
 
 def _permuted(spec: ShardingSpec | None, order: tuple[int, ...], ndim: int) -> ShardingSpec | None:
     if spec is None or spec.kind != "named":
         return spec
     entries = tuple(spec.spec) + (None,) * (ndim - len(spec.spec))
-    return ShardingSpec.named(spec.mesh_shape, spec.axis_names, spec.device_ids, tuple(entries[i] for i in order))
+    return ShardingSpec.named(
+        spec.mesh_shape, spec.axis_names, spec.device_ids, tuple(entries[i] for i in order)
+    )
 
 
-def with_entry(spec: ShardingSpec | None, axis: int, ndim: int, *, insert: bool) -> ShardingSpec | None:
+def with_entry(
+    spec: ShardingSpec | None, axis: int, ndim: int, *, insert: bool
+) -> ShardingSpec | None:
     """``spec`` with a replicated dimension inserted at ``axis`` (``insert``) or removed."""
     if spec is None or spec.kind != "named":
         return None
@@ -197,13 +228,17 @@ def flat(tree: Any) -> dict[str, Any]:
             items = enumerate(node)
         else:
             if not prefix:
-                raise TypeError(f"a surgery works on trees (dicts and lists of arrays), got {type(node).__name__}")
+                raise TypeError(
+                    f"a surgery works on trees (dicts and lists of arrays), got {type(node).__name__}"
+                )
             out[prefix] = node
             return
         for key, child in items:
             key = str(key)
             if "." in key or not key:
-                raise ValueError(f"key {key!r} under {prefix or 'the root'!r}: surgery names leaves by keys joined with '.', so keys must be non-empty and contain no '.'")
+                raise ValueError(
+                    f"key {key!r} under {prefix or 'the root'!r}: surgery names leaves by keys joined with '.', so keys must be non-empty and contain no '.'"
+                )
             walk(child, f"{prefix}.{key}" if prefix else key)
 
     walk(tree, "")

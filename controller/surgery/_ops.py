@@ -28,10 +28,14 @@ def _compile(pattern: str, what: str) -> re.Pattern[str]:
 
 def _nothing_matched(what: str, pattern: str, names: Sequence[str]) -> ValueError:
     shown = ", ".join(list(names)[:8]) + (", ..." if len(names) > 8 else "")
-    return ValueError(f"{what}: {pattern!r} matches no leaf (the leaves are {shown}); fix the pattern")
+    return ValueError(
+        f"{what}: {pattern!r} matches no leaf (the leaves are {shown}); fix the pattern"
+    )
 
 
-def _matching(leaves: Mapping[str, Any], where: str | None, what: str, *, arrays_only: bool = True) -> list[str]:
+def _matching(
+    leaves: Mapping[str, Any], where: str | None, what: str, *, arrays_only: bool = True
+) -> list[str]:
     names = [n for n, v in leaves.items() if isinstance(v, LazyArray) or not arrays_only]
     if where is None:
         return names
@@ -74,12 +78,19 @@ def rename(tree: Any, mapping: Mapping[str, str | None]) -> Any:
                     break
                 new = rx.sub(repl, name, count=1)
                 if new in out:
-                    raise ValueError(f"rename: {origin[new]!r} and {name!r} would both be named {new!r}; make the names distinct")
-                out[new], origin[new] = (value.renamed("rename") if isinstance(value, LazyArray) else value), name
+                    raise ValueError(
+                        f"rename: {origin[new]!r} and {name!r} would both be named {new!r}; make the names distinct"
+                    )
+                out[new], origin[new] = (
+                    (value.renamed("rename") if isinstance(value, LazyArray) else value),
+                    name,
+                )
                 break
         else:
             if name in out:
-                raise ValueError(f"rename: {origin[name]!r} would be renamed to {name!r}, which another leaf keeps; make the names distinct")
+                raise ValueError(
+                    f"rename: {origin[name]!r} would be renamed to {name!r}, which another leaf keeps; make the names distinct"
+                )
             out[name], origin[name] = value, name
     for pattern, count in used.items():
         if not count:
@@ -110,7 +121,14 @@ def select(tree: Any, *patterns: str) -> Any:
     kept: set[str] = set()
     for p in patterns:
         kept.update(_matching(leaves, p, "select", arrays_only=False))
-    return _rebuild({n: (v.renamed("select") if isinstance(v, LazyArray) else v) for n, v in leaves.items() if n in kept}, "select")
+    return _rebuild(
+        {
+            n: (v.renamed("select") if isinstance(v, LazyArray) else v)
+            for n, v in leaves.items()
+            if n in kept
+        },
+        "select",
+    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -124,9 +142,13 @@ def check_cast(x: LazyArray, dtype: Any, where: str) -> np.dtype:
     except TypeError:
         raise TypeError(f"cast of {where}: {dtype!r} is not a dtype") from None
     if target.name not in workers.ZARR3_DTYPES:
-        raise TypeError(f"cast of {where}: {target} cannot be stored (the format stores {', '.join(sorted(workers.ZARR3_DTYPES))})")
+        raise TypeError(
+            f"cast of {where}: {target} cannot be stored (the format stores {', '.join(sorted(workers.ZARR3_DTYPES))})"
+        )
     if x.dtype.kind == "c" and target.kind != "c":
-        raise TypeError(f"cast of {where}: {x.dtype} to {target} would drop the imaginary part; take .real in ms.map first")
+        raise TypeError(
+            f"cast of {where}: {x.dtype} to {target} would drop the imaginary part; take .real in ms.map first"
+        )
     return target
 
 
@@ -140,11 +162,15 @@ def cast(tree: Any, dtype: Any, where: str | None = None) -> Any:
         x = leaves[name]
         target = check_cast(x, dtype, repr(name))
         if x.dtype != target:
-            leaves[name] = apply("cast", lambda a, t=target: a.astype(t), (x,), sharding=x.sharding, where=repr(name))
+            leaves[name] = apply(
+                "cast", lambda a, t=target: a.astype(t), (x,), sharding=x.sharding, where=repr(name)
+            )
     return nest(leaves)
 
 
-def map(fn: Callable[..., Any], *trees: Any, where: str | None = None, name: str | None = None) -> Any:
+def map(
+    fn: Callable[..., Any], *trees: Any, where: str | None = None, name: str | None = None
+) -> Any:
     """``fn(a, b, ...)`` (jittable) for every array of the first tree (or those ``where``
     matches) whose name every other tree has too; the first tree's other leaves pass through.
     Shapes are checked now (``jax.eval_shape``), with the leaf named.
@@ -162,10 +188,14 @@ def map(fn: Callable[..., Any], *trees: Any, where: str | None = None, name: str
         inputs = [leaves[leaf], *(o.get(leaf) for o in others)]
         if any(not isinstance(x, LazyArray) for x in inputs):
             continue
-        leaves[leaf] = apply(label, fn, tuple(inputs), sharding=inputs[0].sharding, where=repr(leaf))
+        leaves[leaf] = apply(
+            label, fn, tuple(inputs), sharding=inputs[0].sharding, where=repr(leaf)
+        )
         done += 1
     if not done:
-        raise ValueError(f"map: no array of the first tree{f' matching {where!r}' if where else ''} is in all {len(trees)} trees; rename the other trees' leaves to the first one's names")
+        raise ValueError(
+            f"map: no array of the first tree{f' matching {where!r}' if where else ''} is in all {len(trees)} trees; rename the other trees' leaves to the first one's names"
+        )
     return nest(leaves)
 
 
@@ -180,9 +210,15 @@ def average(*trees: Any, weights: Sequence[float] | None = None, where: str | No
     w = [1.0 / len(trees)] * len(trees) if weights is None else [float(x) for x in weights]
     if len(w) != len(trees):
         raise ValueError(f"average: {len(w)} weights for {len(trees)} trees")
-    missing = [n for n in flat(trees[0]) if isinstance(flat(trees[0])[n], LazyArray) and any(n not in flat(t) for t in trees[1:])]
+    missing = [
+        n
+        for n in flat(trees[0])
+        if isinstance(flat(trees[0])[n], LazyArray) and any(n not in flat(t) for t in trees[1:])
+    ]
     if missing:
-        raise ValueError(f"average: {missing[:5]} are not in every tree; select the common leaves first")
+        raise ValueError(
+            f"average: {missing[:5]} are not in every tree; select the common leaves first"
+        )
 
     def mean(*xs: Any) -> Any:
         total = sum(wi * x.astype(jnp.float32) for wi, x in zip(w, xs, strict=True))
@@ -206,7 +242,9 @@ def stack(tree: Any, pattern: str, out: str, axis: int = 0) -> Any:
     leaves = flat(tree)
     rx = _compile(pattern, "stack")
     if rx.groups < 1:
-        raise ValueError(f"stack: {pattern!r} needs a group for the index, e.g. r'layer(\\d+)\\.(.*)'")
+        raise ValueError(
+            f"stack: {pattern!r} needs a group for the index, e.g. r'layer(\\d+)\\.(.*)'"
+        )
     groups: dict[str, list[tuple[int, str]]] = {}
     for name in _matching(leaves, pattern, "stack"):
         m = rx.search(name)
@@ -214,7 +252,9 @@ def stack(tree: Any, pattern: str, out: str, axis: int = 0) -> Any:
         try:
             index = int(m.group(1))
         except (TypeError, ValueError):
-            raise ValueError(f"stack: the first group of {pattern!r} must be an integer index, got {m.group(1)!r} in {name!r}") from None
+            raise ValueError(
+                f"stack: the first group of {pattern!r} must be an integer index, got {m.group(1)!r} in {name!r}"
+            ) from None
         groups.setdefault(rx.sub(out, name, count=1), []).append((index, name))
     for new, members in groups.items():
         members.sort()
@@ -224,12 +264,18 @@ def stack(tree: Any, pattern: str, out: str, axis: int = 0) -> Any:
         xs = [leaves.pop(n) for _, n in members]
         kinds = {(x.shape, x.dtype) for x in xs}
         if len(kinds) > 1:
-            raise ValueError(f"stack into {new!r}: the leaves differ in shape or dtype: {[(n, x.shape, str(x.dtype)) for (_, n), x in zip(members, xs, strict=True)]}")
+            raise ValueError(
+                f"stack into {new!r}: the leaves differ in shape or dtype: {[(n, x.shape, str(x.dtype)) for (_, n), x in zip(members, xs, strict=True)]}"
+            )
         if new in leaves:
             raise ValueError(f"stack: {new!r} is already a leaf; choose another output name")
         ax = axis if axis >= 0 else axis + xs[0].ndim + 1
         leaves[new] = apply(
-            "stack", lambda *a, ax=ax: jnp.stack(a, axis=ax), tuple(xs), sharding=with_entry(xs[0].sharding, ax, xs[0].ndim, insert=True), where=repr(new)
+            "stack",
+            lambda *a, ax=ax: jnp.stack(a, axis=ax),
+            tuple(xs),
+            sharding=with_entry(xs[0].sharding, ax, xs[0].ndim, insert=True),
+            where=repr(new),
         )
     return _rebuild(leaves, "stack")
 
@@ -248,13 +294,23 @@ def unstack(tree: Any, pattern: str, out: str, axis: int = 0) -> Any:
         x = leaves.pop(name)
         ax = axis if axis >= 0 else axis + x.ndim
         if not 0 <= ax < x.ndim:
-            raise ValueError(f"unstack of {name!r}: axis {axis} is out of range for shape {x.shape}")
+            raise ValueError(
+                f"unstack of {name!r}: axis {axis} is out of range for shape {x.shape}"
+            )
         spec = with_entry(x.sharding, ax, x.ndim, insert=False)
         for i in range(x.shape[ax]):
             new = rx.sub(out, name, count=1).replace("{i}", str(i))
             if new in leaves:
-                raise ValueError(f"unstack of {name!r}: {new!r} is already a leaf; choose another output name")
-            leaves[new] = apply("unstack", lambda a, i=i, ax=ax: jnp.take(a, i, axis=ax), (x,), sharding=spec, where=repr(name))
+                raise ValueError(
+                    f"unstack of {name!r}: {new!r} is already a leaf; choose another output name"
+                )
+            leaves[new] = apply(
+                "unstack",
+                lambda a, i=i, ax=ax: jnp.take(a, i, axis=ax),
+                (x,),
+                sharding=spec,
+                where=repr(name),
+            )
     return _rebuild(leaves, "unstack")
 
 
@@ -271,10 +327,18 @@ def concat(tree: Any, names: Sequence[str], out: str, axis: int = 0) -> Any:
     if out in leaves:
         raise ValueError(f"concat: {out!r} is already a leaf; choose another output name")
     ax = axis if axis >= 0 else axis + xs[0].ndim
-    spec = xs[0].sharding if xs[0].sharding is not None and ax < len(xs[0].sharding.spec) and xs[0].sharding.spec[ax] is None else None
+    spec = (
+        xs[0].sharding
+        if xs[0].sharding is not None
+        and ax < len(xs[0].sharding.spec)
+        and xs[0].sharding.spec[ax] is None
+        else None
+    )
     if spec is None and xs[0].sharding is not None and ax >= len(xs[0].sharding.spec):
         spec = xs[0].sharding
-    leaves[out] = apply("concat", lambda *a: jnp.concatenate(a, axis=ax), tuple(xs), sharding=spec, where=repr(out))
+    leaves[out] = apply(
+        "concat", lambda *a: jnp.concatenate(a, axis=ax), tuple(xs), sharding=spec, where=repr(out)
+    )
     return _rebuild(leaves, "concat")
 
 
@@ -289,14 +353,26 @@ def split(tree: Any, name: str, parts: Mapping[str, int], axis: int = 0) -> Any:
         raise ValueError(f"split: {name!r} is not an array of the tree")
     ax = axis if axis >= 0 else axis + x.ndim
     if sum(parts.values()) != x.shape[ax]:
-        raise ValueError(f"split of {name!r}: the sizes {dict(parts)} add up to {sum(parts.values())}, but axis {ax} has {x.shape[ax]}")
+        raise ValueError(
+            f"split of {name!r}: the sizes {dict(parts)} add up to {sum(parts.values())}, but axis {ax} has {x.shape[ax]}"
+        )
     start = 0
-    spec = x.sharding if x.sharding is not None and (ax >= len(x.sharding.spec) or x.sharding.spec[ax] is None) else None
+    spec = (
+        x.sharding
+        if x.sharding is not None and (ax >= len(x.sharding.spec) or x.sharding.spec[ax] is None)
+        else None
+    )
     for new, size in parts.items():
         if new in leaves:
-            raise ValueError(f"split of {name!r}: {new!r} is already a leaf; choose another output name")
+            raise ValueError(
+                f"split of {name!r}: {new!r} is already a leaf; choose another output name"
+            )
         leaves[new] = apply(
-            "split", lambda a, s=start, n=size: jax.lax.slice_in_dim(a, s, s + n, axis=ax), (x,), sharding=spec, where=repr(name)
+            "split",
+            lambda a, s=start, n=size: jax.lax.slice_in_dim(a, s, s + n, axis=ax),
+            (x,),
+            sharding=spec,
+            where=repr(name),
         )
         start += size
     return _rebuild(leaves, "split")

@@ -30,7 +30,9 @@ class Placement:
     def __init__(self, slice: Any = None) -> None:
         self.slice = slice
         self.group: HostGroup = slice.group if slice is not None else _dispatch.host_group_for([])
-        self.device_ids: tuple[int, ...] = tuple(slice.device_ids if slice is not None else (d.id for d in jax.devices()))
+        self.device_ids: tuple[int, ...] = tuple(
+            slice.device_ids if slice is not None else (d.id for d in jax.devices())
+        )
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Placement) and other.slice is self.slice
@@ -39,12 +41,18 @@ class Placement:
         return id(self.slice)
 
     def describe(self) -> str:
-        return repr(self.slice) if self.slice is not None else f"this process ({len(self.device_ids)} devices)"
+        return (
+            repr(self.slice)
+            if self.slice is not None
+            else f"this process ({len(self.device_ids)} devices)"
+        )
 
     # -- shardings ----------------------------------------------------------------------
     def usable(self, spec: ShardingSpec | None, shape: tuple[int, ...]) -> bool:
         """Whether arrays of ``shape`` can be placed with ``spec`` here."""
-        return spec is not None and set(spec.device_ids) <= set(self.device_ids) and fits(spec, shape)
+        return (
+            spec is not None and set(spec.device_ids) <= set(self.device_ids) and fits(spec, shape)
+        )
 
     def default_spec(self, shape: tuple[int, ...]) -> ShardingSpec:
         """Over every device: the first dimension the device count divides is split, else the
@@ -89,7 +97,10 @@ class Placement:
         for device, box in _planning.device_boxes(spec, tuple(shape)).items():
             per_host.setdefault(self.group.process_of_device(device), set()).add(box)
         itemsize = np.dtype(dtype).itemsize
-        return max(sum(math.prod(b - a for a, b in box) for box in boxes) * itemsize for boxes in per_host.values())
+        return max(
+            sum(math.prod(b - a for a, b in box) for box in boxes) * itemsize
+            for boxes in per_host.values()
+        )
 
     # -- running ------------------------------------------------------------------------
     def run(self, fn: Any, inputs: list[Any], out_specs: list[ShardingSpec]) -> list[Any]:

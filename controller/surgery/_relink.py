@@ -38,13 +38,22 @@ _ARRAYS = (_tree.ValueType.JAX_ARRAY, _tree.ValueType.NP_ARRAY)
 def plan(arrays: dict[str, LazyArray], shardings_given: bool) -> tuple[Any, dict[str, str]] | None:
     """(the source checkpoint, {old name: new name}) when the output is stored leaves of one
     local OCDBT checkpoint, kept as they are; else None."""
-    if shardings_given or not arrays or not all(isinstance(x.expr, Source) for x in arrays.values()):
+    if (
+        shardings_given
+        or not arrays
+        or not all(isinstance(x.expr, Source) for x in arrays.values())
+    ):
         return None
     checkpoints = {id(x.expr.checkpoint): x.expr.checkpoint for x in arrays.values()}  # type: ignore[union-attr]
     if len(checkpoints) != 1:
         return None
     (ck,) = checkpoints.values()
-    if not isinstance(ck.folder, Path) or not ck.files.use_ocdbt or ck.files.zarr_format != 3 or ck.files.key_impls:
+    if (
+        not isinstance(ck.folder, Path)
+        or not ck.files.use_ocdbt
+        or ck.files.zarr_format != 3
+        or ck.files.key_impls
+    ):
         return None
     renames: dict[str, str] = {}
     for new, x in arrays.items():
@@ -52,7 +61,9 @@ def plan(arrays: dict[str, LazyArray], shardings_given: bool) -> tuple[Any, dict
         if old in renames:  # one stored leaf under two names: a copy, not a rename
             return None
         renames[old] = new
-    if any(leaf.value_type in _ARRAYS and name not in renames for name, leaf in ck.files.leaves.items()):
+    if any(
+        leaf.value_type in _ARRAYS and name not in renames for name, leaf in ck.files.leaves.items()
+    ):
         return None  # a stored array is dropped: its bytes must not stay in the output's files
     moved_away = set(ck.files.leaves) - {o for o, n in renames.items() if o == n}
     if set(renames.values()) & moved_away:
@@ -79,10 +90,16 @@ def link_databases(ck: Any, renames: dict[str, str], directory: Path) -> None:
             for f in files:
                 # (never through a link: one put here after the checks is linked or copied as a link)
                 if rel.parts[:1] == ("d",):
-                    os.link(here / f, target / rel / f, follow_symlinks=False)  # data files: immutable, shared
+                    os.link(
+                        here / f, target / rel / f, follow_symlinks=False
+                    )  # data files: immutable, shared
                 else:
-                    shutil.copyfile(here / f, target / rel / f, follow_symlinks=False)  # the manifest: rewritten below
-        kv = ts.KvStore.open({"driver": "ocdbt", "base": tsu.file_kvstore(target)}, context=context).result()
+                    shutil.copyfile(
+                        here / f, target / rel / f, follow_symlinks=False
+                    )  # the manifest: rewritten below
+        kv = ts.KvStore.open(
+            {"driver": "ocdbt", "base": tsu.file_kvstore(target)}, context=context
+        ).result()
         present = {k.decode().split("/", 1)[0] for k in kv.list().result()}
         for old in sorted(present):
             new = renames.get(old)
@@ -105,7 +122,12 @@ def _check_plain(path: Path) -> None:
 
 
 def finish(
-    ck: Any, renames: dict[str, str], order: list[str], files: _pytree_save.TreeSavePlan, acks: list[workers.SaveAck], directory: Path
+    ck: Any,
+    renames: dict[str, str],
+    order: list[str],
+    files: _pytree_save.TreeSavePlan,
+    acks: list[workers.SaveAck],
+    directory: Path,
 ) -> None:
     """On the primary: the format files (the renamed arrays' from the source's) and the root view."""
     src = ck.files
@@ -113,17 +135,23 @@ def finish(
     written = []
     for old, new in renames.items():
         saved = src.leaves[old]
-        files.leaves[new] = tree_format.SavedLeaf.of(keyed[new], saved.value_type, saved.write_shape)
+        files.leaves[new] = tree_format.SavedLeaf.of(
+            keyed[new], saved.value_type, saved.write_shape
+        )
         if old in src.shardings:
             files.shardings[new] = src.shardings[old]
         meta = ck.leaf_meta[old]
         written.append(
             workers.WrittenArray(
-                name=new, write_shape=tuple(meta.write_shape or ()), chunk_shape=tuple(meta.chunk_shape or ()),
+                name=new,
+                write_shape=tuple(meta.write_shape or ()),
+                chunk_shape=tuple(meta.chunk_shape or ()),
                 chunk_crc32c=tuple(sorted(src.chunk_crc32c.get(old, {}).items())),
             )
         )
     acks = [*acks, workers.SaveAck(process_index=0, bytes_written=0, arrays=tuple(written))]
     files.leaves = {n: files.leaves[n] for n in order if n in files.leaves}
     _pytree_save.finish_tree(directory, files.files, acks)
-    log.info("relinked %d arrays of %s into %s (no array bytes moved)", len(renames), ck.path, directory)
+    log.info(
+        "relinked %d arrays of %s into %s (no array bytes moved)", len(renames), ck.path, directory
+    )

@@ -67,7 +67,11 @@ def counted(outputs: Mapping[str, LazyArray], *, written: bool) -> Any:
     op = progress_sink.current()
     if op is None:
         return contextlib.nullcontext()
-    inputs = {(id(s.expr.checkpoint), s.expr.name): s.nbytes for x in outputs.values() for s in _sources_of(x)}  # type: ignore[union-attr]
+    inputs = {
+        (id(s.expr.checkpoint), s.expr.name): s.nbytes
+        for x in outputs.values()
+        for s in _sources_of(x)
+    }  # type: ignore[union-attr]
     op.expect(sum(inputs.values()) + (sum(x.nbytes for x in outputs.values()) if written else 0))
     return progress_sink.reporting(_Counted(op))
 
@@ -179,17 +183,23 @@ def load_inputs(program: Program, placement: Placement) -> list[Any]:
     for source, lazy in program.sources:
         spec = placement.spec_for(lazy.sharding, lazy.shape)
         ck = source.checkpoint
-        by_checkpoint.setdefault(id(ck), (ck, {}))[1][source.name] = placement.abstract(lazy.shape, lazy.dtype, spec)
+        by_checkpoint.setdefault(id(ck), (ck, {}))[1][source.name] = placement.abstract(
+            lazy.shape, lazy.dtype, spec
+        )
     loaded: dict[tuple[int, str], Any] = {}
     for key, (ck, wanted) in by_checkpoint.items():
-        got = _checkpoint.load_checkpointables(ck.path, {ck.item: nest(wanted)}, partial=True)[ck.item]
+        got = _checkpoint.load_checkpointables(ck.path, {ck.item: nest(wanted)}, partial=True)[
+            ck.item
+        ]
         for name, value in flat(got).items():
             if name in wanted:
                 loaded[(key, name)] = value
     return [loaded[(id(s.checkpoint), s.name)] for s, _ in program.sources]
 
 
-def compute(outputs: dict[str, LazyArray], placement: Placement, specs: Mapping[str, ShardingSpec]) -> dict[str, Any]:
+def compute(
+    outputs: dict[str, LazyArray], placement: Placement, specs: Mapping[str, ShardingSpec]
+) -> dict[str, Any]:
     """Every output computed on the devices, placed with ``specs``."""
     if not outputs:
         return {}
@@ -206,7 +216,12 @@ def compute(outputs: dict[str, LazyArray], placement: Placement, specs: Mapping[
 # ------------------------------------------------------------------------------------------
 
 
-def groups(outputs: dict[str, LazyArray], specs: Mapping[str, ShardingSpec], placement: Placement, budget: int) -> list[list[str]]:
+def groups(
+    outputs: dict[str, LazyArray],
+    specs: Mapping[str, ShardingSpec],
+    placement: Placement,
+    budget: int,
+) -> list[list[str]]:
     out: list[list[str]] = []
     current: list[str] = []
     held = 0
@@ -216,17 +231,23 @@ def groups(outputs: dict[str, LazyArray], specs: Mapping[str, ShardingSpec], pla
         new_sources = {id(s.expr): s for s in _sources_of(x)}
         extra = sum(
             placement.bytes_per_host(s.shape, s.dtype, placement.spec_for(s.sharding, s.shape))
-            for k, s in new_sources.items() if k not in seen
+            for k, s in new_sources.items()
+            if k not in seen
         )
         if current and held + cost + extra > budget:
             out.append(current)
             current, held, seen = [], 0, set()
-            extra = sum(placement.bytes_per_host(s.shape, s.dtype, placement.spec_for(s.sharding, s.shape)) for s in new_sources.values())
+            extra = sum(
+                placement.bytes_per_host(s.shape, s.dtype, placement.spec_for(s.sharding, s.shape))
+                for s in new_sources.values()
+            )
         if not current and cost + extra > budget:
             log.info(
                 "leaf %r needs %.1f MiB per host, more than a group may hold (%.1f MiB: half the memory budget, as a "
                 "group is computed while the previous one is written); it is processed on its own",
-                name, (cost + extra) / 2**20, budget / 2**20,
+                name,
+                (cost + extra) / 2**20,
+                budget / 2**20,
             )
         current.append(name)
         held += cost + extra
@@ -236,7 +257,9 @@ def groups(outputs: dict[str, LazyArray], specs: Mapping[str, ShardingSpec], pla
     return out
 
 
-def output_specs(outputs: dict[str, LazyArray], placement: Placement, shardings: Any) -> dict[str, ShardingSpec]:
+def output_specs(
+    outputs: dict[str, LazyArray], placement: Placement, shardings: Any
+) -> dict[str, ShardingSpec]:
     """Where each output goes: ``shardings`` (None, one sharding for all, or ``{regex:
     sharding}``, first match), else the sharding the operations suggest, else spread over every
     device."""
@@ -257,7 +280,9 @@ def output_specs(outputs: dict[str, LazyArray], placement: Placement, shardings:
         if chosen is not None:
             spec = _planning.sharding_spec(chosen)
             if spec is None or not placement.usable(spec, x.shape):
-                raise ValueError(f"the sharding given for {name!r} ({chosen!r}) cannot hold an array of shape {x.shape} on {placement.describe()}")
+                raise ValueError(
+                    f"the sharding given for {name!r} ({chosen!r}) cannot hold an array of shape {x.shape} on {placement.describe()}"
+                )
             out[name] = spec
         else:
             out[name] = placement.spec_for(x.sharding, x.shape)
@@ -296,17 +321,30 @@ class Job:
         options = call.options.saving
         # Stored leaves kept as stored (no SaveOptions asking for another chunking or compression:
         # the default chunking, "auto", keeps what is stored) are relinked; anything else is rewritten.
-        keep_layout = options.use_ocdbt and options.compression is None and options.chunk_byte_size == "auto"
-        fast = _relink.plan(self.arrays, self.shardings_given) if isinstance(directory, Path) and keep_layout and self.relink else None
+        keep_layout = (
+            options.use_ocdbt and options.compression is None and options.chunk_byte_size == "auto"
+        )
+        fast = (
+            _relink.plan(self.arrays, self.shardings_given)
+            if isinstance(directory, Path) and keep_layout and self.relink
+            else None
+        )
         if fast is not None:
             ck, renames = fast
             timeout = call.options.async_.timeout_secs
-            _dispatch.shared(call.group, f"surgery-link:{directory}", lambda: _relink.link_databases(ck, renames, directory), timeout)
+            _dispatch.shared(
+                call.group,
+                f"surgery-link:{directory}",
+                lambda: _relink.link_databases(ck, renames, directory),
+                timeout,
+            )
             files = _pytree_save.TreeSavePlan(options)
             acks: list[workers.SaveAck] = []
             if self.values:
                 planned = _pytree_save.plan(nest(self.values), options, call.group)
-                pending = _pytree_save.start(planned, directory, call, first_writer=1 << 16, finish=False)
+                pending = _pytree_save.start(
+                    planned, directory, call, first_writer=1 << 16, finish=False
+                )
                 pending.wait()
                 acks.extend(pending.acks)
                 for name in ("leaves", "shardings", "strings", "python_types", "key_impls"):
@@ -347,7 +385,13 @@ class Job:
                     values.update(self.values)
                 finish_writing()
                 planned = _pytree_save.plan(nest(values), options, call.group)
-                writing = (_pytree_save.start(planned, directory, call, first_writer=g * step, finish=False), planned, values)
+                writing = (
+                    _pytree_save.start(
+                        planned, directory, call, first_writer=g * step, finish=False
+                    ),
+                    planned,
+                    values,
+                )
                 del values, planned
                 log.debug("group %d of %d computed, being written: %s", g + 1, len(parts), names)
             finish_writing()
@@ -428,8 +472,13 @@ def write(
     >>> ms.write("gs://out/1000", t)
     """
     return write_items(
-        path, {item: tree}, shardings=shardings, memory_budget_bytes=memory_budget_bytes, overwrite=overwrite,
-        custom_metadata=custom_metadata, relink=relink,
+        path,
+        {item: tree},
+        shardings=shardings,
+        memory_budget_bytes=memory_budget_bytes,
+        overwrite=overwrite,
+        custom_metadata=custom_metadata,
+        relink=relink,
     )
 
 
@@ -444,7 +493,11 @@ def write_items(
     relink: bool = True,
 ) -> Path | _paths.ObjectPath:
     """:func:`write` of several surgery trees, one checkpointable each, in one checkpoint."""
-    if memory_budget_bytes is not None and (isinstance(memory_budget_bytes, bool) or not isinstance(memory_budget_bytes, int) or memory_budget_bytes <= 0):
+    if memory_budget_bytes is not None and (
+        isinstance(memory_budget_bytes, bool)
+        or not isinstance(memory_budget_bytes, int)
+        or memory_budget_bytes <= 0
+    ):
         raise ValueError(f"memory_budget_bytes must be a positive int, got {memory_budget_bytes!r}")
     if not isinstance(relink, bool):
         raise TypeError(f"relink must be True or False, got {relink!r}")
@@ -456,8 +509,14 @@ def write_items(
         _dispatch.check_storage(placement.group, _paths.as_path(path))
         specs = output_specs(arrays, placement, shardings)
         jobs[item] = Job(
-            arrays, values, placement, specs, memory_budget_bytes or DEFAULT_BUDGET, order=list(flat(tree)),
-            shardings_given=shardings is not None, relink=relink,
+            arrays,
+            values,
+            placement,
+            specs,
+            memory_budget_bytes or DEFAULT_BUDGET,
+            order=list(flat(tree)),
+            shardings_given=shardings is not None,
+            relink=relink,
         )
         every.update({f"{item}/{n}": x for n, x in arrays.items()})
     meta = {**dict(custom_metadata or {}), "milepost.surgery": provenance(every)}
@@ -477,8 +536,14 @@ def materialize(tree: Any, abstract: Any = None) -> Any:
         wanted = flat(abstract)
         unknown = [n for n in wanted if n not in arrays and n not in values]
         if unknown:
-            raise ValueError(f"the abstract tree names {unknown[:5]}, which the surgery's tree lacks")
-        shardings = {f"^{_escape(n)}$": s for n, a in wanted.items() if (s := getattr(a, "sharding", None)) is not None}
+            raise ValueError(
+                f"the abstract tree names {unknown[:5]}, which the surgery's tree lacks"
+            )
+        shardings = {
+            f"^{_escape(n)}$": s
+            for n, a in wanted.items()
+            if (s := getattr(a, "sharding", None)) is not None
+        }
     specs = output_specs(arrays, placement, shardings)
     return nest({**compute(arrays, placement, specs), **values})
 
@@ -494,7 +559,9 @@ def _escape(name: str) -> str:
 # ------------------------------------------------------------------------------------------
 
 
-def _box(x: LazyArray) -> tuple[Source, LazyArray, tuple[tuple[int, int], ...], tuple[int, ...]] | None:
+def _box(
+    x: LazyArray,
+) -> tuple[Source, LazyArray, tuple[tuple[int, int], ...], tuple[int, ...]] | None:
     """A stored leaf and the box of it a plain slice ``x`` is (with the int-indexed axes to
     drop); None when ``x`` is more than that."""
     if isinstance(x.expr, Source):
@@ -516,7 +583,7 @@ def _box(x: LazyArray) -> tuple[Source, LazyArray, tuple[tuple[int, int], ...], 
             i = int(part) + (base.shape[d] if int(part) < 0 else 0)
             box.append((i, i + 1))
             drop.append(d)
-    box.extend((0, n) for n in base.shape[len(index):])
+    box.extend((0, n) for n in base.shape[len(index) :])
     return base.expr, base, tuple(box), tuple(drop)  # type: ignore[return-value]
 
 
@@ -529,11 +596,21 @@ def to_numpy(x: LazyArray) -> np.ndarray:
         return placement_of([x]).fetch([value])[0]
     source, _, box, drop = found
     ck = source.checkpoint
-    plan = workers.BoxPlan(store=ck.files.store(ck.folder), name=source.name, box=box, checksums=_pytree_load._checksums(ck.files, source.name))
+    plan = workers.BoxPlan(
+        store=ck.files.store(ck.folder),
+        name=source.name,
+        box=box,
+        checksums=_pytree_load._checksums(ck.files, source.name),
+    )
     group = ck.placement.group
     timeout = _options.current().async_.timeout_secs
     if ck.placement.slice is not None:
         (data,) = group.run("read_box", {group.processes()[0]: plan}, timeout)
     else:
-        data = _dispatch.shared(group, f"surgery-preview:{ck.path}:{source.name}:{box}", lambda: workers.run_job("read_box", plan, "controller"), timeout)
+        data = _dispatch.shared(
+            group,
+            f"surgery-preview:{ck.path}:{source.name}:{box}",
+            lambda: workers.run_job("read_box", plan, "controller"),
+            timeout,
+        )
     return np.squeeze(data, axis=drop) if drop else data

@@ -99,7 +99,9 @@ def _plain_metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
     for key, value in dict(metrics or {}).items():
         if not isinstance(key, str):
             raise TypeError(f"metric names must be str, got {key!r}")
-        if isinstance(value, np.generic) or (isinstance(value, np.ndarray | jax.Array) and value.shape == ()):
+        if isinstance(value, np.generic) or (
+            isinstance(value, np.ndarray | jax.Array) and value.shape == ()
+        ):
             value = np.asarray(value).item()
         out[key] = value
     return out
@@ -172,33 +174,57 @@ class Checkpointer:
                     f"local={local!r} is not a local folder; the local tier is a fast local disk (e.g. /local_ssd/ckpt), "
                     "and root is where steps are mirrored to (it may be gs:// or s3://)"
                 )
-            if isinstance(self.root, Path) and (where == self.root or self.root in where.parents or where in self.root.parents):
-                raise ValueError(f"local={str(where)!r} and root={str(self.root)!r} overlap; give the local tier its own folder")
+            if isinstance(self.root, Path) and (
+                where == self.root or self.root in where.parents or where in self.root.parents
+            ):
+                raise ValueError(
+                    f"local={str(where)!r} and root={str(self.root)!r} overlap; give the local tier its own folder"
+                )
             self.local = where
         elif local_keep is not None:
-            raise ValueError("local_keep applies to the local tier; pass local=<folder> too, or drop local_keep")
+            raise ValueError(
+                "local_keep applies to the local tier; pass local=<folder> too, or drop local_keep"
+            )
         if not isinstance(read_only, bool):
             raise TypeError(f"read_only must be True or False, got {read_only!r}")
         self.read_only = read_only
-        self.save_policy: SavePolicy = save_policy if save_policy is not None else FixedInterval(interval=1)
+        self.save_policy: SavePolicy = (
+            save_policy if save_policy is not None else FixedInterval(interval=1)
+        )
         self.keep: RetentionPolicy = keep if keep is not None else KeepAll()
         if not isinstance(self.save_policy, SavePolicy):
-            raise TypeError(f"save_policy={self.save_policy!r} is not a save policy (it needs should_save(ctx)); e.g. FixedInterval(interval=100)")
+            raise TypeError(
+                f"save_policy={self.save_policy!r} is not a save policy (it needs should_save(ctx)); e.g. FixedInterval(interval=100)"
+            )
         if not isinstance(self.keep, RetentionPolicy):
-            raise TypeError(f"keep={self.keep!r} is not a retention policy (it needs keep(steps)); e.g. KeepLatest(n=3)")
+            raise TypeError(
+                f"keep={self.keep!r} is not a retention policy (it needs keep(steps)); e.g. KeepLatest(n=3)"
+            )
         self.local_keep: RetentionPolicy = local_keep if local_keep is not None else KeepLatest(n=2)
         if not isinstance(self.local_keep, RetentionPolicy):
-            raise TypeError(f"local_keep={self.local_keep!r} is not a retention policy (it needs keep(steps)); e.g. KeepLatest(n=2)")
-        if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
+            raise TypeError(
+                f"local_keep={self.local_keep!r} is not a retention policy (it needs keep(steps)); e.g. KeepLatest(n=2)"
+            )
+        if (
+            isinstance(max_in_flight, bool)
+            or not isinstance(max_in_flight, int)
+            or max_in_flight < 1
+        ):
             raise ValueError(f"max_in_flight must be an int >= 1, got {max_in_flight!r}")
         self.max_in_flight = max_in_flight
         self.asynchronous = bool(asynchronous)
         if timeout_secs is not None:
             _options.AsyncOptions(timeout_secs=timeout_secs)  # the same checks, the same errors
-        self._timeout = float(timeout_secs) if timeout_secs is not None else _options.current().async_.timeout_secs
+        self._timeout = (
+            float(timeout_secs)
+            if timeout_secs is not None
+            else _options.current().async_.timeout_secs
+        )
         if mirror_timeout_secs is not None:
             _options.AsyncOptions(timeout_secs=mirror_timeout_secs)
-        self._mirror_timeout = float(mirror_timeout_secs) if mirror_timeout_secs is not None else self._timeout
+        self._mirror_timeout = (
+            float(mirror_timeout_secs) if mirror_timeout_secs is not None else self._timeout
+        )
         self._options = _options.current()
         """The options when the Checkpointer was opened; its background work (mirrors) uses them."""
         self._lease_secs = lease_secs = self._options.saving.lease_secs
@@ -239,8 +265,12 @@ class Checkpointer:
         self._steps = {int(k): dict(v) for k, v in durable.items()}
         self._local_steps = {int(k): dict(v) for k, v in fast.items()}
         if not self.read_only:
-            for step in sorted(set(self._local_steps) - set(self._steps)):  # a mirror that did not finish
-                log.warning("step %s is only in %s; mirroring it to %s", step, self.local, self.root)
+            for step in sorted(
+                set(self._local_steps) - set(self._steps)
+            ):  # a mirror that did not finish
+                log.warning(
+                    "step %s is only in %s; mirroring it to %s", step, self.local, self.root
+                )
                 self._mirrors[step] = self._group
                 self._mirror_worker.submit()
 
@@ -254,7 +284,9 @@ class Checkpointer:
     # -- collectives --------------------------------------------------------------------
     def _shared(self, what: str, fn: Callable[[], T]) -> T:
         """``fn()`` on the primary; its result (or its error) on every process."""
-        return _dispatch.shared(self._group, f"milepost.training:{what}:{self.root}", fn, self._timeout)
+        return _dispatch.shared(
+            self._group, f"milepost.training:{what}:{self.root}", fn, self._timeout
+        )
 
     # -- listing ------------------------------------------------------------------------
     def _open_on_primary(self) -> tuple[dict[int, dict[str, Any]], dict[int, dict[str, Any]]]:
@@ -307,7 +339,8 @@ class Checkpointer:
         if threading.current_thread() is not threading.main_thread():
             log.warning(
                 "the Checkpointer was opened off the main thread, so it cannot handle "
-                "signal %s; call ckpt.preempt() from your own handler instead", signal.Signals(sig).name
+                "signal %s; call ckpt.preempt() from your own handler instead",
+                signal.Signals(sig).name,
             )
             return
         previous = signal.getsignal(sig)
@@ -366,9 +399,14 @@ class Checkpointer:
             if preempted and answer:
                 self._preempted = True
         if preempted and answer:
-            log.warning("preempted: saving step %s, after which training should stop (ckpt.preempted is True)", step)
+            log.warning(
+                "preempted: saving step %s, after which training should stop (ckpt.preempted is True)",
+                step,
+            )
         elif not answer:
-            log.debug("skipped step %s: the save policy %r does not ask for it", step, self.save_policy)
+            log.debug(
+                "skipped step %s: the save policy %r does not ask for it", step, self.save_policy
+            )
         return answer
 
     # -- saving -------------------------------------------------------------------------
@@ -411,14 +449,20 @@ class Checkpointer:
             self._check_free(step)
             self._wait_while(
                 lambda: len(self._in_flight) >= self.max_in_flight,
-                lambda: f"the saves of steps {sorted(self._in_flight)} did not finish within {self._timeout}s, "
-                f"so step {step} was not saved",
+                lambda: (
+                    f"the saves of steps {sorted(self._in_flight)} did not finish within {self._timeout}s, "
+                    f"so step {step} was not saved"
+                ),
             )
             self._raise_failure()  # the save we waited for may have failed
             self._check_free(step)
             self._in_flight[step] = None  # reserved
             decided = self._decision
-            served = decided[2] if (not force and decided is not None and decided[0] == step) else self._signals_seen
+            served = (
+                decided[2]
+                if (not force and decided is not None and decided[0] == step)
+                else self._signals_seen
+            )
             self._decision = None
             self._last_save_start = time.monotonic()
         try:
@@ -452,7 +496,9 @@ class Checkpointer:
                 "delete(step) it first, or save another step"
             )
 
-    def _finish(self, step: int, handle: _checkpoint.SaveHandle, metrics: dict[str, Any], group: HostGroup) -> None:
+    def _finish(
+        self, step: int, handle: _checkpoint.SaveHandle, metrics: dict[str, Any], group: HostGroup
+    ) -> None:
         """The save of ``step`` ended (on the thread that finished it): record the step, or the
         failure for the next call to raise, and ask for retention (and its mirror)."""
         try:
@@ -468,7 +514,9 @@ class Checkpointer:
             return
         shown = f" ({', '.join(f'{k}={v}' for k, v in metrics.items())})" if metrics else ""
         if self.local is not None:
-            log.info("saved step %s to %s%s; mirroring it to %s", step, self.local, shown, self.root)
+            log.info(
+                "saved step %s to %s%s; mirroring it to %s", step, self.local, shown, self.root
+            )
         else:
             log.info("saved step %s to %s%s", step, self.root, shown)
         with self._cond:
@@ -496,12 +544,18 @@ class Checkpointer:
             if step not in self._steps:
                 # A mirror a killed process left may still hold its lease: wait for it to expire.
                 _copy.copy_with(
-                    group, self.local / str(step), self.path(step), overwrite=False, timeout=self._mirror_timeout,
+                    group,
+                    self.local / str(step),
+                    self.path(step),
+                    overwrite=False,
+                    timeout=self._mirror_timeout,
                     options=self._options,
                     wait_for_writer_secs=min(self._mirror_timeout, 1.5 * self._lease_secs),
                 )
         except Exception as e:
-            log.error("mirroring step %s to %s failed: %s: %s", step, self.root, type(e).__name__, e)
+            log.error(
+                "mirroring step %s to %s failed: %s: %s", step, self.root, type(e).__name__, e
+            )
             with self._cond:
                 if self._failure is None:
                     self._failure = MirrorError(step, self.local, self.root, e)
@@ -535,9 +589,17 @@ class Checkpointer:
                     doomed = self._doomed(self.keep, self._steps, busy)
                     # The local tier keeps every step not yet durable: rotation must never delete
                     # the only copy that is to reach root.
-                    durable = set(self._steps) | (set(self._local_steps) - set(self._mirrors) - self._unmirrored)
-                    doomed_local = self._doomed(self.local_keep, self._local_steps, busy | (set(self._local_steps) - durable))
-                    letting_go = self._doomed(self.keep, self._steps, set()) + self._doomed(self.local_keep, self._local_steps, set())
+                    durable = set(self._steps) | (
+                        set(self._local_steps) - set(self._mirrors) - self._unmirrored
+                    )
+                    doomed_local = self._doomed(
+                        self.local_keep,
+                        self._local_steps,
+                        busy | (set(self._local_steps) - durable),
+                    )
+                    letting_go = self._doomed(self.keep, self._steps, set()) + self._doomed(
+                        self.local_keep, self._local_steps, set()
+                    )
                     self._gc_deferred = any(s in self._loading for s in letting_go)
                     for s in doomed:
                         del self._steps[s]
@@ -560,13 +622,19 @@ class Checkpointer:
                 self._cond.notify_all()
 
     @staticmethod
-    def _doomed(policy: RetentionPolicy, steps: Mapping[int, dict[str, Any]], spared: set[int]) -> list[int]:
+    def _doomed(
+        policy: RetentionPolicy, steps: Mapping[int, dict[str, Any]], spared: set[int]
+    ) -> list[int]:
         """The steps ``policy`` lets go, but the latest and ``spared``."""
         infos = [StepInfo(step=s, metrics=steps[s]) for s in sorted(steps)]
         if not infos:
             return []
         wanted = set(policy.keep(infos))
-        return [i.step for i in infos if i.step not in wanted and i.step != infos[-1].step and i.step not in spared]
+        return [
+            i.step
+            for i in infos
+            if i.step not in wanted and i.step != infos[-1].step and i.step not in spared
+        ]
 
     def delete(self, step: int) -> None:
         """Delete the committed ``step`` now (not while it is being saved or loaded)."""
@@ -578,11 +646,17 @@ class Checkpointer:
             with self._gc_lock:
                 with self._cond:
                     if step in self._in_flight or step in self._mirrors:
-                        raise StepBusyError(f"step {step} is being saved or mirrored; wait() before deleting it")
+                        raise StepBusyError(
+                            f"step {step} is being saved or mirrored; wait() before deleting it"
+                        )
                     if self._loading[step]:
-                        raise StepBusyError(f"step {step} is being loaded; delete it after the load returns")
+                        raise StepBusyError(
+                            f"step {step} is being loaded; delete it after the load returns"
+                        )
                     if step not in self._steps and step not in self._local_steps:
-                        raise StepNotFoundError(f"no committed step {step} in {self.root} (steps: {self.steps})")
+                        raise StepNotFoundError(
+                            f"no committed step {step} in {self.root} (steps: {self.steps})"
+                        )
                 for steps, tier in ((self._steps, self._durable), (self._local_steps, self._fast)):
                     if tier is not None and step in steps:
                         tier.delete_one(step)
@@ -609,14 +683,20 @@ class Checkpointer:
                 committed = self._steps.keys() | self._local_steps.keys()
                 if wanted is None:
                     if not committed:
-                        raise StepNotFoundError(f"no committed checkpoint in {self.root} yet; nothing to load")
+                        raise StepNotFoundError(
+                            f"no committed checkpoint in {self.root} yet; nothing to load"
+                        )
                     resolved = max(committed)
                 elif wanted in committed:
                     resolved = wanted
                 elif wanted in self._in_flight:
-                    raise StepNotFoundError(f"step {wanted} is still being saved; wait() for it before loading it")
+                    raise StepNotFoundError(
+                        f"step {wanted} is still being saved; wait() for it before loading it"
+                    )
                 else:
-                    raise StepNotFoundError(f"no committed step {wanted} in {self.root} (steps: {sorted(committed)})")
+                    raise StepNotFoundError(
+                        f"no committed step {wanted} in {self.root} (steps: {sorted(committed)})"
+                    )
                 self._loading[resolved] += 1
                 return resolved
 
@@ -640,7 +720,9 @@ class Checkpointer:
         if again:  # retention spared a step for this load; finish the job in the background
             self._retention.submit()
 
-    def load(self, step: int | None = None, abstract_state: Any = None, *, partial: bool = False) -> Any:
+    def load(
+        self, step: int | None = None, abstract_state: Any = None, *, partial: bool = False
+    ) -> Any:
         """Load the tree saved by :meth:`save` at ``step`` (default: the latest committed).
 
         ``abstract_state`` gives the structure and target shardings (see ``milepost.load``)."""
@@ -652,7 +734,11 @@ class Checkpointer:
             self._release(s)
 
     def load_checkpointables(
-        self, step: int | None = None, checkpointables: Mapping[str, Any] | None = None, *, partial: bool = False
+        self,
+        step: int | None = None,
+        checkpointables: Mapping[str, Any] | None = None,
+        *,
+        partial: bool = False,
     ) -> dict[str, Any]:
         """Load the named checkpointables of ``step`` (default: the latest; all when None)."""
         self._raise_failure()
@@ -679,13 +765,17 @@ class Checkpointer:
         with self._cond:
             self._wait_while(
                 lambda: bool(self._in_flight or self._gc_active or self._mirrors),
-                lambda: f"the saves of steps {sorted(self._in_flight)} (mirrors of {sorted(self._mirrors)}) in "
-                f"{self.root} did not finish within {self._timeout}s",
+                lambda: (
+                    f"the saves of steps {sorted(self._in_flight)} (mirrors of {sorted(self._mirrors)}) in "
+                    f"{self.root} did not finish within {self._timeout}s"
+                ),
                 self._timeout + (self._mirror_timeout if self._mirrors else 0.0),
             )
         self._raise_failure()
 
-    def _wait_while(self, busy: Callable[[], bool], message: Callable[[], str], timeout: float | None = None) -> None:
+    def _wait_while(
+        self, busy: Callable[[], bool], message: Callable[[], str], timeout: float | None = None
+    ) -> None:
         """With ``self._cond`` held: wait while ``busy()``, at most ``timeout`` (default: the
         Checkpointer's)."""
         deadline = time.monotonic() + (self._timeout if timeout is None else timeout)
@@ -697,7 +787,9 @@ class Checkpointer:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError(f"the Checkpointer for {self.root} is closed; open a new one to save")
+            raise RuntimeError(
+                f"the Checkpointer for {self.root} is closed; open a new one to save"
+            )
 
     def _check_writable(self, doing: str) -> None:
         self._check_open()
@@ -739,10 +831,20 @@ class Checkpointer:
         first: ``step``, ``tier`` (``durable``, ``local`` or both), ``state`` and ``metrics``.
         What the steps table in a notebook shows; ``milepost ls ROOT`` lists the folders."""
         with self._cond:
-            steps = sorted(set(self._steps) | set(self._local_steps) | set(self._in_flight) | set(self._mirrors) | self._unmirrored)
+            steps = sorted(
+                set(self._steps)
+                | set(self._local_steps)
+                | set(self._in_flight)
+                | set(self._mirrors)
+                | self._unmirrored
+            )
             rows = []
             for s in steps:
-                tiers = [name for name, known in (("local", self._local_steps), ("durable", self._steps)) if s in known]
+                tiers = [
+                    name
+                    for name, known in (("local", self._local_steps), ("durable", self._steps))
+                    if s in known
+                ]
                 if s in self._in_flight:
                     state = "saving"
                 elif s in self._mirrors:
@@ -752,7 +854,14 @@ class Checkpointer:
                 else:
                     state = "committed"
                 metrics = self._steps.get(s) or self._local_steps.get(s) or {}
-                rows.append({"step": s, "tier": " + ".join(tiers) or "-", "state": state, "metrics": dict(metrics)})
+                rows.append(
+                    {
+                        "step": s,
+                        "tier": " + ".join(tiers) or "-",
+                        "state": state,
+                        "metrics": dict(metrics),
+                    }
+                )
             return rows
 
     def _table(self) -> tuple[str, tuple[str, ...], list[tuple[Any, ...]]]:
@@ -760,14 +869,21 @@ class Checkpointer:
         rows = self._step_rows()
         names = sorted({k for r in rows for k in r["metrics"]})
         columns = ("step", "tier", "state", *names)
-        table = [(r["step"], r["tier"], r["state"], *(_metric(r["metrics"].get(k)) for k in names)) for r in rows]
-        where = repr(str(self.root)) + (f", local={str(self.local)!r}" if self.local is not None else "")
+        table = [
+            (r["step"], r["tier"], r["state"], *(_metric(r["metrics"].get(k)) for k in names))
+            for r in rows
+        ]
+        where = repr(str(self.root)) + (
+            f", local={str(self.local)!r}" if self.local is not None else ""
+        )
         mode = ", read_only=True" if self.read_only else ""
         title = (
             f"Checkpointer({where}{mode}): {len(rows)} step{'' if len(rows) == 1 else 's'}, latest {self.latest}; "
             f"save_policy={self.save_policy!r}, "
-            f"keep={self.keep!r}" + (f", local_keep={self.local_keep!r}" if self.local is not None else "")
-            + (", preempted" if self._preempted else "") + (", closed" if self._closed else "")
+            f"keep={self.keep!r}"
+            + (f", local_keep={self.local_keep!r}" if self.local is not None else "")
+            + (", preempted" if self._preempted else "")
+            + (", closed" if self._closed else "")
         )
         return title, columns, table
 

@@ -87,12 +87,16 @@ class Continuous:
 
     def __post_init__(self) -> None:
         if not isinstance(self.min_interval_secs, int | float) or self.min_interval_secs < 0:
-            raise ValueError(f"Continuous(min_interval_secs={self.min_interval_secs!r}) must be a number >= 0")
+            raise ValueError(
+                f"Continuous(min_interval_secs={self.min_interval_secs!r}) must be a number >= 0"
+            )
 
     def should_save(self, ctx: SaveContext) -> bool:
         if ctx.save_in_flight:
             return False
-        return ctx.last_save_start is None or ctx.now - ctx.last_save_start >= self.min_interval_secs
+        return (
+            ctx.last_save_start is None or ctx.now - ctx.last_save_start >= self.min_interval_secs
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -223,7 +227,9 @@ class KeepBest:
         scored = [
             (float(v), s.step)
             for s in steps
-            if isinstance(v := s.metrics.get(self.metric), int | float) and not isinstance(v, bool) and v == v
+            if isinstance(v := s.metrics.get(self.metric), int | float)
+            and not isinstance(v, bool)
+            and v == v
         ]
         sign = 1.0 if self.mode == "min" else -1.0
         scored.sort(key=lambda vs: (sign * vs[0], -vs[1]))
@@ -238,7 +244,9 @@ class KeepUnion:
 
     def __init__(self, *policies: RetentionPolicy) -> None:
         if not policies:
-            raise ValueError("KeepUnion() of no policies would keep nothing; pass at least one policy")
+            raise ValueError(
+                "KeepUnion() of no policies would keep nothing; pass at least one policy"
+            )
         for p in policies:
             if not isinstance(p, RetentionPolicy):
                 raise TypeError(f"{p!r} is not a retention policy (it needs keep(steps))")

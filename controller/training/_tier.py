@@ -54,7 +54,9 @@ class Tier:
         """On the primary: make the folder, clean what unfinished saves left (unless
         ``read_only``) and list the committed steps with their metrics."""
         if self.path.exists() and not self.path.is_dir():
-            raise NotADirectoryError(f"checkpoint root {self.path} is a file; pass a directory (it is created if missing)")
+            raise NotADirectoryError(
+                f"checkpoint root {self.path} is a file; pass a directory (it is created if missing)"
+            )
         if not read_only:
             self.path.mkdir(parents=True, exist_ok=True)
             self.remove_uncommitted()
@@ -65,7 +67,9 @@ class Tier:
         if not self.path.exists():
             return out
         if isinstance(self.path, Path):
-            steps = [p for p in self.path.iterdir() if is_step_name(p.name) and _layout.is_committed(p)]
+            steps = [
+                p for p in self.path.iterdir() if is_step_name(p.name) and _layout.is_committed(p)
+            ]
         else:
             steps = [self.path / name for name in self._listing()[0]]
         for p in steps:
@@ -100,15 +104,29 @@ class Tier:
             committed, folders = self._listing()
             for name in sorted(folders - committed - busy):
                 if _workspace.remove_if_abandoned(self.path / name, self.lease_secs):  # type: ignore[arg-type]
-                    log.warning("removed %s, left by a save or deletion that did not finish", self.path / name)
+                    log.warning(
+                        "removed %s, left by a save or deletion that did not finish",
+                        self.path / name,
+                    )
                 else:
                     log.info("left %s alone: a live save owns it", self.path / name)
             return
         for p in sorted(self.path.iterdir()):
             name = p.name
-            partial = is_step_name(name) and p.is_dir() and not p.is_symlink() and not _layout.is_committed(p)
-            making = name.startswith(".") and _ownership.NEW_MARKER in name and is_step_name(name[1:].partition(".")[0])
-            if not (partial or making or (_leftover_of_step(name) and (p.is_dir() or p.is_symlink()))):
+            partial = (
+                is_step_name(name)
+                and p.is_dir()
+                and not p.is_symlink()
+                and not _layout.is_committed(p)
+            )
+            making = (
+                name.startswith(".")
+                and _ownership.NEW_MARKER in name
+                and is_step_name(name[1:].partition(".")[0])
+            )
+            if not (
+                partial or making or (_leftover_of_step(name) and (p.is_dir() or p.is_symlink()))
+            ):
                 continue
             if name.lstrip(".").partition(".")[0] in busy:
                 continue
@@ -138,13 +156,17 @@ class Tier:
         path = self.step(step)
         if not isinstance(path, Path):
             if self._delete_objects([step]) != [step]:
-                raise StepBusyError(f"step {step} in {self.path} is being written by another process; it was not deleted")
+                raise StepBusyError(
+                    f"step {step} in {self.path} is being written by another process; it was not deleted"
+                )
             return
         if not path.exists():
             return
         lock = _ownership.try_lock(path)
         if lock is None:
-            raise StepBusyError(f"step {step} in {self.path} is held by another process (being committed); it was not deleted")
+            raise StepBusyError(
+                f"step {step} in {self.path} is held by another process (being committed); it was not deleted"
+            )
         with lock:
             # Rename first: a crash mid-delete leaves a name that is never listed, not half a step.
             trash = path.with_name(path.name + DELETING_SUFFIX)
@@ -161,7 +183,9 @@ class Tier:
         for step in steps:
             path = self.step(step)
             assert isinstance(path, _paths.ObjectPath)
-            workspace = _workspace.ObjectWorkspace(path, overwrite=True, wait_secs=0.0, lease_secs=self.lease_secs)
+            workspace = _workspace.ObjectWorkspace(
+                path, overwrite=True, wait_secs=0.0, lease_secs=self.lease_secs
+            )
             try:
                 workspace.acquire()
             except FileExistsError as e:
