@@ -13,10 +13,10 @@ it lives in a data file like real chunks, not inline in the B-tree). The hosts' 
 array's write shape and the CRC32C of its chunk) are built as the engine builds them.
 
 Then it times, on the controller, what the commit does with them (``_pytree_save.finish_tree``
-and ``_checkpoint._commit``'s checksums), each step apart:
+and ``_checkpoint_save.commit``'s checksums), each step apart:
 
 * ``metadata``: ``_METADATA``, ``_sharding``, ``_milepost.json`` and ``array_metadatas/process_<p>``
-  (``_pytree_format.write``);
+  (``_pytree_format.write_tree``);
 * ``merge``: the root OCDBT view referencing every per-process database (``workers.merge_ocdbt``);
 * ``checksums``: the checkpoint's own files and ``_milepost_checksums.json`` over every file but
   array data (``Checksums.compute``), then the commit marker;
@@ -45,7 +45,7 @@ import tensorstore as ts
 
 import milepost as mp
 from milepost import _format as fmt
-from milepost import _pytree_format as tree_format
+from milepost import _format as tree_format
 from milepost import _tree, workers
 from milepost._tree import ValueType
 from milepost.workers import _checksum
@@ -165,7 +165,7 @@ def simulate(
 
     out: dict[str, Any] = {"hosts": hosts, "databases": hosts * writers, "write_secs": write_secs}
     t0 = time.perf_counter()
-    tree_format.write(directory, files, acks, "cpu")
+    tree_format.write_tree(directory, files, acks, "cpu")
     out["metadata_secs"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     workers.merge_ocdbt(directory)
@@ -173,7 +173,7 @@ def simulate(
     t0 = time.perf_counter()
     fmt.write_file(
         ckpt / fmt.ORBAX_MARKER, b""
-    )  # the checkpoint's own files, as _checkpoint._commit writes them
+    )  # the checkpoint's own files, as _checkpoint_save.commit writes them
     fmt.write_json(
         ckpt / fmt.CHECKPOINT_METADATA,
         {

@@ -114,9 +114,9 @@ def shard_key(name: str, index: tuple[slice, ...]) -> str:
 def kv_open(path: str) -> Any:
     import tensorstore as ts
 
-    from milepost.workers._storage import Location  # the same kvstore spec milepost uses
+    from milepost.workers import kvstore  # the same kvstore spec milepost uses
 
-    return ts.KvStore.open(Location.of(path).kvstore()).result()
+    return ts.KvStore.open(kvstore(path)).result()
 
 
 def kv_save(path: str, tree: dict[str, jax.Array]) -> None:

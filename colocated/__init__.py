@@ -3,7 +3,8 @@
 from milepost.colocated._errors import HostError
 from milepost.colocated._handles import AbstractArray, RemoteArray, SliceMesh, SliceSharding
 from milepost.colocated._hostgroup import HostGroup, HostLoad, LocalHostGroup, PendingHostSave
-from milepost.colocated._mcjax import MultiControllerHostGroup, set_primary_process
+from milepost.colocated._jax_internals import preemption_service_running
+from milepost.colocated._mcjax import MultiControllerHostGroup, default_group, set_primary_process
 from milepost.colocated._ray_group import RayHostGroup, Traffic
 from milepost.colocated._slice import Slice, SliceOptions
 
@@ -22,5 +23,7 @@ __all__ = [
     "SliceOptions",
     "SliceSharding",
     "Traffic",
+    "default_group",
+    "preemption_service_running",
     "set_primary_process",
 ]

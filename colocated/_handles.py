@@ -15,7 +15,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import milepost.workers as workers
-from milepost.colocated import _views
 
 
 class SliceSharding:
@@ -52,7 +51,7 @@ class SliceSharding:
         return hash(self.milepost_spec)
 
     def __repr__(self) -> str:
-        return f"SliceSharding({_views.sharding_str(self.milepost_spec)})"
+        return f"SliceSharding({workers.sharding_str(self.milepost_spec)})"
 
 
 class SliceMesh:
@@ -151,11 +150,11 @@ class RemoteArray:
     def _facts(self) -> dict[str, str]:
         spec = self.sharding.milepost_spec
         return {
-            "shape": _views.shape_str(self.shape),
+            "shape": workers.shape_str(self.shape),
             "dtype": str(self.dtype),
-            "bytes": _views.human_bytes(self.nbytes),
-            "sharding": _views.sharding_str(spec),
-            "shard shape": _views.shape_str(spec.shard_shape(self.shape)),
+            "bytes": workers.human_bytes(self.nbytes),
+            "sharding": workers.sharding_str(spec),
+            "shard shape": workers.shape_str(spec.shard_shape(self.shape)),
             "devices": ", ".join(map(str, spec.device_ids)),
             "id": self.id,
         }
@@ -168,4 +167,4 @@ class RemoteArray:
         )
 
     def _repr_html_(self) -> str:
-        return _views.html_fields("RemoteArray (on the slice's hosts)", self._facts())
+        return workers.html_fields("RemoteArray (on the slice's hosts)", self._facts())

@@ -103,7 +103,23 @@ class _LocalPending:
         self._pending.settle(timeout)
 
 
-class LocalHostGroup:
+class JaxDevices:
+    """The devices of this process's JAX runtime, for groups whose controller has them (in
+    one process, and in each process of a multi-controller job)."""
+
+    def check_devices(self, spec: workers.ShardingSpec, name: str) -> None:
+        try:
+            spec.to_jax()
+        except ValueError as e:
+            raise ValueError(f"cannot load {name!r} with its saved sharding: {e}") from None
+
+    def mesh_device_ids(
+        self, axis_names: tuple[str, ...], axis_sizes: tuple[int, ...]
+    ) -> tuple[int, ...]:
+        return jax_mesh_device_ids(axis_names, axis_sizes)
+
+
+class LocalHostGroup(JaxDevices):
     """This process is the only host: the embedded default (``process_index`` 0, or this
     process's index), and the controller's own leaves (``process_index="controller"``)."""
 
@@ -136,17 +152,6 @@ class LocalHostGroup:
 
     def run(self, job: str, plans: Mapping[Any, Any], timeout: float) -> list[Any]:
         return [workers.run_job(job, plan, self._process_index) for plan in plans.values()]
-
-    def check_devices(self, spec: workers.ShardingSpec, name: str) -> None:
-        try:
-            spec.to_jax()
-        except ValueError as e:
-            raise ValueError(f"cannot load {name!r} with its saved sharding: {e}") from None
-
-    def mesh_device_ids(
-        self, axis_names: tuple[str, ...], axis_sizes: tuple[int, ...]
-    ) -> tuple[int, ...]:
-        return jax_mesh_device_ids(axis_names, axis_sizes)
 
     def barrier(self, name: str, timeout: float) -> None:
         return None

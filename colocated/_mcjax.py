@@ -36,23 +36,13 @@ import jax
 
 import milepost.workers as workers
 from milepost.colocated._errors import HostError
-from milepost.colocated._hostgroup import HostLoad, jax_mesh_device_ids
+from milepost.colocated._hostgroup import HostLoad, JaxDevices
+from milepost.colocated._jax_internals import distributed_client
+from milepost.workers import check
 
 PREFIX = "milepost"
 _generations = itertools.count()
 _NOT_COMMITTED = "Nothing was committed."
-
-
-def _client() -> Any:
-    from jax._src import distributed
-
-    client = distributed.global_state.client
-    if client is None:
-        raise RuntimeError(
-            "jax.distributed is not initialized in this process: call jax.distributed.initialize() in every "
-            "process before using milepost in a multi-process job"
-        )
-    return client
 
 
 def _ms(timeout: float) -> int:
@@ -131,7 +121,7 @@ class _Pending:
             return self._outcome
 
 
-class MultiControllerHostGroup:
+class MultiControllerHostGroup(JaxDevices):
     """Every process of a ``jax.distributed`` job is a controller and the host of its devices.
 
     ``primary`` (process 0 unless given; see :func:`set_primary_process` for the default group)
@@ -142,14 +132,17 @@ class MultiControllerHostGroup:
     name = "mcjax"
 
     def __init__(self, primary: int = 0, *, client: Any | None = None) -> None:
-        self._client = client if client is not None else _client()
+        self._client = client if client is not None else distributed_client()
         self._index = jax.process_index()
         self._count = jax.process_count()
-        if (
-            isinstance(primary, bool)
-            or not isinstance(primary, int)
-            or not 0 <= primary < self._count
-        ):
+        check.integer(
+            primary,
+            "primary",
+            minimum=0,
+            error=ValueError,
+            expect=f"a process index in [0, {self._count})",
+        )
+        if primary >= self._count:
             raise ValueError(
                 f"primary must be a process index in [0, {self._count}), got {primary!r}"
             )
@@ -179,17 +172,6 @@ class MultiControllerHostGroup:
 
     def is_primary(self) -> bool:
         return self._index == self.primary
-
-    def check_devices(self, spec: workers.ShardingSpec, name: str) -> None:
-        try:
-            spec.to_jax()
-        except ValueError as e:
-            raise ValueError(f"cannot load {name!r} with its saved sharding: {e}") from None
-
-    def mesh_device_ids(
-        self, axis_names: tuple[str, ...], axis_sizes: tuple[int, ...]
-    ) -> tuple[int, ...]:
-        return jax_mesh_device_ids(axis_names, axis_sizes)
 
     # -- work: each process runs its own plan ---------------------------------------------
     def start_save(
@@ -423,8 +405,9 @@ def set_primary_process(index: int) -> None:
     Call it in every process with the same index, before the saves and loads it should apply to.
     """
     global _default_primary
-    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
-        raise ValueError(f"the primary process must be a non-negative int, got {index!r}")
+    check.integer(
+        index, "the primary process", minimum=0, error=ValueError, expect="a non-negative int"
+    )
     with _default_lock:
         _default_primary = index
 
@@ -435,7 +418,7 @@ def default_group() -> MultiControllerHostGroup | None:
     if jax.process_count() <= 1:
         return None
     global _default
-    client = _client()
+    client = distributed_client()
     with _default_lock:
         group = _default
         if group is None or group._client is not client or group.primary != _default_primary:

@@ -26,7 +26,6 @@ from milepost.colocated._errors import HostError
 from milepost.colocated._handles import RemoteArray
 from milepost.colocated._hostgroup import HostLoad
 from milepost.colocated._ray_host import Ref
-from milepost.workers import _progress
 
 log = logging.getLogger("milepost.slice")
 
@@ -209,7 +208,7 @@ class RayHostGroup:
                 else:
                     results[i] = value
                     self._count(from_hosts=pickled_size(value))
-                    _progress.acked(
+                    workers.progress.acked(
                         i, value
                     )  # a progress bar counts the host's bytes as it finishes
         if not failures and pending:

@@ -18,11 +18,12 @@ from typing import Any
 import cloudpickle
 import numpy as np
 
+import milepost.workers as workers
 from milepost.colocated._errors import HostError
 from milepost.colocated._handles import AbstractArray, RemoteArray, SliceMesh, SliceSharding
 from milepost.colocated._ray_group import WAIT_GROUP, RayHostGroup, Traffic, pickled_size
 from milepost.colocated._ray_host import HostActor, Ref
-from milepost.workers._storage import storage_environment
+from milepost.workers import check
 
 log = logging.getLogger("milepost.slice")
 
@@ -57,41 +58,25 @@ class SliceOptions:
     """Object store size for a Ray runtime that ``Slice.start`` initializes (only ``put`` and
     ``fetch`` use it)."""
     forward_storage_env: bool = True
-    """Give the host actors this process's storage variables (``milepost.workers._storage.
+    """Give the host actors this process's storage variables (``milepost.workers.
     STORAGE_ENV_VARS``: S3 endpoint, region and credentials, GCS emulator and credentials; only
     those set), so they reach the same ``gs://`` and ``s3://`` as the controller. They travel in
     the actors' Ray ``runtime_env`` (visible to whoever can inspect the Ray cluster); set False
     when the hosts' own environment (their nodes' roles, files, variables) should decide."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.forward_storage_env, bool):
-            raise TypeError(
-                f"SliceOptions.forward_storage_env must be True or False, got {self.forward_storage_env!r} "
-                f"({type(self.forward_storage_env).__name__})"
-            )
+        check.flag(self.forward_storage_env, "SliceOptions.forward_storage_env")
         for name in ("timeout_secs", "start_timeout_secs", "cpus_per_host"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise TypeError(
-                    f"SliceOptions.{name} must be a number, got {value!r} ({type(value).__name__})"
-                )
-            if not math.isfinite(value) or value <= 0:
-                raise ValueError(f"SliceOptions.{name} must be positive and finite, got {value!r}")
-        for name, optional in (("ray_num_cpus", True), ("ray_object_store_bytes", False)):
-            value = getattr(self, name)
-            if value is None and optional:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise TypeError(
-                    f"SliceOptions.{name} must be a positive int{' or None' if optional else ''}, got {value!r}"
-                )
+            check.number(getattr(self, name), f"SliceOptions.{name}", positive=True)
+        check.integer(self.ray_num_cpus, "SliceOptions.ray_num_cpus", minimum=1, optional=True)
+        check.integer(self.ray_object_store_bytes, "SliceOptions.ray_object_store_bytes", minimum=1)
 
 
 def _actor_env(devices_per_host: int | None, options: SliceOptions) -> dict[str, str]:
     """The host actors' environment variables (set before the actor process imports JAX): fake
     CPU devices when asked, and the storage variables the controller has (the hosts open the
     checkpoint paths themselves)."""
-    env = storage_environment() if options.forward_storage_env else {}
+    env = workers.storage_environment() if options.forward_storage_env else {}
     if devices_per_host:
         env.update(
             JAX_PLATFORMS="cpu",
@@ -409,14 +394,12 @@ class Slice:
         return f"Slice({self.hosts} hosts x {devices}, {state}; {hosts})"
 
     def _repr_html_(self) -> str:
-        from milepost.colocated import _views
-
         state = "healthy" if self.healthy else "unhealthy or shut down"
         traffic = self.traffic()
         title = (
             f"Slice: {self.hosts} hosts, {len(self.device_ids)} devices, {state}; controller traffic so far: "
-            f"{traffic.messages} messages, {_views.human_bytes(traffic.total_bytes)}"
+            f"{traffic.messages} messages, {workers.human_bytes(traffic.total_bytes)}"
         )
-        return _views.html_table(
+        return workers.html_table(
             ("host", "node", "ip", "pid", "devices (global ids)"), self._host_rows(), title=title
         )

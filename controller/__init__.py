@@ -15,8 +15,17 @@ from milepost._api import (
     save_checkpointables,
     save_checkpointables_async,
 )
-from milepost._background import wait_for_saves
-from milepost._checkpoint import CheckpointMetadata, SaveHandle
+from milepost._checkpoint import (
+    CheckpointableHandler,
+    CheckpointMetadata,
+    JsonHandler,
+    LeafMetadata,
+    PyTreeHandler,
+    SaveHandle,
+    StatefulCheckpointable,
+    register_handler,
+    wait_for_saves,
+)
 from milepost._copy import CopyReport, copy
 from milepost._errors import (
     CheckpointExistsError,
@@ -29,16 +38,8 @@ from milepost._errors import (
     StructureMismatchError,
     UnsupportedLeafError,
 )
-from milepost._handlers import (
-    CheckpointableHandler,
-    JsonHandler,
-    PyTreeHandler,
-    StatefulCheckpointable,
-    register_handler,
-)
 from milepost._iostats import HostIoStats, IoStats, io_stats
 from milepost._options import AsyncOptions, Context, LoadOptions, ProgressOptions, SaveOptions
-from milepost._pytree_load import LeafMetadata
 from milepost._tree import PLACEHOLDER
 from milepost._verify import VerifyReport, verify
 from milepost.colocated import AbstractArray, RemoteArray, Slice, SliceOptions

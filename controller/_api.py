@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from milepost import _checkpoint, _dispatch, _paths, _progress, _safetensors
+from milepost import _checkpoint, _hosts, _progress, _safetensors
 from milepost._checkpoint import CheckpointMetadata, SaveHandle
+from milepost.workers import ObjectPath, as_path
 
 PathLike = str | os.PathLike[str]
 STATE = "state"
@@ -125,11 +126,14 @@ def load(path: PathLike, abstract_state: Any = None, *, partial: bool = False) -
     load too. ``path`` may also be a tree from ``milepost.surgery``: it is computed onto the
     devices (see ``surgery.materialize``).
     """
-    if not isinstance(path, str | os.PathLike) and not hasattr(path, "location"):
-        from milepost.surgery import _run  # a surgery's tree: computed onto the devices
-
-        return _run.materialize(path, abstract_state)
-    where = _paths.as_path(path)
+    if not isinstance(path, str | os.PathLike | ObjectPath):
+        if _tree_loader is None:  # (a surgery's tree exists only once milepost.surgery is imported)
+            raise TypeError(
+                f"milepost.load takes the path of a checkpoint (a str or os.PathLike), got a "
+                f"{type(path).__name__}"
+            )
+        return _tree_loader(path, abstract_state)  # a surgery's tree: computed onto the devices
+    where = as_path(path)
     with _progress.operation("load", where, primary=_primary()):
         if _safetensors.is_safetensors(where):
             return _safetensors.load(where, abstract_state, partial)
@@ -140,10 +144,20 @@ def load(path: PathLike, abstract_state: Any = None, *, partial: bool = False) -
     return value
 
 
+_tree_loader: Callable[[Any, Any], Any] | None = None
+"""Computes a ``milepost.surgery`` tree onto the devices for :func:`load`; ``milepost.surgery``
+sets it when it is imported (it builds on this module, which does not import it back)."""
+
+
+def set_tree_loader(loader: Callable[[Any, Any], Any]) -> None:
+    global _tree_loader
+    _tree_loader = loader
+
+
 def _primary() -> bool:
     """Whether this process shows progress and logs loads (not the other processes of a
     multi-controller job)."""
-    return _dispatch.host_group_for([]).is_primary()
+    return _hosts.host_group_for([]).is_primary()
 
 
 def load_checkpointables(
@@ -154,7 +168,7 @@ def load_checkpointables(
     >>> parts = milepost.load_checkpointables("/ckpt/300", {"state": abstract_state, "dataset": None})
     >>> parts["dataset"]          # {'position': 1234}
     """
-    with _progress.operation("load", _paths.as_path(path), primary=_primary()):
+    with _progress.operation("load", as_path(path), primary=_primary()):
         return _checkpoint.load_checkpointables(path, checkpointables, partial=partial)
 
 

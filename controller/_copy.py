@@ -16,17 +16,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from milepost import _dispatch, _layout, _options, _paths, _workspace, workers
 from milepost import _format as fmt
+from milepost import _hosts, _options, _storage, workers
 from milepost._errors import CorruptCheckpointError
 from milepost.colocated import HostGroup
+from milepost.workers import ObjectPath, as_path, check
 
 
 @dataclass(frozen=True)
 class CopyReport:
     """What :func:`copy` did: the committed target, and the files and bytes each host copied."""
 
-    path: Path | _paths.ObjectPath
+    path: Path | ObjectPath
     files: int
     bytes_copied: int
     by_host: dict[str, int]
@@ -48,14 +49,13 @@ def copy(
 
     >>> milepost.copy("/local_ssd/ckpt/100", "gs://bucket/run/100")
     """
-    if not isinstance(overwrite, bool):
-        raise TypeError(f"overwrite must be True or False, got {overwrite!r}")
+    check.flag(overwrite, "overwrite")
     if timeout_secs is not None:
         _options.AsyncOptions(timeout_secs=timeout_secs)  # the same checks, the same errors
     timeout = (
         float(timeout_secs) if timeout_secs is not None else _options.current().async_.timeout_secs
     )
-    group = slice.group if slice is not None else _dispatch.host_group_for([])
+    group = slice.group if slice is not None else _hosts.host_group_for([])
     return copy_with(
         group, source, target, overwrite=overwrite, timeout=timeout, options=_options.current()
     )
@@ -74,19 +74,19 @@ def copy_with(
     """:func:`copy` by the hosts of ``group``, with ``options`` (snapshotted by the caller);
     ``wait_for_writer_secs`` (default: the options') for another writer of ``target`` to finish
     or (its lease) expire."""
-    src, dst = _paths.as_path(source), _paths.as_path(target)
-    _dispatch.check_storage(_dispatch.check_storage(group, src), dst)
+    src, dst = as_path(source), as_path(target)
+    _hosts.check_storage(_hosts.check_storage(group, src), dst)
     if str(src) == str(dst):
         raise ValueError(f"cannot copy {src} onto itself; name another target")
-    names, items = _dispatch.shared(group, f"copy-plan:{dst}", lambda: _list(src), timeout)
+    names, items = _hosts.shared(group, f"copy-plan:{dst}", lambda: _list(src), timeout)
     saving = options.saving
     wait = saving.wait_for_writer_secs if wait_for_writer_secs is None else wait_for_writer_secs
-    workspace = _workspace.for_path(dst, overwrite, wait, saving.lease_secs)
+    workspace = _storage.for_path(dst, overwrite, wait, saving.lease_secs)
 
     def prepare() -> None:
         workspace.prepare(items)
 
-    _dispatch.shared(group, f"copy-prepare:{dst}", prepare, timeout)
+    _hosts.shared(group, f"copy-prepare:{dst}", prepare, timeout)
     try:
         by_host: dict[Any, list[str]] = {}
         for name in names:
@@ -97,15 +97,13 @@ def copy_with(
             )
             for host, files in by_host.items()
         }
-        own = plans.pop(_dispatch.CONTROLLER, None)
+        own = plans.pop(_hosts.CONTROLLER, None)
         acks = list(group.run("copy_files", plans, timeout)) if plans else []
 
         def commit() -> None:
             if own is not None:
                 acks.extend(
-                    _dispatch.controller_host().run(
-                        "copy_files", {_dispatch.CONTROLLER: own}, timeout
-                    )
+                    _hosts.controller_host().run("copy_files", {_hosts.CONTROLLER: own}, timeout)
                 )
             workspace.check()
             fmt.write_file(
@@ -113,7 +111,7 @@ def copy_with(
             )
             workspace.publish()
 
-        _dispatch.shared(group, f"copy-commit:{dst}", commit, timeout)
+        _hosts.shared(group, f"copy-commit:{dst}", commit, timeout)
     except BaseException:
         if group.is_primary():
             workspace.abandon()
@@ -127,10 +125,10 @@ def copy_with(
     )
 
 
-def _list(src: Path | _paths.ObjectPath) -> tuple[list[str], list[str]]:
+def _list(src: Path | ObjectPath) -> tuple[list[str], list[str]]:
     """The files of the committed checkpoint ``src`` but its commit marker (relative names), and
     its checkpointable folders."""
-    _layout.require(src)
+    fmt.require_checkpoint(src)
     if isinstance(src, Path):
         names = []
         for dirpath, dirnames, filenames in os.walk(src):
@@ -155,4 +153,4 @@ def _writer_of(name: str, hosts: Any) -> Any:
         index = parts[1][len(workers.PROCESS_PREFIX) :].split(".", 1)[0]
         if index.isdigit() and int(index) in hosts:
             return int(index)
-    return _dispatch.CONTROLLER
+    return _hosts.CONTROLLER

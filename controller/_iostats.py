@@ -1,6 +1,6 @@
 """``milepost.io_stats``: where bytes went, per host, gathered from the hosts.
 
-Each host process keeps its own counters (``milepost.workers._iostats`` says exactly what is
+Each host process keeps its own counters (``milepost.workers.HostIoStats`` says exactly what is
 counted); this asks every host for them with a host job and returns them side by side. Subtract
 two readings to measure a call:
 
@@ -14,8 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from milepost import _dispatch, _options
-from milepost.workers._iostats import HostIoStats, snapshot
+from milepost import _hosts, _options
+from milepost.workers import HostIoStats, human_bytes
+from milepost.workers import io_snapshot as snapshot
 
 __all__ = ["HostIoStats", "IoStats", "io_stats"]
 
@@ -78,25 +79,18 @@ class IoStats:
             rows.append(
                 (
                     name,
-                    _size(h.bytes_read),
+                    human_bytes(h.bytes_read),
                     str(h.read_requests),
-                    _size(h.bytes_written),
+                    human_bytes(h.bytes_written),
                     str(h.write_requests),
-                    _size(h.bytes_sent),
-                    _size(h.bytes_received),
+                    human_bytes(h.bytes_sent),
+                    human_bytes(h.bytes_received),
                 )
             )
         widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
         return "\n".join(
             "  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows
         )
-
-
-def _size(n: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
 
 
 def io_stats(*, slice: Any = None) -> IoStats:
@@ -107,9 +101,9 @@ def io_stats(*, slice: Any = None) -> IoStats:
     make this call — every process of the job (every process gets the same answer).
     """
     timeout = _options.current().async_.timeout_secs
-    group = slice.group if slice is not None else _dispatch.host_group_for([])
+    group = slice.group if slice is not None else _hosts.host_group_for([])
     hosts = tuple(
         group.run("io_stats", {p: () for p in group.processes()}, timeout)
     )  # no plan: () (None means "no part")
     controller = snapshot("controller") if getattr(group, "name", "") == "slice" else None
-    return _dispatch.shared(group, "io-stats", lambda: IoStats(hosts, controller), timeout)
+    return _hosts.shared(group, "io-stats", lambda: IoStats(hosts, controller), timeout)

@@ -8,22 +8,11 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-
-def _int(owner: str, name: str, value: Any, *, minimum: int, optional: bool = False) -> None:
-    """``value`` is an int (not a bool) of at least ``minimum`` (or None if ``optional``)."""
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        kind = "an int or None" if optional else "an int"
-        raise TypeError(f"{owner}.{name} must be {kind}, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"{owner}.{name} must be at least {minimum}, got {value}")
-
+from milepost.workers import check
 
 AUTO_WRITERS = 4
 """The most OCDBT databases a host writes under ``ocdbt_writers_per_host="auto"``."""
@@ -43,25 +32,6 @@ def writers_for(options: SaveOptions, nbytes: int) -> int:
     if n != "auto":
         return n
     return max(1, min(AUTO_WRITERS, -(-nbytes // AUTO_WRITER_BYTES)))
-
-
-def _seconds(owner: str, name: str, value: Any) -> None:
-    """``value`` is a positive, finite number of seconds."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(
-            f"{owner}.{name} must be a number of seconds, got {value!r} ({type(value).__name__})"
-        )
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(
-            f"{owner}.{name} must be a positive, finite number of seconds, got {value!r}"
-        )
-
-
-def _bool(owner: str, name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(
-            f"{owner}.{name} must be True or False, got {value!r} ({type(value).__name__})"
-        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,41 +93,32 @@ class SaveOptions:
     accelerators the device-to-host transfers are not budgeted. Plain ``save`` never copies."""
 
     def __post_init__(self) -> None:
-        _bool("SaveOptions", "use_ocdbt", self.use_ocdbt)
-        _int(
-            "SaveOptions",
-            "host_staging_budget_bytes",
+        check.flag(self.use_ocdbt, "SaveOptions.use_ocdbt")
+        check.integer(
             self.host_staging_budget_bytes,
+            "SaveOptions.host_staging_budget_bytes",
             minimum=0,
             optional=True,
         )
-        _seconds("SaveOptions", "lease_secs", self.lease_secs)
-        if self.wait_for_writer_secs != 0:
-            _seconds("SaveOptions", "wait_for_writer_secs", self.wait_for_writer_secs)
-        _bool("SaveOptions", "replica_parallel", self.replica_parallel)
+        check.seconds(self.lease_secs, "SaveOptions.lease_secs")
+        check.seconds(self.wait_for_writer_secs, "SaveOptions.wait_for_writer_secs", zero=True)
+        check.flag(self.replica_parallel, "SaveOptions.replica_parallel")
         if self.ocdbt_writers_per_host != "auto":
-            _int(
-                "SaveOptions",
-                "ocdbt_writers_per_host (or 'auto')",
+            check.integer(
                 self.ocdbt_writers_per_host,
+                "SaveOptions.ocdbt_writers_per_host (or 'auto')",
                 minimum=1,
             )
-        chunking = self.chunk_byte_size
-        if chunking != "auto" and (
-            isinstance(chunking, bool) or not isinstance(chunking, int | None)
-        ):
-            raise TypeError(
-                f"SaveOptions.chunk_byte_size must be 'auto' (the default), a number of bytes or None (one chunk per "
-                f"shard), got {chunking!r} ({type(chunking).__name__})"
+        if self.chunk_byte_size != "auto":
+            check.integer(
+                self.chunk_byte_size,
+                "SaveOptions.chunk_byte_size",
+                minimum=1,
+                optional=True,
+                expect="'auto' (the default), a number of bytes of at least 1, or None (one "
+                "chunk per shard)",
             )
-        if isinstance(chunking, int) and chunking < 1:
-            raise ValueError(
-                f"SaveOptions.chunk_byte_size must be at least 1 byte, got {chunking}; None keeps one chunk per shard"
-            )
-        if self.compression not in (None, "zstd"):
-            raise ValueError(
-                f"SaveOptions.compression must be None or 'zstd', got {self.compression!r}"
-            )
+        check.one_of(self.compression, "SaveOptions.compression", (None, "zstd"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -193,18 +154,17 @@ class LoadOptions:
     ``load_and_broadcast``."""
 
     def __post_init__(self) -> None:
-        _int(
-            "LoadOptions", "memory_budget_bytes", self.memory_budget_bytes, minimum=1, optional=True
+        check.integer(
+            self.memory_budget_bytes, "LoadOptions.memory_budget_bytes", minimum=1, optional=True
         )
-        _bool("LoadOptions", "direct_reads", self.direct_reads)
-        _bool("LoadOptions", "load_and_broadcast", self.load_and_broadcast)
-        if self.replica_axis is not None and (
-            not isinstance(self.replica_axis, str) or not self.replica_axis
-        ):
-            raise TypeError(
-                f"LoadOptions.replica_axis must be a mesh axis name (a non-empty str) or None, got {self.replica_axis!r} "
-                f"({type(self.replica_axis).__name__})"
-            )
+        check.flag(self.direct_reads, "LoadOptions.direct_reads")
+        check.flag(self.load_and_broadcast, "LoadOptions.load_and_broadcast")
+        check.text(
+            self.replica_axis,
+            "LoadOptions.replica_axis",
+            optional=True,
+            expect="a mesh axis name (a non-empty str) or None",
+        )
         if self.load_and_broadcast and self.replica_axis is None:
             raise ValueError(
                 "LoadOptions(load_and_broadcast=True) needs the mesh axis the replicas lie along: add "
@@ -230,7 +190,7 @@ class AsyncOptions:
     """How long to wait for hosts (staging, writing, reading) before failing with a clear error."""
 
     def __post_init__(self) -> None:
-        _seconds("AsyncOptions", "timeout_secs", self.timeout_secs)
+        check.seconds(self.timeout_secs, "AsyncOptions.timeout_secs")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -261,15 +221,7 @@ class ProgressOptions:
                 f"ProgressOptions.file must be a text stream (with .write) or None, got {type(self.file).__name__}"
             )
         for name in ("delay_secs", "refresh_secs"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise TypeError(
-                    f"ProgressOptions.{name} must be a number of seconds, got {value!r} ({type(value).__name__})"
-                )
-            if not math.isfinite(value) or value < 0:
-                raise ValueError(
-                    f"ProgressOptions.{name} must be a finite number of seconds >= 0, got {value!r}"
-                )
+            check.number(getattr(self, name), f"ProgressOptions.{name} (seconds)", minimum=0)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,15 +17,19 @@ from __future__ import annotations
 import contextlib
 import html
 import logging
+import math
 import sys
 import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
+
 from milepost import _options
 from milepost._views import human_bytes
-from milepost.workers import _progress as sink
+from milepost.workers import ShardingSpec
+from milepost.workers import progress as sink
 
 log = logging.getLogger("milepost")
 
@@ -203,12 +207,6 @@ def operation(kind: str, path: Any, *, primary: bool = True) -> Iterator[Operati
 def read_bytes(tasks: Any, group: Any) -> int:
     """About what the hosts of ``group`` read for these load tasks: each host reads every
     distinct box its devices need once; a task without a sharding is read whole (controller)."""
-    import math
-
-    import numpy as np
-
-    from milepost.workers import ShardingSpec
-
     total = 0
     elements: dict[
         Any, int

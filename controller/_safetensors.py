@@ -22,23 +22,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from milepost import (
-    _checkpoint,
-    _dispatch,
-    _layout,
-    _options,
-    _paths,
-    _progress,
-    _pytree_format,
-    _pytree_load,
-    _tree,
-    workers,
-)
+from milepost import _checkpoint, _hosts, _options, _progress, _tree, workers
 from milepost import _format as fmt
 from milepost._errors import CheckpointExistsError, CheckpointNotFoundError, StructureMismatchError
-from milepost._replicas import mark as mark_replicas
 from milepost._tree import PLACEHOLDER
-from milepost.workers import _progress as workers_progress
+from milepost.workers import as_path, check
+from milepost.workers import progress as workers_progress
 
 SUFFIX = ".safetensors"
 
@@ -110,8 +99,8 @@ def load(path: Path, abstract: Any, partial: bool) -> Any:
             abstract, is_leaf=lambda x: hasattr(x, "__milepost_host_group__")
         )
     )
-    group = _dispatch.check_storage(_dispatch.host_group_for_abstract(leaves), path)
-    tensors = _dispatch.shared(group, f"safetensors:{path}", lambda: read_tensors(path), timeout)
+    group = _hosts.check_storage(_hosts.host_group_for_abstract(leaves), path)
+    tensors = _hosts.shared(group, f"safetensors:{path}", lambda: read_tensors(path), timeout)
     if abstract is None:
         targets = [
             (tuple((part, _tree.KEY_DICT) for part in name.split(".")), name, None)
@@ -140,7 +129,9 @@ def load(path: Path, abstract: Any, partial: bool) -> Any:
             continue
         task = _task(tensors[name], name, abst, group)
         (host_tasks if task.sharding is None else device_tasks).append(task)
-    device_tasks = mark_replicas(device_tasks, options.loading, group)  # load-and-broadcast
+    device_tasks = _checkpoint.mark_replicas(
+        device_tasks, options.loading, group
+    )  # load-and-broadcast
     store = workers.StoreSpec(directory=str(path if path.is_dir() else path.parent))
     workers_progress.expect(
         _progress.read_bytes(device_tasks, group) + _progress.read_bytes(host_tasks, group)
@@ -155,8 +146,8 @@ def load(path: Path, abstract: Any, partial: bool) -> Any:
     with futures.ThreadPoolExecutor(1) as pool:
         own = (
             pool.submit(
-                _dispatch.controller_host().load,
-                {_dispatch.CONTROLLER: plan_of(host_tasks)},
+                _hosts.controller_host().load,
+                {_hosts.CONTROLLER: plan_of(host_tasks)},
                 timeout,
             )
             if host_tasks
@@ -191,7 +182,7 @@ def _task(tensor: workers.Tensor, name: str, abstract: Any, group: Any) -> worke
                     f"leaf {name!r} has no sharding in the abstract tree; give one (safetensors files record none), or "
                     "an np.ndarray leaf to load it into host memory"
                 )
-            sharding = getattr(sharding, "milepost_spec", None) or _pytree_load.concrete_sharding(
+            sharding = getattr(sharding, "milepost_spec", None) or _checkpoint.concrete_sharding(
                 sharding, group, name
             )
     return workers.LoadTask(
@@ -238,12 +229,9 @@ def export(
 
     >>> milepost.safetensors.export("/ckpt/1000", "/export/model", subtree="params")
     """
-    if (
-        isinstance(max_shard_bytes, bool)
-        or not isinstance(max_shard_bytes, int)
-        or max_shard_bytes < 1
-    ):
-        raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
+    check.integer(
+        max_shard_bytes, "max_shard_bytes", minimum=1, error=ValueError, expect="a positive int"
+    )
     meta_strings = dict(metadata) if metadata is not None else {"format": "pt"}
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta_strings.items()):
         raise TypeError(
@@ -251,12 +239,12 @@ def export(
         )
     options = _options.current()
     timeout = options.async_.timeout_secs
-    root, out = _paths.as_path(checkpoint), Path(out_dir).absolute()
-    group = _dispatch.check_storage(
-        slice.group if slice is not None else _dispatch.host_group_for([]), root
+    root, out = as_path(checkpoint), Path(out_dir).absolute()
+    group = _hosts.check_storage(
+        slice.group if slice is not None else _hosts.host_group_for([]), root
     )
     staging = out.with_name(f"{out.name}.milepost-export-tmp")
-    planned = _dispatch.shared(
+    planned = _hosts.shared(
         group,
         f"export-plan:{out}",
         lambda: _plan(
@@ -294,7 +282,7 @@ def export(
             out, tuple(sorted(written)), len(planned.weight_map), planned.total, planned.skipped
         )
 
-    return _dispatch.shared(group, f"export-commit:{out}", commit, timeout)
+    return _hosts.shared(group, f"export-commit:{out}", commit, timeout)
 
 
 @dataclass
@@ -320,10 +308,10 @@ def _plan(
         raise CheckpointExistsError(
             f"{out} exists; pass overwrite=True to replace it, or choose another folder"
         )
-    meta = _checkpoint.read_checkpoint_metadata(root)
-    items = _layout.items(root, meta)
-    directory = items[_layout.main_tree(root, items)].folder
-    files = _pytree_format.read(directory)
+    meta = fmt.read_checkpoint_metadata(root)
+    items = fmt.checkpointables(root, meta)
+    directory = items[fmt.main_tree(root, items)].folder
+    files = fmt.read_tree(directory)
     prefix = f"{subtree}." if subtree else ""
     chosen = [
         n for n, leaf in files.leaves.items() if leaf.value_type.is_array and n.startswith(prefix)
@@ -337,14 +325,14 @@ def _plan(
         raise StructureMismatchError(
             f"{root} has no arrays under {subtree!r} (its leaves: {list(files.leaves)[:8]}...)"
         )
-    headers = _pytree_load._headers(directory, files, chosen)
+    headers = _checkpoint.array_headers(directory, files, chosen)
     tensors: list[tuple[str, workers.LoadTask]] = []
     for name in chosen:
         if name in files.key_impls:
             raise StructureMismatchError(
                 f"leaf {name!r} holds PRNG keys, which safetensors cannot store; export a subtree without it"
             )
-        shape, dtype = _pytree_load._header_shape_dtype(headers[name])
+        shape, dtype = _checkpoint.header_shape_dtype(headers[name])
         if dtype.name not in workers.SAFETENSORS_CODES:
             raise StructureMismatchError(
                 f"leaf {name!r} has dtype {dtype.name}, which safetensors cannot store (it stores "
@@ -355,7 +343,7 @@ def _plan(
             shape=shape,
             dtype=dtype.name,
             sharding=None,
-            checksums=_pytree_load._checksums(files, name),
+            checksums=_checkpoint.recorded_checksums(files, name),
         )
         tensors.append((name[len(prefix) :], task))
     groups: list[list[tuple[str, workers.LoadTask]]] = []

@@ -17,20 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from milepost import (
-    _checkpoint,
-    _dispatch,
-    _layout,
-    _options,
-    _paths,
-    _progress,
-    _pytree_load,
-    workers,
-)
+from milepost import _checkpoint, _hosts, _options, _progress, workers
 from milepost import _format as fmt
-from milepost import _pytree_format as tree_format
 from milepost._errors import CheckpointNotFoundError
 from milepost._tree import ValueType
+from milepost.workers import as_path
 
 
 @dataclass(frozen=True)
@@ -77,13 +68,13 @@ def verify(path: str | os.PathLike[str], *, slice: Any = None) -> VerifyReport:
     >>> assert report.ok, report
     """
     options = _options.current()
-    root = _paths.as_path(path)
-    group = _dispatch.check_storage(
-        slice.group if slice is not None else _dispatch.host_group_for([]), root
+    root = as_path(path)
+    group = _hosts.check_storage(
+        slice.group if slice is not None else _hosts.host_group_for([]), root
     )
     timeout = options.async_.timeout_secs
     with _progress.operation("verify", root, primary=group.is_primary()) as op:
-        planned = _dispatch.shared(
+        planned = _hosts.shared(
             group, f"verify-plan:{root}", lambda: _plan(root, group.processes(), options), timeout
         )
         op.expect(planned.nbytes)
@@ -98,7 +89,7 @@ def verify(path: str | os.PathLike[str], *, slice: Any = None) -> VerifyReport:
         bytes_read=sum(a.bytes_read for a in acks),
         notes=tuple(planned.notes),
     )
-    return _dispatch.shared(group, f"verify-report:{root}", lambda: report, timeout)
+    return _hosts.shared(group, f"verify-report:{root}", lambda: report, timeout)
 
 
 @dataclass
@@ -114,7 +105,7 @@ class _Planned:
 
 def _plan(root: Path, processes: Any, options: _options.Options) -> _Planned:
     """On the primary: check files and metadata, and share out the chunks among ``processes``."""
-    _layout.require(root)
+    fmt.require_checkpoint(root)
     out = _Planned()
     try:
         fmt.check_contained(root)
@@ -150,8 +141,8 @@ def _plan(root: Path, processes: Any, options: _options.Options) -> _Planned:
     # The files' checksums were checked above, each once: go on with what they hold, to check
     # the arrays too.
     try:
-        meta = _checkpoint.read_checkpoint_metadata(root)
-        items = _layout.items(root, meta)
+        meta = fmt.read_checkpoint_metadata(root)
+        items = fmt.checkpointables(root, meta)
     except (ValueError, CheckpointNotFoundError) as e:
         out.problems.append(str(e))
         return out
@@ -163,9 +154,9 @@ def _plan(root: Path, processes: Any, options: _options.Options) -> _Planned:
 
 def _plan_tree(directory: Path, processes: Any, options: _options.Options, out: _Planned) -> None:
     try:
-        files = tree_format.read(directory)
+        files = fmt.read_tree(directory)
         arrays = [n for n, leaf in files.leaves.items() if leaf.value_type.is_array]
-        headers = _pytree_load._headers(directory, files, arrays)
+        headers = _checkpoint.array_headers(directory, files, arrays)
     except (ValueError, CheckpointNotFoundError) as e:
         out.problems.append(str(e))
         return
@@ -191,7 +182,7 @@ def _plan_tree(directory: Path, processes: Any, options: _options.Options, out: 
             )
         ]
         with contextlib.suppress(KeyError, TypeError, ValueError):
-            out.nbytes += math.prod(shape) * _pytree_load._header_shape_dtype(header)[1].itemsize
+            out.nbytes += math.prod(shape) * _checkpoint.header_shape_dtype(header)[1].itemsize
         if math.prod(shape) == 0:
             grid = []
         recorded = files.chunk_crc32c.get(name)

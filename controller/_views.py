@@ -11,7 +11,7 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from milepost.colocated._views import (
+from milepost.workers import (
     MAX_HTML_ROWS,
     html_fields,
     html_table,

@@ -29,7 +29,8 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import milepost as mp  # noqa: E402
-from milepost import _checkpoint, workers  # noqa: E402
+from milepost import workers  # noqa: E402
+from milepost._checkpoint import _save as _checkpoint  # noqa: E402
 from milepost.colocated import MultiControllerHostGroup, set_primary_process  # noqa: E402
 from tests._mc import SHAPES, global_value  # noqa: E402
 
@@ -233,7 +234,7 @@ def four(root: str, embedded: str, *others: str) -> dict:
     failing = os.path.join(root, "commit_fails")
     undo = inject(
         _checkpoint,
-        "_commit",
+        "commit",
         lambda tmp, final, *_: str(final) == failing,
         OSError("injected commit failure"),
     )
@@ -281,7 +282,7 @@ def four(root: str, embedded: str, *others: str) -> dict:
 
     # another primary: the last process writes metadata and commits
     set_primary_process(COUNT - 1)
-    group = mp._dispatch.host_group_for([])
+    group = mp._hosts.host_group_for([])
     assert isinstance(group, MultiControllerHostGroup)
     out["is_primary"] = group.is_primary()
     mp.save(os.path.join(root, "last_primary"), tree)

@@ -25,8 +25,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import milepost.workers
-from milepost import _checkpoint, _workspace
 from milepost import _format as fmt
+from milepost._checkpoint import _save as _checkpoint_save
+from milepost._storage import _workspace
 from milepost.training import Checkpointer, FixedInterval, KeepLatest
 
 SHAPE = (256, 128)
@@ -180,7 +181,7 @@ def arm(phase: str, nth: int, delay: float) -> Callable[[int], None]:
     real_start, real_merge, real_commit, real_rename, real_rename_new = (
         milepost.workers.start_save,
         milepost.workers.merge_ocdbt,
-        _checkpoint._commit,
+        _checkpoint_save.commit,
         os.rename,
         _workspace.rename_new,
     )
@@ -210,7 +211,7 @@ def arm(phase: str, nth: int, delay: float) -> Callable[[int], None]:
 
     milepost.workers.start_save = start_save  # type: ignore[assignment]
     milepost.workers.merge_ocdbt = merge  # type: ignore[assignment]
-    _checkpoint._commit = commit  # type: ignore[assignment]
+    _checkpoint_save.commit = commit  # type: ignore[assignment]
     os.rename = rename  # type: ignore[assignment]
     _workspace.rename_new = rename_new  # type: ignore[assignment]
     return lambda step: reached("saved")

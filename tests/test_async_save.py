@@ -324,7 +324,7 @@ def test_failure_leaves_no_temporary_directory_behind_in_flight_writes(
 def test_consecutive_saves_reuse_staging_memory_and_keep_every_checkpoint_exact(
     tmp_path: Path, mesh24: jax.sharding.Mesh
 ) -> None:
-    from milepost.workers import _staging
+    from milepost.workers.save import _staging
 
     _staging.POOL.clear()
     states = [big_state(mesh24, mib=4) for _ in range(3)]
@@ -354,7 +354,7 @@ def test_consecutive_saves_reuse_staging_memory_and_keep_every_checkpoint_exact(
 
 
 def test_a_buffer_still_referenced_is_not_reused_and_idle_buffers_are_freed() -> None:
-    from milepost.workers._staging import StagingPool
+    from milepost.workers.save._staging import StagingPool
 
     pool = StagingPool(idle_secs=0.2)
     view, raw = pool.take((256, 256), np.dtype(np.float32))

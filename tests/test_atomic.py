@@ -24,7 +24,8 @@ SAVER = r"""
 import os, sys, time
 import jax, numpy as np
 import milepost as mp
-from milepost import _format, _pytree_format, _workspace
+from milepost import _format
+from milepost._storage import _workspace
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 path, point, mode, overwrite = ARGS
@@ -40,7 +41,7 @@ if point == "writing":  # the shards are staged, the writes issued, nothing wait
 elif point == "metadata":  # every byte written, no tree metadata yet
     def write_metadata(directory, files, acks, platform):
         hold("metadata")
-    _pytree_format.write = write_metadata
+    _format.write_tree = write_metadata
 elif point == "merged":  # tree metadata written and the OCDBT stores merged
     real_merge = mp.workers.merge_ocdbt
     def merge(directory):
@@ -267,7 +268,7 @@ def test_commit_rename_failure_keeps_the_previous_checkpoint(
 ) -> None:
     """If the final rename fails, an overwritten checkpoint is put back (without an atomic swap
     the old one is first moved aside)."""
-    from milepost import _workspace
+    from milepost._storage import _workspace
 
     ckpt = mp.save(tmp_path / "c", {"x": np.arange(4)})
     monkeypatch.setattr(_workspace, "renameat2", lambda a, b, flag: False)  # no renameat2

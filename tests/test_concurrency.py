@@ -259,7 +259,7 @@ def test_a_read_only_checkpointer_writes_and_deletes_nothing(
 
 def _delete_tmp_when(monkeypatch: pytest.MonkeyPatch, stage: str, tmp: Path) -> None:
     """Remove ``tmp`` from outside at ``stage`` of a save."""
-    from milepost import _pytree_format
+    from milepost import _format as _pytree_format
 
     def remove() -> None:
         while tmp.exists():  # writers may be creating files meanwhile
@@ -275,13 +275,13 @@ def _delete_tmp_when(monkeypatch: pytest.MonkeyPatch, stage: str, tmp: Path) -> 
 
         monkeypatch.setattr(mp.workers, "start_save", start_save)
     elif stage == "metadata":
-        real_write = _pytree_format.write
+        real_write = _pytree_format.write_tree
 
         def write(*a: Any, **k: Any) -> None:
             remove()
             real_write(*a, **k)
 
-        monkeypatch.setattr(_pytree_format, "write", write)
+        monkeypatch.setattr(_pytree_format, "write_tree", write)
     elif stage == "merged":
         real_merge = mp.workers.merge_ocdbt
 

@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import milepost as mp
-from milepost.workers import _direct
+from milepost.workers.load import _direct, _pieces
 from tests._helpers import abstract_of, assert_tree_equal, put
 
 
@@ -176,7 +176,7 @@ def test_a_missing_chunk_in_the_shard_index_falls_back(tmp_path: Path) -> None:
             mp.workers.StoreSpec(directory=str(tmp_path), use_ocdbt=False)
         ).locate("shard")
         assert value is not None and value.length == 36
-        read = _direct.BoxRead(key="shard", offset_in_chunk=0, chunk_nbytes=16)
+        read = _pieces.BoxRead(key="shard", offset_in_chunk=0, chunk_nbytes=16)
         assert (
             reader.read_box([value], [read], np.empty(16, np.uint8), [None]).result() is True
         )  # fall back
@@ -203,10 +203,10 @@ def test_a_missing_chunk_in_the_shard_index_falls_back(tmp_path: Path) -> None:
     ],
 )
 def test_box_reads_find_contiguous_ranges(box: Any, expected: Any) -> None:
-    layout = _direct.ShardLayout(
+    layout = _pieces.ShardLayout(
         name="a", shard_shape=(4, 6), dtype=np.dtype(np.float32), separator="/"
     )
-    got = _direct.box_reads(layout, box)
+    got = _pieces.box_reads(layout, box)
     assert (
         None
         if got is None
@@ -267,7 +267,7 @@ def test_large_boxes_are_read_into_buffers_the_devices_adopt(
 ) -> None:
     """Each box of a MiB or more is read into a buffer of its own mapping, and the CPU device
     array owns that very memory (no copy on placement); values are exact."""
-    from milepost.workers import _engine
+    from milepost.workers import _memory as _engine
 
     state = _big_state(mesh24)
     mp.save(tmp_path / "c", state)
@@ -295,7 +295,7 @@ def test_loads_work_when_no_mapping_can_be_made(
     """Out of mappings (vm.max_map_count): read buffers come from NumPy and the load is exact."""
     import mmap
 
-    from milepost.workers import _engine
+    from milepost.workers import _memory as _engine
 
     state = _big_state(mesh24)
     mp.save(tmp_path / "c", state)
@@ -399,9 +399,9 @@ def _save_banded(
 
 
 @pytest.fixture
-def piece_spy(monkeypatch: pytest.MonkeyPatch) -> list[_direct.BoxRead]:
+def piece_spy(monkeypatch: pytest.MonkeyPatch) -> list[_pieces.BoxRead]:
     """Records every piece read directly (a box's part of one inner chunk)."""
-    pieces: list[_direct.BoxRead] = []
+    pieces: list[_pieces.BoxRead] = []
     real = _direct.DirectReader.read_box
 
     def read_box(self: Any, values: Any, reads: Any, out: np.ndarray, *args: Any) -> Any:
@@ -437,7 +437,7 @@ def _target(state: dict[str, Any], mesh_shape: tuple[int, int], spec: P) -> tupl
 def test_subchunked_shards_are_read_directly_each_in_one_preadv(
     tmp_path: Path,
     mesh24: jax.sharding.Mesh,
-    piece_spy: list[_direct.BoxRead],
+    piece_spy: list[_pieces.BoxRead],
     monkeypatch: pytest.MonkeyPatch,
     use_ocdbt: bool,
 ) -> None:
@@ -484,7 +484,7 @@ def test_subchunked_shards_are_read_directly_each_in_one_preadv(
 def test_subchunked_resharded_loads_read_the_bands_they_touch_directly(
     tmp_path: Path,
     mesh24: jax.sharding.Mesh,
-    piece_spy: list[_direct.BoxRead],
+    piece_spy: list[_pieces.BoxRead],
     target: Any,
     band: int,
     mode: str,
@@ -527,7 +527,7 @@ def _load_banded(path: Path, state: dict[str, Any], target: str) -> tuple[Any, A
 
 @pytest.mark.parametrize("target", list(TARGETS))
 def test_a_flipped_byte_in_one_inner_chunk_is_caught_on_the_direct_path(
-    tmp_path: Path, mesh24: jax.sharding.Mesh, piece_spy: list[_direct.BoxRead], target: str
+    tmp_path: Path, mesh24: jax.sharding.Mesh, piece_spy: list[_pieces.BoxRead], target: str
 ) -> None:
     from tests.test_integrity import chunk_value, flip
 
@@ -552,7 +552,7 @@ def test_a_flipped_byte_in_one_inner_chunk_is_caught_on_the_direct_path(
 def test_a_damaged_subchunked_shard_is_an_error_on_the_direct_path(
     tmp_path: Path,
     mesh24: jax.sharding.Mesh,
-    piece_spy: list[_direct.BoxRead],
+    piece_spy: list[_pieces.BoxRead],
     target: str,
     damage: str,
 ) -> None:
@@ -598,7 +598,7 @@ def _rewrite_shard(file: Path, chunks: int, change: Any) -> None:
 
 @pytest.mark.parametrize("target", list(TARGETS))
 def test_inner_chunks_stored_out_of_order_are_found_through_the_index(
-    tmp_path: Path, mesh24: jax.sharding.Mesh, piece_spy: list[_direct.BoxRead], target: str
+    tmp_path: Path, mesh24: jax.sharding.Mesh, piece_spy: list[_pieces.BoxRead], target: str
 ) -> None:
     """The shard layout is assumed (chunks in C order, then the index) only to read a shard in
     one go: the index is checked after, and chunks stored elsewhere are read from there."""
@@ -616,7 +616,7 @@ def test_inner_chunks_stored_out_of_order_are_found_through_the_index(
 def test_a_missing_inner_chunk_falls_back_to_tensorstore(
     tmp_path: Path,
     mesh24: jax.sharding.Mesh,
-    piece_spy: list[_direct.BoxRead],
+    piece_spy: list[_pieces.BoxRead],
     monkeypatch: pytest.MonkeyPatch,
     target: str,
 ) -> None:
@@ -678,7 +678,7 @@ def test_a_missing_inner_chunk_falls_back_to_tensorstore(
     ],
 )
 def test_box_reads_of_subchunked_shards(box: Any, expected: Any) -> None:
-    layout = _direct.ShardLayout(
+    layout = _pieces.ShardLayout(
         name="a",
         shard_shape=(4, 6),
         dtype=np.dtype(np.float32),
@@ -686,7 +686,7 @@ def test_box_reads_of_subchunked_shards(box: Any, expected: Any) -> None:
         chunk_shape=(1, 6),
         shape=(8, 12),
     )
-    got = _direct.box_reads(layout, box, whole_chunks=True)
+    got = _pieces.box_reads(layout, box, whole_chunks=True)
     assert got is not None
     assert [
         (p.key, p.chunk, p.offset_in_chunk, p.scatter or p.offset_in_box, p.scatter is None)
@@ -694,12 +694,12 @@ def test_box_reads_of_subchunked_shards(box: Any, expected: Any) -> None:
     ] == expected
     assert all(p.whole and p.chunks == 4 for p in got)
     # without checksums to check, a piece reads only what it keeps when that is one range
-    partial = _direct.box_reads(layout, ((0, 1), (2, 5)), whole_chunks=False)
+    partial = _pieces.box_reads(layout, ((0, 1), (2, 5)), whole_chunks=False)
     assert partial is not None and [(p.offset_in_chunk, p.nbytes, p.whole) for p in partial] == [
         (8, 12, False)
     ]
     # with them, a chunk reaching past the array's edge (stored padding, unchecked) is not read directly
-    edge = _direct.ShardLayout(
+    edge = _pieces.ShardLayout(
         name="a",
         shard_shape=(4, 6),
         dtype=np.dtype(np.float32),
@@ -707,7 +707,7 @@ def test_box_reads_of_subchunked_shards(box: Any, expected: Any) -> None:
         chunk_shape=(2, 6),
         shape=(7, 6),
     )
-    assert _direct.box_reads(edge, ((6, 7), (0, 6)), whole_chunks=True) is None
+    assert _pieces.box_reads(edge, ((6, 7), (0, 6)), whole_chunks=True) is None
 
 
 def test_loads_of_large_boxes_read_in_large_batches_exactly_and_catch_damage(
@@ -743,7 +743,7 @@ def test_loads_of_large_boxes_read_in_large_batches_exactly_and_catch_damage(
     (reader,) = readers
     assert (
         reader._batch_bytes > _direct._BATCH_BYTES[0]
-        and reader._pool._max_workers > _direct._READ_THREADS
+        and reader._pool.max_threads > _direct._READ_THREADS
     )
     assert got.read_requests < 32, (
         f"{got.read_requests} reads for 32 shards: none were read together"
@@ -757,7 +757,7 @@ def test_loads_of_large_boxes_read_in_large_batches_exactly_and_catch_damage(
 def test_value_paths_are_percent_decoded_before_the_containment_check(tmp_path: Path) -> None:
     """TensorStore's B-tree dump percent-encodes file names: the direct reader opens the file
     TensorStore would open (``d/a:b``, not ``d/a%3Ab``), and checks the decoded path."""
-    value = _direct._parse_value(str(tmp_path), "value:d/:a%3Ab%25:7:9")
+    value = _direct.parse_value(str(tmp_path), "value:d/:a%3Ab%25:7:9")
     assert (
         value is not None
         and value.path == os.path.join(str(tmp_path), "d/a:b%")
@@ -769,4 +769,4 @@ def test_value_paths_are_percent_decoded_before_the_containment_check(tmp_path: 
         "value:d/:a%00b:0:1",
     ):
         with pytest.raises(mp.CorruptCheckpointError, match="outside the checkpoint"):
-            _direct._parse_value(str(tmp_path), crafted)
+            _direct.parse_value(str(tmp_path), crafted)

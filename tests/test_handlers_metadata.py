@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import milepost as mp
-from milepost import _handlers
+from milepost._checkpoint import _handlers
 from tests._helpers import assert_tree_equal, listing, put, same_bits
 
 # ------------------------------------------------------------------------------------------

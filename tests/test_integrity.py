@@ -856,7 +856,7 @@ def test_a_fifo_in_place_of_a_metadata_file_is_refused_not_waited_on(
 
 def test_the_direct_reader_opens_regular_files_only(tmp_path: Path) -> None:
     """Also when one became a FIFO after the checkpoint's walk: the open does not block."""
-    from milepost.workers import _direct
+    from milepost.workers.load import _direct
 
     fifo = tmp_path / "d" / "data"
     fifo.parent.mkdir()
@@ -1091,7 +1091,7 @@ class _FourHosts:
 def test_each_host_is_sent_only_the_checksums_of_the_chunks_its_boxes_touch() -> None:
     import dataclasses
 
-    from milepost import _pytree_load
+    from milepost._checkpoint import _pytree_load
     from milepost.workers import LoadTask, ShardingSpec
 
     header = {
@@ -1123,16 +1123,16 @@ def test_a_chunk_read_without_its_recorded_checksum_fails(
 ) -> None:
     """If a host's plan lacked a checksum it needs (a trimming mistake), the load fails loudly:
     it never reads the chunk unchecked."""
-    from milepost import _pytree_load
+    from milepost._checkpoint import _pytree_load
 
     ckpt, _ = saved[layout]
-    real = _pytree_load._checksums
+    real = _pytree_load.recorded_checksums
 
     def drop_one(files: Any, name: str) -> Any:
         found = real(files, name)
         return found[1:] if found else found
 
-    monkeypatch.setattr(_pytree_load, "_checksums", drop_one)
+    monkeypatch.setattr(_pytree_load, "recorded_checksums", drop_one)
     with (
         reading(direct),
         pytest.raises(

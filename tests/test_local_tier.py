@@ -19,8 +19,10 @@ from jax.sharding import PartitionSpec as P
 
 import milepost as mp
 from milepost import _format as fmt
-from milepost import _paths, workers
+from milepost import workers
+from milepost import workers as _paths
 from milepost.training import Checkpointer, KeepAll, KeepLatest, MirrorError
+from milepost.workers.jobs import _copy as copy_job
 from tests import _subproc
 from tests._helpers import assert_tree_equal, put
 from tests._object_stores import new_s3_bucket
@@ -118,13 +120,13 @@ def test_a_copy_that_runs_out_of_time_stops(
 ) -> None:
     mp.save(tmp_path / "a", state(mesh24))
     real = workers.JOBS["copy_files"]
-    slow_copier = workers._copy._local_copier
+    slow_copier = copy_job._local_copier
 
     def slow(source: Any, target: Any) -> Any:
         copy = slow_copier(source, target)
         return lambda name: (time.sleep(0.2), copy(name))[1]
 
-    monkeypatch.setattr(workers._copy, "_local_copier", slow)
+    monkeypatch.setattr(copy_job, "_local_copier", slow)
     with pytest.raises(TimeoutError, match="did not finish copying"):
         mp.copy(tmp_path / "a", tmp_path / "b", timeout_secs=0.3)
     assert names(tmp_path) == ["a"]
@@ -234,9 +236,9 @@ def test_a_mirror_out_of_time_fails_and_keeps_the_step(
     tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     root, local = tmp_path / "root", tmp_path / "local"
-    slow_copier = workers._copy._local_copier
+    slow_copier = copy_job._local_copier
     monkeypatch.setattr(
-        workers._copy,
+        copy_job,
         "_local_copier",
         lambda s, t: (lambda copy: lambda name: (time.sleep(0.2), copy(name))[1])(
             slow_copier(s, t)

@@ -22,7 +22,7 @@ SHARDS = 12
 
 
 def test_two_processes_save_load_and_keep_steps_on_s3(s3_endpoint: tuple[str, Any]) -> None:
-    from milepost import _paths
+    from milepost import workers as _paths
 
     url = f"s3://{new_s3_bucket(s3_endpoint[0])}/mc"
     results = _mc.launch("object_store", 2, 4, url)

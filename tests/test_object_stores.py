@@ -37,7 +37,7 @@ def state(mesh: jax.sharding.Mesh, k: int = 0) -> dict[str, Any]:
 
 
 def objects(url: str) -> list[str]:
-    from milepost import _paths
+    from milepost import workers as _paths
 
     return _paths.as_path(url).keys()
 
@@ -78,7 +78,7 @@ def test_round_trip_metadata_and_verify(bucket_url: str, mesh24: jax.sharding.Me
 def test_without_its_commit_marker_a_checkpoint_is_invisible(
     bucket_url: str, mesh24: jax.sharding.Mesh
 ) -> None:
-    from milepost import _paths
+    from milepost import workers as _paths
 
     mp.save(f"{bucket_url}/1", state(mesh24))
     (_paths.as_path(f"{bucket_url}/1") / "commit_success.txt").unlink()
@@ -115,7 +115,7 @@ def test_a_failed_save_leaves_nothing(
 
 
 def test_objects_no_save_left_are_never_deleted(bucket_url: str) -> None:
-    from milepost import _paths
+    from milepost import workers as _paths
 
     (_paths.as_path(f"{bucket_url}/1") / "notes.txt").write_bytes(b"mine")
     for overwrite in (False, True):

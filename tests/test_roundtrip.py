@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 import milepost as mp
-from milepost import _pytree_format
+from milepost import _format as _pytree_format
 from tests._helpers import abstract_of, assert_tree_equal, put, same_bits
 
 
@@ -26,7 +26,7 @@ from tests._helpers import abstract_of, assert_tree_equal, put, same_bits
 def spy_reads(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
     """Records every tree-metadata read (by folder) and every array the worker engine reads."""
     seen: dict[str, list[Any]] = {"folders": [], "arrays": []}
-    real_read_saved = _pytree_format.read
+    real_read_saved = _pytree_format.read_tree
     real_load = mp.workers.load
 
     def read_saved(directory: Path) -> Any:
@@ -38,7 +38,7 @@ def spy_reads(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
         seen["folders"].append(Path(plan.store.directory).name)
         return real_load(plan, *args)
 
-    monkeypatch.setattr(_pytree_format, "read", read_saved)
+    monkeypatch.setattr(_pytree_format, "read_tree", read_saved)
     monkeypatch.setattr(mp.workers, "load", load)
     return seen
 
@@ -694,7 +694,7 @@ def test_default_chunking_cuts_large_shards_into_bands(
     """SaveOptions' default chunking ("auto"): a shard of 2 MiB or more becomes bands of whole
     rows of about 1 MiB, a smaller one stays one chunk. The bands are read directly (same
     topology: a shard at a time; resharded along the rows: only the bands each device keeps)."""
-    from milepost.workers import _direct
+    from milepost.workers.load import _direct
 
     rng = np.random.default_rng(8)
     big = rng.integers(0, 255, (4096, 8192), dtype=np.uint8)  # shards of (2048, 2048): 4 MiB
@@ -758,7 +758,7 @@ def test_default_chunking_cuts_large_shards_into_bands(
 def test_auto_chunk_shape(
     write_shape: tuple[int, ...], itemsize: int, chunk_shape: tuple[int, ...]
 ) -> None:
-    from milepost import _planning
+    from milepost import _checkpoint as _planning
 
     got = _planning.inner_chunk_shape(write_shape, itemsize, "auto")
     assert got == chunk_shape

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import milepost as mp
-from milepost import _dispatch
+from milepost import _hosts as _dispatch
 from milepost.colocated import RayHostGroup, SliceMesh, Traffic
 from milepost.colocated._ray_group import pickled_size
 

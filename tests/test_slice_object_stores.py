@@ -14,8 +14,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import milepost as mp
+from milepost import workers as _storage
 from milepost.colocated import _slice
-from milepost.workers import _storage
 from tests._helpers import same_bits
 from tests._object_stores import new_gcs_bucket, new_s3_bucket
 
@@ -47,7 +47,7 @@ def slice22(ray_runtime: Any, new_url: Callable[[str], str]) -> Iterator[mp.Slic
 
 
 def objects(url: str) -> list[str]:
-    from milepost import _paths
+    from milepost import workers as _paths
 
     return _paths.as_path(url).keys()
 

@@ -41,7 +41,7 @@ def state(mesh: jax.sharding.Mesh, mib: int) -> dict[str, Any]:
 def test_budgeted_save_async_holds_call_time_values_and_stages_at_most_the_budget(
     tmp_path: Path, mesh24: jax.sharding.Mesh, budget: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from milepost.workers import _staging
+    from milepost.workers.save import _staging
 
     _staging.POOL.clear()
     s = state(mesh24, mib=16)
@@ -82,7 +82,7 @@ PEAK = r"""
 import gc, json, numpy as np, jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 import milepost as mp
-from milepost.workers import _staging
+from milepost.workers.save import _staging
 
 MEMORY_PROBES
 
@@ -111,7 +111,7 @@ def test_checksums_of_unstaged_regions_are_computed_before_save_async_returns(
     checksums: both must be done when save_async returns, even while the copy pool (which
     computes checksums) is busy with other work, or a caller overwriting its arrays makes the
     checkpoint record checksums of the new values and fail every load."""
-    from milepost.workers import _engine
+    from milepost.workers import _memory as _engine
 
     host = np.arange(4 * MIB, dtype=np.float32)  # 16 MiB the controller writes
     device = put(
@@ -119,9 +119,7 @@ def test_checksums_of_unstaged_regions_are_computed_before_save_async_returns(
     )
     want = {"host": host.copy(), "device": np.asarray(device).copy()}
     for attempt in range(3):
-        busy = [
-            _engine._copy_pool().submit(time.sleep, 0.3) for _ in range(_engine._copy_threads())
-        ]
+        busy = [_engine.copy_pool().submit(time.sleep, 0.3) for _ in range(_engine.copy_threads())]
         with mp.Context(saving=mp.SaveOptions(host_staging_budget_bytes=0)):
             handle = mp.save_async(tmp_path / str(attempt), {"host": host, "device": device})
         host[:] = -1.0  # the caller's memory is its own again
@@ -165,7 +163,7 @@ def test_peak_memory_of_a_budgeted_save_async_stays_within_the_budget(tmp_path: 
 
 
 def test_keep_only_frees_the_pooled_buffers_a_save_would_not_use() -> None:
-    from milepost.workers._staging import StagingPool
+    from milepost.workers.save._staging import StagingPool
 
     pool = StagingPool()
     raws = []
@@ -190,21 +188,23 @@ def test_the_budget_option_is_checked(value: Any) -> None:
 
 
 def test_background_save_threads_are_kept_and_are_daemons() -> None:
-    from milepost._background import _DaemonThreads
+    from milepost.workers import RUNTIME
 
-    pool = _DaemonThreads("test-save")
+    pool = RUNTIME.pool("test-save", None)
     seen: list[threading.Thread] = []
     done = threading.Event()
     for _ in range(3):  # one after another: the same thread runs them
         done.clear()
-        pool.run(lambda: (seen.append(threading.current_thread()), done.set()))
+        pool.submit(lambda: (seen.append(threading.current_thread()), done.set()))
         assert done.wait(10)
         time.sleep(0.05)
     assert len({id(t) for t in seen}) == 1 and seen[0].daemon
     gate = threading.Event()
     started = threading.Barrier(3, timeout=10)
     for _ in range(2):  # at once: a thread each, neither waits for the other
-        pool.run(lambda: (started.wait(), gate.wait(10), seen.append(threading.current_thread())))
+        pool.submit(
+            lambda: (started.wait(), gate.wait(10), seen.append(threading.current_thread()))
+        )
     started.wait()
     gate.set()
     deadline = time.monotonic() + 10

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import milepost as mp
-from milepost import _dispatch
+from milepost import _hosts as _dispatch
 from milepost.colocated import LocalHostGroup
 from milepost.training import (
     AnyOf,
@@ -329,8 +329,9 @@ def test_retention_never_deletes_a_step_in_flight(
         ckpt.save(0, tree(mesh24, 0))
         assert gate.entered.wait(60)
         ckpt.save(1, tree(mesh24, 1))
-        with ckpt._cond:  # step 1 committed and retention ran while step 0 is in flight
-            assert ckpt._cond.wait_for(lambda: 1 in ckpt._steps and not ckpt._gc_active, 60)
+        state = ckpt._state
+        with state.cond:  # step 1 committed and retention ran while step 0 is in flight
+            assert state.cond.wait_for(lambda: 1 in state.durable and not state.gc_active, 60)
         assert names(root) == ["0.orbax-checkpoint-tmp", "1"]
         gate.release.set()
         ckpt.wait()

@@ -12,8 +12,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import milepost as mp
-from milepost.workers import _engine
 from milepost.workers._messages import ArraySpec, Region, SaveTask
+from milepost.workers.save import _stage
 from tests._helpers import abstract_of, assert_tree_equal, put
 
 
@@ -39,7 +39,7 @@ def test_split_gives_every_region_to_one_writer_and_balances_bytes() -> None:
         _task("c", 50, 1),
         _task("d", 50, 1),
     ]
-    parts = _engine._split_among_writers(tasks, 4)
+    parts = _stage._split_among_writers(tasks, 4)
     seen = Counter((task.spec.name, r.index) for _, task, regions in parts for r in regions)
     assert seen == Counter(
         (t.spec.name, r.index) for t in tasks for r in t.regions
@@ -56,7 +56,7 @@ def test_split_gives_every_region_to_one_writer_and_balances_bytes() -> None:
 
 def test_one_writer_keeps_everything_in_one_database() -> None:
     tasks = [_task("a", 100, 2), _task("b", 100, 1)]
-    assert _engine._split_among_writers(tasks, 1) == [(0, t, t.regions) for t in tasks]
+    assert _stage._split_among_writers(tasks, 1) == [(0, t, t.regions) for t in tasks]
 
 
 @pytest.mark.parametrize("writers", [1, 3])

@@ -1,17 +1,26 @@
-"""milepost.workers: the per-host engine and the messages it accepts.
+"""milepost.workers: what runs inside a host process, and what every layer shares.
 
-This package runs inside host processes; it imports neither ``milepost`` (the controller) nor
-``milepost.colocated``.
+The host engine (``start_save``, ``load``, the host jobs), the small frozen messages a
+controller sends it and the acks it returns; under it the foundations the other layers use
+too: errors about a checkpoint's contents, storage paths, TensorStore specs, the runtime that
+owns every thread, argument checks, progress counting, byte counters and text views.
+
+This package imports neither ``milepost`` (the controller) nor ``milepost.colocated``.
 """
 
+from milepost.workers import _check as check
+from milepost.workers import _progress as progress
 from milepost.workers._checksum import crc32c, grid_key, parse_grid_key
-from milepost.workers._copy import CopyAck, CopyPlan
-from milepost.workers._engine import PendingSave, load, start_save, verify
-from milepost.workers._errors import CheckpointNotFoundError, CorruptCheckpointError
-from milepost.workers._export import ExportAck, ExportFile, ExportPlan
-from milepost.workers._jobs import JOBS, run_job
+from milepost.workers._errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    from_tensorstore,
+)
+from milepost.workers._iostats import HostIoStats
+from milepost.workers._iostats import snapshot as io_snapshot
 from milepost.workers._keys import dtype_name, dtype_of, is_key, key_words
 from milepost.workers._keys import impl_name as key_impl_name
+from milepost.workers._memory import parallel_copy
 from milepost.workers._messages import (
     ArraySpec,
     Index,
@@ -28,15 +37,26 @@ from milepost.workers._messages import (
     VerifyTask,
     WrittenArray,
 )
+from milepost.workers._paths import (
+    NO_VALUE,
+    STORAGE_ENV_VARS,
+    ObjectPath,
+    StoragePath,
+    UnknownStorageError,
+    as_path,
+    context_for,
+    is_local,
+    kvstore,
+    storage_environment,
+)
 from milepost.workers._pending import Done, PendingWrite, settle_all
-from milepost.workers._preview import BoxPlan
+from milepost.workers._runtime import RUNTIME, Pool, Runtime
 from milepost.workers._safetensors import CODES as SAFETENSORS_CODES
 from milepost.workers._safetensors import INDEX_FILE as SAFETENSORS_INDEX
 from milepost.workers._safetensors import Tensor
 from milepost.workers._safetensors import header_bytes as safetensors_header
 from milepost.workers._safetensors import read_header as read_safetensors_header
 from milepost.workers._sharding import ShardingSpec
-from milepost.workers._storage import Location, UnknownStorageError
 from milepost.workers._tensorstore import (
     PROCESS_PREFIX,
     ZARR3_DTYPES,
@@ -45,16 +65,43 @@ from milepost.workers._tensorstore import (
     header_key,
     header_shape,
     merge_ocdbt,
+    new_context,
+    ocdbt_kvstore,
     process_dir_name,
     read_array_headers,
     read_kvstore,
 )
+from milepost.workers._views import (
+    MAX_HTML_ROWS,
+    html_fields,
+    html_table,
+    human_bytes,
+    shape_str,
+    sharding_str,
+)
+from milepost.workers.jobs import (
+    JOBS,
+    BoxPlan,
+    CopyAck,
+    CopyPlan,
+    ExportAck,
+    ExportFile,
+    ExportPlan,
+    run_job,
+    verify,
+)
+from milepost.workers.load import load
+from milepost.workers.save import PendingSave, start_save
 
 __all__ = [
     "JOBS",
+    "MAX_HTML_ROWS",
+    "NO_VALUE",
     "PROCESS_PREFIX",
+    "RUNTIME",
     "SAFETENSORS_CODES",
     "SAFETENSORS_INDEX",
+    "STORAGE_ENV_VARS",
     "ZARR3_DTYPES",
     "ArraySpec",
     "BoxPlan",
@@ -66,18 +113,22 @@ __all__ = [
     "ExportAck",
     "ExportFile",
     "ExportPlan",
+    "HostIoStats",
     "Index",
     "LoadAck",
     "LoadPlan",
     "LoadTask",
-    "Location",
+    "ObjectPath",
     "PendingSave",
     "PendingWrite",
+    "Pool",
     "Region",
+    "Runtime",
     "SaveAck",
     "SavePlan",
     "SaveTask",
     "ShardingSpec",
+    "StoragePath",
     "StoreSpec",
     "Tensor",
     "UnknownStorageError",
@@ -85,27 +136,44 @@ __all__ = [
     "VerifyPlan",
     "VerifyTask",
     "WrittenArray",
+    "as_path",
+    "check",
+    "context_for",
     "crc32c",
     "dtype_name",
     "dtype_of",
+    "from_tensorstore",
     "grid_key",
     "header_chunks",
     "header_dtype_name",
     "header_key",
     "header_shape",
+    "html_fields",
+    "html_table",
+    "human_bytes",
+    "io_snapshot",
     "is_key",
+    "is_local",
     "key_impl_name",
     "key_words",
+    "kvstore",
     "load",
     "merge_ocdbt",
+    "new_context",
+    "ocdbt_kvstore",
+    "parallel_copy",
     "parse_grid_key",
     "process_dir_name",
+    "progress",
     "read_array_headers",
     "read_kvstore",
     "read_safetensors_header",
     "run_job",
     "safetensors_header",
     "settle_all",
+    "shape_str",
+    "sharding_str",
     "start_save",
+    "storage_environment",
     "verify",
 ]

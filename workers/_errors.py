@@ -7,7 +7,8 @@ The controller re-exports them as ``milepost.CheckpointNotFoundError`` and
 from __future__ import annotations
 
 import errno
-import re
+
+from milepost.workers._ts_internals import says_damaged, says_no_space, says_over_quota, status_of
 
 
 class CheckpointNotFoundError(FileNotFoundError):
@@ -17,19 +18,6 @@ class CheckpointNotFoundError(FileNotFoundError):
 class CorruptCheckpointError(ValueError):
     """A checkpoint's file is present but damaged: metadata that does not parse or has the
     wrong form, array data that is missing, cut short or fails its checksum."""
-
-
-_STATUS = re.compile(r"^\s*([A-Z_]+):\s")
-
-
-_DAMAGE = re.compile(r"Error decoding|Error reading|ZSTD_|Invalid key")
-"""TensorStore's words for data it could not decode, in errors that carry no status code."""
-
-
-def status_of(error: BaseException) -> str | None:
-    """The absl status code TensorStore put at the start of its error message, if any."""
-    match = _STATUS.match(str(error))
-    return match.group(1) if match else None
 
 
 def from_tensorstore(
@@ -46,7 +34,7 @@ def from_tensorstore(
     if status is None:
         # Some decoding failures carry no status (a damaged manifest or B-tree node: "Error
         # decoding manifest: ZSTD_decompressStream() failed: ...", a crafted node's "Invalid key").
-        if reading and _DAMAGE.search(str(error)):
+        if reading and says_damaged(error):
             return CorruptCheckpointError(
                 f"{doing}{f' ({path})' if path else ''} failed: the checkpoint's metadata is damaged ({error}). "
                 "Load an earlier checkpoint."
@@ -54,13 +42,13 @@ def from_tensorstore(
         return error
     text = str(error)
     where = f" ({path})" if path else ""
-    if "No space left on device" in text or (status == "RESOURCE_EXHAUSTED" and not reading):
+    if says_no_space(error) or (status == "RESOURCE_EXHAUSTED" and not reading):
         return OSError(
             errno.ENOSPC,
             f"no space left on the device while {doing}{where}; free space or save elsewhere. {text}",
             path or None,
         )
-    if "Disk quota exceeded" in text:
+    if says_over_quota(error):
         return OSError(
             errno.EDQUOT, f"disk quota exceeded while {doing}{where}. {text}", path or None
         )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from milepost.workers._keys import key_words
 from milepost.workers._safetensors import Tensor
 from milepost.workers._sharding import ShardingSpec
 
@@ -138,8 +139,6 @@ class LoadTask:
         """The shape of the array the load returns (typed keys drop the key-data dimension)."""
         if self.random_key_impl is None:
             return self.shape
-        from milepost.workers._keys import key_words
-
         return self.shape[: len(self.shape) - len(key_words(self.random_key_impl))]
 
     @property

@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from milepost.workers._runtime import RUNTIME
+
 IDLE_SECS = 10.0
 
 
@@ -101,11 +103,12 @@ class ReadPool:
         still in use are released when they come back."""
         with self._lock:
             keeper, self._keeper = self._keeper, None
+            stop = self._stop
             self._closed = True
             self._drain()
             self._release(self._pooled)
         if keeper is not None:
-            self._stop.set()
+            stop.set()
             keeper.join()
 
     def _drain(self) -> None:
@@ -134,16 +137,26 @@ class ReadPool:
 
     def _start_keeper(self) -> None:
         if self._keeper is None and not self._closed:
-            self._keeper = threading.Thread(
-                target=self._keep, name="milepost-readpool", daemon=True
+            stop = self._stop = threading.Event()  # the new keeper's own
+            self._keeper = RUNTIME.thread(
+                "readpool", lambda: self._keep(stop), stop=self._stop_keeper
             )
-            self._keeper.start()
 
-    def _keep(self) -> None:
+    def _stop_keeper(self) -> None:
+        """Stop the keeper (what is pooled stays pooled; the next take starts it again)."""
+        with self._lock:
+            keeper, self._keeper = self._keeper, None
+            stop = self._stop
+        if keeper is not None:
+            stop.set()
+            if keeper is not threading.current_thread():
+                keeper.join()
+
+    def _keep(self, stop: threading.Event) -> None:
         """Every half ``idle_secs``: release everything pooled once no buffer was taken for
         ``idle_secs`` (a mapping that comes back later goes at the next wake-up after it came
-        back); stops when :meth:`close` sets ``_stop``."""
-        while not self._stop.wait(self._idle_secs / 2):
+        back); stops when ``stop`` is set (:meth:`close`, or the runtime stopping it)."""
+        while not stop.wait(self._idle_secs / 2):
             with self._lock:
                 if time.monotonic() - self._last_take >= self._idle_secs:
                     self._drain()

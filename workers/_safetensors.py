@@ -14,13 +14,12 @@ slab once, whatever boxes share it) and the boxes cut out of them.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import math
 import os
 import struct
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +27,7 @@ import numpy as np
 
 from milepost.workers._errors import CorruptCheckpointError
 from milepost.workers._iostats import count_read, count_write
+from milepost.workers._runtime import RUNTIME, Pool
 
 DTYPES = {
     "BOOL": "bool",
@@ -68,10 +68,10 @@ class Tensor:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * np.dtype(_numpy_dtype(self.dtype)).itemsize
+        return math.prod(self.shape) * np.dtype(numpy_dtype(self.dtype)).itemsize
 
 
-def _numpy_dtype(name: str) -> Any:
+def numpy_dtype(name: str) -> Any:
     import ml_dtypes  # noqa: F401  (registers bfloat16 and the float8 types with NumPy)
 
     return np.dtype(name)
@@ -187,9 +187,8 @@ def _pread_into(fd: int, view: memoryview, position: int, where: str) -> None:
         done += got
 
 
-@functools.cache
-def _pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(_THREADS, thread_name_prefix="milepost-safetensors")
+def _pool() -> Pool:
+    return RUNTIME.pool("safetensors", _THREADS)
 
 
 def read_boxes(
@@ -202,7 +201,7 @@ def read_boxes(
     rows (dimension 0), each slab read once for every box it serves (so a few threads hold a
     slab of at most 32 MiB each, and nothing else).
     """
-    dtype = _numpy_dtype(tensor.dtype)
+    dtype = numpy_dtype(tensor.dtype)
     itemsize = dtype.itemsize
     shape = tensor.shape
     direct, sliced = [], []

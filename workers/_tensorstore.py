@@ -19,7 +19,7 @@ import tensorstore as ts
 
 from milepost.workers._errors import CorruptCheckpointError, from_tensorstore
 from milepost.workers._messages import ArraySpec, StoreSpec
-from milepost.workers._storage import Location, context_for
+from milepost.workers._paths import ObjectPath, as_path, context_for, kvstore
 
 PROCESS_PREFIX = "ocdbt.process_"
 OCDBT_CONFIG = {
@@ -51,9 +51,8 @@ REMOTE_READ_COALESCING = {
 
 def new_context(where: Any = None, file_io_concurrency: int = 64) -> ts.Context:
     """A context for I/O at ``where`` (a path or URL; the shared one for memory://)."""
-    location = Location.of(where) if where is not None else None
-    if location is not None and not location.is_local:
-        return context_for(location)
+    if where is not None and isinstance(as_path(where), ObjectPath):
+        return context_for(where)
     return ts.Context({"file_io_concurrency": {"limit": file_io_concurrency}})
 
 
@@ -64,7 +63,7 @@ def new_context(where: Any = None, file_io_concurrency: int = 64) -> ts.Context:
 
 def file_kvstore(path: Any) -> dict[str, Any]:
     """A folder (a local path, or a prefix in an object store) as a kvstore."""
-    return Location.of(path).kvstore()
+    return kvstore(path)
 
 
 def ocdbt_kvstore(
@@ -75,7 +74,7 @@ def ocdbt_kvstore(
     spec: dict[str, Any] = {"driver": "ocdbt", "base": file_kvstore(path)}
     if writable:
         spec["config"] = OCDBT_CONFIG if config is None else config
-    elif not Location.of(path).is_local:
+    elif isinstance(as_path(path), ObjectPath):
         spec.update(REMOTE_READ_COALESCING)
     return spec
 
@@ -89,7 +88,7 @@ def write_kvstore(store: StoreSpec, process_index: int | str, writer: int = 0) -
     if not store.use_ocdbt:
         return file_kvstore(store.directory)
     return ocdbt_kvstore(
-        Location.of(store.directory) / process_dir_name(process_index, writer), writable=True
+        as_path(store.directory) / process_dir_name(process_index, writer), writable=True
     )
 
 
@@ -196,10 +195,6 @@ def open_spec(
     }
 
 
-def box_to_slices(box: tuple[tuple[int, int], ...]) -> tuple[slice, ...]:
-    return tuple(slice(a, b) for a, b in box)
-
-
 def read_array_headers(store: StoreSpec, names: Sequence[str]) -> dict[str, dict[str, Any]]:
     """The ``zarr.json`` of each named array (small reads through the root view). An array
     whose header is missing is a :class:`CorruptCheckpointError` naming it."""
@@ -240,17 +235,15 @@ def read_array_headers(store: StoreSpec, names: Sequence[str]) -> dict[str, dict
 # ------------------------------------------------------------------------------------------
 
 
-def process_stores(directory: Any) -> list[Location]:
+def process_stores(directory: Any) -> list[Path] | list[ObjectPath]:
     """The per-process OCDBT databases (``ocdbt.process_*``) in a checkpointable's folder."""
-    location = Location.of(directory)
-    if location.is_local:
-        return sorted(
-            Location.of(p) for p in Path(location.key).glob(f"{PROCESS_PREFIX}*") if p.is_dir()
-        )
-    kv = ts.KvStore.open(location.kvstore(), context=context_for(location)).result()
+    where = as_path(directory)
+    if isinstance(where, Path):
+        return sorted(p for p in where.glob(f"{PROCESS_PREFIX}*") if p.is_dir())
+    kv = ts.KvStore.open(where.kvstore(), context=context_for(where)).result()
     prefix = PROCESS_PREFIX.encode()
     keys = kv.list(ts.KvStore.KeyRange(prefix, prefix[:-1] + bytes([prefix[-1] + 1]))).result()
-    return sorted({location / k.decode().split("/", 1)[0] for k in keys})
+    return sorted({where / k.decode().split("/", 1)[0] for k in keys})
 
 
 def merge_ocdbt(directory: Any) -> None:
@@ -294,6 +287,20 @@ def header_chunks(header: dict[str, Any]) -> tuple[tuple[int, ...], tuple[int, .
     if codecs[0].get("name") == "sharding_indexed":
         return tuple(int(n) for n in codecs[0]["configuration"]["chunk_shape"]), grid
     return grid, grid
+
+
+def zarr_metadata(store: Any) -> dict[str, Any]:
+    """An opened array's zarr metadata (from its spec's JSON, which costs tens of microseconds:
+    a load takes it once per array)."""
+    return store.spec().to_json().get("metadata", {})
+
+
+def chunk_shapes(
+    store: Any, metadata: dict[str, Any] | None = None
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shape of an opened array's stored chunks (inner chunks of a sharded zarr3 array) and
+    of its shards (``metadata``: its :func:`zarr_metadata`, if the caller has it)."""
+    return header_chunks(zarr_metadata(store) if metadata is None else metadata)
 
 
 def header_dtype_name(header: dict[str, Any]) -> str:

@@ -27,7 +27,7 @@ from milepost.surgery._ops import (
     stack,
     unstack,
 )
-from milepost.surgery._run import materialize, write
+from milepost.surgery._run import materialize, write, write_items
 
 __all__ = [
     "Checkpoint",
@@ -49,4 +49,5 @@ __all__ = [
     "stats",
     "unstack",
     "write",
+    "write_items",
 ]

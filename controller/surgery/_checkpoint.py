@@ -10,12 +10,12 @@ from typing import Any
 
 import numpy as np
 
-from milepost import _checkpoint, _dispatch, _layout, _options, _paths, _pytree_load
+from milepost import _checkpoint, _hosts, _options
 from milepost import _format as fmt
-from milepost import _pytree_format as tree_format
 from milepost._tree import PLACEHOLDER, ValueType
 from milepost.surgery._lazy import LazyArray, Source, flat, nest
 from milepost.surgery._placement import Placement
+from milepost.workers import ObjectPath, as_path
 
 
 @dataclass(frozen=True, eq=False)
@@ -23,14 +23,14 @@ class Checkpoint:
     """An opened checkpoint: ``tree`` holds a :class:`LazyArray` per array (strings and
     scalars as values); ``files`` what the loads and previews check against."""
 
-    path: Path | _paths.ObjectPath
+    path: Path | ObjectPath
     item: str
-    folder: Path | _paths.ObjectPath
-    files: tree_format.TreeFiles
+    folder: Path | ObjectPath
+    files: fmt.TreeFiles
     placement: Placement
     tree: Any
     custom_metadata: dict[str, Any]
-    leaf_meta: dict[str, _pytree_load.LeafMetadata]
+    leaf_meta: dict[str, _checkpoint.LeafMetadata]
     """What ``milepost.metadata`` says of each stored array (write and chunk shapes)."""
 
     @property
@@ -87,35 +87,35 @@ def open(path: str | os.PathLike[str], *, slice: Any = None, item: str | None = 
     >>> np.asarray(ck.tree["params"]["w"][:4, :8])   # reads only the chunks of that box
     """
     placement = Placement(slice)
-    root = _paths.as_path(path)
-    _dispatch.check_storage(placement.group, root)
+    root = as_path(path)
+    _hosts.check_storage(placement.group, root)
     options = _options.current()
 
-    def read() -> tuple[str, Any, tree_format.TreeFiles, Any, dict[str, Any]]:
-        with _checkpoint._unchanged(root):
-            meta, items, _, checksums = _checkpoint._read_items(root)
-            name = item if item is not None else _layout.main_tree(root, items)
+    def read() -> tuple[str, Any, fmt.TreeFiles, Any, dict[str, Any]]:
+        with _checkpoint.unchanged(root):
+            meta, items, _, checksums = _checkpoint.read_checkpointables(root)
+            name = item if item is not None else fmt.main_tree(root, items)
             if name not in items:
                 raise KeyError(
                     f"{root} has no checkpointable {name!r} (it has {sorted(items)}); pass item=one of those"
                 )
             folder = items[name].folder
             with fmt.verifying(checksums):
-                files = _pytree_load._read_checked(folder)
-                described = _pytree_load.metadata(folder)
+                files = _checkpoint.read_tree_files(folder)
+                described = _checkpoint.tree_metadata(folder)
         return name, folder, files, described, dict(meta.get("custom_metadata") or {})
 
-    name, folder, files, described, custom = _dispatch.shared(
+    name, folder, files, described, custom = _hosts.shared(
         placement.group, f"surgery-open:{root}", read, options.async_.timeout_secs
     )
     meta_by_name = {
-        n: m for n, m in flat(described).items() if isinstance(m, _pytree_load.LeafMetadata)
+        n: m for n, m in flat(described).items() if isinstance(m, _checkpoint.LeafMetadata)
     }
     ck = Checkpoint(root, name, folder, files, placement, None, custom, meta_by_name)
     leaves: dict[str, Any] = {}
     scalars: dict[str, Any] = {}
     for leaf_name, leaf in flat(described).items():
-        if isinstance(leaf, _pytree_load.LeafMetadata) and leaf.value_type in (
+        if isinstance(leaf, _checkpoint.LeafMetadata) and leaf.value_type in (
             ValueType.JAX_ARRAY,
             ValueType.NP_ARRAY,
         ):
@@ -123,9 +123,9 @@ def open(path: str | os.PathLike[str], *, slice: Any = None, item: str | None = 
             leaves[leaf_name] = LazyArray(
                 Source(ck, leaf_name), leaf.shape or (), np.dtype(leaf.dtype), spec
             )
-        elif isinstance(leaf, _pytree_load.LeafMetadata) and leaf.value_type is ValueType.STRING:
+        elif isinstance(leaf, _checkpoint.LeafMetadata) and leaf.value_type is ValueType.STRING:
             leaves[leaf_name] = files.strings.get(leaf_name, "")
-        elif isinstance(leaf, _pytree_load.LeafMetadata) and leaf.value_type is ValueType.SCALAR:
+        elif isinstance(leaf, _checkpoint.LeafMetadata) and leaf.value_type is ValueType.SCALAR:
             scalars[leaf_name] = np.empty(leaf.shape or (), leaf.dtype)
             leaves[leaf_name] = None
         else:
@@ -134,6 +134,6 @@ def open(path: str | os.PathLike[str], *, slice: Any = None, item: str | None = 
         abstract = nest({n: scalars.get(n, PLACEHOLDER) for n in leaves})
         got = flat(_checkpoint.load_checkpointables(root, {name: abstract}, partial=True)[name])
         for n in scalars:
-            leaves[n] = _pytree_load._to_scalar(np.asarray(got[n]), files.python_types.get(n), None)
+            leaves[n] = _checkpoint.to_scalar(np.asarray(got[n]), files.python_types.get(n), None)
     object.__setattr__(ck, "tree", nest(leaves))
     return ck

@@ -16,11 +16,11 @@ from milepost.surgery._lazy import LazyArray, apply, flat
 from milepost.surgery._placement import Placement
 from milepost.surgery._run import (
     DEFAULT_BUDGET,
-    _sources_of,
     compute,
     counted,
     groups,
     placement_of,
+    sources_of,
 )
 from milepost.workers import ShardingSpec
 
@@ -82,7 +82,7 @@ def _run_small(kind: str, outputs: dict[str, LazyArray], budget: int) -> dict[st
     placement = placement_of(list(outputs.values()))
     specs = {n: _replicated(placement) for n in outputs}
     out: dict[str, np.ndarray] = {}
-    path = next(s.expr.checkpoint.path for x in outputs.values() for s in _sources_of(x))  # type: ignore[union-attr]
+    path = next(s.expr.checkpoint.path for x in outputs.values() for s in sources_of(x))  # type: ignore[union-attr]
     with (
         _progress.operation(kind, path, primary=placement.group.is_primary()),
         counted(outputs, written=False),

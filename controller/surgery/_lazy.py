@@ -18,8 +18,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from milepost import workers
 from milepost.surgery._placement import fits
 from milepost.workers import ShardingSpec
 
@@ -121,8 +123,6 @@ class LazyArray:
         return apply("getitem", lambda x: x[index], (self,), params=index)
 
     def astype(self, dtype: Any) -> LazyArray:
-        from milepost.surgery._ops import check_cast
-
         target = check_cast(self, dtype, "astype")
         return apply("cast", lambda x: x.astype(target), (self,), sharding=self.sharding)
 
@@ -148,10 +148,36 @@ class LazyArray:
         return self.transpose()
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        from milepost.surgery._run import to_numpy
-
-        out = to_numpy(self)
+        if _reader is None:
+            raise RuntimeError("import milepost.surgery to read the values of a LazyArray")
+        out = _reader(self)
         return out.astype(dtype) if dtype is not None else out
+
+
+_reader: Callable[[LazyArray], np.ndarray] | None = None
+"""Reads a lazy array's values (``np.asarray(x)``): the engine (:mod:`._run`) sets it when it is
+imported, so that this module, which the engine builds on, does not import it back."""
+
+
+def set_reader(reader: Callable[[LazyArray], np.ndarray]) -> None:
+    global _reader
+    _reader = reader
+
+
+def check_cast(x: LazyArray, dtype: Any, where: str) -> np.dtype:
+    try:
+        target = np.dtype(jnp.dtype(dtype))
+    except TypeError:
+        raise TypeError(f"cast of {where}: {dtype!r} is not a dtype") from None
+    if target.name not in workers.ZARR3_DTYPES:
+        raise TypeError(
+            f"cast of {where}: {target} cannot be stored (the format stores {', '.join(sorted(workers.ZARR3_DTYPES))})"
+        )
+    if x.dtype.kind == "c" and target.kind != "c":
+        raise TypeError(
+            f"cast of {where}: {x.dtype} to {target} would drop the imaginary part; take .real in ms.map first"
+        )
+    return target
 
 
 def apply(

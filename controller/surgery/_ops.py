@@ -11,10 +11,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from milepost import workers
-from milepost.surgery._lazy import LazyArray, apply, flat, nest, with_entry
+from milepost.surgery._lazy import LazyArray, apply, check_cast, flat, nest, with_entry
 
 
 def _compile(pattern: str, what: str) -> re.Pattern[str]:
@@ -134,22 +132,6 @@ def select(tree: Any, *patterns: str) -> Any:
 # ------------------------------------------------------------------------------------------
 # Values
 # ------------------------------------------------------------------------------------------
-
-
-def check_cast(x: LazyArray, dtype: Any, where: str) -> np.dtype:
-    try:
-        target = np.dtype(jnp.dtype(dtype))
-    except TypeError:
-        raise TypeError(f"cast of {where}: {dtype!r} is not a dtype") from None
-    if target.name not in workers.ZARR3_DTYPES:
-        raise TypeError(
-            f"cast of {where}: {target} cannot be stored (the format stores {', '.join(sorted(workers.ZARR3_DTYPES))})"
-        )
-    if x.dtype.kind == "c" and target.kind != "c":
-        raise TypeError(
-            f"cast of {where}: {x.dtype} to {target} would drop the imaginary part; take .real in ms.map first"
-        )
-    return target
 
 
 def cast(tree: Any, dtype: Any, where: str | None = None) -> Any:

@@ -10,8 +10,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from milepost import _dispatch, _planning
-from milepost.colocated import HostGroup
+from milepost import _checkpoint, _hosts
+from milepost.colocated import AbstractArray, HostGroup, SliceSharding
 from milepost.workers import ShardingSpec
 
 
@@ -29,7 +29,7 @@ def fits(spec: ShardingSpec | None, shape: tuple[int, ...]) -> bool:
 class Placement:
     def __init__(self, slice: Any = None) -> None:
         self.slice = slice
-        self.group: HostGroup = slice.group if slice is not None else _dispatch.host_group_for([])
+        self.group: HostGroup = slice.group if slice is not None else _hosts.host_group_for([])
         self.device_ids: tuple[int, ...] = tuple(
             slice.device_ids if slice is not None else (d.id for d in jax.devices())
         )
@@ -77,15 +77,11 @@ class Placement:
     def sharding(self, spec: ShardingSpec) -> Any:
         """The sharding object arrays here take: a jax sharding, or a slice sharding."""
         if self.slice is not None:
-            from milepost.colocated._handles import SliceSharding
-
             return SliceSharding(self.group, spec)
         return spec.to_jax()
 
     def abstract(self, shape: tuple[int, ...], dtype: Any, spec: ShardingSpec) -> Any:
         if self.slice is not None:
-            from milepost.colocated import AbstractArray
-
             return AbstractArray(tuple(shape), np.dtype(dtype), self.sharding(spec))
         return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=self.sharding(spec))
 
@@ -94,7 +90,7 @@ class Placement:
         if not all(shape):
             return 0
         per_host: dict[Any, set[Any]] = {}
-        for device, box in _planning.device_boxes(spec, tuple(shape)).items():
+        for device, box in _checkpoint.device_boxes(spec, tuple(shape)).items():
             per_host.setdefault(self.group.process_of_device(device), set()).add(box)
         itemsize = np.dtype(dtype).itemsize
         return max(

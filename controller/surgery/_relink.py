@@ -22,11 +22,10 @@ from typing import Any
 
 import tensorstore as ts
 
-from milepost import _pytree_format as tree_format
-from milepost import _pytree_save, _tree, workers
+from milepost import _checkpoint, _tree, workers
+from milepost import _format as fmt
 from milepost._errors import CorruptCheckpointError
 from milepost.surgery._lazy import LazyArray, Source, nest
-from milepost.workers import _tensorstore as tsu
 
 log = logging.getLogger("milepost.surgery")
 
@@ -75,7 +74,7 @@ def link_databases(ck: Any, renames: dict[str, str], directory: Path) -> None:
     """On the primary: the source's databases in ``directory``, renamed (no data copied)."""
     source = Path(ck.folder)
     databases = sorted(p for p in source.iterdir() if p.name.startswith(workers.PROCESS_PREFIX))
-    context = tsu.new_context(directory)
+    context = workers.new_context(directory)
     for db in databases:
         _check_plain(db)
         if not db.is_dir():
@@ -98,7 +97,7 @@ def link_databases(ck: Any, renames: dict[str, str], directory: Path) -> None:
                         here / f, target / rel / f, follow_symlinks=False
                     )  # the manifest: rewritten below
         kv = ts.KvStore.open(
-            {"driver": "ocdbt", "base": tsu.file_kvstore(target)}, context=context
+            {"driver": "ocdbt", "base": workers.kvstore(target)}, context=context
         ).result()
         present = {k.decode().split("/", 1)[0] for k in kv.list().result()}
         for old in sorted(present):
@@ -125,7 +124,7 @@ def finish(
     ck: Any,
     renames: dict[str, str],
     order: list[str],
-    files: _pytree_save.TreeSavePlan,
+    files: _checkpoint.TreeSavePlan,
     acks: list[workers.SaveAck],
     directory: Path,
 ) -> None:
@@ -135,9 +134,7 @@ def finish(
     written = []
     for old, new in renames.items():
         saved = src.leaves[old]
-        files.leaves[new] = tree_format.SavedLeaf.of(
-            keyed[new], saved.value_type, saved.write_shape
-        )
+        files.leaves[new] = fmt.SavedLeaf.of(keyed[new], saved.value_type, saved.write_shape)
         if old in src.shardings:
             files.shardings[new] = src.shardings[old]
         meta = ck.leaf_meta[old]
@@ -151,7 +148,7 @@ def finish(
         )
     acks = [*acks, workers.SaveAck(process_index=0, bytes_written=0, arrays=tuple(written))]
     files.leaves = {n: files.leaves[n] for n in order if n in files.leaves}
-    _pytree_save.finish_tree(directory, files.files, acks)
+    _checkpoint.finish_tree(directory, files.files, acks)
     log.info(
         "relinked %d arrays of %s into %s (no array bytes moved)", len(renames), ck.path, directory
     )

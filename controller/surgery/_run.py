@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,22 +22,13 @@ from typing import Any
 
 import numpy as np
 
-from milepost import (
-    _api,
-    _checkpoint,
-    _dispatch,
-    _handlers,
-    _options,
-    _paths,
-    _pytree_load,
-    _pytree_save,
-    workers,
-)
+from milepost import _api, _checkpoint, _hosts, _options, workers
 from milepost import _format as fmt
+from milepost.surgery import _lazy, _relink
 from milepost.surgery._lazy import LazyArray, Op, Source, flat, nest
 from milepost.surgery._placement import Placement
-from milepost.workers import ShardingSpec
-from milepost.workers import _progress as progress_sink
+from milepost.workers import ObjectPath, ShardingSpec, as_path, check
+from milepost.workers import progress as progress_sink
 
 log = logging.getLogger("milepost.surgery")
 
@@ -70,7 +62,7 @@ def counted(outputs: Mapping[str, LazyArray], *, written: bool) -> Any:
     inputs = {
         (id(s.expr.checkpoint), s.expr.name): s.nbytes
         for x in outputs.values()
-        for s in _sources_of(x)
+        for s in sources_of(x)
     }  # type: ignore[union-attr]
     op.expect(sum(inputs.values()) + (sum(x.nbytes for x in outputs.values()) if written else 0))
     return progress_sink.reporting(_Counted(op))
@@ -162,7 +154,7 @@ def _signature(nodes: Any) -> Any:
 
 
 def placement_of(leaves: list[LazyArray]) -> Placement:
-    places = {s.expr.checkpoint.placement for leaf in leaves for s in _sources_of(leaf)}
+    places = {s.expr.checkpoint.placement for leaf in leaves for s in sources_of(leaf)}
     if len(places) > 1:
         raise ValueError(
             f"the surgery mixes checkpoints opened on different hosts ({', '.join(p.describe() for p in places)}); open every "
@@ -171,10 +163,10 @@ def placement_of(leaves: list[LazyArray]) -> Placement:
     return next(iter(places)) if places else Placement()
 
 
-def _sources_of(x: LazyArray) -> list[LazyArray]:
+def sources_of(x: LazyArray) -> list[LazyArray]:
     if isinstance(x.expr, Source):
         return [x]
-    return [s for i in x.expr.inputs for s in _sources_of(i)]
+    return [s for i in x.expr.inputs for s in sources_of(i)]
 
 
 def load_inputs(program: Program, placement: Placement) -> list[Any]:
@@ -228,7 +220,7 @@ def groups(
     seen: set[int] = set()
     for name, x in outputs.items():
         cost = placement.bytes_per_host(x.shape, x.dtype, specs[name])
-        new_sources = {id(s.expr): s for s in _sources_of(x)}
+        new_sources = {id(s.expr): s for s in sources_of(x)}
         extra = sum(
             placement.bytes_per_host(s.shape, s.dtype, placement.spec_for(s.sharding, s.shape))
             for k, s in new_sources.items()
@@ -265,8 +257,6 @@ def output_specs(
     device."""
     import re
 
-    from milepost import _planning
-
     out = {}
     for name, x in outputs.items():
         chosen: Any = None
@@ -278,7 +268,7 @@ def output_specs(
         elif shardings is not None:
             chosen = shardings
         if chosen is not None:
-            spec = _planning.sharding_spec(chosen)
+            spec = _checkpoint.sharding_spec(chosen)
             if spec is None or not placement.usable(spec, x.shape):
                 raise ValueError(
                     f"the sharding given for {name!r} ({chosen!r}) cannot hold an array of shape {x.shape} on {placement.describe()}"
@@ -315,9 +305,7 @@ class Job:
     def __milepost_host_group__(self) -> Any:  # the save runs on the surgery's hosts
         return self.placement.group if self.placement.slice is not None else None
 
-    def write(self, directory: Path, call: _handlers.SaveCall) -> None:
-        from milepost.surgery import _relink
-
+    def write(self, directory: Path, call: _checkpoint.SaveCall) -> None:
         options = call.options.saving
         # Stored leaves kept as stored (no SaveOptions asking for another chunking or compression:
         # the default chunking, "auto", keeps what is stored) are relinked; anything else is rewritten.
@@ -332,17 +320,17 @@ class Job:
         if fast is not None:
             ck, renames = fast
             timeout = call.options.async_.timeout_secs
-            _dispatch.shared(
+            _hosts.shared(
                 call.group,
                 f"surgery-link:{directory}",
                 lambda: _relink.link_databases(ck, renames, directory),
                 timeout,
             )
-            files = _pytree_save.TreeSavePlan(options)
+            files = _checkpoint.TreeSavePlan(options)
             acks: list[workers.SaveAck] = []
             if self.values:
-                planned = _pytree_save.plan(nest(self.values), options, call.group)
-                pending = _pytree_save.start(
+                planned = _checkpoint.plan_tree(nest(self.values), options, call.group)
+                pending = _checkpoint.stage_tree(
                     planned, directory, call, first_writer=1 << 16, finish=False
                 )
                 pending.wait()
@@ -356,10 +344,10 @@ class Job:
         with counted(self.arrays, written=True):
             self._write_groups(directory, call)
 
-    def _write_groups(self, directory: Path, call: _handlers.SaveCall) -> None:
+    def _write_groups(self, directory: Path, call: _checkpoint.SaveCall) -> None:
         options = call.options.saving
         step = _options.max_writers(options)
-        files = _pytree_save.TreeSavePlan(options)
+        files = _checkpoint.TreeSavePlan(options)
         acks: list[workers.SaveAck] = []
         # Group g is computed while group g - 1 is written: the two share the budget.
         parts = groups(self.arrays, self.specs, self.placement, self.budget // 2) or [[]]
@@ -384,9 +372,9 @@ class Job:
                 if g == 0:
                     values.update(self.values)
                 finish_writing()
-                planned = _pytree_save.plan(nest(values), options, call.group)
+                planned = _checkpoint.plan_tree(nest(values), options, call.group)
                 writing = (
-                    _pytree_save.start(
+                    _checkpoint.stage_tree(
                         planned, directory, call, first_writer=g * step, finish=False
                     ),
                     planned,
@@ -402,7 +390,7 @@ class Job:
         files.leaves = {n: files.leaves[n] for n in self.order if n in files.leaves}
         self.written["groups"] = len(parts)
         if call.group.is_primary():
-            _pytree_save.finish_tree(directory, files.files, acks)
+            _checkpoint.finish_tree(directory, files.files, acks)
 
 
 class SurgeryHandler:
@@ -414,14 +402,14 @@ class SurgeryHandler:
     def is_handleable(self, obj: Any) -> bool:
         return isinstance(obj, Job)
 
-    def save(self, directory: Path, obj: Any, call: _handlers.SaveCall) -> Any:
-        return _handlers.Deferred(lambda: obj.write(directory, call))
+    def save(self, directory: Path, obj: Any, call: _checkpoint.SaveCall) -> Any:
+        return _checkpoint.Deferred(lambda: obj.write(directory, call))
 
-    def load(self, directory: Path, abstract: Any, call: _handlers.LoadCall) -> Any:
-        return _handlers.PyTreeHandler().load(directory, abstract, call)
+    def load(self, directory: Path, abstract: Any, call: _checkpoint.LoadCall) -> Any:
+        return _checkpoint.PyTreeHandler().load(directory, abstract, call)
 
     def metadata(self, directory: Path) -> Any:
-        return _handlers.PyTreeHandler().metadata(directory)
+        return _checkpoint.PyTreeHandler().metadata(directory)
 
 
 def split_tree(tree: Any) -> tuple[dict[str, LazyArray], dict[str, Any]]:
@@ -438,7 +426,7 @@ def split_tree(tree: Any) -> tuple[dict[str, LazyArray], dict[str, Any]]:
 
 
 def provenance(arrays: dict[str, LazyArray]) -> dict[str, Any]:
-    sources = sorted({f"{s.expr.checkpoint.path}" for x in arrays.values() for s in _sources_of(x)})
+    sources = sorted({f"{s.expr.checkpoint.path}" for x in arrays.values() for s in sources_of(x)})
     operations = list(dict.fromkeys(h for x in arrays.values() for h in x.history))
     return {"sources": sources, "operations": operations}
 
@@ -453,7 +441,7 @@ def write(
     item: str = "state",
     custom_metadata: Mapping[str, Any] | None = None,
     relink: bool = True,
-) -> Path | _paths.ObjectPath:
+) -> Path | ObjectPath:
     """Write the surgery ``tree`` as a committed checkpoint at ``path`` (Orbax-readable), group
     by group: each host holds at most ``memory_budget_bytes`` (default 1 GiB) of inputs and
     outputs at once. ``shardings``: where the outputs go (None: as the operations suggest, else
@@ -491,22 +479,23 @@ def write_items(
     overwrite: bool = False,
     custom_metadata: Mapping[str, Any] | None = None,
     relink: bool = True,
-) -> Path | _paths.ObjectPath:
+) -> Path | ObjectPath:
     """:func:`write` of several surgery trees, one checkpointable each, in one checkpoint."""
-    if memory_budget_bytes is not None and (
-        isinstance(memory_budget_bytes, bool)
-        or not isinstance(memory_budget_bytes, int)
-        or memory_budget_bytes <= 0
-    ):
-        raise ValueError(f"memory_budget_bytes must be a positive int, got {memory_budget_bytes!r}")
-    if not isinstance(relink, bool):
-        raise TypeError(f"relink must be True or False, got {relink!r}")
+    check.integer(
+        memory_budget_bytes,
+        "memory_budget_bytes",
+        minimum=1,
+        optional=True,
+        error=ValueError,
+        expect="a positive int",
+    )
+    check.flag(relink, "relink")
     jobs: dict[str, Job] = {}
     every: dict[str, LazyArray] = {}
     for item, tree in trees.items():
         arrays, values = split_tree(tree)
         placement = placement_of(list(arrays.values()))
-        _dispatch.check_storage(placement.group, _paths.as_path(path))
+        _hosts.check_storage(placement.group, as_path(path))
         specs = output_specs(arrays, placement, shardings)
         jobs[item] = Job(
             arrays,
@@ -549,8 +538,6 @@ def materialize(tree: Any, abstract: Any = None) -> Any:
 
 
 def _escape(name: str) -> str:
-    import re
-
     return re.escape(name)
 
 
@@ -600,17 +587,21 @@ def to_numpy(x: LazyArray) -> np.ndarray:
         store=ck.files.store(ck.folder),
         name=source.name,
         box=box,
-        checksums=_pytree_load._checksums(ck.files, source.name),
+        checksums=_checkpoint.recorded_checksums(ck.files, source.name),
     )
     group = ck.placement.group
     timeout = _options.current().async_.timeout_secs
     if ck.placement.slice is not None:
         (data,) = group.run("read_box", {group.processes()[0]: plan}, timeout)
     else:
-        data = _dispatch.shared(
+        data = _hosts.shared(
             group,
             f"surgery-preview:{ck.path}:{source.name}:{box}",
             lambda: workers.run_job("read_box", plan, "controller"),
             timeout,
         )
     return np.squeeze(data, axis=drop) if drop else data
+
+
+_lazy.set_reader(to_numpy)  # np.asarray(lazy array) reads through this engine
+_api.set_tree_loader(materialize)  # milepost.load(surgery tree) computes it onto the devices

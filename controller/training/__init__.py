@@ -6,14 +6,16 @@
 ...     ckpt.save(step, state, metrics={"loss": loss})
 """
 
-from milepost.training._checkpointer import (
+from milepost.training._checkpointer import Checkpointer
+from milepost.training._errors import (
     BackgroundSaveError,
-    Checkpointer,
     MirrorError,
     StepBusyError,
     StepExistsError,
     StepNotFoundError,
 )
+from milepost.training._listing import list_steps
+from milepost.training._options import CheckpointerOptions
 from milepost.training._policies import (
     AnyOf,
     Continuous,
@@ -36,6 +38,7 @@ __all__ = [
     "AnyOf",
     "BackgroundSaveError",
     "Checkpointer",
+    "CheckpointerOptions",
     "Continuous",
     "FixedInterval",
     "InitialStep",
@@ -54,4 +57,5 @@ __all__ = [
     "StepExistsError",
     "StepInfo",
     "StepNotFoundError",
+    "list_steps",
 ]

@@ -12,6 +12,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from milepost.workers import check
+
 
 @dataclass(frozen=True, kw_only=True)
 class SaveContext:
@@ -32,12 +34,34 @@ class SaveContext:
 
 @runtime_checkable
 class SavePolicy(Protocol):
-    def should_save(self, ctx: SaveContext) -> bool: ...
+    """When to save: a Checkpointer asks ``should_save(ctx)`` at every step it is given (its
+    ``should_save`` or ``save``), on the primary process, and every process gets that answer.
+
+    Implement it for a schedule of your own; it must be cheap and must not block. ``ctx`` holds
+    the step, the newest step committed or being saved, when the previous save started, whether
+    one is in flight and whether a preemption was requested. Combine policies with
+    :class:`AnyOf`.
+
+    >>> @dataclasses.dataclass(frozen=True)
+    ... class Warmup:
+    ...     until: int
+    ...     def should_save(self, ctx): return ctx.step < self.until
+    >>> Checkpointer(root, save_policy=AnyOf(Warmup(until=100), FixedInterval(interval=1000)))
+    """
+
+    def should_save(self, ctx: SaveContext) -> bool:
+        """Whether the step ``ctx.step`` is to be saved."""
+        ...
 
 
-def _positive_int(owner: str, name: str, value: Any, why: str = "must be a positive int") -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{owner}({name}={value!r}) {why}")
+def _keeps_nothing(owner: str, n: Any) -> None:
+    check.integer(
+        n,
+        f"{owner}.n",
+        minimum=1,
+        error=ValueError,
+        expect="a positive int (less would keep nothing)",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,7 +71,13 @@ class FixedInterval:
     interval: int
 
     def __post_init__(self) -> None:
-        _positive_int("FixedInterval", "interval", self.interval)
+        check.integer(
+            self.interval,
+            "FixedInterval.interval",
+            minimum=1,
+            error=ValueError,
+            expect="a positive int",
+        )
 
     def should_save(self, ctx: SaveContext) -> bool:
         return ctx.step % self.interval == 0
@@ -62,8 +92,7 @@ class SpecificSteps:
     def __init__(self, *, steps: Iterable[int]) -> None:
         values = list(steps)
         for s in values:
-            if isinstance(s, bool) or not hasattr(s, "__index__") or int(s) < 0:
-                raise ValueError(f"SpecificSteps(steps=...) takes non-negative ints, got {s!r}")
+            check.index(s, "SpecificSteps(steps=...)", error=ValueError, expect="non-negative ints")
         object.__setattr__(self, "steps", frozenset(int(s) for s in values))
 
     def should_save(self, ctx: SaveContext) -> bool:
@@ -86,10 +115,9 @@ class Continuous:
     min_interval_secs: float = 0.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.min_interval_secs, int | float) or self.min_interval_secs < 0:
-            raise ValueError(
-                f"Continuous(min_interval_secs={self.min_interval_secs!r}) must be a number >= 0"
-            )
+        check.number(
+            self.min_interval_secs, "Continuous.min_interval_secs", minimum=0, error=ValueError
+        )
 
     def should_save(self, ctx: SaveContext) -> bool:
         if ctx.save_in_flight:
@@ -132,8 +160,7 @@ class AnyOf:
         if not policies:
             raise ValueError("AnyOf() of no policies would never save; pass at least one policy")
         for p in policies:
-            if not isinstance(p, SavePolicy):
-                raise TypeError(f"{p!r} is not a save policy (it needs should_save(ctx))")
+            check.instance(p, "AnyOf(...)", SavePolicy, "a save policy (it needs should_save(ctx))")
         object.__setattr__(self, "policies", tuple(policies))
 
     def should_save(self, ctx: SaveContext) -> bool:
@@ -166,6 +193,20 @@ class StepInfo:
 
 @runtime_checkable
 class RetentionPolicy(Protocol):
+    """Which committed steps to keep: after each commit (and mirror) a Checkpointer asks
+    ``keep(steps)`` on a background thread and deletes the others, on the primary process.
+
+    Implement it for a rule of your own; it sees each step's number and the metrics saved with
+    it. Whatever it answers, the Checkpointer never deletes the latest step, a step being saved,
+    loaded or mirrored, or the only copy of a step still to reach the durable root. Combine
+    policies with :class:`KeepUnion`.
+
+    >>> @dataclasses.dataclass(frozen=True)
+    ... class KeepFirst:
+    ...     def keep(self, steps): return {steps[0].step} if steps else set()
+    >>> Checkpointer(root, keep=KeepUnion(KeepFirst(), KeepLatest(n=3)))
+    """
+
     def keep(self, steps: Sequence[StepInfo]) -> set[int]:
         """The steps to keep among the committed ``steps`` (sorted, oldest first). The
         Checkpointer also keeps the latest step and any step being saved or loaded."""
@@ -187,7 +228,7 @@ class KeepLatest:
     n: int
 
     def __post_init__(self) -> None:
-        _positive_int("KeepLatest", "n", self.n, "would keep nothing; n must be a positive int")
+        _keeps_nothing("KeepLatest", self.n)
 
     def keep(self, steps: Sequence[StepInfo]) -> set[int]:
         return {s.step for s in steps[-self.n :]}
@@ -200,7 +241,7 @@ class KeepEvery:
     n: int
 
     def __post_init__(self) -> None:
-        _positive_int("KeepEvery", "n", self.n, "would keep nothing; n must be a positive int")
+        _keeps_nothing("KeepEvery", self.n)
 
     def keep(self, steps: Sequence[StepInfo]) -> set[int]:
         return {s.step for s in steps if s.step % self.n == 0}
@@ -217,11 +258,9 @@ class KeepBest:
     mode: Literal["min", "max"] = "min"
 
     def __post_init__(self) -> None:
-        _positive_int("KeepBest", "n", self.n, "would keep nothing; n must be a positive int")
-        if not isinstance(self.metric, str) or not self.metric:
-            raise ValueError(f"KeepBest(metric={self.metric!r}) must name a metric")
-        if self.mode not in ("min", "max"):
-            raise ValueError(f"KeepBest(mode={self.mode!r}) must be 'min' or 'max'")
+        _keeps_nothing("KeepBest", self.n)
+        check.text(self.metric, "KeepBest.metric (the metric's name)", error=ValueError)
+        check.one_of(self.mode, "KeepBest.mode", ("min", "max"))
 
     def keep(self, steps: Sequence[StepInfo]) -> set[int]:
         scored = [
@@ -248,8 +287,9 @@ class KeepUnion:
                 "KeepUnion() of no policies would keep nothing; pass at least one policy"
             )
         for p in policies:
-            if not isinstance(p, RetentionPolicy):
-                raise TypeError(f"{p!r} is not a retention policy (it needs keep(steps))")
+            check.instance(
+                p, "KeepUnion(...)", RetentionPolicy, "a retention policy (it needs keep(steps))"
+            )
         object.__setattr__(self, "policies", tuple(policies))
 
     def keep(self, steps: Sequence[StepInfo]) -> set[int]:

@@ -13,23 +13,21 @@ import os
 from pathlib import Path
 from typing import Any
 
-from milepost import _checkpoint, _layout, _ownership, _paths, _workspace
+from milepost import _checkpoint, _storage
 from milepost import _format as fmt
+from milepost.training._errors import StepBusyError
+from milepost.workers import ObjectPath
 
 log = logging.getLogger("milepost.training")
 
 DELETING_SUFFIX = ".milepost-deleting"
 
 
-class StepBusyError(RuntimeError):
-    """The step is being saved or loaded right now, so it cannot be deleted."""
-
-
 def is_step_name(name: str) -> bool:
     return name.isdigit() and str(int(name)) == name
 
 
-def _leftover_of_step(name: str) -> bool:
+def is_leftover_of_step(name: str) -> bool:
     """``<step>.orbax-checkpoint-tmp[...]`` or ``<step>.milepost-deleting``."""
     for marker in (fmt.TMP_SUFFIX, DELETING_SUFFIX):
         head, found, _ = name.partition(marker)
@@ -39,14 +37,14 @@ def _leftover_of_step(name: str) -> bool:
 
 
 class Tier:
-    def __init__(self, path: Path | _paths.ObjectPath, lease_secs: float) -> None:
+    def __init__(self, path: Path | ObjectPath, lease_secs: float) -> None:
         self.path = path
         self.lease_secs = lease_secs
 
     def __str__(self) -> str:
         return str(self.path)
 
-    def step(self, step: int) -> Path | _paths.ObjectPath:
+    def step(self, step: int) -> Path | ObjectPath:
         return self.path / str(step)
 
     # -- listing ------------------------------------------------------------------------
@@ -67,11 +65,9 @@ class Tier:
         if not self.path.exists():
             return out
         if isinstance(self.path, Path):
-            steps = [
-                p for p in self.path.iterdir() if is_step_name(p.name) and _layout.is_committed(p)
-            ]
+            steps = [p for p in self.path.iterdir() if is_step_name(p.name) and fmt.is_committed(p)]
         else:
-            steps = [self.path / name for name in self._listing()[0]]
+            steps = [self.path / name for name in self.listing()[0]]
         for p in steps:
             try:
                 meta = fmt.read_json(p / fmt.CHECKPOINT_METADATA, "checkpoint metadata")
@@ -82,9 +78,9 @@ class Tier:
             out[int(p.name)] = dict(metrics) if isinstance(metrics, dict) else {}
         return out
 
-    def _listing(self) -> tuple[set[str], set[str]]:
+    def listing(self) -> tuple[set[str], set[str]]:
         """Object stores: (committed step names, every step folder name), from one listing."""
-        assert isinstance(self.path, _paths.ObjectPath)
+        assert isinstance(self.path, ObjectPath)
         committed, folders = set(), set()
         for key in self.path.keys():
             head, _, rest = key.partition("/")
@@ -101,9 +97,9 @@ class Tier:
         progress, in any process, does."""
         busy = _checkpoint.saves_in_flight(self.path)  # saves of this process: not leftovers
         if not isinstance(self.path, Path):
-            committed, folders = self._listing()
+            committed, folders = self.listing()
             for name in sorted(folders - committed - busy):
-                if _workspace.remove_if_abandoned(self.path / name, self.lease_secs):  # type: ignore[arg-type]
+                if _storage.remove_abandoned_objects(self.path / name, self.lease_secs):  # type: ignore[arg-type]
                     log.warning(
                         "removed %s, left by a save or deletion that did not finish",
                         self.path / name,
@@ -114,23 +110,20 @@ class Tier:
         for p in sorted(self.path.iterdir()):
             name = p.name
             partial = (
-                is_step_name(name)
-                and p.is_dir()
-                and not p.is_symlink()
-                and not _layout.is_committed(p)
+                is_step_name(name) and p.is_dir() and not p.is_symlink() and not fmt.is_committed(p)
             )
             making = (
                 name.startswith(".")
-                and _ownership.NEW_MARKER in name
+                and _storage.NEW_MARKER in name
                 and is_step_name(name[1:].partition(".")[0])
             )
             if not (
-                partial or making or (_leftover_of_step(name) and (p.is_dir() or p.is_symlink()))
+                partial or making or (is_leftover_of_step(name) and (p.is_dir() or p.is_symlink()))
             ):
                 continue
             if name.lstrip(".").partition(".")[0] in busy:
                 continue
-            if _ownership.remove_if_abandoned(p):
+            if _storage.remove_abandoned_folder(p):
                 log.warning("removed %s, left by a save or deletion that did not finish", p)
             else:
                 log.info("left %s alone: a live process holds it", p)
@@ -162,7 +155,7 @@ class Tier:
             return
         if not path.exists():
             return
-        lock = _ownership.try_lock(path)
+        lock = _storage.try_lock(path)
         if lock is None:
             raise StepBusyError(
                 f"step {step} in {self.path} is held by another process (being committed); it was not deleted"
@@ -171,19 +164,19 @@ class Tier:
             # Rename first: a crash mid-delete leaves a name that is never listed, not half a step.
             trash = path.with_name(path.name + DELETING_SUFFIX)
             if trash.exists():
-                _ownership.remove_tree(trash)
+                _storage.remove_tree(trash)
             os.rename(path, trash)
-            _ownership.remove_tree(trash)
+            _storage.remove_tree(trash)
 
     def _delete_objects(self, steps: list[int]) -> list[int]:
         """Object stores: delete committed steps, all at once. Under each step's lease, the
         commit marker goes first (the step stops being loadable), then every key, in parallel;
         a step another save owns is skipped."""
-        owned: list[tuple[int, _workspace.ObjectWorkspace]] = []
+        owned: list[tuple[int, _storage.ObjectWorkspace]] = []
         for step in steps:
             path = self.step(step)
-            assert isinstance(path, _paths.ObjectPath)
-            workspace = _workspace.ObjectWorkspace(
+            assert isinstance(path, ObjectPath)
+            workspace = _storage.ObjectWorkspace(
                 path, overwrite=True, wait_secs=0.0, lease_secs=self.lease_secs
             )
             try:

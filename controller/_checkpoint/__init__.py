@@ -1,0 +1,99 @@
+"""Whole checkpoints: saving (stage, then commit in the background), loading and metadata, the
+checkpointable handlers, and the pytree checkpointable (its save plan and its load plan)."""
+
+from milepost._checkpoint._background import SAVES, wait_for_saves
+from milepost._checkpoint._calls import Deferred, LoadCall, SaveCall, as_pending
+from milepost._checkpoint._handlers import (
+    CheckpointableHandler,
+    JsonHandler,
+    PyTreeHandler,
+    StatefulCheckpointable,
+    register_handler,
+    resolve_for_load,
+    resolve_for_save,
+)
+from milepost._checkpoint._load import (
+    CheckpointMetadata,
+    load_checkpointables,
+    metadata,
+    read_checkpointables,
+    unchanged,
+)
+from milepost._checkpoint._planning import (
+    AUTO_BAND_BYTES,
+    auto_chunk_shape,
+    device_boxes,
+    host_array_spec,
+    inner_chunk_shape,
+    sharding_spec,
+    write_regions,
+)
+from milepost._checkpoint._pytree_load import (
+    LeafMetadata,
+    array_headers,
+    concrete_sharding,
+    header_shape_dtype,
+    read_tree_files,
+    recorded_checksums,
+    to_scalar,
+    tree_metadata,
+)
+from milepost._checkpoint._pytree_save import (
+    CONTROLLER,
+    SCALAR_TYPES,
+    PendingTree,
+    TreeSavePlan,
+    finish_tree,
+    plan_tree,
+    stage_tree,
+)
+from milepost._checkpoint._replicas import mark as mark_replicas
+from milepost._checkpoint._save import SaveHandle, all_leaves, saves_in_flight, start_save
+
+__all__ = [
+    "AUTO_BAND_BYTES",
+    "CONTROLLER",
+    "SAVES",
+    "SCALAR_TYPES",
+    "CheckpointMetadata",
+    "CheckpointableHandler",
+    "Deferred",
+    "JsonHandler",
+    "LeafMetadata",
+    "LoadCall",
+    "PendingTree",
+    "PyTreeHandler",
+    "SaveCall",
+    "SaveHandle",
+    "StatefulCheckpointable",
+    "TreeSavePlan",
+    "all_leaves",
+    "array_headers",
+    "as_pending",
+    "auto_chunk_shape",
+    "concrete_sharding",
+    "device_boxes",
+    "finish_tree",
+    "header_shape_dtype",
+    "host_array_spec",
+    "inner_chunk_shape",
+    "load_checkpointables",
+    "mark_replicas",
+    "metadata",
+    "plan_tree",
+    "read_checkpointables",
+    "read_tree_files",
+    "recorded_checksums",
+    "register_handler",
+    "resolve_for_load",
+    "resolve_for_save",
+    "saves_in_flight",
+    "sharding_spec",
+    "stage_tree",
+    "start_save",
+    "to_scalar",
+    "tree_metadata",
+    "unchanged",
+    "wait_for_saves",
+    "write_regions",
+]

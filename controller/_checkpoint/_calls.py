@@ -1,0 +1,73 @@
+"""What a checkpointable's handler is told about the save or load it is part of, and the
+background part of a save in the one form every layer uses (a pending write)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from milepost._options import Options
+from milepost.colocated import HostGroup
+from milepost.workers import PendingWrite
+
+
+@dataclass(frozen=True)
+class SaveCall:
+    """What a handler gets to know about the save it is part of."""
+
+    options: Options
+    group: HostGroup
+    copy: bool
+    """Stage a copy of the data before returning (``save_async``); False: a blocking save, the
+    caller's buffers stay untouched until the commit."""
+
+
+@dataclass(frozen=True)
+class LoadCall:
+    """What a handler gets to know about the load it is part of."""
+
+    options: Options
+    group: HostGroup
+    partial: bool = False
+
+
+class Deferred:
+    """A background part that writes nothing until waited for: ``wait`` runs ``fn`` once (a
+    second ``wait`` returns or raises the same); ``settle`` has nothing in flight to wait for."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self._fn: Callable[[], Any] | None = fn
+        self._lock = threading.Lock()
+        self._outcome: tuple[bool, Any] | None = None
+
+    def wait(self, timeout: float | None = None) -> Any:
+        with self._lock:
+            if self._outcome is None:
+                assert self._fn is not None
+                try:
+                    self._outcome = (True, self._fn())
+                except BaseException as e:
+                    self._outcome = (False, e)
+                self._fn = None
+        ok, value = self._outcome
+        if not ok:
+            raise value
+        return value
+
+    def settle(self, timeout: float | None = None) -> None:
+        return None
+
+
+def as_pending(part: PendingWrite[Any] | Callable[[], Any] | None) -> PendingWrite[Any] | None:
+    """A handler's (or a stateful checkpointable's) background part as a pending write: plain
+    callables, the simple form user code may return, become :class:`Deferred`."""
+    if part is None or isinstance(part, PendingWrite):
+        return part
+    if callable(part):
+        return Deferred(part)
+    raise TypeError(
+        f"a checkpointable's save returned {type(part).__name__}; it must return None, a callable to run in the "
+        "background, or a PendingWrite (wait(timeout) and settle(timeout))"
+    )

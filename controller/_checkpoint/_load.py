@@ -1,0 +1,264 @@
+"""Loading whole checkpoints and their metadata: find the checkpointables, hand each to its
+handler, and make sure every byte came from the one checkpoint that was there when the load
+started (a load racing an overwrite or a deletion raises ``CheckpointReplacedError``)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from milepost import _format as fmt
+from milepost import _hosts, _options, _views
+from milepost._checkpoint._calls import LoadCall
+from milepost._checkpoint._handlers import (
+    JsonHandler,
+    PyTreeHandler,
+    StatefulCheckpointable,
+    resolve_for_load,
+)
+from milepost._errors import CheckpointNotFoundError, CheckpointReplacedError
+from milepost.workers import as_path
+
+
+def load_checkpointables(
+    path: str | os.PathLike[str],
+    abstracts: Mapping[str, Any] | None,
+    *,
+    partial: bool = False,
+    default_pytree: bool = False,
+) -> dict[str, Any]:
+    """Load the named checkpointables (all when None). ``default_pytree``: ``abstracts`` holds
+    one entry under the key None, meaning the checkpoint's main pytree."""
+    options = _options.current()
+    root = as_path(path)
+    leaves: list[Any] = []
+    for a in (abstracts or {}).values():
+        if a is not None and not isinstance(a, StatefulCheckpointable):
+            leaves.extend(
+                jax.tree_util.tree_leaves(
+                    a, is_leaf=lambda x: hasattr(x, "__milepost_host_group__")
+                )
+            )
+    group = _hosts.check_storage(_hosts.host_group_for_abstract(leaves), root)
+    timeout = options.async_.timeout_secs
+    _, items, identity, checksums = _hosts.shared(
+        group, f"ckpt-meta:{root}", lambda: read_checkpointables(root), timeout
+    )
+    if default_pytree:
+        assert abstracts is not None
+        abstracts = {fmt.main_tree(root, items): abstracts[None]}
+    wanted = dict(abstracts) if abstracts is not None else {n: None for n in items}
+    unknown = [n for n in wanted if n not in items]
+    if unknown:
+        raise KeyError(
+            f"checkpoint {root} has no checkpointable(s) {unknown}; it has {sorted(items)}"
+        )
+    call = LoadCall(options=options, group=group, partial=partial)
+    out = {}
+    try:
+        with fmt.verifying(checksums):
+            for name, abstract in wanted.items():
+                handler = resolve_for_load(name, items[name].handler, abstract, options.handlers)
+                folder = items[name].folder
+                _hosts.shared(
+                    group,
+                    f"check-files:{folder}",
+                    functools.partial(_check_own_files, folder, handler, checksums),
+                    timeout,
+                )
+                out[name] = handler.load(folder, abstract, call)
+    except Exception as e:
+        if _identity(root) != identity:  # local: the other processes may not be here
+            raise _replaced(root) from e
+        raise
+    # Every byte came from the checkpoint that was there when the load started, or it was
+    # replaced (an overwrite, a deletion) meanwhile and the result may mix two: refuse it.
+    if _hosts.shared(group, f"ckpt-changed:{root}", lambda: _identity(root) != identity, timeout):
+        raise _replaced(root)
+    return out
+
+
+def _check_own_files(folder: Path, handler: Any, checksums: fmt.Checksums | None) -> None:
+    """A handler that reads its files itself (not the built-in pytree or JSON ones, which check
+    what they read) gets its folder only once every committed file in it is checked."""
+    if checksums is not None and not isinstance(handler, PyTreeHandler | JsonHandler):
+        checksums.check_folder(folder)
+
+
+@contextlib.contextmanager
+def unchanged(root: Path) -> Iterator[None]:
+    """Raise CheckpointReplacedError if the checkpoint at ``root`` was replaced or deleted while
+    the block ran (whatever the block raised then: it may have read parts of two checkpoints)."""
+    identity = _identity(root)
+    try:
+        yield
+    except Exception as e:
+        if _identity(root) != identity:
+            raise _replaced(root) from e
+        raise
+    if _identity(root) != identity:
+        raise _replaced(root)
+
+
+def read_checkpointables(
+    root: Path,
+) -> tuple[dict[str, Any], dict[str, fmt.Item], tuple[Any, ...], fmt.Checksums | None]:
+    fmt.require_checkpoint(root)
+    fmt.check_contained(root)  # before any file is opened (a FIFO would block the open forever)
+    identity = _identity(root)
+    with unchanged(root):
+        checksums = fmt.Checksums.read(root)
+        with fmt.verifying(checksums):
+            meta = fmt.read_checkpoint_metadata(root)
+    return meta, fmt.checkpointables(root, meta), identity, checksums
+
+
+def _identity(root: Path) -> tuple[Any, ...]:
+    """What changes when the checkpoint at ``root`` is replaced: its folder and its commit."""
+    try:
+        if isinstance(root, Path):
+            st = os.stat(root)
+            where: tuple[Any, ...] = (st.st_dev, st.st_ino)
+            if not (
+                root / fmt.CHECKPOINT_METADATA
+            ).is_file():  # (opening a FIFO would wait forever)
+                return (*where, "no metadata file")
+        else:  # object stores: the generation of the commit marker, which every save writes anew
+            where = ((root / fmt.COMMIT_MARKER).generation(),)
+        meta = json.loads((root / fmt.CHECKPOINT_METADATA).read_bytes())
+        stamps = (
+            (meta.get("init_timestamp_nsecs"), meta.get("commit_timestamp_nsecs"))
+            if isinstance(meta, dict)
+            else ()
+        )
+    except (OSError, ValueError):
+        return ("unreadable",)
+    return (*where, *stamps)
+
+
+def _replaced(root: Path) -> CheckpointReplacedError:
+    return CheckpointReplacedError(
+        f"the checkpoint at {root} was replaced or deleted while it was being loaded (an overwrite, or retention, in "
+        "another process), so what was read may mix two checkpoints and was discarded. Load it again"
+    )
+
+
+class CheckpointMetadata:
+    """What ``milepost.metadata`` returns: the tree and the checkpoint-level facts.
+
+    ``tree`` is the main pytree (``state``, or the only one) with a :class:`LeafMetadata` per
+    leaf; ``checkpointables`` has every checkpointable's metadata by name; ``custom_metadata``,
+    ``metrics`` and the timestamps come from the checkpoint's ``_CHECKPOINT_METADATA``. Its
+    ``repr`` (and its table in a notebook) lists every leaf with its bytes.
+
+    >>> meta = milepost.metadata("/ckpt/100")
+    >>> meta.tree["params"]["w"].shape, meta.nbytes, meta.custom_metadata
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        meta: dict[str, Any],
+        checkpointables: dict[str, Any],
+        tree_name: str | None,
+    ) -> None:
+        self.path = path
+        self.checkpointables = checkpointables
+        self.tree = checkpointables.get(tree_name) if tree_name else None
+        self.custom_metadata: dict[str, Any] = meta.get("custom_metadata") or {}
+        self.metrics: dict[str, Any] = meta.get("metrics") or {}
+        self.init_timestamp_nsecs: int | None = meta.get("init_timestamp_nsecs")
+        self.commit_timestamp_nsecs: int | None = meta.get("commit_timestamp_nsecs")
+        handlers = meta.get("item_handlers") or {}
+        self.item_handlers: dict[str, str] = (
+            handlers if isinstance(handlers, dict) else {fmt.DEFAULT_ITEM: handlers}
+        )
+
+    def leaves(self, checkpointable: str | None = None) -> list[Any]:
+        """Every :class:`LeafMetadata` of the main tree (or of the pytree ``checkpointable``),
+        in tree order."""
+        tree = self.tree if checkpointable is None else self.checkpointables[checkpointable]
+        return _views.flat_leaves(tree)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every array of every pytree checkpointable."""
+        return sum(
+            _views.totals(_views.flat_leaves(part))[2] for part in self.checkpointables.values()
+        )
+
+    def _facts(self) -> dict[str, str]:
+        facts = {"path": str(self.path)}
+        if self.commit_timestamp_nsecs:
+            facts["committed"] = _views.timestamp_str(self.commit_timestamp_nsecs)
+            if self.init_timestamp_nsecs:
+                facts["save took"] = (
+                    f"{(self.commit_timestamp_nsecs - self.init_timestamp_nsecs) / 1e9:.2f} s"
+                )
+        facts["checkpointables"] = ", ".join(
+            f"{n} ({self.item_handlers.get(n, '?').rpartition('.')[2]})"
+            for n in self.checkpointables
+        )
+        facts["custom_metadata"] = _views.short_json(self.custom_metadata)
+        if self.metrics:
+            facts["metrics"] = _views.short_json(self.metrics)
+        return facts
+
+    def _tables(self) -> list[tuple[str, list[Any]]]:
+        out = []
+        for name, part in self.checkpointables.items():
+            leaves = _views.flat_leaves(part)
+            if leaves:
+                n, arrays, nbytes = _views.totals(leaves)
+                out.append(
+                    (f"{name}: {n} leaves, {arrays} arrays, {_views.human_bytes(nbytes)}", leaves)
+                )
+        return out
+
+    def __repr__(self) -> str:
+        lines = [f"CheckpointMetadata({str(self.path)!r})"]
+        lines += [f"  {k}: {v}" for k, v in self._facts().items() if k != "path"]
+        text = "\n".join(lines)
+        for title, leaves in self._tables():
+            text += "\n" + _views.text_table(
+                _views.LEAF_COLUMNS, [_views.leaf_row(leaf) for leaf in leaves], title=title
+            )
+        return text
+
+    def _repr_html_(self) -> str:
+        out = _views.html_fields("CheckpointMetadata", self._facts())
+        for title, leaves in self._tables():
+            out += _views.html_table(
+                _views.LEAF_COLUMNS, [_views.leaf_row(leaf) for leaf in leaves], title=title
+            )
+        return out
+
+
+def metadata(path: str | os.PathLike[str]) -> CheckpointMetadata:
+    options = _options.current()
+    root = as_path(path)
+    group = _hosts.check_storage(_hosts.host_group_for([]), root)
+
+    def read() -> CheckpointMetadata:
+        with unchanged(root):
+            meta, items, _, checksums = read_checkpointables(root)
+            parts = {}
+            with fmt.verifying(checksums):
+                for name, item in items.items():
+                    handler = resolve_for_load(name, item.handler, None, options.handlers)
+                    _check_own_files(item.folder, handler, checksums)
+                    parts[name] = handler.metadata(item.folder)
+        try:
+            tree_name: str | None = fmt.main_tree(root, items)
+        except CheckpointNotFoundError:
+            tree_name = None
+        return CheckpointMetadata(root, meta, parts, tree_name)
+
+    return _hosts.shared(group, f"metadata:{root}", read, options.async_.timeout_secs)

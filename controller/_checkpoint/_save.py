@@ -1,0 +1,369 @@
+"""Saving a whole checkpoint: take the path, stage every checkpointable (the blocking part),
+then wait for the writes and commit (in the background for ``save_async``).
+
+The commit writes the checkpoint's own files into the workspace, the commit marker last, and
+publishes it: renamed into place on a local disk, visible by its marker on an object store.
+Every controller process takes the primary's outcome of each step, so all of them succeed or
+all raise the same error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from milepost import _format as fmt
+from milepost import _hosts, _options, _progress, _views, workers
+from milepost._checkpoint._background import SAVES
+from milepost._checkpoint._calls import SaveCall, as_pending
+from milepost._checkpoint._handlers import StatefulCheckpointable, resolve_for_save
+from milepost._errors import InvalidKeyError, SaveInProgressError
+from milepost._storage import LEASE_SUFFIX, NEW_MARKER, for_path
+from milepost.colocated import HostGroup
+from milepost.workers import ObjectPath, as_path
+
+_in_flight: set[Path] = set()
+_in_flight_lock = threading.Lock()
+
+
+def saves_in_flight(under: Path) -> set[str]:
+    """Names of the entries of folder ``under`` that a save of this process is writing now."""
+    with _in_flight_lock:
+        return {p.name for p in _in_flight if p.parent == under}
+
+
+class SaveHandle:
+    """The background part of a save. ``result()`` waits for the commit and re-raises its
+    failure on your thread; ``add_done_callback(fn)`` calls ``fn(handle)`` when it ends.
+
+    >>> handle = milepost.save_async("/ckpt/200", state)
+    >>> handle                       # SaveHandle('/ckpt/200', running: 96.0 MiB of 512.0 MiB written, 0.3 s)
+    >>> handle.result()              # waits for the commit; re-raises a failure
+    >>> handle                       # SaveHandle('/ckpt/200', committed: 512.0 MiB in 1.21 s (0.44 GB/s), blocking 0.118 s)
+    """
+
+    def __init__(
+        self, path: Path, future: futures.Future[Path], operation: _progress.Operation | None = None
+    ) -> None:
+        self.path = path
+        self._future = future
+        self._op = operation
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> Path:
+        try:
+            return self._future.result(timeout)
+        except futures.TimeoutError as e:
+            raise TimeoutError(
+                f"the save to {self.path} did not finish within {timeout}s; it is still running"
+            ) from e
+
+    def add_done_callback(self, fn: Callable[[SaveHandle], Any]) -> None:
+        """Call ``fn(self)`` once the save committed or failed (at once if it already has), on
+        the thread that finished it. Exceptions ``fn`` raises are logged, not raised. As with
+        ``concurrent.futures``, :meth:`result` may return while that thread still runs the
+        callbacks; :func:`milepost.wait_for_saves` returns only after them."""
+        self._future.add_done_callback(lambda _: fn(self))
+
+    def _state(self) -> str:
+        op = self._op
+        if not self._future.done():
+            if op is None:
+                return "running"
+            return f"running: {_progress.human_bytes(op.done)} of {_progress.human_bytes(op.total)} written, {op.seconds:.1f} s"
+        error = self._future.exception()
+        if error is None:
+            return "committed" + (
+                f": {op.summary()}" if op is not None and op.ended is not None else ""
+            )
+        return f"failed: {type(error).__name__}: {error}"
+
+    def __repr__(self) -> str:
+        return f"SaveHandle({str(self.path)!r}, {self._state()})"
+
+    def _repr_html_(self) -> str:
+        return _views.html_fields("SaveHandle", {"path": str(self.path), "state": self._state()})
+
+
+def check_name(name: str) -> None:
+    if (why := fmt.unsafe_item_name(name)) is not None:
+        raise InvalidKeyError(
+            f"checkpointable name {name!r} is not a valid folder name ({why}; names are non-empty, have no '/', and do "
+            "not start with '_'); rename it"
+        )
+
+
+def all_leaves(objs: Mapping[str, Any]) -> list[Any]:
+    out: list[Any] = []
+    for obj in objs.values():
+        if isinstance(obj, StatefulCheckpointable):
+            continue
+        out.extend(
+            jax.tree_util.tree_leaves(
+                obj, is_leaf=lambda x: x is None or hasattr(x, "__milepost_host_group__")
+            )
+        )
+    return out
+
+
+def start_save(
+    path: str | os.PathLike[str],
+    objs: Mapping[str, Any],
+    *,
+    overwrite: bool,
+    custom_metadata: Mapping[str, Any] | None,
+    metrics: Mapping[str, Any] | None = None,
+    asynchronous: bool,
+) -> SaveHandle:
+    """Validate, prepare the temporary directory, stage every checkpointable (the blocking
+    part), and finish in the background (``asynchronous``) or before returning."""
+    options = _options.current()
+    final = as_path(path)
+    if (
+        final.name.endswith(fmt.TMP_SUFFIX)
+        or NEW_MARKER in final.name
+        or final.name.endswith(LEASE_SUFFIX)
+    ):
+        raise ValueError(
+            f"cannot save to {final}: names ending in {fmt.TMP_SUFFIX!r} are temporary directories and are never "
+            "loaded as checkpoints; choose another name"
+        )
+    if not objs:
+        raise ValueError("nothing to save: pass at least one checkpointable")
+    for name in objs:
+        check_name(name)
+    try:
+        custom_json = json.dumps(dict(custom_metadata or {}))
+        metrics_json = json.loads(json.dumps(dict(metrics or {})))
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"custom_metadata and metrics must be JSON-serializable: {e}") from e
+    handlers = {name: resolve_for_save(name, obj, options.handlers) for name, obj in objs.items()}
+    group = _hosts.check_storage(_hosts.host_group_for(all_leaves(objs)), final)
+    with _in_flight_lock:
+        if final in _in_flight:
+            raise SaveInProgressError(
+                f"another save to {final} is still in flight; wait for it (handle.result()) first"
+            )
+        _in_flight.add(final)
+    save = _Save(final, handlers, group, options, overwrite, custom_json, metrics_json)
+    op = save.op
+    try:
+        with op.active():
+            save.stage(objs, copy=asynchronous)
+    except BaseException:
+        op.close(ok=False)
+        with _in_flight_lock:
+            _in_flight.discard(final)
+        raise
+    if asynchronous:
+        op.blocked()
+        return SaveHandle(final, SAVES.submit(str(final), save.finish, save.timeout), op)
+    future: futures.Future[Any] = futures.Future()
+    future.set_result(save.finish())
+    return SaveHandle(final, future, op)
+
+
+class _Save:
+    """One save of a checkpoint: its workspace (a locked temporary directory, or the path itself
+    under a lease on object stores; owned by the primary), the pending writes of its
+    checkpointables, and the commit."""
+
+    def __init__(
+        self,
+        final: Path | ObjectPath,
+        handlers: Mapping[str, Any],
+        group: HostGroup,
+        options: _options.Options,
+        overwrite: bool,
+        custom_json: str,
+        metrics_json: Any,
+    ) -> None:
+        self.final = final
+        saving = options.saving
+        self.workspace = for_path(final, overwrite, saving.wait_for_writer_secs, saving.lease_secs)
+        self.handlers = handlers
+        self.group = group
+        self.options = options
+        self.timeout = options.async_.timeout_secs
+        self.overwrite = overwrite
+        self.custom_json = custom_json
+        self.metrics_json = metrics_json
+        self.pending: list[workers.PendingWrite[Any]] = []
+        self.op = _progress.Operation(
+            "save", final, options.progress if group.is_primary() else None
+        )
+        """Bytes planned and written, times, and the progress bar (on the primary)."""
+        self.prepared = False
+        """True on the primary once it owns the workspace (until it committed or abandoned it)."""
+        self.init_ns = 0
+
+    @property
+    def tmp(self) -> Path | ObjectPath:
+        """Where the checkpointables are written until the commit."""
+        return self.workspace.dir
+
+    # -- the blocking part --------------------------------------------------------------
+    def prepare(self) -> None:
+        """On the primary: check the path and take ownership of the workspace."""
+        self.workspace.prepare(self.handlers)
+        self.prepared = True
+
+    def stage(self, objs: Mapping[str, Any], copy: bool) -> None:
+        group, final, timeout = self.group, self.final, self.timeout
+        prepared = False
+        try:
+            # The primary checks the path, then makes the workspace; the other controller
+            # processes wait for its outcome, so none writes before it exists, and all raise the
+            # same error.
+            _hosts.shared(group, f"prepare:{final}", self.prepare, timeout)
+            prepared = True
+            self.init_ns = time.time_ns()
+            call = SaveCall(options=self.options, group=group, copy=copy)
+            failure: Exception | None = None
+            try:
+                for name, obj in objs.items():
+                    part = as_pending(self.handlers[name].save(self.tmp / name, obj, call))
+                    if part is not None:
+                        self.pending.append(part)
+            except Exception as e:
+                failure = e
+            # The primary may fail alone here (its own leaves, a stateful checkpointable).
+            agree(group, f"staged:{final}", failure, timeout)
+        except BaseException:
+            workers.settle_all(self.pending, timeout)
+            if prepared:
+                self._abandon(f"abandon-staged:{final}")
+            raise
+
+    # -- the background part ------------------------------------------------------------
+    def finish(self) -> Path | ObjectPath:
+        try:
+            with self.op.active():
+                self._finish()
+        except BaseException:
+            self.op.close(ok=False)
+            raise
+        if self.op.blocking_secs is None:
+            self.op.blocked()  # a blocking save: the caller waited for all of it
+        self.op.close(ok=True)
+        if self.group.is_primary():
+            self.op.log()
+        return self.final
+
+    def _finish(self) -> None:
+        group, final, timeout = self.group, self.final, self.timeout
+        try:
+            failure: Exception | None = None
+            done = 0
+            try:
+                for part in self.pending:
+                    part.wait(timeout)
+                    done += 1
+            except Exception as e:
+                failure = e
+                # The parts not finished may still write: let them land before the workspace
+                # is removed, or they would recreate it.
+                workers.settle_all(self.pending[done:], timeout)
+            # The primary commits, or reports why not; every process gets the same outcome.
+            agree(group, f"commit:{final}", failure, timeout, then=self.commit)
+        except BaseException:
+            self._abandon(f"abandon-commit:{final}")
+            raise
+        finally:
+            with _in_flight_lock:
+                _in_flight.discard(final)
+
+    def commit(self) -> None:
+        commit(
+            self.tmp,
+            self.final,
+            self.handlers,
+            self.init_ns,
+            self.custom_json,
+            self.metrics_json,
+            self.overwrite,
+            self.workspace,
+        )
+        self.prepared = False
+
+    def _abandon(self, name: str) -> None:
+        """Remove the workspace once every controller process has settled its own writes (a late
+        write elsewhere would recreate it); a process that died is waited for at most
+        ``min(timeout, 10s)``. The caller raises its error either way."""
+        with contextlib.suppress(Exception):
+            self.group.barrier(name, min(self.timeout, 10.0))
+        if self.prepared:
+            self.prepared = False
+            self.workspace.abandon()
+
+
+def agree(
+    group: HostGroup,
+    name: str,
+    failure: Exception | None,
+    timeout: float,
+    then: Callable[[], None] | None = None,
+) -> None:
+    """Leave a step with the primary's outcome in every controller process (one controller:
+    raise ``failure``, else run ``then``).
+
+    The primary raises its ``failure`` or runs ``then``, and publishes the outcome. A process
+    with a failure of its own (a failed sync, which the primary has too, or one the primary
+    cannot know) takes the primary's outcome if it is there at once, so that every process's
+    calls stay in step, and raises its own failure without waiting for a primary that may be
+    gone.
+    """
+    if failure is not None and not group.is_primary():
+        with contextlib.suppress(Exception):
+            group.broadcast(name, None, min(timeout, 1.0))
+        raise failure
+
+    def outcome() -> None:
+        if failure is not None:
+            raise failure
+        if then is not None:
+            then()
+
+    _hosts.shared(group, name, outcome, timeout)
+
+
+def commit(
+    tmp: Any,
+    final: Any,
+    handlers: Mapping[str, Any],
+    init_ns: int,
+    custom_json: str,
+    metrics: Any,
+    overwrite: bool,
+    workspace: Any,
+) -> None:
+    """Write the checkpoint's own files into the workspace, the commit marker last, and make it
+    visible (``workspace.publish``: the rename into place, or nothing more on object stores)."""
+    workspace.check()
+    fmt.write_file(tmp / fmt.ORBAX_MARKER, b"")
+    fmt.write_json(
+        tmp / fmt.CHECKPOINT_METADATA,
+        {
+            "item_handlers": {name: h.typestr for name, h in handlers.items()},
+            "metrics": metrics,
+            "performance_metrics": {},
+            "init_timestamp_nsecs": init_ns,
+            "commit_timestamp_nsecs": time.time_ns(),
+            "custom_metadata": json.loads(custom_json),
+        },
+    )
+    fmt.Checksums.compute(tmp).write()  # every file but array chunks, which carry their own
+    workspace.check()
+    fmt.write_file(tmp / fmt.COMMIT_MARKER, f"Checkpoint commit was successful to {final}")
+    workspace.publish()

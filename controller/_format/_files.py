@@ -1,0 +1,57 @@
+"""The files of the on-disk format (Orbax v1 names) and durable writes of small files."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
+COMMIT_MARKER = "commit_success.txt"
+ORBAX_MARKER = "orbax.checkpoint"
+TREE_METADATA = "_METADATA"
+SHARDING = "_sharding"
+STRINGS = "_strings.json"
+ARRAY_METADATAS = "array_metadatas"
+MILEPOST_INFO = "_milepost.json"
+"""Types Orbax's metadata has no word for (NumPy vs Python scalars). Orbax ignores the file."""
+TMP_SUFFIX = ".orbax-checkpoint-tmp"
+CHECKSUMS = "_milepost_checksums.json"
+"""Size and CRC32C of every file but array chunks, written at commit. Orbax ignores the file."""
+
+PYTREE_HANDLER_TYPESTR = (
+    "orbax.checkpoint.experimental.v1._src.handlers.pytree_handler.PyTreeHandler"
+)
+JSON_HANDLER_TYPESTR = "orbax.checkpoint.experimental.v1._src.handlers.json_handler.JsonHandler"
+
+
+def write_file(path: Any, data: bytes | str) -> None:
+    """Write ``path`` and fsync it (the directory is synced once at commit); in an object store
+    the write is durable when it returns."""
+    raw = data.encode() if isinstance(data, str) else data
+    if not isinstance(path, Path):
+        path.write_bytes(raw)
+        return
+    with open(path, "wb") as f:
+        f.write(raw)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_json(path: Path, obj: Any) -> None:
+    write_file(path, json.dumps(obj))
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every directory below ``root`` (files were synced by their writers)."""
+    for dirpath, _dirnames, _files in os.walk(root):
+        fsync_dir(Path(dirpath))

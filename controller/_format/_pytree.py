@@ -1,0 +1,340 @@
+"""The files of a pytree checkpointable (Orbax v1 names): written by the commit, read by a load.
+
+::
+
+    <checkpointable>/_METADATA                    the tree: each leaf's key path and value type
+                     _sharding                    base64(leaf name) -> JSON of its NamedSharding
+                     _strings.json                the string leaves
+                     _milepost.json               Python/NumPy types of scalars (Orbax ignores it)
+                     array_metadatas/process_<i>  what host i wrote: write and chunk shape per array
+
+Array data lives beside them, in the per-process OCDBT stores and the merged root view
+(``milepost.workers`` owns those).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from milepost import workers
+from milepost._errors import CorruptCheckpointError
+from milepost._format._checksums import present, read_json, read_json_object
+from milepost._format._files import (
+    ARRAY_METADATAS,
+    MILEPOST_INFO,
+    SHARDING,
+    STRINGS,
+    TREE_METADATA,
+    write_file,
+    write_json,
+)
+from milepost._tree import Leaf, ValueType, unsafe_part
+from milepost.workers import ShardingSpec
+
+Keys = tuple[tuple[str, int], ...]
+"""A leaf's key path: ``(key, key_type)`` per level, as in Orbax's ``key_metadata``."""
+
+
+@dataclass(frozen=True)
+class SavedLeaf:
+    """One entry of ``_METADATA``."""
+
+    name: str
+    """Storage name: the key path's parts joined by '.'."""
+    keys: Keys
+    value_type: ValueType
+    raw_value_type: str
+    """The value type as written (differs from ``value_type`` only for unknown types)."""
+    write_shape: tuple[int, ...] | None = None
+
+    @property
+    def tuple_key(self) -> str:
+        """The key of this leaf in ``tree_metadata``: ``str`` of the tuple of parts."""
+        return str(tuple(k for k, _ in self.keys))
+
+    @staticmethod
+    def of(
+        leaf: Leaf, value_type: ValueType, write_shape: tuple[int, ...] | None = None
+    ) -> SavedLeaf:
+        return SavedLeaf(leaf.name, leaf.keys, value_type, str(value_type), write_shape)
+
+
+@dataclass(frozen=True)
+class TreeFiles:
+    """What the format files of one pytree checkpointable say."""
+
+    leaves: dict[str, SavedLeaf]
+    """By storage name, in the tree's order."""
+    use_ocdbt: bool
+    zarr_format: int = 3
+    """2 for Orbax v0's default layout (``use_zarr3`` false); milepost writes 3."""
+    shardings: dict[str, ShardingSpec] = field(default_factory=dict)
+    strings: dict[str, str] = field(default_factory=dict)
+    python_types: dict[str, str] = field(default_factory=dict)
+    """Scalars' Python or NumPy type names (``int``, ``np.float32``...), and ``tuple`` for empty
+    tuples: what Orbax's metadata has no word for."""
+    key_impls: dict[str, str] = field(default_factory=dict)
+    """Typed PRNG key leaves: their implementation ('threefry2x32'...). Stored as key data."""
+    chunk_crc32c: dict[str, dict[tuple[int, ...], int]] = field(default_factory=dict)
+    """Per array, the CRC32C of each chunk's values by chunk-grid index, as the hosts that wrote
+    them computed it (``_milepost.json``); arrays written without them are absent."""
+    fill_missing: bool = False
+    """True for checkpoints written without every chunk (``store_array_data_equal_to_fill_value``
+    false): a missing chunk then means zeros. Milepost and Orbax 0.12 write every chunk, so a
+    missing one is lost data and reading it fails."""
+
+    def store(self, directory: Path) -> workers.StoreSpec:
+        return workers.StoreSpec(
+            directory=str(directory), use_ocdbt=self.use_ocdbt, zarr_format=self.zarr_format
+        )
+
+
+# ------------------------------------------------------------------------------------------
+# Writing (the commit)
+# ------------------------------------------------------------------------------------------
+
+
+def write_tree(
+    directory: Path, files: TreeFiles, acks: Sequence[workers.SaveAck], platform: str
+) -> None:
+    """Write every format file of ``files``; ``array_metadatas/`` comes from the hosts' acks."""
+    tree_metadata: dict[str, Any] = {}
+    for leaf in files.leaves.values():
+        value_metadata: dict[str, Any] = {
+            "value_type": leaf.raw_value_type,
+            "skip_deserialize": leaf.value_type.is_empty,
+        }
+        if leaf.value_type is ValueType.JAX_ARRAY and leaf.write_shape is not None:
+            value_metadata["write_shape"] = list(leaf.write_shape)
+        tree_metadata[leaf.tuple_key] = {
+            "key_metadata": [{"key": k, "key_type": t} for k, t in leaf.keys],
+            "value_metadata": value_metadata,
+        }
+    write_json(
+        directory / TREE_METADATA,
+        {
+            "tree_metadata": tree_metadata,
+            "use_ocdbt": files.use_ocdbt,
+            "use_zarr3": True,
+            "store_array_data_equal_to_fill_value": not files.fill_missing,
+            "custom_metadata": None,
+        },
+    )
+    if files.shardings:
+        texts: dict[ShardingSpec, str] = {}  # the leaves of a model share a few shardings
+        write_json(
+            directory / SHARDING,
+            {
+                base64.b64encode(n.encode()).decode(): texts.get(spec)
+                or texts.setdefault(spec, spec.to_orbax_json(platform))
+                for n, spec in files.shardings.items()
+            },
+        )
+    if files.strings:
+        write_json(directory / STRINGS, files.strings)
+    checksums: dict[str, dict[str, int]] = {}
+    grid_keys: dict[tuple[int, ...], str] = {}
+    for ack in acks:
+        for written in ack.arrays:
+            mine = checksums.setdefault(written.name, {})
+            for grid, crc in written.chunk_crc32c:
+                key = grid_keys.get(grid)
+                if key is None:
+                    key = grid_keys[grid] = workers.grid_key(grid)
+                mine[key] = crc
+    info: dict[str, Any] = {}
+    if files.python_types:
+        info["python_types"] = files.python_types
+    if files.key_impls:
+        info["random_key_impl"] = files.key_impls
+    if checksums:
+        info["chunk_crc32c"] = checksums
+    if info:
+        write_json(directory / MILEPOST_INFO, info)
+    _write_array_metadatas(directory / ARRAY_METADATAS, acks)
+
+
+def _write_array_metadatas(folder: Path, acks: Sequence[workers.SaveAck]) -> None:
+    """``array_metadatas/process_<i>``: every array host i wrote (Orbax's per-process files).
+
+    With H hosts sharing every array these are H files listing the same entries, so each
+    array's entry is encoded once and the files (``json.dumps``'s exact output) are joined from
+    those and written on a few threads (each file is synced).
+    """
+    folder.mkdir(exist_ok=True)
+    encoded: dict[Any, str] = {}
+
+    def entry(a: workers.WrittenArray) -> str:
+        key = (a.name, a.write_shape, a.chunk_shape, a.random_key_impl)
+        text = encoded.get(key)
+        if text is None:
+            text = encoded[key] = json.dumps(
+                {
+                    "array_metadata": {
+                        "param_name": a.name,
+                        "write_shape": list(a.write_shape),
+                        "chunk_shape": list(a.chunk_shape),
+                        "ext_metadata": {"random_key_impl": a.random_key_impl}
+                        if a.random_key_impl
+                        else None,
+                    }
+                }
+            )
+        return text
+
+    # One file per host, listing every array it wrote: a tree written in parts (a surgery's
+    # groups) has several acks from each host.
+    by_host: dict[int, dict[str, workers.WrittenArray]] = {}
+    for ack in acks:
+        if isinstance(ack.process_index, int):
+            arrays = by_host.setdefault(ack.process_index, {})
+            for a in ack.arrays:
+                arrays.setdefault(a.name, a)
+    contents = [
+        (
+            folder / f"process_{index}",
+            '{"array_metadatas": [' + ", ".join(map(entry, arrays.values())) + "]}",
+        )
+        for index, arrays in sorted(by_host.items())
+    ]
+    if len(contents) <= 2:
+        for path, text in contents:
+            write_file(path, text)
+        return
+    with workers.RUNTIME.scoped("commit", min(16, len(contents))) as pool:
+        list(pool.map(lambda item: write_file(*item), contents))
+
+
+# ------------------------------------------------------------------------------------------
+# Reading
+# ------------------------------------------------------------------------------------------
+
+
+def read_tree(directory: Path) -> TreeFiles:
+    """The format files in ``directory``; any of them malformed is a
+    :class:`CorruptCheckpointError` naming the files."""
+    try:
+        return _read(directory)
+    except CorruptCheckpointError:
+        raise
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
+        raise CorruptCheckpointError(
+            f"the metadata files in {directory} ({TREE_METADATA}, {SHARDING}, {STRINGS}) do not have the "
+            f"expected form ({type(e).__name__}: {e}); the checkpoint is damaged. Load an earlier checkpoint."
+        ) from e
+
+
+def _read(directory: Path) -> TreeFiles:
+    meta = read_json(directory / TREE_METADATA, "tree metadata")
+    if not isinstance(meta, dict) or not isinstance(meta.get("tree_metadata"), dict):
+        raise CorruptCheckpointError(
+            f"{directory / TREE_METADATA} has no 'tree_metadata'; the checkpoint is damaged or not a pytree"
+        )
+    leaves: dict[str, SavedLeaf] = {}
+    for entry, item in meta["tree_metadata"].items():
+        keys = tuple(
+            (str(k["key"]) if isinstance(k["key"], int) else k["key"], int(k["key_type"]))
+            for k in item["key_metadata"]
+        )
+        for key, _ in keys:
+            if (why := unsafe_part(key)) is not None:
+                raise CorruptCheckpointError(
+                    f"{directory / TREE_METADATA} names a leaf with the key {key!r} (entry {entry!r}), which cannot "
+                    f"be a storage name ({why}); the checkpoint is damaged or crafted, and nothing was read from it"
+                )
+        value = item["value_metadata"]
+        raw = value["value_type"]
+        write_shape = value.get("write_shape")
+        name = ".".join(k for k, _ in keys) if keys else "_root"
+        leaves[name] = SavedLeaf(
+            name,
+            keys,
+            ValueType.parse(raw),
+            str(raw),
+            tuple(int(n) for n in write_shape) if write_shape else None,
+        )
+    shardings: dict[str, ShardingSpec] = {}
+    if present(directory / SHARDING):
+        # The leaves of a model share a few shardings, each listing every device id: parse each
+        # distinct text once (with thousands of devices, parsing it per leaf took seconds).
+        parsed: dict[str, ShardingSpec | None] = {}
+        for encoded, text in read_json_object(directory / SHARDING, "sharding metadata").items():
+            if not isinstance(text, str):
+                raise TypeError(
+                    f"the sharding of {encoded!r} is a {type(text).__name__}, not a JSON string"
+                )
+            if text not in parsed:
+                try:
+                    parsed[text] = ShardingSpec.from_orbax_json(text)
+                except (ValueError, KeyError):
+                    parsed[text] = (
+                        None  # a sharding kind we do not know: loading it needs an abstract tree
+                    )
+            spec = parsed[text]
+            if spec is not None:
+                shardings[base64.b64decode(encoded).decode()] = spec
+    strings = (
+        read_json_object(directory / STRINGS, "string leaves")
+        if present(directory / STRINGS)
+        else {}
+    )
+    info = (
+        read_json_object(directory / MILEPOST_INFO, "milepost info")
+        if present(directory / MILEPOST_INFO)
+        else {}
+    )
+    grids: dict[str, tuple[int, ...]] = {}  # the same grid keys recur in every array
+
+    def grid(key: str) -> tuple[int, ...]:
+        found = grids.get(key)
+        if found is None:
+            found = grids[key] = workers.parse_grid_key(key)
+        return found
+
+    checksums = {
+        name: {grid(key): int(crc) for key, crc in chunks.items()}
+        for name, chunks in info.get("chunk_crc32c", {}).items()
+    }
+    if "random_key_impl" in info:
+        key_impls = {str(k): str(v) for k, v in info["random_key_impl"].items()}
+    else:  # written by Orbax: the implementations are only in array_metadatas/
+        key_impls = _key_impls_of_array_metadatas(
+            directory, [n for n, leaf in leaves.items() if leaf.value_type is ValueType.JAX_ARRAY]
+        )
+    return TreeFiles(
+        leaves=leaves,
+        use_ocdbt=bool(meta.get("use_ocdbt", True)),
+        zarr_format=3 if meta.get("use_zarr3", False) else 2,
+        shardings=shardings,
+        strings=strings,
+        python_types=info.get("python_types", {}),
+        key_impls=key_impls,
+        chunk_crc32c=checksums,
+        fill_missing=not meta.get("store_array_data_equal_to_fill_value", False),
+    )
+
+
+def _key_impls_of_array_metadatas(directory: Path, arrays: list[str]) -> dict[str, str]:
+    """Typed-key implementations recorded in ``array_metadatas/process_<i>`` (``ext_metadata``),
+    reading process files only until every array was seen (Orbax lists every array in each)."""
+    folder = directory / ARRAY_METADATAS
+    if not arrays or not folder.is_dir():
+        return {}
+    out: dict[str, str] = {}
+    unseen = set(arrays)
+    files = sorted(folder.glob("process_*"), key=lambda p: (len(p.name), p.name))
+    for path in files:
+        for entry in read_json_object(path, "array metadata").get("array_metadatas", []):
+            meta = entry["array_metadata"]
+            unseen.discard(meta["param_name"])
+            impl = (meta.get("ext_metadata") or {}).get("random_key_impl")
+            if impl is not None:
+                out[str(meta["param_name"])] = str(impl)
+        if not unseen:
+            break
+    return out

@@ -1,0 +1,395 @@
+"""Where a save writes before it commits, and how the commit makes it visible.
+
+- :class:`LocalWorkspace` (local folders): a temporary directory ``<path>.orbax-checkpoint-tmp``
+  locked by the saving process (``_ownership``), renamed into place at the commit
+  (``RENAME_NOREPLACE``; an overwrite is one atomic exchange), so the path always holds a whole
+  checkpoint or nothing.
+- :class:`ObjectWorkspace` (``gs://``, ``s3://``, ``memory://``: no rename): the checkpoint is
+  written in place and becomes visible when its commit marker, written last, appears. A lease
+  object ``<path>.milepost-lease`` (created with a write that succeeds only if it does not
+  exist, renewed by a heartbeat) makes one writer own the path; a lease not renewed for
+  ``lease_secs`` belongs to a writer that is gone and may be taken over. An overwrite first
+  removes the old commit marker (the old checkpoint stops being loadable), then the old files,
+  then writes the new one: for that while the path holds no loadable checkpoint, never a mix.
+  Uncommitted objects at the path are removed only under a lease taken over from a save that is
+  gone; objects no save left there are refused, never deleted.
+
+The commit itself (``milepost._checkpoint``'s ``commit``) is the same for both: ``check`` that the workspace
+is still this save's, write the checkpoint metadata and file checksums, the commit marker, then
+``publish``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import json
+import logging
+import os
+import shutil
+import socket
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from milepost import _format as fmt
+from milepost import workers
+from milepost._errors import CheckpointExistsError
+from milepost._storage import _ownership
+from milepost.workers import NO_VALUE, ObjectPath
+
+LEASE_SUFFIX = ".milepost-lease"
+
+log = logging.getLogger(__name__)
+
+
+def for_path(
+    final: Path | ObjectPath, overwrite: bool, wait_secs: float, lease_secs: float
+) -> LocalWorkspace | ObjectWorkspace:
+    if isinstance(final, ObjectPath):
+        return ObjectWorkspace(final, overwrite, wait_secs, lease_secs)
+    return LocalWorkspace(final, overwrite, wait_secs)
+
+
+def check_final(final: Any, overwrite: bool) -> None:
+    """Raise unless a save may write ``final``: nothing is there, or (``overwrite``) a committed
+    checkpoint is; and no folder above it is a checkpoint (a checkpoint written inside another
+    changes it, and goes with it when it is overwritten or deleted)."""
+    # (Local paths: on an object store each level would cost requests.)
+    for parent in final.resolve().parents if isinstance(final, Path) else ():
+        if fmt.is_committed(parent) or parent.name.endswith(fmt.TMP_SUFFIX):
+            raise CheckpointExistsError(
+                f"{final} is inside the checkpoint {parent}; milepost does not write a checkpoint into another one "
+                "(it would change it, and be deleted with it). Choose a path outside it"
+            )
+    if final.exists() or final.is_symlink():
+        if not overwrite:
+            raise CheckpointExistsError(
+                f"a checkpoint already exists at {final}; pass overwrite=True to replace it, or choose another path"
+            )
+        if not fmt.is_committed(final) or final.is_symlink():
+            raise CheckpointExistsError(
+                f"{final} exists and is not a committed checkpoint; milepost will not overwrite it. Remove it or choose "
+                "another path"
+            )
+
+
+# ------------------------------------------------------------------------------------------
+# Local folders
+# ------------------------------------------------------------------------------------------
+
+
+def _inode(path: Path) -> tuple[int, int]:
+    st = os.stat(path, follow_symlinks=False)
+    return st.st_dev, st.st_ino
+
+
+class LocalWorkspace:
+    def __init__(self, final: Path, overwrite: bool, wait_secs: float) -> None:
+        self.final = final
+        self.dir = final.with_name(final.name + fmt.TMP_SUFFIX)
+        self.overwrite = overwrite
+        self.wait_secs = wait_secs
+        self.lock: _ownership.Locked | None = None
+        """The temporary directory's lock, held from the moment it exists until it is committed
+        or removed."""
+        self.identity: dict[str, tuple[int, int]] = {}
+        """(device, inode) of the temporary directory and its checkpointable folders as made: the
+        commit publishes only a directory that is still the one this save made."""
+
+    def prepare(self, names: Iterable[str]) -> None:
+        final, tmp = self.final, self.dir
+        if final.parent.exists() and not final.parent.is_dir():
+            raise NotADirectoryError(
+                f"{final.parent} is a file; a checkpoint's parent must be a directory"
+            )
+        check_final(final, self.overwrite)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        # Locked from the moment it appears; a leftover of a dead writer is removed first.
+        self.lock, _ = _ownership.create_locked(tmp, wait_secs=self.wait_secs)
+        try:
+            check_final(final, self.overwrite)  # another writer may have committed while we waited
+            names = list(names)
+            for name in names:
+                (tmp / name).mkdir()
+            self.identity = {"": _inode(tmp), **{name: _inode(tmp / name) for name in names}}
+        except BaseException:
+            _ownership.remove_tree(tmp)
+            self.release()
+            raise
+
+    def check(self) -> None:
+        """The temporary directory and its folders must be the ones this save made: removed or
+        replaced from outside, the checkpoint would be incomplete."""
+        for name, expected in self.identity.items():
+            where = self.dir / name if name else self.dir
+            try:
+                same = _inode(where) == expected
+            except FileNotFoundError:
+                same = False
+            if not same:
+                raise OSError(
+                    errno.ESTALE,
+                    f"{where} was removed or replaced by someone else while this save ran, so its contents cannot be "
+                    f"trusted; nothing was committed to {self.final}. Save again",
+                    str(where),
+                )
+        _ownership.drop_owner_file(self.dir)
+
+    def publish(self) -> None:
+        tmp, final = self.dir, self.final
+        fmt.fsync_tree(tmp)
+        self.check()
+        if self.overwrite and final.exists() and exchange(tmp, final):
+            # One atomic step: the final path holds the old checkpoint or the new one, never
+            # nothing; the old one, now at the temporary path, is never loaded and is removed.
+            fmt.fsync_dir(final.parent)
+            shutil.rmtree(tmp, ignore_errors=True)
+            self.release()
+            return
+        old = None
+        if self.overwrite and final.exists():
+            old = final.with_name(f"{final.name}.milepost-replaced-{os.getpid()}-{time.time_ns()}")
+            os.rename(final, old)
+        try:
+            rename_new(tmp, final)
+        except BaseException:
+            if old is not None:
+                os.rename(old, final)  # put the previous checkpoint back
+            raise
+        fmt.fsync_dir(final.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        self.release()
+
+    def abandon(self) -> None:
+        if self.lock is not None:
+            _ownership.remove_tree(self.dir)
+        self.release()
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+
+def renameat2(a: Path, b: Path, flag: int) -> bool:
+    """Linux ``renameat2`` with ``flag``; False where the system or the file system lacks it."""
+    if sys.platform != "linux":
+        return False
+    try:
+        call = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd = -100
+    if call(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), flag) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap two directories atomically (``RENAME_EXCHANGE``); False where unsupported."""
+    return renameat2(a, b, 2)
+
+
+def rename_new(tmp: Path, final: Path) -> None:
+    """Rename ``tmp`` to ``final``, failing if anything is at ``final`` (``RENAME_NOREPLACE``;
+    elsewhere a check just before the rename)."""
+    try:
+        if renameat2(tmp, final, 1):
+            return
+    except FileExistsError:
+        raise CheckpointExistsError(
+            f"a checkpoint appeared at {final} while this save ran (written by another program); nothing was "
+            "replaced. Pass overwrite=True to replace it, or choose another path"
+        ) from None
+    if final.exists() or final.is_symlink():
+        raise CheckpointExistsError(
+            f"a checkpoint appeared at {final} while this save ran; nothing was replaced"
+        )
+    os.rename(tmp, final)
+
+
+# ------------------------------------------------------------------------------------------
+# Object stores
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Lease:
+    host: str
+    pid: int
+    save_id: str
+    since: float
+    expires: float
+
+    def describe(self) -> str:
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
+        return f"process {self.pid} on host {self.host} (save {self.save_id}, started {started})"
+
+
+def read_lease(path: ObjectPath) -> tuple[Lease | None, bytes | None]:
+    """The lease at ``path`` and its generation (None, None when there is none; a lease that
+    does not parse counts as expired)."""
+    raw, generation = path.read_with_generation()
+    if raw is None:
+        return None, None
+    try:
+        return Lease(**json.loads(raw)), generation
+    except (ValueError, TypeError):
+        return Lease("?", 0, "?", 0.0, 0.0), generation
+
+
+class ObjectWorkspace:
+    def __init__(
+        self, final: ObjectPath, overwrite: bool, wait_secs: float, lease_secs: float
+    ) -> None:
+        self.final = final
+        self.dir = final
+        self.overwrite = overwrite
+        self.wait_secs = wait_secs
+        self.lease_secs = lease_secs
+        self.lease_path = final.with_name(final.name + LEASE_SUFFIX)
+        self.lease: Lease | None = None
+        self.generation: bytes | None = None
+        self.took_over = False
+        """The lease was taken over from a save that is gone (its leftovers may be removed)."""
+        self._lost: str | None = None
+        self._stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    # -- the lease ------------------------------------------------------------------------
+    def _new_lease(self, save_id: str, since: float) -> bytes:
+        self.lease = Lease(
+            socket.gethostname(), os.getpid(), save_id, since, time.time() + self.lease_secs
+        )
+        return json.dumps(asdict(self.lease)).encode()
+
+    def acquire(self) -> None:
+        """Take the lease (waiting up to wait_secs for a live one to go); CheckpointExistsError if it does not."""
+        save_id, since = uuid.uuid4().hex[:12], time.time()
+        deadline = time.monotonic() + self.wait_secs
+        while True:
+            current, generation = read_lease(self.lease_path)
+            if current is None or current.expires < time.time():
+                got = self.lease_path.write_bytes(
+                    self._new_lease(save_id, since), if_generation=generation or NO_VALUE
+                )
+                if got:  # ours; if someone else raced us to it, look again
+                    self.generation = got
+                    self.took_over = current is not None
+                    return
+                continue
+            if time.monotonic() >= deadline:
+                raise CheckpointExistsError(
+                    f"cannot save to {self.final}: {current.describe()} is writing it now (its lease runs until "
+                    f"{time.strftime('%H:%M:%S', time.localtime(current.expires))}). Wait for that save to finish (or "
+                    "SaveOptions(wait_for_writer_secs=...)), or choose another path"
+                )
+            time.sleep(0.1)
+
+    def _renew(self) -> None:
+        with self._lock:
+            if self._lost is not None or self.lease is None:
+                return
+            data = self._new_lease(self.lease.save_id, self.lease.since)
+            got = self.lease_path.write_bytes(data, if_generation=self.generation)
+            if got:
+                self.generation = got
+            else:
+                self._lost = "another writer took over its lease (it was not renewed in time)"
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.lease_secs / 4):
+            try:
+                self._renew()
+            except Exception as e:  # storage unreachable: the next check reports it
+                with self._lock:
+                    self._lost = (
+                        self._lost or f"its lease could not be renewed ({type(e).__name__}: {e})"
+                    )
+
+    def prepare(self, names: Iterable[str]) -> None:
+        if fmt.is_committed(self.final):
+            check_final(self.final, self.overwrite)
+        self.acquire()
+        self._heartbeat = workers.RUNTIME.thread(
+            f"lease:{self.final.name}", self._beat, stop=self._stop.set
+        )
+        try:
+            # Another writer may have committed while we waited. What is there now is a committed
+            # checkpoint being overwritten, or what a save that is gone left (it left its expired
+            # lease, which we took over); anything else is not ours to remove.
+            if fmt.is_committed(self.final):
+                check_final(self.final, self.overwrite)
+            elif not self.took_over and self.final.exists():
+                raise CheckpointExistsError(
+                    f"{self.final} holds objects but is not a committed checkpoint, and no save left a lease there; "
+                    "milepost will not overwrite it. Remove it or choose another path"
+                )
+            # Hide it first (no commit marker, no load), then remove it.
+            (self.final / fmt.COMMIT_MARKER).unlink(missing_ok=True)
+            self.final.delete_tree().result()
+        except BaseException:
+            self.release()
+            raise
+
+    def check(self) -> None:
+        """The lease must still be this save's, with at least half its time left: renewed now."""
+        self._renew()
+        with self._lock:
+            if self._lost is not None:
+                raise OSError(
+                    errno.ESTALE,
+                    f"the save to {self.final} lost its ownership: {self._lost}; nothing was committed. Save again",
+                )
+
+    def publish(self) -> None:
+        self.release()
+
+    def abandon(self) -> None:
+        if self.lease is not None and self._lost is None:
+            try:
+                self.final.delete_tree().result()
+            except Exception as e:
+                # Keep the lease (it expires): it marks what is left as a dead save's, to remove.
+                log.warning("could not remove what the failed save to %s wrote: %s", self.final, e)
+                self._lost = "abandoned"
+        self.release()
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._heartbeat is not None and self._heartbeat is not threading.current_thread():
+            self._heartbeat.join(timeout=5)
+        with self._lock:
+            if self.lease is not None and self._lost is None and self.generation is not None:
+                with contextlib.suppress(Exception):
+                    self.lease_path.unlink(missing_ok=True, if_generation=self.generation)
+            self.lease = None
+
+
+def remove_if_abandoned(path: ObjectPath, lease_secs: float = 60.0) -> bool:
+    """Remove an uncommitted checkpoint folder in an object store if no live save owns it (no
+    lease, or an expired one: taken over first, so no save starts meanwhile); True if removed."""
+    workspace = ObjectWorkspace(path, overwrite=False, wait_secs=0.0, lease_secs=lease_secs)
+    try:
+        workspace.acquire()
+    except CheckpointExistsError:
+        return False
+    try:
+        if fmt.is_committed(path):
+            return False
+        path.delete_tree().result()
+        return True
+    finally:
+        workspace.release()

@@ -1,0 +1,99 @@
+"""What a training root holds, step by step, read without opening a Checkpointer (what
+``milepost ls`` prints): committed steps and what unfinished saves or deletions left, in the
+durable root and in a local tier."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Any
+
+from milepost import _format as fmt
+from milepost import _views
+from milepost._errors import CheckpointNotFoundError
+from milepost.training._tier import DELETING_SUFFIX, Tier, is_leftover_of_step, is_step_name
+from milepost.workers import as_path
+
+
+def _size(path: Any) -> int | None:
+    """Bytes of every file under a local folder (None on object stores, where listing sizes
+    would mean one request per object)."""
+    if not isinstance(path, Path):
+        return None
+    total = 0
+    for folder, _, names in os.walk(path):
+        for name in names:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(folder, name)).st_size
+    return total
+
+
+def _entries(root: Any) -> dict[int, list[tuple[Any, str]]]:
+    """step -> [(folder, what)]: committed steps, and what unfinished saves or deletions left."""
+    out: dict[int, list[tuple[Any, str]]] = {}
+    if not root.exists():
+        return out
+    if isinstance(root, Path):
+        for p in sorted(root.iterdir()):
+            name = p.name
+            if is_step_name(name) and p.is_dir():
+                out.setdefault(int(name), []).append(
+                    (p, "committed" if fmt.is_committed(p) else "uncommitted")
+                )
+            elif is_leftover_of_step(name):
+                what = "being deleted" if DELETING_SUFFIX in name else "unfinished save"
+                out.setdefault(int(name.partition(".")[0]), []).append((p, what))
+        return out
+    committed, folders = Tier(root, 60.0).listing()
+    for name in sorted(folders, key=int):
+        out.setdefault(int(name), []).append(
+            (root / name, "committed" if name in committed else "uncommitted")
+        )
+    return out
+
+
+def list_steps(
+    root: str | os.PathLike[str], local: str | os.PathLike[str] | None = None
+) -> list[dict[str, Any]]:
+    """Every step folder of a training root (and of its local tier): committed or not, which
+    tier holds it, its size, commit time and metrics. Oldest first; nothing is written."""
+    tiers = [("durable", as_path(root))]
+    if local is not None:
+        tiers.insert(0, ("local", as_path(local)))
+    if not tiers[-1][1].exists() and (local is None or not tiers[0][1].exists()):
+        raise CheckpointNotFoundError(
+            f"no training root at {tiers[-1][1]}: the folder does not exist. Check the path."
+        )
+    rows: dict[int, dict[str, Any]] = {}
+    for tier, where in tiers:
+        for step, found in _entries(where).items():
+            for path, what in found:
+                row = rows.setdefault(
+                    step,
+                    {
+                        "step": step,
+                        "state": what,
+                        "tiers": [],
+                        "paths": [],
+                        "bytes": None,
+                        "committed": None,
+                        "commit_timestamp_nsecs": None,
+                        "metrics": {},
+                    },
+                )
+                row["tiers"].append(tier if what == "committed" else f"{tier} ({what})")
+                row["paths"].append(str(path))
+                if what == "committed":
+                    row["state"] = "committed"
+                    meta: dict[str, Any] = {}
+                    with contextlib.suppress(Exception):
+                        meta = fmt.read_checkpoint_metadata(path)
+                    stamp = meta.get("commit_timestamp_nsecs")
+                    row["commit_timestamp_nsecs"] = stamp
+                    row["committed"] = _views.timestamp_str(stamp) or None
+                    row["metrics"] = meta.get("metrics") or row["metrics"]
+                size = _size(path)
+                if size is not None:
+                    row["bytes"] = max(row["bytes"] or 0, size)
+    return [rows[s] for s in sorted(rows)]

@@ -1,0 +1,104 @@
+"""Retention: after each commit (and mirror), delete the steps the policies let go, on a
+background thread of its own. Never the latest step, a step being saved, loaded or mirrored, or
+the only copy of a step that is still to reach the durable root."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from milepost.training._policies import RetentionPolicy, StepInfo
+from milepost.training._state import StepState
+from milepost.training._tier import Tier
+from milepost.training._worker import Worker
+
+log = logging.getLogger("milepost.training")
+
+
+def doomed(policy: RetentionPolicy, steps: Mapping[int, Any], spared: set[int]) -> list[int]:
+    """The steps ``policy`` lets go, but the latest and ``spared``."""
+    infos = [StepInfo(step=s, metrics=steps[s]) for s in sorted(steps)]
+    if not infos:
+        return []
+    wanted = set(policy.keep(infos))
+    return [
+        i.step
+        for i in infos
+        if i.step not in wanted and i.step != infos[-1].step and i.step not in spared
+    ]
+
+
+class Retention:
+    """Applies ``keep`` to the durable tier and ``local_keep`` to the local one. Only the
+    primary deletes; every process forgets the same steps."""
+
+    def __init__(
+        self,
+        state: StepState,
+        durable: Tier,
+        fast: Tier | None,
+        keep: RetentionPolicy,
+        local_keep: RetentionPolicy,
+        primary: bool,
+    ) -> None:
+        self.state = state
+        self.durable = durable
+        self.fast = fast
+        self.keep = keep
+        self.local_keep = local_keep
+        self.primary = primary
+        self.lock = threading.Lock()
+        """Held while steps are deleted (retention's, or a ``delete`` asked for)."""
+        self._worker = Worker(self._run, f"retention:{durable.path.name}")
+
+    def request(self) -> None:
+        """Ask for a run (after a commit or a mirror; callers holding ``state.cond`` make it
+        part of their change, so that a waiter never sees the step without the run)."""
+        with self.state.cond:
+            self.state.gc_active += 1
+        self._worker.submit()
+
+    def stop(self, timeout: float) -> None:
+        self._worker.stop(timeout)
+
+    def _run(self) -> None:
+        """One run, on the retention thread (``gc_active`` was raised by whoever asked)."""
+        state = self.state
+        try:
+            with self.lock:
+                with state.cond:
+                    busy = set(state.in_flight) | set(state.loading) | set(state.mirrors)
+                    gone = doomed(self.keep, state.durable, busy)
+                    # The local tier keeps every step not yet durable: rotation must never
+                    # delete the only copy that is to reach root.
+                    durable = set(state.durable) | (
+                        set(state.local) - set(state.mirrors) - state.unmirrored
+                    )
+                    gone_local = doomed(
+                        self.local_keep, state.local, busy | (set(state.local) - durable)
+                    )
+                    letting_go = doomed(self.keep, state.durable, set()) + doomed(
+                        self.local_keep, state.local, set()
+                    )
+                    state.gc_deferred = any(s in state.loading for s in letting_go)
+                    for s in gone:
+                        del state.durable[s]
+                    for s in gone_local:
+                        del state.local[s]
+                if not self.primary:
+                    return
+                for tier, steps in ((self.durable, gone), (self.fast, gone_local)):
+                    if tier is None or not steps:
+                        continue
+                    deleted = tier.delete(steps)
+                    if deleted:
+                        policy = self.keep if tier is self.durable else self.local_keep
+                        log.info("deleted steps %s of %s (retention: %r)", deleted, tier, policy)
+        except Exception as e:  # retention must never break training
+            log.error("retention in %s failed: %s: %s", self.durable, type(e).__name__, e)
+        finally:
+            with state.cond:
+                state.gc_active -= 1
+                state.cond.notify_all()

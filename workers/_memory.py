@@ -1,0 +1,120 @@
+"""Host memory for shards: aligned buffers that device arrays adopt, read buffers from the read
+pool, and copies spread over the copy pool's threads."""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
+from typing import Any, TypeVar
+
+import numpy as np
+
+from milepost.workers import _readpool
+from milepost.workers._runtime import RUNTIME, Pool
+
+T = TypeVar("T")
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, alignment: int = 64) -> np.ndarray:
+    """An uninitialized array whose data is ``alignment``-byte aligned.
+
+    XLA's CPU client adopts such buffers without a copy on ``device_put``, so a loaded shard is
+    read from disk straight into the memory the device array will own.
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + alignment, dtype=np.uint8)
+    offset = (-raw.ctypes.data) % alignment
+    return raw[offset : offset + nbytes].view(dtype).reshape(shape)
+
+
+_MAPPED_MIN_BYTES = 1 << 20
+
+
+def read_buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialized, aligned array for file reads to fill (see :func:`aligned_empty`).
+
+    Buffers of a MiB or more are private anonymous mappings, from the read pool
+    (:mod:`._readpool`): a mapping whose arrays are all gone serves the next load of the same
+    size instead of faulting in fresh memory. NumPy marks its large allocations MADV_HUGEPAGE,
+    and with that hint cold loads were about twice as slow (benchmarks/NOTES.md has the
+    figures); a mapping of our own follows the system's huge-page policy. In-memory copies
+    (staging, casts) keep NumPy's allocation: there the hint made save_async's copies faster.
+    """
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes >= _MAPPED_MIN_BYTES:
+        try:
+            return _readpool.POOL.take(nbytes).view(dtype).reshape(shape)
+        except OSError:  # e.g. vm.max_map_count reached: NumPy's allocator still works
+            pass
+    return aligned_empty(shape, dtype)
+
+
+_COPY_BLOCK_BYTES = 32 << 20
+_INLINE_COPY_BYTES = 2 << 20
+"""Copies of fewer bytes in all run on the calling thread: handing them to threads costs more."""
+
+
+def copy_threads() -> int:
+    return min(8, os.cpu_count() or 1)
+
+
+def copy_pool() -> Pool:
+    """The pool that copies, checksums and issues writes beside the caller (``milepost-copy``)."""
+    return RUNTIME.pool("copy", copy_threads())
+
+
+def on_copy_pool(fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
+    """``fn(*args, **kwargs)`` on the copy pool."""
+    return copy_pool().submit(fn, *args, **kwargs)
+
+
+def parallel_copy(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
+    """``np.copyto(dst, src)`` (casting as needed) for every pair, spread over a few threads
+    (NumPy releases the GIL while copying). Large arrays are split along their first axis so the
+    threads share the work; much of the cost is the first touch of the destination pages, which
+    then also runs in parallel.
+
+    The calling thread copies too: it and one job per other copy-pool thread take blocks from
+    one queue until none is left, so a pool thread busy with other work costs nothing but its
+    share, and a save of many small shards hands the pool a few jobs instead of one per shard.
+    """
+    blocks: list[tuple[np.ndarray, np.ndarray]] = []
+    for dst, src in pairs:
+        rows = dst.shape[0] if dst.ndim else 1
+        per_row = max(1, dst.nbytes // max(rows, 1))
+        step = max(1, _COPY_BLOCK_BYTES // per_row)
+        if dst.ndim == 0 or rows <= step:
+            blocks.append((dst, src))
+        else:
+            blocks.extend((dst[i : i + step], src[i : i + step]) for i in range(0, rows, step))
+    threads = min(len(blocks), copy_threads())
+    if threads <= 1 or sum(dst.nbytes for dst, _ in blocks) < _INLINE_COPY_BYTES:
+        for dst, src in blocks:
+            np.copyto(dst, src, casting="unsafe")
+        return
+    queue = iter(blocks)
+    lock = threading.Lock()
+
+    def drain() -> None:
+        while True:
+            with lock:
+                block = next(queue, None)
+            if block is None:
+                return
+            np.copyto(block[0], block[1], casting="unsafe")
+
+    helpers = [on_copy_pool(drain) for _ in range(threads - 1)]
+    try:
+        drain()
+    finally:
+        # A helper that has not started is not needed (and may be queued behind this very
+        # thread, if it is a pool thread); one that has started finishes its last block.
+        running = [helper for helper in helpers if not helper.cancel()]
+        futures_wait(running)  # all of them, even if a copy failed: none may run on after we return
+    for helper in running:
+        helper.result()

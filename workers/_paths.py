@@ -1,0 +1,337 @@
+"""Where checkpoints live: one path type for every storage.
+
+A path is parsed once from what the user passed (:func:`as_path`): a local folder (or
+``file://``) is a ``pathlib.Path``; ``gs://``, ``s3://`` and ``memory://`` are an
+:class:`ObjectPath`. Any other scheme is an :class:`UnknownStorageError` before anything is
+written (a URL is never mistaken for a local path).
+
+``ObjectPath`` has the part of ``pathlib.Path``'s interface milepost uses on checkpoints
+(``/``, ``name``, ``parent``, ``exists``, ``is_dir``, ``read_bytes``, ``write_bytes``,
+``iterdir``, ``unlink``...) over TensorStore's kvstores, the client array data goes through,
+so small files and arrays reach a bucket the same way. It adds what object stores have and
+folders lack: generations, and writes and deletions conditioned on them (leases use these).
+Object stores have no folders (a "folder" exists while a key is below it) and no rename.
+
+(``etils.epath`` was weighed and not used: its object-store backends, through ``gcsfs``/
+``s3fs`` or TensorFlow, have no conditional writes or generations, and ``memory://`` must be
+TensorStore's own memory store, shared with the arrays written there.)
+
+How object stores are reached comes from the standard places, read when a path is opened:
+
+- S3: credentials from ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/``AWS_SESSION_TOKEN``
+  (or ``AWS_PROFILE`` and the shared files, or the instance's role); the endpoint from
+  ``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL`` (MinIO, a local server; TensorStore takes it
+  only from the spec, so milepost puts it there) and the region from ``AWS_REGION`` or
+  ``AWS_DEFAULT_REGION``.
+- GCS: application-default credentials; an emulator from ``TENSORSTORE_GCS_HTTP_URL``. The
+  conventional ``STORAGE_EMULATOR_HOST`` alone is refused with the fix (TensorStore does not
+  read it, and milepost does not change the process's environment).
+- ``memory://``: one store per process, shared by every open (handy in tests and notebooks).
+"""
+
+from __future__ import annotations
+
+import errno
+import fnmatch
+import functools
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import tensorstore as ts
+
+SCHEMES = ("file", "gs", "s3", "memory")
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):(//?)(.*)$")
+
+NO_VALUE = b"\x02"
+"""TensorStore's generation condition 'the key must not exist'."""
+
+STORAGE_ENV_VARS: tuple[str, ...] = (
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_PROFILE",
+    "AWS_EC2_METADATA_DISABLED",
+    "TENSORSTORE_GCS_HTTP_URL",
+    "STORAGE_EMULATOR_HOST",
+    "GOOGLE_APPLICATION_CREDENTIALS",
+    "GOOGLE_AUTH_TOKEN_FOR_TESTING",
+)
+"""The variables that decide how this module and TensorStore reach gs:// and s3:// (endpoints,
+regions, credentials, emulators): a host process must see the controller's to open its paths."""
+
+
+def storage_environment() -> dict[str, str]:
+    """The :data:`STORAGE_ENV_VARS` set in this process, to give to host processes it starts."""
+    return {name: value for name in STORAGE_ENV_VARS if (value := os.environ.get(name)) is not None}
+
+
+class UnknownStorageError(ValueError):
+    """A path names a storage milepost does not write to (or cannot reach)."""
+
+
+def as_path(path: Any) -> Path | ObjectPath:
+    """The path ``path`` names (a ``str``, ``os.PathLike`` or ``ObjectPath``): an absolute
+    ``Path`` for local folders, else an :class:`ObjectPath`. An unknown scheme is an
+    :class:`UnknownStorageError` (a ``ValueError``) before anything is written."""
+    if isinstance(path, ObjectPath):
+        return path
+    if isinstance(path, Path):
+        return Path(os.path.abspath(path))
+    text = os.fspath(path) if isinstance(path, str | os.PathLike) else str(path)
+    if isinstance(text, bytes):
+        text = os.fsdecode(text)
+    match = _URL.match(text)
+    if match is None or (len(match.group(1)) == 1 and os.name == "nt"):  # no scheme, or a drive
+        return Path(os.path.abspath(text))
+    scheme, _, rest = match.groups()
+    scheme = scheme.lower()
+    if scheme == "file":
+        return Path(os.path.abspath("/" + rest.lstrip("/")))
+    if scheme not in SCHEMES:
+        raise UnknownStorageError(
+            f"milepost does not know the storage {scheme}:// of {text!r}; it reads and writes "
+            "local paths (or file://), gs://, s3:// and memory://. Nothing was written."
+        )
+    if scheme == "memory":
+        return ObjectPath("memory", "", rest.strip("/"))
+    bucket, _, key = rest.partition("/")
+    if not bucket:
+        raise UnknownStorageError(f"{text!r} names no bucket; write {scheme}://<bucket>/<path>")
+    return ObjectPath(scheme, bucket, key.strip("/"))
+
+
+def is_local(path: Any) -> bool:
+    """Whether ``path`` (as :func:`as_path` reads it) is a local folder."""
+    return isinstance(as_path(path), Path)
+
+
+def kvstore(path: Any) -> dict[str, Any]:
+    """The TensorStore kvstore spec of the folder ``path`` (its keys are the names below it)."""
+    where = as_path(path)
+    if isinstance(where, Path):
+        return {"driver": "file", "path": str(where).rstrip("/") + "/"}
+    return where.kvstore()
+
+
+@functools.cache
+def memory_context() -> ts.Context:
+    """The one TensorStore context every ``memory://`` open shares (data lives as long as it)."""
+    return ts.Context()
+
+
+def context_for(path: Any, **resources: Any) -> ts.Context:
+    """A TensorStore context for I/O at ``path``: the shared one for ``memory://``."""
+    where = as_path(path)
+    if isinstance(where, ObjectPath) and where.scheme == "memory":
+        return memory_context()
+    return ts.Context(resources) if resources else ts.Context()
+
+
+def _s3_settings() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        out["endpoint"] = endpoint
+        # An S3-compatible server checks If-None-Match/If-Match itself: one request, atomic
+        # (TensorStore would otherwise emulate it with a HEAD first).
+        out["use_conditional_write"] = True
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if region:
+        out["aws_region"] = region
+    if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
+        # no search of profile files, no instance metadata
+        out["aws_credentials"] = {"type": "environment"}
+    return out
+
+
+def _check_gcs_environment() -> None:
+    """TensorStore reaches a GCS emulator through ``TENSORSTORE_GCS_HTTP_URL`` only. With the
+    usual ``STORAGE_EMULATOR_HOST`` alone it would go to the real GCS instead: refused."""
+    emulator = os.environ.get("STORAGE_EMULATOR_HOST")
+    if emulator and not os.environ.get("TENSORSTORE_GCS_HTTP_URL"):
+        url = emulator if "://" in emulator else f"http://{emulator}"
+        raise UnknownStorageError(
+            f"STORAGE_EMULATOR_HOST={emulator!r} names a GCS emulator, but TensorStore (which "
+            "milepost's gs:// paths go through) reads only TENSORSTORE_GCS_HTTP_URL, so they "
+            f"would reach the real GCS. Set TENSORSTORE_GCS_HTTP_URL={url} as well"
+        )
+
+
+@functools.cache
+def _bucket(scheme: str, bucket: str) -> ts.KvStore:
+    root = ObjectPath(scheme, bucket, "")
+    return ts.KvStore.open(root.kvstore(), context=context_for(root)).result()
+
+
+def _successor(prefix: bytes) -> bytes:
+    """The smallest key greater than every key that starts with ``prefix``."""
+    trimmed = prefix.rstrip(b"\xff")
+    return trimmed[:-1] + bytes([trimmed[-1] + 1]) if trimmed else b""
+
+
+class ObjectPath:
+    """A key (or key prefix) in an object store, with a pathlib-like interface: ``scheme``
+    ('gs', 's3', 'memory'), ``bucket`` (empty for memory) and ``key`` (no leading or trailing
+    '/')."""
+
+    __slots__ = ("bucket", "key", "scheme")
+
+    def __init__(self, scheme: str, bucket: str, key: str) -> None:
+        self.scheme = scheme
+        self.bucket = bucket
+        self.key = key
+
+    # -- naming ---------------------------------------------------------------------------
+    def __truediv__(self, name: str | os.PathLike[str]) -> ObjectPath:
+        return ObjectPath(self.scheme, self.bucket, f"{self.key}/{os.fspath(name)}".strip("/"))
+
+    def __str__(self) -> str:
+        if self.scheme == "memory":
+            return f"memory://{self.key}"
+        return f"{self.scheme}://{self.bucket}/{self.key}"
+
+    def __repr__(self) -> str:
+        return f"ObjectPath({str(self)!r})"
+
+    def _parts(self) -> tuple[str, str, str]:
+        return (self.scheme, self.bucket, self.key)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ObjectPath) and other._parts() == self._parts()
+
+    def __hash__(self) -> int:
+        return hash(self._parts())
+
+    def __lt__(self, other: ObjectPath) -> bool:
+        return self._parts() < other._parts()
+
+    @property
+    def name(self) -> str:
+        return self.key.rstrip("/").rsplit("/", 1)[-1]
+
+    @property
+    def parent(self) -> ObjectPath:
+        head = self.key.rstrip("/").rsplit("/", 1)[0] if "/" in self.key.strip("/") else ""
+        return ObjectPath(self.scheme, self.bucket, head)
+
+    def with_name(self, name: str) -> ObjectPath:
+        return self.parent / name
+
+    def relative_to(self, other: ObjectPath) -> PurePosixPath:
+        prefix = other.key.rstrip("/") + "/"
+        if (self.scheme, self.bucket) != (other.scheme, other.bucket) or not (
+            self.key + "/"
+        ).startswith(prefix):
+            raise ValueError(f"{self} is not inside {other}")
+        return PurePosixPath(self.key[len(prefix) :])
+
+    def as_posix(self) -> str:
+        return str(self)
+
+    def absolute(self) -> ObjectPath:
+        return self
+
+    def resolve(self) -> ObjectPath:
+        return self
+
+    # -- TensorStore ----------------------------------------------------------------------
+    def kvstore(self) -> dict[str, Any]:
+        """The kvstore spec of this path as a folder (its keys are the names below it)."""
+        path = self.key.rstrip("/") + "/" if self.key else ""
+        if self.scheme == "memory":
+            return {"driver": "memory", "path": path}
+        if self.scheme == "gs":
+            _check_gcs_environment()
+            return {"driver": "gcs", "bucket": self.bucket, "path": path}
+        return {"driver": "s3", "bucket": self.bucket, "path": path, **_s3_settings()}
+
+    @property
+    def _kv(self) -> ts.KvStore:
+        return _bucket(self.scheme, self.bucket)
+
+    # -- the store ------------------------------------------------------------------------
+    def keys(self) -> list[str]:
+        """Every key below this folder, relative to it, sorted (one listing)."""
+        prefix = (self.key + "/").lstrip("/").encode()
+        every = ts.KvStore.KeyRange(prefix, _successor(prefix)) if prefix else ts.KvStore.KeyRange()
+        return sorted(k[len(prefix) :].decode() for k in self._kv.list(every).result())
+
+    def read_bytes(self) -> bytes:
+        result = self._kv.read(self.key).result()
+        if result.state != "value":
+            raise FileNotFoundError(errno.ENOENT, "no such object", str(self))
+        return bytes(result.value)
+
+    def read_with_generation(self) -> tuple[bytes | None, bytes | None]:
+        """The object's bytes and generation; (None, None) when it does not exist."""
+        result = self._kv.read(self.key).result()
+        if result.state != "value":
+            return None, None
+        return bytes(result.value), bytes(result.stamp.generation)
+
+    def generation(self) -> bytes | None:
+        """The object's generation (changes on every write); None when it does not exist."""
+        result = self._kv.read(self.key, byte_range=slice(0, 0)).result()
+        return bytes(result.stamp.generation) if result.state == "value" else None
+
+    def read_text(self) -> str:
+        return self.read_bytes().decode()
+
+    def write_bytes(self, data: bytes, *, if_generation: bytes | None = None) -> bytes:
+        """Write the object (durable when this returns); with ``if_generation`` only if its
+        generation is that (``NO_VALUE``: only if it does not exist). Returns the new
+        generation, ``b''`` when the condition failed."""
+        if if_generation is None:
+            return bytes(self._kv.write(self.key, data).result().generation)
+        return bytes(self._kv.write(self.key, data, if_equal=if_generation).result().generation)
+
+    def write_text(self, text: str) -> None:
+        self.write_bytes(text.encode())
+
+    def is_file(self) -> bool:
+        return self.generation() is not None
+
+    def is_dir(self) -> bool:
+        return bool(self.keys())
+
+    def exists(self) -> bool:
+        return self.is_file() or self.is_dir()
+
+    def is_symlink(self) -> bool:
+        return False
+
+    def iterdir(self) -> Iterator[ObjectPath]:
+        children = sorted({key.split("/", 1)[0] for key in self.keys()})
+        return iter([self / child for child in children])
+
+    def glob(self, pattern: str) -> Iterator[ObjectPath]:
+        return iter([p for p in self.iterdir() if fnmatch.fnmatchcase(p.name, pattern)])
+
+    def mkdir(self, parents: bool = False, exist_ok: bool = False) -> None:
+        """Nothing to do: a folder exists while a key is below it."""
+
+    def unlink(self, missing_ok: bool = False, *, if_generation: bytes | None = None) -> bool:
+        """Delete the object; with ``if_generation`` only if its generation is that."""
+        if not missing_ok and not self.is_file():
+            raise FileNotFoundError(errno.ENOENT, "no such object", str(self))
+        if if_generation is None:
+            self._kv.write(self.key, None).result()
+            return True
+        written = self._kv.write(self.key, None, if_equal=if_generation).result()
+        return bytes(written.generation) != b""
+
+    def delete_tree(self) -> ts.Future[None]:
+        """Start deleting every key below this folder; returns the future."""
+        prefix = (self.key + "/").encode()
+        return self._kv.delete_range(ts.KvStore.KeyRange(prefix, _successor(prefix)))
+
+
+StoragePath = Path | ObjectPath
+"""What :func:`as_path` returns: a local folder or a path in an object store."""

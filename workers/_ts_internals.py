@@ -1,0 +1,251 @@
+"""What milepost relies on of TensorStore beyond its documented API, in one place.
+
+- **The OCDBT dump.** ``ts.ocdbt.dump`` of a manifest gives its versions, each with the
+  location of its B-tree root; of a node, its entries: a key (after the node's common prefix),
+  and either a child's location (interior nodes) or an indirect value's reference, the text
+  ``value:<base>:<relative>:<offset>:<length>`` with every path byte outside
+  ``[A-Za-z0-9-_./]`` percent-encoded. Direct reads find each chunk's file range this way.
+- **A zarr3 shard as TensorStore writes it** (``sharding_indexed`` codec, index at the end):
+  the chunks, then the index, ``(offset, nbytes)`` as little-endian uint64 per inner chunk in
+  C order (``2**64 - 1`` twice for a missing chunk), then the index's CRC32C; a shard written
+  whole holds its chunks one after another in C order from offset 0.
+- **The words of its errors.** TensorStore raises ``ValueError`` for everything: the absl
+  status code starts the message (``NOT_FOUND: ...``), a full disk says "No space left on
+  device", a full quota "Disk quota exceeded", and some decoding failures carry no status but
+  these words: "Error decoding", "Error reading", "ZSTD_", "Invalid key".
+
+:func:`check` verifies the first two against the TensorStore installed (and the status prefix of
+the third): a release that changes any of them fails a test that names what changed, instead of
+direct reads turning slow (they fall back) or loads failing. ``pyproject.toml`` states the range
+of TensorStore versions that is tested.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+import tempfile
+import urllib.parse
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import crc32c
+import numpy as np
+import tensorstore as ts
+
+# ------------------------------------------------------------------------------------------
+# The OCDBT dump
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FileRange:
+    """Where a value's bytes are: ``length`` bytes at ``offset`` in the file ``path``."""
+
+    path: str
+    offset: int
+    length: int
+
+
+class KeyFilter(Protocol):
+    def match(self, key: bytes) -> bool:
+        """Whether the value of ``key`` is wanted."""
+        ...
+
+    def overlaps(self, low: bytes, high: bytes | None) -> bool:
+        """Whether some key in ``[low, high)`` may be wanted (``high`` None: no bound)."""
+        ...
+
+
+class OutsideError(ValueError):
+    """A value reference names a file outside the database's folder."""
+
+    def __init__(self, inside: str) -> None:
+        super().__init__(inside)
+        self.inside = inside
+
+
+def ocdbt_values(directory: str, wanted: KeyFilter) -> Iterator[tuple[bytes, FileRange]]:
+    """Every wanted key of the newest version of the OCDBT database in ``directory`` (a local
+    folder) whose value lies in a data file, with that file range; keys whose values are
+    inline in the B-tree are skipped. One walk, visiting only the nodes that may hold wanted
+    keys. A reference to a file outside ``directory`` is an :class:`OutsideError`."""
+    base = ts.KvStore.open({"driver": "file", "path": directory.rstrip("/") + "/"}).result()
+    manifest = ts.ocdbt.dump(base).result()
+    versions = manifest.get("versions") or []
+    root = versions[-1]["root"].get("location") if versions else None
+    if root is not None:
+        yield from _walk(directory, base, root, b"", wanted)
+
+
+def _walk(
+    directory: str, base: Any, location: str, prefix: bytes, wanted: KeyFilter
+) -> Iterator[tuple[bytes, FileRange]]:
+    entries = ts.ocdbt.dump(base, location).result()["entries"]
+    for i, entry in enumerate(entries):
+        key = prefix + entry["key"]
+        if "location" in entry:  # interior: the child holds keys in [key, next key)
+            upper = prefix + entries[i + 1]["key"] if i + 1 < len(entries) else None
+            if wanted.overlaps(key, upper):
+                below = prefix + entry.get("subtree_common_prefix", b"")
+                yield from _walk(directory, base, entry["location"], below, wanted)
+        elif "indirect_value" in entry and wanted.match(key):
+            found = value_range(directory, entry["indirect_value"])
+            if found is not None:
+                yield key, found
+
+
+def value_range(directory: str, reference: str) -> FileRange | None:
+    """The file range an indirect value's reference names (None: not a value in a file).
+    The path is percent-decoded, as TensorStore itself reads it; one leading out of
+    ``directory`` is an :class:`OutsideError`."""
+    head, offset, length = reference.rsplit(":", 2)
+    kind, base_path, relative = head.split(":", 2)
+    if kind != "value":
+        return None
+    inside = urllib.parse.unquote(base_path) + urllib.parse.unquote(relative)
+    parts = inside.split("/")
+    if os.path.isabs(inside) or ".." in parts or "\\" in inside or "\x00" in inside:
+        raise OutsideError(inside)
+    return FileRange(path=os.path.join(directory, inside), offset=int(offset), length=int(length))
+
+
+# ------------------------------------------------------------------------------------------
+# A zarr3 shard's index
+# ------------------------------------------------------------------------------------------
+
+INDEX_ENTRY = struct.Struct("<QQ")
+MISSING = 2**64 - 1
+
+
+def index_size(chunks: int) -> int:
+    """Bytes of a shard index of ``chunks`` entries with its CRC32C."""
+    return chunks * INDEX_ENTRY.size + 4
+
+
+def index_entries(index: bytes | bytearray | memoryview) -> list[tuple[int, int] | None] | None:
+    """The ``(offset, nbytes)`` of each inner chunk a shard's index (its last bytes) records
+    (None: the chunk is missing); None for the whole when the index fails its CRC32C."""
+    (recorded,) = struct.unpack("<I", bytes(index[-4:]))
+    if crc32c.crc32c(bytes(index[:-4])) != recorded:
+        return None
+    return [
+        None if (offset, nbytes) == (MISSING, MISSING) else (int(offset), int(nbytes))
+        for offset, nbytes in INDEX_ENTRY.iter_unpack(bytes(index[:-4]))
+    ]
+
+
+# ------------------------------------------------------------------------------------------
+# Error messages
+# ------------------------------------------------------------------------------------------
+
+_STATUS = re.compile(r"^\s*([A-Z_]+):\s")
+_DAMAGE = re.compile(r"Error decoding|Error reading|ZSTD_|Invalid key")
+
+
+def status_of(error: BaseException) -> str | None:
+    """The absl status code TensorStore put at the start of its error message, if any."""
+    match = _STATUS.match(str(error))
+    return match.group(1) if match else None
+
+
+def says_no_space(error: BaseException) -> bool:
+    return "No space left on device" in str(error)
+
+
+def says_over_quota(error: BaseException) -> bool:
+    return "Disk quota exceeded" in str(error)
+
+
+def says_damaged(error: BaseException) -> bool:
+    """A decoding failure without a status code (a damaged manifest or B-tree node)."""
+    return _DAMAGE.search(str(error)) is not None
+
+
+# ------------------------------------------------------------------------------------------
+# The check
+# ------------------------------------------------------------------------------------------
+
+
+def check() -> list[str]:
+    """What of the above the installed TensorStore no longer does, one line each (empty: all of
+    it holds). Writes a small sharded zarr3 array into an OCDBT database in a temporary folder,
+    finds its shard through the dump and reads it back from the file by hand."""
+    problems: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="milepost-ts-check-") as folder:
+        values = np.arange(4 * 6, dtype=np.float32).reshape(4, 6)
+        spec = {
+            "driver": "zarr3",
+            "kvstore": {
+                "driver": "ocdbt",
+                "base": {"driver": "file", "path": folder + "/"},
+                "config": {"max_inline_value_bytes": 16},
+                "path": "a b/",
+            },
+            "metadata": {
+                "shape": [4, 6],
+                "data_type": "float32",
+                "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [4, 6]}},
+                "codecs": [
+                    {
+                        "name": "sharding_indexed",
+                        "configuration": {
+                            "chunk_shape": [2, 6],
+                            "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
+                            "index_codecs": [
+                                {"name": "bytes", "configuration": {"endian": "little"}},
+                                {"name": "crc32c"},
+                            ],
+                        },
+                    }
+                ],
+            },
+        }
+        ts.open(spec, create=True).result().write(values).result()
+
+        class _Shard:
+            def match(self, key: bytes) -> bool:
+                return key == b"a b/c/0/0"
+
+            def overlaps(self, low: bytes, high: bytes | None) -> bool:
+                return low <= b"a b/c/0/0" and (high is None or b"a b/c/0/0" < high)
+
+        try:
+            found = dict(ocdbt_values(folder, _Shard()))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            return [
+                f"ts.ocdbt.dump no longer has the structure milepost walks ({type(e).__name__}: {e})"
+            ]
+        where = found.get(b"a b/c/0/0")
+        if where is None:
+            return [
+                "walking ts.ocdbt.dump did not find the shard's value reference (its form changed)"
+            ]
+        if not os.path.isfile(where.path):
+            return [f"a value reference no longer names a file of the database: {where}"]
+        with open(where.path, "rb") as f:
+            f.seek(where.offset)
+            shard = f.read(where.length)
+        chunk = values[:2].nbytes
+        size = index_size(2)
+        if len(shard) != 2 * chunk + size:
+            problems.append(
+                f"a full shard of 2 chunks is {len(shard)} bytes, not {2 * chunk + size}"
+            )
+        else:
+            entries = index_entries(shard[-size:])
+            if entries is None:
+                problems.append("a shard's index no longer ends with the CRC32C of its entries")
+            elif entries != [(0, chunk), (chunk, chunk)]:
+                problems.append(f"a full shard's index says {entries}, not the chunks in C order")
+            elif shard[: 2 * chunk] != values.tobytes():
+                problems.append("a full shard no longer holds its chunks one after another, raw")
+        try:
+            ts.open({**spec, "path": "missing/"}, open=True).result()
+            problems.append("opening a missing array no longer fails")
+        except ValueError as e:
+            if status_of(e) is None:
+                problems.append(f"TensorStore's errors no longer start with a status code: {e}")
+    return problems

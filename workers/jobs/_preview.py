@@ -1,0 +1,55 @@
+"""Host job: read one box of one array (a look at a few values of a checkpoint, e.g.
+``np.asarray(ck.tree["w"][:4, :8])`` in a notebook). The whole chunks the box touches are read
+and checked against their recorded checksums, then the box is cut out: only those chunks are
+read, and nothing unchecked is returned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import tensorstore as ts
+
+from milepost.workers import _checksum
+from milepost.workers import _tensorstore as tsu
+from milepost.workers._boxes import box_to_slices
+from milepost.workers._errors import CorruptCheckpointError, from_tensorstore
+from milepost.workers._messages import Index, StoreSpec
+
+
+@dataclass(frozen=True, kw_only=True)
+class BoxPlan:
+    store: StoreSpec
+    name: str
+    box: Index
+    checksums: tuple[tuple[tuple[int, ...], int], ...] | None = None
+    """Recorded (chunk grid index, CRC32C) of the array's chunks; None: not recorded."""
+
+
+def read_box(plan: BoxPlan, process_index: int | str = 0) -> np.ndarray:
+    context = tsu.new_context(plan.store.directory)
+    spec = tsu.open_spec(tsu.read_kvstore(plan.store), plan.name, False, plan.store.zarr_format)
+    try:
+        store = ts.open(spec, open=True, read=True, context=context).result()
+        if plan.checksums is None:
+            return np.asarray(store[box_to_slices(plan.box)].read().result())
+        inner = tsu.header_chunks(store.spec().to_json().get("metadata", {}))[0]
+        whole = _checksum.aligned_box(plan.box, inner, tuple(store.shape))
+        data = np.asarray(store[box_to_slices(whole)].read().result())
+    except Exception as e:
+        mapped = from_tensorstore(
+            e, f"reading array {plan.name!r}", plan.store.directory, reading=True
+        )
+        if mapped is not e:
+            raise mapped from e
+        raise CorruptCheckpointError(
+            f"array {plan.name!r} could not be read from {plan.store.directory}: {e}"
+        ) from e
+    expected = dict(plan.checksums)
+    for grid, crc in _checksum.region_crc32c(data, whole, inner):
+        _checksum.check(
+            plan.name, grid, crc, expected, f"{plan.store.directory}, array {plan.name!r}"
+        )
+    local = tuple(slice(a - w, b - w) for (a, b), (w, _) in zip(plan.box, whole, strict=True))
+    return np.ascontiguousarray(data[local])

@@ -1,0 +1,219 @@
+"""A host's part of a load: read what its devices need of every array, place it, and return
+the global arrays.
+
+:func:`load` opens every array with TensorStore while it walks the OCDBT B-tree for the files
+its chunks lie in (:class:`~._direct.Locator`), plans each array's boxes (one per distinct box
+this host's devices hold), reads them in the order their data lies on disk with a
+:class:`~._reader.BudgetedReader`, and assembles them (:mod:`._assemble`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+
+from milepost.workers import _keys
+from milepost.workers import _tensorstore as tsu
+from milepost.workers._boxes import addressable_boxes
+from milepost.workers._errors import CorruptCheckpointError, from_tensorstore
+from milepost.workers._messages import LoadAck, LoadPlan, LoadTask
+from milepost.workers._paths import is_local
+from milepost.workers._sharding import ShardingSpec
+from milepost.workers.load import _direct
+from milepost.workers.load._assemble import Assembler, BroadcastAssembler, Broadcasts
+from milepost.workers.load._pieces import ShardLayout, shard_layout
+from milepost.workers.load._reader import BudgetedReader, Checked
+
+
+def load(plan: LoadPlan, process_index: int | str = 0) -> tuple[list[Any], LoadAck]:
+    """Read what this host's devices need of every task, place it, assemble global arrays.
+
+    Returns one entry per task — a ``jax.Array`` (its addressable shards filled) or, for tasks
+    without a sharding, a NumPy array — and this host's :class:`LoadAck`.
+
+    Tasks with a ``broadcast_axis`` (load-and-broadcast) are read only by the devices at index 0
+    of that axis and reach the others by a collective every host runs, in plan order. A host
+    whose part fails still joins the collectives it has not run (with placeholders) before it
+    raises, so the other hosts are not left waiting in them.
+    """
+    broadcasts = Broadcasts(plan)
+    try:
+        return _load(plan, process_index, broadcasts)
+    except Exception:
+        broadcasts.abandon()
+        raise
+
+
+def _load(
+    plan: LoadPlan, process_index: int | str, broadcasts: Broadcasts
+) -> tuple[list[Any], LoadAck]:
+    _check_device_dtypes(plan.tasks)
+    opens = _start_opens(plan)
+    direct = plan.direct_reads and is_local(plan.store.directory)  # straight from local files only
+    locator = _direct.Locator(plan.store) if direct else None
+    if locator is not None:
+        # Walk the B-tree while TensorStore opens the arrays (every array's chunks: which of
+        # them can be read directly is known once they are open).
+        try:
+            locator.index([t.name for t in plan.tasks if t.tensor is None])
+        except Exception:  # (a damaged database: the opens below report it, or the walk again)
+            locator = _direct.Locator(plan.store)
+    stores = _finish_opens(plan, opens)
+    metadatas = [tsu.zarr_metadata(s) if s is not None else None for s in stores]
+    layouts: list[ShardLayout | None] = [None] * len(stores)
+    if locator is not None:
+        layouts = [
+            shard_layout(t.name, s, m) if s is not None else None
+            for t, s, m in zip(plan.tasks, stores, metadatas, strict=True)
+        ]
+        if any(layouts):
+            locator.index([layout.name for layout in layouts if layout is not None])
+        else:
+            locator = None
+    results: list[Any] = [None] * len(plan.tasks)
+    assemblers: list[Assembler] = []
+    waiting: list[
+        Assembler
+    ] = []  # broadcast arrays whose collectives run once their reads are done
+    # Arrays of the same shape and sharding (the layers of a model) share one device layout.
+    layouts_seen: dict[Any, Any] = {}
+
+    def boxes_of(sharding: Any, shape: tuple[int, ...]) -> Any:
+        try:
+            return layouts_seen[sharding, shape]
+        except TypeError:  # an unhashable sharding
+            return addressable_boxes(sharding, shape)
+        except KeyError:
+            found = layouts_seen[sharding, shape] = addressable_boxes(sharding, shape)
+            return found
+
+    order = list(range(len(plan.tasks)))
+    if locator is not None and not broadcasts.pending:
+        # Read the arrays in the order their data lies in the files (front to back, file by
+        # file), so the reads of neighbouring arrays are sequential (and coalesce) instead of
+        # jumping around each file in tree order. Collectives (load-and-broadcast) keep plan order.
+        unknown = ("", -1)
+        order.sort(key=lambda i: locator.first_location(plan.tasks[i].name) or unknown)
+    for i in order:
+        task = plan.tasks[i]
+        if task.sharding is None:
+            asm = Assembler(task, None, results, i, [((), (tuple((0, n) for n in task.shape)))])
+        else:
+            sharding = (
+                task.sharding.to_jax() if isinstance(task.sharding, ShardingSpec) else task.sharding
+            )
+            readers = broadcasts.readers(i, task, sharding)
+            if readers is None:
+                asm = Assembler(task, sharding, results, i, *boxes_of(sharding, task.shape))
+            else:
+                pieces, _ = addressable_boxes(sharding, task.shape, readers)
+                asm = BroadcastAssembler(task, sharding, results, i, pieces, broadcasts)
+        assemblers.append(asm)
+    boxes = [
+        math.prod(b - a for a, b in box) * asm.dtype.itemsize
+        for asm in assemblers
+        for _, box in asm.pieces
+    ]
+    reader = BudgetedReader(
+        plan.memory_budget_bytes, plan.store.directory, locator, sum(boxes), len(boxes)
+    )
+    try:
+        for i, asm in zip(order, assemblers, strict=True):
+            task, store, layout = plan.tasks[i], stores[i], layouts[i]
+            if task.tensor is not None:
+                reader.read_tensor(task.tensor, asm)
+            else:
+                checked = None
+                if task.checksums is not None:
+                    inner, shard = tsu.chunk_shapes(store, metadatas[i])
+                    checked = Checked(task.name, task.shape, inner, dict(task.checksums), shard)
+                for devices, box in asm.pieces:
+                    reader.read(store, layout, box, asm, devices, checked)
+            # The collectives of the arrays before this one run while its reads are in flight.
+            for earlier in waiting:
+                reader.complete(earlier)
+                earlier.finish()
+            waiting = [asm] if isinstance(asm, BroadcastAssembler) else []
+        reader.drain()
+    finally:
+        reader.close()
+    for asm in assemblers:
+        asm.finish()
+    for i, task in enumerate(plan.tasks):
+        if task.random_key_impl is not None:
+            results[i] = _keys.from_data(results[i], task.random_key_impl)
+    return results, LoadAck(
+        process_index=process_index, bytes_read=reader.bytes_read, arrays=len(results)
+    )
+
+
+def _start_opens(plan: LoadPlan) -> list[Any]:
+    """Start opening every task's array with TensorStore (None for tasks read from safetensors
+    files); :func:`_finish_opens` waits for them."""
+    context = tsu.new_context(plan.store.directory)
+    kvstore = tsu.read_kvstore(plan.store)
+    return [
+        None
+        if t.tensor is not None
+        else ts.open(
+            tsu.open_spec(kvstore, t.name, plan.fill_missing, plan.store.zarr_format),
+            open=True,
+            read=True,
+            context=context,
+        )
+        for t in plan.tasks
+    ]
+
+
+def _finish_opens(plan: LoadPlan, opens: list[Any]) -> list[Any]:
+    stores = []
+    for task, opening in zip(plan.tasks, opens, strict=True):
+        if opening is None:
+            stores.append(None)
+            continue
+        try:
+            store = opening.result()
+        except Exception as e:  # TensorStore raises ValueError with a long status string
+            mapped = from_tensorstore(
+                e, f"opening array {task.name!r}", plan.store.directory, reading=True
+            )
+            if isinstance(mapped, PermissionError | TimeoutError) or (
+                isinstance(mapped, OSError) and mapped is not e
+            ):
+                raise mapped from e
+            raise CorruptCheckpointError(
+                f"array {task.name!r} could not be opened in {plan.store.directory}: {e}. "
+                "The checkpoint is missing data or damaged; load an earlier checkpoint."
+            ) from e
+        if tuple(store.shape) != tuple(task.shape):
+            raise CorruptCheckpointError(
+                f"array {task.name!r} is stored with shape {tuple(store.shape)} in {plan.store.directory}, but its "
+                f"metadata says {task.shape}; the checkpoint is damaged"
+            )
+        stores.append(store)
+    return stores
+
+
+def _check_device_dtypes(tasks: Sequence[LoadTask]) -> None:
+    """A 64-bit array placed on devices while JAX runs without x64 would silently lose its upper
+    32 bits (int64 -> int32, float64 -> float32): refuse, and say how to get what was saved."""
+    import jax
+
+    for task in tasks:
+        if task.sharding is None:
+            continue
+        dtype = np.dtype(task.dtype)
+        if np.dtype(jax.dtypes.canonicalize_dtype(dtype)) != dtype:
+            raise ValueError(
+                f"array {task.name!r} would be loaded as {dtype} onto devices, but JAX runs without 64-bit types "
+                f"(it would become {np.dtype(jax.dtypes.canonicalize_dtype(dtype))}, losing values); enable them "
+                "(jax.config.update('jax_enable_x64', True) or `with jax.enable_x64():`), or ask for a 32-bit dtype "
+                "in the abstract tree to cast"
+            )
+
+
+Box = tuple[tuple[int, int], ...]

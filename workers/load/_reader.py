@@ -1,0 +1,302 @@
+"""Reading a load's boxes within a memory budget, each checked against its chunks' checksums.
+
+:class:`BudgetedReader` issues the reads of every box a host's devices need and completes the
+oldest first while the bytes in flight would pass the budget. A box goes straight from its
+file into the destination buffer where the layout allows (:mod:`._direct`), otherwise through
+TensorStore; safetensors tensors are read by :func:`~milepost.workers._safetensors.read_boxes`.
+With recorded checksums every chunk a box touches is read whole and checked before its values
+go anywhere.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from concurrent.futures import wait as futures_wait
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+
+from milepost.workers import _checksum, _memory, _progress, _safetensors
+from milepost.workers._boxes import box_to_slices
+from milepost.workers._errors import CorruptCheckpointError, from_tensorstore
+from milepost.workers._memory import parallel_copy
+from milepost.workers.load import _direct
+from milepost.workers.load._assemble import Assembler
+from milepost.workers.load._pieces import BoxRead, ShardLayout, box_reads
+
+
+@dataclass(frozen=True)
+class Checked:
+    """What a load checks an array's chunks against: the recorded checksum of each chunk."""
+
+    name: str
+    shape: tuple[int, ...]
+    chunk_shape: tuple[int, ...]
+    expected: dict[tuple[int, ...], int]
+    shard_shape: tuple[int, ...] = ()
+    """The stored shards' shape (its chunk grid), which may hold several chunks."""
+
+    def key(self, grid: tuple[int, ...]) -> str:
+        """The storage key of the shard holding chunk ``grid``."""
+        shard = self.shard_shape or self.chunk_shape
+        return f"{self.name}/c" + "".join(
+            f"/{g * c // s}" for g, c, s in zip(grid, self.chunk_shape, shard, strict=True)
+        )
+
+
+class _DirectRead:
+    """The direct reads of one box in flight (each checks its chunk's checksum on its thread);
+    if one of them turns out not to be directly readable (its chunk is missing), the whole box
+    is read through TensorStore instead."""
+
+    def __init__(
+        self,
+        handle: _direct.BoxHandle,
+        store: Any,
+        box: tuple[tuple[int, int], ...],
+        out: np.ndarray,
+        whole: tuple[tuple[int, int], ...],
+    ) -> None:
+        self.handle = handle
+        self.store = store
+        self.box = box
+        self.out = out
+        self.whole = whole
+        self.staged: np.ndarray | None = None
+        """After a fallback: the whole chunks the box touches, read to be checked (when more than the box)."""
+
+    def result(self) -> bool:
+        """Wait; True if the box was read through TensorStore after all (as ``whole``, the
+        chunks a checked box touches, into ``staged`` when that is more than the box)."""
+        if self.handle.result():
+            if self.whole != self.box:
+                self.staged = _memory.read_buffer(
+                    tuple(b - a for a, b in self.whole), self.out.dtype
+                )
+                ts.array(self.staged).write(_box_view(self.store, self.whole)).result()
+            else:
+                ts.array(self.out).write(_box_view(self.store, self.box)).result()
+            return True
+        return False
+
+
+def _box_view(store: Any, box: tuple[tuple[int, int], ...]) -> Any:
+    """The TensorStore view of ``box`` (indexing a TensorStore costs tens of microseconds: done
+    only for reads that go through it)."""
+    return store[box_to_slices(box)] if box else store
+
+
+class _TensorRead:
+    """Every box one host needs of one safetensors tensor, read together (rows that several
+    boxes share are read once)."""
+
+    def __init__(self, tensor: _safetensors.Tensor, asm: Assembler) -> None:
+        dtype = np.dtype(_safetensors.numpy_dtype(tensor.dtype))
+        self.asm = asm
+        self.targets = [
+            (devices, box, _memory.read_buffer(tuple(b - a for a, b in box), dtype))
+            for devices, box in asm.pieces
+        ]
+        self.nbytes = sum(out.nbytes for _, _, out in self.targets)
+        self.futures = _safetensors.read_boxes(tensor, [(box, out) for _, box, out in self.targets])
+
+    def finish(self) -> int:
+        futures_wait(self.futures)
+        got = sum(f.result() for f in self.futures)
+        for devices, _, out in self.targets:
+            self.asm.take(devices, out)
+        self.targets = []
+        return got
+
+
+@dataclass
+class _Read:
+    future: Any
+    out: np.ndarray
+    asm: Assembler
+    devices: tuple[Any, ...]
+    nbytes: int
+    checked: Checked | None = None
+    """Checked here once read (TensorStore reads); direct reads check on their own threads."""
+    whole: tuple[tuple[int, int], ...] = ()
+    """The chunk-aligned box read (when checked), into ``staged`` if it is larger than the box."""
+    box: tuple[tuple[int, int], ...] = ()
+    staged: np.ndarray | None = None
+    scratch: int = 0
+    """Bytes held while in flight beyond ``nbytes`` (direct pieces read beside the box first)."""
+
+
+class BudgetedReader:
+    """Issues reads, keeping at most ``budget`` bytes of read buffers in flight.
+
+    A box goes straight from its file into the destination buffer when the locator can find it
+    (see :mod:`._direct`), otherwise through TensorStore. With recorded checksums every chunk a
+    box touches is read whole and checked before its values go anywhere: a box that covers
+    chunks only partly is read through TensorStore as the whole chunks, then cut out.
+    """
+
+    def __init__(
+        self,
+        budget: int | None,
+        directory: str = "",
+        locator: _direct.Locator | None = None,
+        total_bytes: int = 0,
+        boxes: int = 0,
+    ) -> None:
+        """``total_bytes`` in ``boxes`` boxes: about what the load will read."""
+        self.budget = budget
+        self.directory = directory
+        self.locator = locator
+        self.direct = (
+            _direct.DirectReader(total_bytes, boxes) if locator is not None else None
+        )  # with the locator
+        self.inflight: collections.deque[_Read | _TensorRead] = collections.deque()
+        self.inflight_bytes = 0
+        self.bytes_read = 0
+        self.progress = _progress.counter()
+
+    def read(
+        self,
+        store: Any,
+        layout: ShardLayout | None,
+        box: tuple[tuple[int, int], ...],
+        asm: Assembler,
+        devices: tuple[Any, ...],
+        checked: Checked | None = None,
+    ) -> None:
+        dtype = store.dtype.numpy_dtype
+        nbytes = math.prod(b - a for a, b in box) * dtype.itemsize
+        direct: tuple[list[BoxRead], list[Any]] | None = None
+        scratch = 0
+        if layout is not None and self.locator is not None:
+            # (with checksums, every chunk the box touches is read whole, and the box's part placed)
+            pieces = box_reads(layout, box, whole_chunks=checked is not None) or []
+            if checked is not None and not all(p.whole for p in pieces):
+                pieces = []  # a partial chunk cannot be checked: read it whole, below
+            values = [self.locator.locate(piece.key) for piece in pieces]
+            if pieces and all(v is not None for v in values):
+                direct = pieces, values
+                scratch = sum(p.scratch for p in pieces)  # read beside the box
+        whole = box
+        if checked is not None:
+            whole = _checksum.aligned_box(box, checked.chunk_shape, checked.shape)
+            if whole != box and direct is None:
+                nbytes += math.prod(b - a for a, b in whole) * dtype.itemsize
+        if self.budget is not None:
+            while self.inflight and self.inflight_bytes + nbytes + scratch > self.budget:
+                self._complete_one()
+        out = _memory.read_buffer(tuple(b - a for a, b in box), dtype)
+        read = _Read(None, out, asm, devices, nbytes, checked, whole, box, scratch=scratch)
+        if direct is not None:
+            pieces, values = direct
+            expected = [
+                checked.expected.get(p.grid, -1) if checked is not None else None for p in pieces
+            ]
+            handle = self.direct.read_box(values, pieces, out, expected, asm.task.name)  # type: ignore[union-attr]
+            read.future = _DirectRead(
+                handle, store, box, out, whole
+            )  # checked again only after a fallback
+        elif whole == box:
+            read.future = ts.array(out).write(_box_view(store, box))
+        else:
+            read.staged = _memory.read_buffer(tuple(b - a for a, b in whole), dtype)
+            read.future = ts.array(read.staged).write(_box_view(store, whole))
+        self.inflight.append(read)
+        self.inflight_bytes += nbytes + scratch
+
+    def read_tensor(self, tensor: _safetensors.Tensor, asm: Assembler) -> None:
+        """Read every box ``asm`` needs of a safetensors tensor."""
+        if self.budget is not None:
+            needed = (
+                sum(math.prod(b - a for a, b in box) for _, box in asm.pieces)
+                * tensor.nbytes
+                // max(1, math.prod(tensor.shape))
+            )
+            while self.inflight and self.inflight_bytes + needed > self.budget:
+                self._complete_one()
+        read = _TensorRead(tensor, asm)
+        self.inflight.append(read)
+        self.inflight_bytes += read.nbytes
+
+    def _complete_one(self) -> None:
+        read = self.inflight.popleft()
+        if isinstance(read, _TensorRead):
+            self.bytes_read += read.finish()
+            self.inflight_bytes -= read.nbytes
+            if self.progress is not None:
+                self.progress(read.nbytes)
+            return
+        asm = read.asm
+        try:
+            fell_back = read.future.result()
+            if fell_back:
+                read.staged = read.future.staged
+            if read.checked is not None and (not isinstance(read.future, _DirectRead) or fell_back):
+                self._check(read)
+        except (
+            Exception
+        ) as e:  # TensorStore's ValueError("NOT_FOUND: ..."), a bad checksum, a short file...
+            if isinstance(e, CorruptCheckpointError) and str(e).startswith(
+                f"array {asm.task.name!r}"
+            ):
+                raise  # already names the array and says what is wrong
+            mapped = from_tensorstore(
+                e, f"reading array {asm.task.name!r}", self.directory, reading=True
+            )
+            if (
+                isinstance(mapped, OSError)
+                and not isinstance(mapped, FileNotFoundError)
+                and mapped is not e
+            ):
+                raise mapped from e
+            raise CorruptCheckpointError(
+                f"array {asm.task.name!r}: reading a {read.out.shape} box from {self.directory} failed ({e}); the "
+                "checkpoint's data files are missing or damaged. Load an earlier checkpoint."
+            ) from e
+        asm.take(read.devices, read.out)
+        self.inflight_bytes -= read.nbytes + read.scratch
+        self.bytes_read += read.nbytes
+        if self.progress is not None:
+            self.progress(
+                read.out.nbytes
+            )  # the box delivered (a checked read may read whole chunks around it)
+
+    def _check(self, read: _Read) -> None:
+        """Check every chunk of a box read through TensorStore, then cut the box out."""
+        checked = read.checked
+        assert checked is not None
+        buffer = read.staged if read.staged is not None else read.out
+        for grid, crc in _checksum.region_crc32c(buffer, read.whole, checked.chunk_shape):
+            _checksum.check(checked.name, grid, crc, checked.expected, self._where(checked, grid))
+        if read.staged is not None:
+            local = tuple(
+                slice(a - w, b - w) for (a, b), (w, _) in zip(read.box, read.whole, strict=True)
+            )
+            parallel_copy([(read.out, read.staged[local])])
+            read.staged = None
+
+    def _where(self, checked: Checked, grid: tuple[int, ...]) -> str:
+        key = checked.key(grid)
+        value = self.locator.locate(key) if self.locator is not None else None
+        return (
+            f"{value.path} at byte {value.offset}"
+            if value is not None
+            else f"{self.directory}, key {key!r}"
+        )
+
+    def drain(self) -> None:
+        while self.inflight:
+            self._complete_one()
+
+    def complete(self, asm: Assembler) -> None:
+        """Finish the reads in flight for ``asm`` (and the reads issued before them)."""
+        while any(read.asm is asm for read in self.inflight):
+            self._complete_one()
+
+    def close(self) -> None:
+        """Wait for direct reads still running (after a failure) and close their files."""
+        if self.direct is not None:
+            self.direct.close()

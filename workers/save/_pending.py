@@ -1,0 +1,130 @@
+"""The writes of one :func:`~milepost.workers.start_save` on this host, until they are durable."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
+from typing import Any
+
+import numpy as np
+
+from milepost.workers import _checksum
+from milepost.workers._boxes import Box
+from milepost.workers._errors import from_tensorstore
+from milepost.workers._memory import on_copy_pool
+from milepost.workers._messages import ArraySpec, SaveAck, SavePlan, WrittenArray
+from milepost.workers.save import _staging
+
+
+class PendingSave:
+    """The TensorStore writes (and array creations) of one :func:`start_save`: a
+    :class:`~milepost.workers.PendingWrite` whose ``wait`` returns this host's :class:`SaveAck`."""
+
+    def __init__(self, plan: SavePlan) -> None:
+        self._plan = plan
+        self._inflight: list[Any] | None = []
+        """TensorStore futures that may still write: array opens (they create zarr.json) and
+        write commits. Dropped once durable, which frees the staged buffers."""
+        self._nbytes = 0
+        self._checksums: list[tuple[str, Any]] = []
+        """(array name, future of its chunks' checksums), computed while the writes run."""
+        self._lock = threading.Lock()
+        self._ack: SaveAck | None = None
+        self._staged: list[np.ndarray] = []
+        """Raw buffers of the staging copies, returned to the pool once the writes are durable."""
+        self._staged_bytes = 0
+        self._issuing: Any = None
+        """The job issuing the staging copies' writes (it adds to ``_inflight`` and
+        ``_checksums``): waited for before either is read."""
+
+    def track(self, future: Any, nbytes: int = 0) -> None:
+        """Count a TensorStore future that may still write (an open, a write's commit) and the
+        bytes it writes."""
+        assert self._inflight is not None
+        self._inflight.append(future)
+        self._nbytes += nbytes
+
+    def checksum(self, spec: ArraySpec, box: Box, data: np.ndarray) -> Future[Any]:
+        """Compute the checksums of the chunks of ``data`` (the region ``box``) on the copy pool."""
+        future = on_copy_pool(_checksum.region_crc32c, data, box, spec.chunk_shape)
+        self._checksums.append((spec.name, future))
+        return future
+
+    def hold(self, raw: np.ndarray) -> None:
+        """Keep a staging buffer until the writes are durable, then give it back to the pool."""
+        self._staged.append(raw)
+        self._staged_bytes += raw.nbytes
+
+    def issued_by(self, job: Future[None]) -> None:
+        """``job`` issues writes (adding to what is tracked): waited for before the writes."""
+        self._issuing = job
+
+    def wait(self, timeout: float | None = None) -> SaveAck:
+        with self._lock:
+            if self._ack is None:
+                deadline = None if timeout is None else time.monotonic() + timeout
+                try:
+                    if self._issuing is not None:
+                        self._issuing.result(
+                            timeout=None
+                            if deadline is None
+                            else max(0.0, deadline - time.monotonic())
+                        )
+                    for f in self._inflight or []:
+                        f.result(
+                            timeout=None
+                            if deadline is None
+                            else max(0.0, deadline - time.monotonic())
+                        )
+                except BaseException as e:
+                    self._settle(timeout)  # no write may land after the caller cleans up
+                    mapped = from_tensorstore(
+                        e, "writing the checkpoint's arrays", self._plan.store.directory
+                    )
+                    if mapped is e:
+                        raise
+                    raise mapped from e
+                self._inflight = None
+                checksums: dict[str, list[tuple[tuple[int, ...], int]]] = collections.defaultdict(
+                    list
+                )
+                for name, future in self._checksums:
+                    checksums[name].extend(future.result())
+                self._checksums = []
+                _staging.POOL.give_back(self._staged, keep_bytes=self._staged_bytes)
+                arrays = tuple(
+                    WrittenArray(
+                        name=t.spec.name,
+                        write_shape=t.spec.write_shape,
+                        chunk_shape=t.spec.chunk_shape,
+                        chunk_crc32c=tuple(sorted(checksums.get(t.spec.name, ()))),
+                        random_key_impl=t.spec.random_key_impl,
+                    )
+                    for t in self._plan.tasks
+                    if t.regions or t.create
+                )
+                self._ack = SaveAck(
+                    process_index=self._plan.process_index,
+                    bytes_written=self._nbytes,
+                    arrays=arrays,
+                )
+            return self._ack
+
+    def settle(self, timeout: float | None = None) -> None:
+        with self._lock:
+            self._settle(timeout)
+
+    def _settle(self, timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self._issuing is not None:
+            futures_wait([self._issuing], timeout=timeout)
+        for f in self._inflight or []:
+            try:
+                f.result(
+                    timeout=None if deadline is None else max(0.0, deadline - time.monotonic())
+                )
+            except Exception:
+                pass
