@@ -40,7 +40,11 @@ class StructureMismatchError(ValueError):
 
 
 class UnsupportedLeafError(TypeError):
-    """A leaf of the tree has a type milepost cannot save."""
+    """A leaf of the tree has a type milepost cannot save; ``leaf`` names it, once known."""
+
+    def __init__(self, message: str, *, leaf: str | None = None) -> None:
+        super().__init__(message)
+        self.leaf = leaf
 
 
 class InvalidKeyError(ValueError):

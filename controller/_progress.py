@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from milepost import _options
+from milepost import _options, workers
 from milepost._views import human_bytes
 from milepost.workers import ShardingSpec
 from milepost.workers import progress as sink
@@ -397,15 +397,18 @@ class _Ticker:
         self._lock = threading.Lock()
         self._ops: set[Operation] = set()
         self._thread: threading.Thread | None = None
+        self._stopped = False
 
     def register(self, op: Operation) -> None:
         with self._lock:
             self._ops.add(op)
             if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="milepost-progress", daemon=True
-                )
-                self._thread.start()
+                self._stopped = False
+                self._thread = workers.RUNTIME.thread("progress", self._run, stop=self._stop)
+
+    def _stop(self) -> None:
+        with self._lock:
+            self._stopped = True
 
     def unregister(self, op: Operation) -> None:
         with self._lock:
@@ -415,7 +418,7 @@ class _Ticker:
         while True:
             with self._lock:
                 ops = list(self._ops)
-                if not ops:
+                if not ops or self._stopped:
                     self._thread = None
                     return
             for op in ops:

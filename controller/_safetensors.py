@@ -14,7 +14,6 @@ import itertools
 import os
 import shutil
 from collections.abc import Mapping
-from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -143,7 +142,7 @@ def load(path: Path, abstract: Any, partial: bool) -> Any:
         )
 
     values: dict[str, Any] = {}
-    with futures.ThreadPoolExecutor(1) as pool:
+    with workers.RUNTIME.scoped("controller-load", 1) as pool:
         own = (
             pool.submit(
                 _hosts.controller_host().load,

@@ -187,6 +187,29 @@ def test_flipped_byte_in_a_chunk_is_caught(
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "tensorstore"])
+def test_the_damage_found_is_data_on_the_error(
+    saved: dict[str, tuple[Path, Any]], tmp_path: Path, direct: bool
+) -> None:
+    """A caller (or milepost itself) decides on the error's fields, never on its words: the
+    array, the chunk and where it was read are attributes, and survive pickling (the trip from
+    a host to the controller)."""
+    import pickle
+
+    base, state = saved["ocdbt"]
+    ckpt = copy_of(base, tmp_path / "c")
+    file, offset, length = chunk_value(ckpt, "w/c/1/2")
+    flip(file, offset + length // 2)
+    with reading(direct), pytest.raises(mp.CorruptCheckpointError) as info:
+        mp.load(ckpt, abstract_of(state))
+    for error in (info.value, pickle.loads(pickle.dumps(info.value))):
+        assert error.array == "w" and error.chunk is not None and len(error.chunk) == 2
+        assert error.path is not None and str(ckpt / "state") in error.path
+    with pytest.raises(mp.UnsupportedLeafError) as bad:
+        mp.save(tmp_path / "d", {"params": {"names": np.array(["a", "b"])}})
+    assert bad.value.leaf == "params.names"
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "tensorstore"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_flipped_byte_in_a_shard_index_is_caught(
     saved: dict[str, tuple[Path, Any]], tmp_path: Path, layout: str, direct: bool

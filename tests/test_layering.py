@@ -1,58 +1,295 @@
-"""DESIGN.md's layers: workers/ imports neither the controller nor colocated/, colocated/ never
-imports the controller."""
+"""The architecture, as rules the code must keep (docs/how-it-works.md, "Where the code lives").
+
+- Layers: workers/ imports neither the controller nor colocated/; colocated/ never imports the
+  controller.
+- Seams are public: a private module (``_name``) is imported only from inside the package that
+  holds it, and a private name (``_name``) of a module is used only in that module.
+- No import cycles, function-level imports included.
+"""
 
 from __future__ import annotations
 
 import ast
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+FOLDERS = {
+    "controller": "milepost",
+    "workers": "milepost.workers",
+    "colocated": "milepost.colocated",
+}
 
 
-def _imports(path: Path) -> list[str]:
-    tree = ast.parse(path.read_text(), filename=str(path))
-    names: list[str] = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names.extend(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            if node.module == "milepost":  # `from milepost import workers` imports milepost.workers
-                names.extend(f"milepost.{a.name}" for a in node.names)
-            else:
-                names.append(node.module)
-    return names
+# ------------------------------------------------------------------------------------------
+# Reading the code
+# ------------------------------------------------------------------------------------------
 
 
-def _allowed(name: str, allowed: tuple[str, ...]) -> bool:
-    if name != "milepost" and not name.startswith("milepost."):
-        return True
-    return any(name == a or name.startswith(a + ".") for a in allowed)
+@dataclass(frozen=True)
+class Import:
+    module: str
+    """The module imported (a package's name for its __init__)."""
+    name: str | None
+    """``from module import name``: the name (None for ``import module``)."""
+    line: int
+    top_level: bool
 
 
-@pytest.mark.parametrize(
-    ("folder", "allowed"),
-    [("workers", ("milepost.workers",)), ("colocated", ("milepost.workers", "milepost.colocated"))],
-)
-def test_layer_imports(folder: str, allowed: tuple[str, ...]) -> None:
+@dataclass
+class Module:
+    name: str
+    path: Path
+    is_package: bool
+    imports: list[Import]
+    attributes: list[tuple[str, str, int]]
+    """``alias.attr`` uses: (the module the alias names, attr, line)."""
+
+
+def module_name(path: Path) -> tuple[str, bool]:
+    rel = path.relative_to(ROOT)
+    parts = [FOLDERS[rel.parts[0]], *rel.parts[1:]]
+    parts[-1] = parts[-1].removesuffix(".py")
+    package = parts[-1] == "__init__"
+    if package:
+        parts.pop()
+    return ".".join(parts), package
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def read_module(name: str, source: str, path: Path = Path("?"), package: bool = False) -> Module:
+    tree = ast.parse(source)
+    imports: list[Import] = []
+    aliases: dict[str, str] = {}
+    base = name if package else name.rpartition(".")[0]
+
+    def visit(node: ast.AST, top: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if _is_type_checking(child):
+                continue  # annotations only: nothing is imported when the code runs
+            inner = top and not isinstance(
+                child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda
+            )
+            if isinstance(child, ast.Import):
+                for a in child.names:
+                    if a.name == "milepost" or a.name.startswith("milepost."):
+                        imports.append(Import(a.name, None, child.lineno, top))
+                        aliases[a.asname or a.name.partition(".")[0]] = (
+                            a.name if a.asname else "milepost"
+                        )
+            elif isinstance(child, ast.ImportFrom):
+                module = child.module or ""
+                if child.level:
+                    module = ".".join(base.split(".")[: len(base.split(".")) - child.level + 1])
+                    module = f"{module}.{child.module}" if child.module else module
+                if module == "milepost" or module.startswith("milepost."):
+                    for a in child.names:
+                        imports.append(Import(module, a.name, child.lineno, top))
+                        aliases[a.asname or a.name] = f"{module}.{a.name}"
+            visit(child, inner)
+
+    visit(tree, True)
+    attributes = [
+        (aliases[n.value.id], n.attr, n.lineno)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in aliases
+    ]
+    return Module(name, path, package, imports, attributes)
+
+
+def read_code() -> dict[str, Module]:
+    out = {}
+    for folder in FOLDERS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            name, package = module_name(path)
+            out[name] = read_module(name, path.read_text(), path, package)
+    return out
+
+
+def target(imp: Import, modules: dict[str, Module] | set[str]) -> str:
+    """The module an import loads: ``from p import m`` loads ``p.m`` when that is a module,
+    else ``p`` (whose namespace holds the name)."""
+    if imp.name is not None and f"{imp.module}.{imp.name}" in modules:
+        return f"{imp.module}.{imp.name}"
+    return imp.module
+
+
+def _private_part(module: str) -> str | None:
+    """The package a private module on ``module``'s path is private to (the innermost one:
+    ``milepost._x._inner`` is ``milepost._x``'s own); None when no part is private."""
+    parts = module.split(".")
+    holder = None
+    for i, part in enumerate(parts):
+        if part.startswith("_") and not part.startswith("__"):
+            holder = ".".join(parts[:i])
+    return holder
+
+
+def _inside(importer: str, package: str, importer_is_package: bool) -> bool:
+    own = importer if importer_is_package else importer.rpartition(".")[0]
+    return own == package or own.startswith(package + ".")
+
+
+# ------------------------------------------------------------------------------------------
+# The rules
+# ------------------------------------------------------------------------------------------
+
+
+def layer_violations(modules: dict[str, Module]) -> list[str]:
+    allowed = {
+        "milepost.workers": ("milepost.workers",),
+        "milepost.colocated": ("milepost.workers", "milepost.colocated"),
+    }
     bad = []
-    for path in sorted((ROOT / folder).rglob("*.py")):
-        for name in _imports(path):
-            if not _allowed(name, allowed):
-                bad.append(f"{path.relative_to(ROOT)} imports {name}")
-    assert not bad, "layering violated (see DESIGN.md):\n" + "\n".join(bad)
+    for m in modules.values():
+        layer = next((p for p in allowed if m.name == p or m.name.startswith(p + ".")), None)
+        if layer is None:
+            continue
+        for imp in m.imports:
+            wanted = target(imp, modules)
+            if not any(wanted == a or wanted.startswith(a + ".") for a in allowed[layer]):
+                bad.append(f"{m.name}:{imp.line} imports {wanted} (the {layer} layer may not)")
+    return bad
 
 
-def test_layer_check_catches_a_violation(tmp_path: Path) -> None:
-    bad = tmp_path / "x.py"
-    bad.write_text("from milepost import _api\nimport milepost.colocated\n")
-    names = _imports(bad)
-    assert not all(_allowed(n, ("milepost.workers",)) for n in names)
+def seam_violations(modules: dict[str, Module] | dict[str, Module]) -> list[str]:
+    bad = []
+    names = set(modules)
+    for m in modules.values():
+        used: list[tuple[str, int]] = []
+        for imp in m.imports:
+            loaded = target(imp, names)
+            used.append((loaded, imp.line))
+            if imp.name is not None and loaded == imp.module and imp.name.startswith("_"):
+                bad.append(
+                    f"{m.name}:{imp.line} imports the private name {imp.name} of {imp.module}"
+                )
+        for module, attr, line in m.attributes:
+            if attr.startswith("_") and not attr.startswith("__"):
+                if f"{module}.{attr}" in names:
+                    used.append((f"{module}.{attr}", line))
+                else:
+                    bad.append(f"{m.name}:{line} uses the private name {attr} of {module}")
+        for loaded, line in used:
+            holder = _private_part(loaded)
+            if holder is not None and not _inside(m.name, holder, m.is_package):
+                bad.append(
+                    f"{m.name}:{line} uses the private module {loaded} from outside {holder}; "
+                    f"import what {holder} exports instead"
+                )
+    return bad
 
 
-def test_the_wheel_ships_py_typed(tmp_path: Path) -> None:
-    """The annotations reach IDEs and mypy: every package of the wheel carries py.typed."""
+def import_cycles(modules: dict[str, Module]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    edges = {
+        name: sorted({target(i, modules) for i in m.imports} & set(modules) - {name})
+        for name, m in modules.items()
+    }
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+# ------------------------------------------------------------------------------------------
+# Tests
+# ------------------------------------------------------------------------------------------
+
+
+def test_layers() -> None:
+    bad = layer_violations(read_code())
+    assert not bad, "layering violated:\n" + "\n".join(bad)
+
+
+def test_seams_are_public() -> None:
+    bad = seam_violations(read_code())
+    assert not bad, "private modules or names used across packages:\n" + "\n".join(bad)
+
+
+def test_no_import_cycles() -> None:
+    cycles = import_cycles(read_code())
+    assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def _modules(**sources: str) -> dict[str, Module]:
+    out = {}
+    for name, source in sources.items():
+        dotted = name.replace("__", ".")
+        package = dotted.endswith(".init")
+        dotted = dotted.removesuffix(".init")
+        out[dotted] = read_module(dotted, source, package=package)
+    return out
+
+
+def test_the_checks_catch_what_they_forbid() -> None:
+    """Each rule fails on code that breaks it (and passes the same code kept in bounds)."""
+    layered = _modules(
+        milepost__workers___a="from milepost import _api\nimport milepost.colocated\n"
+    )
+    assert len(layer_violations(layered)) == 2
+    code = _modules(
+        milepost__init="",
+        milepost___x__init="from milepost._x._inner import ok\n",
+        milepost___x___inner="ok = 1\n_hidden = 2\n",
+        milepost___y="from milepost._x import _inner\nfrom milepost._x._inner import _hidden\n",
+        milepost___z="from milepost._x import _inner as i\nprint(i.ok)\n",
+        milepost___w="from milepost import _x\nprint(_x.ok, _x._inner)\n",
+    )
+    bad = seam_violations(code)
+    assert any("milepost._y:1 uses the private module milepost._x._inner" in b for b in bad), bad
+    assert any("milepost._y:2 imports the private name _hidden" in b for b in bad), bad
+    assert any(b.startswith("milepost._z:1") for b in bad), bad
+    assert any(b.startswith("milepost._w:2") for b in bad), bad  # _x._inner by attribute
+    assert not any(b.startswith("milepost._x") for b in bad), "a package's own modules are its own"
+    looped = _modules(
+        milepost___a="import milepost._b\n",
+        milepost___b="def f():\n    from milepost import _a\n",
+        milepost___c="import milepost._a\n",
+    )
+    assert import_cycles(looped) == [["milepost._a", "milepost._b"]]
+    typed = _modules(
+        milepost___a="import milepost._b\n",
+        milepost___b="from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import milepost._a\n",
+    )
+    assert import_cycles(typed) == []
+
+
+def test_the_wheel_ships_every_package_and_py_typed(tmp_path: Path) -> None:
+    """Every folder of the code is a package of the wheel (one missing from pyproject's list
+    would be left out), and each top-level package carries py.typed for IDEs and mypy."""
     import shutil
     import subprocess
     import sys
@@ -86,3 +323,14 @@ def test_the_wheel_ships_py_typed(tmp_path: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     for package in ("milepost", "milepost/workers", "milepost/colocated"):
         assert f"{package}/py.typed" in names, sorted(n for n in names if n.endswith("typed"))
+    for init in sorted(p for f in FOLDERS for p in (ROOT / f).rglob("__init__.py")):
+        name, _ = module_name(init)
+        assert f"{name.replace('.', '/')}/__init__.py" in names, f"{name} is not in the wheel"
+
+
+@pytest.mark.parametrize("folder", sorted(FOLDERS))
+def test_every_module_is_read(folder: str) -> None:
+    """The rules see every module (a file the reader skipped would escape them)."""
+    modules = read_code()
+    files = list((ROOT / folder).rglob("*.py"))
+    assert len([m for m in modules.values() if m.path.is_relative_to(ROOT / folder)]) == len(files)

@@ -121,10 +121,16 @@ def check(name: str, grid: Grid, got: int, expected: dict[Grid, int], where: str
     if want is None:
         raise CorruptCheckpointError(
             f"array {name!r}: chunk {grid} ({where}) has no recorded checksum although the array's others do; the "
-            "checkpoint's metadata is damaged. Load an earlier checkpoint."
+            "checkpoint's metadata is damaged. Load an earlier checkpoint.",
+            array=name,
+            chunk=grid,
+            path=where,
         )
     if got != want:
         raise CorruptCheckpointError(
             f"array {name!r}: chunk {grid} read from {where} fails its checksum (CRC32C {got:#010x}, recorded "
-            f"{want:#010x}): the data on disk is damaged or not this chunk's. Load an earlier checkpoint."
+            f"{want:#010x}): the data on disk is damaged or not this chunk's. Load an earlier checkpoint.",
+            array=name,
+            chunk=grid,
+            path=where,
         )

@@ -17,7 +17,23 @@ class CheckpointNotFoundError(FileNotFoundError):
 
 class CorruptCheckpointError(ValueError):
     """A checkpoint's file is present but damaged: metadata that does not parse or has the
-    wrong form, array data that is missing, cut short or fails its checksum."""
+    wrong form, array data that is missing, cut short or fails its checksum.
+
+    What was found damaged, when known, is also data: ``array`` (the array's name), ``chunk``
+    (its index in the array's chunk grid) and ``path`` (the file, or the folder read)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        array: str | None = None,
+        chunk: tuple[int, ...] | None = None,
+        path: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.array = array
+        self.chunk = chunk
+        self.path = path
 
 
 def from_tensorstore(

@@ -213,7 +213,9 @@ def read_array_headers(store: StoreSpec, names: Sequence[str]) -> dict[str, dict
         if result.state != "value":
             raise CorruptCheckpointError(
                 f"array {name!r} is listed in the tree metadata of {store.directory} but its data is missing; the "
-                "checkpoint is damaged or was not merged. Load an earlier checkpoint."
+                "checkpoint is damaged or was not merged. Load an earlier checkpoint.",
+                array=name,
+                path=store.directory,
             )
         try:
             header = json.loads(result.value)

@@ -100,7 +100,9 @@ def array_headers(
         except CheckpointNotFoundError as e:
             raise CorruptCheckpointError(
                 f"array {name!r} is listed in {directory / fmt.TREE_METADATA} but its data is missing; the checkpoint "
-                "is damaged. Load an earlier checkpoint."
+                "is damaged. Load an earlier checkpoint.",
+                array=name,
+                path=str(directory),
             ) from e
     return out
 

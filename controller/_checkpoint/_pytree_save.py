@@ -85,20 +85,22 @@ def _named(leaf: Leaf, fn: Callable[..., Any], *args: Any) -> Any:
     try:
         return fn(*args)
     except UnsupportedLeafError as e:
-        if repr(leaf.name) in str(e):
+        if e.leaf == leaf.name:
             raise
-        raise UnsupportedLeafError(f"leaf {leaf.name!r}: {e}") from None
+        raise UnsupportedLeafError(f"leaf {leaf.name!r}: {e}", leaf=leaf.name) from None
 
 
 def _check_dtype(name: str, dtype: np.dtype) -> None:
     if dtype.kind in "OUS":
         raise UnsupportedLeafError(
-            f"leaf {name!r} has dtype {dtype}, which has no on-disk form; save numeric arrays, or strings as str leaves"
+            f"leaf {name!r} has dtype {dtype}, which has no on-disk form; save numeric arrays, or strings as str leaves",
+            leaf=name,
         )
     if dtype.name not in workers.ZARR3_DTYPES:
         raise UnsupportedLeafError(
             f"leaf {name!r} has dtype {dtype.name}, which the zarr3 format cannot store "
-            f"(it stores {', '.join(sorted(workers.ZARR3_DTYPES))}); cast the leaf to one of those before saving"
+            f"(it stores {', '.join(sorted(workers.ZARR3_DTYPES))}); cast the leaf to one of those before saving",
+            leaf=name,
         )
 
 

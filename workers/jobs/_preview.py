@@ -44,7 +44,9 @@ def read_box(plan: BoxPlan, process_index: int | str = 0) -> np.ndarray:
         if mapped is not e:
             raise mapped from e
         raise CorruptCheckpointError(
-            f"array {plan.name!r} could not be read from {plan.store.directory}: {e}"
+            f"array {plan.name!r} could not be read from {plan.store.directory}: {e}",
+            array=plan.name,
+            path=plan.store.directory,
         ) from e
     expected = dict(plan.checksums)
     for grid, crc in _checksum.region_crc32c(data, whole, inner):

@@ -187,12 +187,16 @@ def _finish_opens(plan: LoadPlan, opens: list[Any]) -> list[Any]:
                 raise mapped from e
             raise CorruptCheckpointError(
                 f"array {task.name!r} could not be opened in {plan.store.directory}: {e}. "
-                "The checkpoint is missing data or damaged; load an earlier checkpoint."
+                "The checkpoint is missing data or damaged; load an earlier checkpoint.",
+                array=task.name,
+                path=plan.store.directory,
             ) from e
         if tuple(store.shape) != tuple(task.shape):
             raise CorruptCheckpointError(
                 f"array {task.name!r} is stored with shape {tuple(store.shape)} in {plan.store.directory}, but its "
-                f"metadata says {task.shape}; the checkpoint is damaged"
+                f"metadata says {task.shape}; the checkpoint is damaged",
+                array=task.name,
+                path=plan.store.directory,
             )
         stores.append(store)
     return stores

@@ -239,9 +239,7 @@ class BudgetedReader:
         except (
             Exception
         ) as e:  # TensorStore's ValueError("NOT_FOUND: ..."), a bad checksum, a short file...
-            if isinstance(e, CorruptCheckpointError) and str(e).startswith(
-                f"array {asm.task.name!r}"
-            ):
+            if isinstance(e, CorruptCheckpointError) and e.array == asm.task.name:
                 raise  # already names the array and says what is wrong
             mapped = from_tensorstore(
                 e, f"reading array {asm.task.name!r}", self.directory, reading=True
@@ -254,7 +252,9 @@ class BudgetedReader:
                 raise mapped from e
             raise CorruptCheckpointError(
                 f"array {asm.task.name!r}: reading a {read.out.shape} box from {self.directory} failed ({e}); the "
-                "checkpoint's data files are missing or damaged. Load an earlier checkpoint."
+                "checkpoint's data files are missing or damaged. Load an earlier checkpoint.",
+                array=asm.task.name,
+                path=self.directory,
             ) from e
         asm.take(read.devices, read.out)
         self.inflight_bytes -= read.nbytes + read.scratch
