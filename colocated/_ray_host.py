@@ -94,9 +94,6 @@ class HostActor:
         )
         return [d.id for d in jax.local_devices()]
 
-    def ping(self) -> int:
-        return self.index
-
     def device_map(self) -> dict[int, int]:
         """Every global device id -> the process that owns it (as this host sees the cluster)."""
         import jax

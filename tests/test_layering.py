@@ -334,3 +334,61 @@ def test_every_module_is_read(folder: str) -> None:
     modules = read_code()
     files = list((ROOT / folder).rglob("*.py"))
     assert len([m for m in modules.values() if m.path.is_relative_to(ROOT / folder)]) == len(files)
+
+
+def _third_party_imports() -> tuple[set[str], set[str]]:
+    """(modules the code needs, optional ones: imported where an ImportError is handled, and
+    never at a module's top level without that guard)."""
+    import sys
+
+    every: set[str] = set()
+    guarded: set[str] = set()
+    top_level: set[str] = set()
+    for folder in FOLDERS:
+        for path in (ROOT / folder).rglob("*.py"):
+            tree = ast.parse(path.read_text())
+            in_guard = {
+                id(node)
+                for t in ast.walk(tree)
+                if isinstance(t, ast.Try)
+                and any("ImportError" in ast.unparse(h.type) for h in t.handlers if h.type)
+                for stmt in t.body
+                for node in ast.walk(stmt)
+            }
+            at_top = {id(node) for node in tree.body}
+            for node in ast.walk(tree):
+                names = []
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                    names = [node.module]
+                for name in names:
+                    top = name.partition(".")[0]
+                    if top in sys.stdlib_module_names or top == "milepost":
+                        continue
+                    every.add(top)
+                    if id(node) in in_guard:
+                        guarded.add(top)
+                    elif id(node) in at_top:
+                        top_level.add(top)
+    optional = guarded - top_level
+    return every - optional, optional
+
+
+def test_runtime_dependencies_are_what_the_code_imports() -> None:
+    """pyproject's dependencies are exactly the packages the library imports (an optional one,
+    such as IPython for notebook progress bars, is imported where its absence is handled)."""
+    import re
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = {
+        re.split(r"[\[<>=!~; ]", d, maxsplit=1)[0].lower().replace("-", "_")
+        for d in project["dependencies"]
+    }
+    required, optional = _third_party_imports()
+    assert declared == {m.lower() for m in required}, (
+        f"declared but not imported: {sorted(declared - {m.lower() for m in required})}; "
+        f"imported but not declared: {sorted({m.lower() for m in required} - declared)}"
+    )
+    assert optional <= {"IPython"}, f"optional imports: {sorted(optional)}"

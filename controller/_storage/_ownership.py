@@ -31,6 +31,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from milepost import _format as fmt
 from milepost._errors import CheckpointExistsError
 
 OWNER_FILE = ".milepost-owner"
@@ -153,7 +154,7 @@ def create_locked(
     """Make the temporary directory ``tmp`` (its parent must exist), locked by this process from
     the moment it appears. A leftover of a writer that is gone is removed first; one whose
     writer lives is a CheckpointExistsError naming it, after waiting up to ``wait_secs``."""
-    final = tmp.name.removesuffix(".orbax-checkpoint-tmp")
+    final = tmp.name.removesuffix(fmt.TMP_SUFFIX)
     owner = Owner(socket.gethostname(), os.getpid(), uuid.uuid4().hex[:12], time.time())
     deadline = time.monotonic() + wait_secs
     while True:

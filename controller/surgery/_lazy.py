@@ -99,11 +99,6 @@ class LazyArray:
         )
         return f"{self.expr.name}({inner})"
 
-    @property
-    def is_stored(self) -> bool:
-        """A stored leaf as it is: computing it moves bytes, nothing more."""
-        return isinstance(self.expr, Source)
-
     def __repr__(self) -> str:
         where = f", sharding={self.sharding.describe()}" if self.sharding is not None else ""
         return f"LazyArray(shape={self.shape}, dtype={self.dtype}{where}, from={self.describe()})"
