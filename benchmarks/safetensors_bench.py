@@ -180,7 +180,8 @@ def main() -> int:
         return statistics.median(r[key] for r in results[op])
 
     print(
-        f"\n{size / 2**30:.2f} GiB, {N} float32 tensors {shape(args.gib)}, 8 CPU devices (2, 4); median of {args.repeats}"
+        f"\n{size / 2**30:.2f} GiB, {N} float32 tensors {shape(args.gib)}, 8 CPU devices (2, 4); "
+        f"median of {args.repeats}"
     )
     for op in ops:
         extra = (
@@ -211,10 +212,12 @@ def main() -> int:
         ),
     ):
         print(
-            f"  {'PASS' if value <= limit else 'FAIL'}  {name:<62} {value:5.2f}x (target <= {limit}x)"
+            f"  {'PASS' if value <= limit else 'FAIL'}  {name:<62} {value:5.2f}x "
+            f"(target <= {limit}x)"
         )
     print(
-        f"  (for reference: milepost load / orbax safetensors load: {med('load-milepost') / med('load-orbax'):.2f}x)"
+        "  (for reference: milepost load / orbax safetensors load: "
+        f"{med('load-milepost') / med('load-orbax'):.2f}x)"
     )
     return 0
 

@@ -5,10 +5,10 @@
 
 The data is 8 float32 arrays of (rows, 8192) random values (``gib`` GiB in all), each a jax.Array
 sharded over a (2, 4) mesh of 8 fake CPU devices. In the default ``sharded`` layout every byte lives
-on exactly one device (the devices hold 1x the checkpoint bytes): 1 GiB sharded over 8 devices. In the
-``mixed`` layout some arrays are partially replicated, so the devices hold 2x the checkpoint bytes:
-a load must then also fill the replicas, and the loaded arrays alone take 2x the checkpoint's
-memory, which no loader can fit in the 1.3x load-memory target.
+on exactly one device (the devices hold 1x the checkpoint bytes): 1 GiB sharded over 8 devices. In
+the ``mixed`` layout some arrays are partially replicated, so the devices hold 2x the checkpoint
+bytes: a load must then also fill the replicas, and the loaded arrays alone take 2x the
+checkpoint's memory, which no loader can fit in the 1.3x load-memory target.
 
 Every measured operation runs in its own fresh process (the script re-invokes itself with
 ``--worker OP``), so each peak RSS is clean:
@@ -469,11 +469,13 @@ def report(results: dict[str, dict[str, list[Result]]], args: argparse.Namespace
         return median(runs(variant, op), key)
 
     print(
-        f"\n{ckpt / 2**30:.3f} GiB checkpoint: {N_ARRAYS} float32 arrays {shape}, '{args.layout}' layout over a "
-        f"{MESH_SHAPE} mesh of 8 CPU devices (devices hold {device / ckpt:.2f}x the checkpoint bytes)"
+        f"\n{ckpt / 2**30:.3f} GiB checkpoint: {N_ARRAYS} float32 arrays {shape}, "
+        f"'{args.layout}' layout over a {MESH_SHAPE} mesh of 8 CPU devices "
+        f"(devices hold {device / ckpt:.2f}x the checkpoint bytes)"
     )
     print(
-        f"jax {version('jax')}, orbax-checkpoint {version('orbax-checkpoint')}, milepost {version('milepost')}; "
+        f"jax {version('jax')}, orbax-checkpoint {version('orbax-checkpoint')}, "
+        f"milepost {version('milepost')}; "
         f"median of {args.repeats} repeat(s), each operation in a fresh process, loads cold"
         + (", memory warmed before timing (--warm)" if args.warm else "")
     )
@@ -507,13 +509,15 @@ def report(results: dict[str, dict[str, list[Result]]], args: argparse.Namespace
         )
 
     print(
-        "\nPeak RSS (median MiB). 'absolute' is the whole process's peak RSS (interpreter, JAX and, for saves,\n"
-        "the live arrays being saved); 'growth' is that peak minus the RSS right before the operation.\n"
+        "\nPeak RSS (median MiB). 'absolute' is the whole process's peak RSS "
+        "(interpreter, JAX and, for saves,\n"
+        "the live arrays being saved); 'growth' is that peak minus the RSS right before the "
+        "operation.\n"
         "Load workers hold no data before loading. Ratios are to the checkpoint bytes."
     )
     print(
-        f"{'Operation':<22} {'before':>8} {'absolute':>9} {'growth':>8} {'absolute/ckpt':>14} {'growth/ckpt':>12}"
-        f"   {'sampled':>8} {'VmHWM':>8} {'ru_maxrss':>9}"
+        f"{'Operation':<22} {'before':>8} {'absolute':>9} {'growth':>8} {'absolute/ckpt':>14} "
+        f"{'growth/ckpt':>12}   {'sampled':>8} {'VmHWM':>8} {'ru_maxrss':>9}"
     )
     for variant, ops in results.items():
         for op in ops:
@@ -522,8 +526,9 @@ def report(results: dict[str, dict[str, list[Result]]], args: argparse.Namespace
                 continue
             base, peak, growth = (median(rs, k) for k in ("rss_baseline", "rss_peak", "rss_growth"))
             print(
-                f"{variant + ' ' + op:<22} {base / MIB:>8.0f} {peak / MIB:>9.0f} {growth / MIB:>8.0f}"
-                f" {peak / ckpt:>13.2f}x {growth / ckpt:>11.2f}x   {median(rs, 'rss_sampled_peak') / MIB:>8.0f}"
+                f"{variant + ' ' + op:<22} {base / MIB:>8.0f} {peak / MIB:>9.0f} "
+                f"{growth / MIB:>8.0f} {peak / ckpt:>13.2f}x {growth / ckpt:>11.2f}x   "
+                f"{median(rs, 'rss_sampled_peak') / MIB:>8.0f}"
                 f" {median(rs, 'rss_vm_hwm') / MIB:>8.0f} {median(rs, 'rss_ru_maxrss') / MIB:>9.0f}"
             )
 
@@ -532,15 +537,17 @@ def report(results: dict[str, dict[str, list[Result]]], args: argparse.Namespace
         print(
             "\nLoad checks (all repeats): "
             + "; ".join(
-                f"{v}: exact={all(r['exact'] for r in rs)} sharding={all(r['sharding_ok'] for r in rs)}"
+                f"{v}: exact={all(r['exact'] for r in rs)} "
+                f"sharding={all(r['sharding_ok'] for r in rs)}"
                 for v in results
                 if (rs := [r for vv, r in loads if vv == v])
             )
         )
         cached = max(r["cached_bytes_after_evict"] for _, r in loads)
         print(
-            f"Cold loads: at most {cached / MIB:.1f} MiB of a checkpoint stayed in the page cache after eviction "
-            f"(fsync + POSIX_FADV_DONTNEED; drop_caches {'also used' if all(r['drop_caches'] for _, r in loads) else 'not available'})"
+            f"Cold loads: at most {cached / MIB:.1f} MiB of a checkpoint stayed in the page cache "
+            "after eviction (fsync + POSIX_FADV_DONTNEED; drop_caches "
+            f"{'also used' if all(r['drop_caches'] for _, r in loads) else 'not available'})"
         )
 
     print("\nTargets")
@@ -600,8 +607,9 @@ def report(results: dict[str, dict[str, list[Result]]], args: argparse.Namespace
             )
         if device > ckpt:
             print(
-                f"  note: in the '{args.layout}' layout the loaded arrays alone take {device / ckpt:.2f}x the checkpoint "
-                "bytes of (host) device memory, and a save's live arrays as much; '--layout sharded' makes it 1.00x"
+                f"  note: in the '{args.layout}' layout the loaded arrays alone take "
+                f"{device / ckpt:.2f}x the checkpoint bytes of (host) device memory, "
+                "and a save's live arrays as much; '--layout sharded' makes it 1.00x"
             )
 
     errors = [

@@ -1,6 +1,7 @@
 """Slice mode (4 hosts x 2 devices on Ray) against the embedded mode on the same data size.
 
-    python benchmarks/slice_bench.py [--gib 2.0 ...] [--hosts 4] [--devices-per-host 2] [--repeat 2] [--rounds 1]
+    python benchmarks/slice_bench.py [--gib 2.0 ...] [--hosts 4] [--devices-per-host 2]
+                                     [--repeat 2] [--rounds 1]
 
 Reports save blocking and total time, cold load time, the controller's peak RSS growth and the
 bytes that passed between controller and hosts, and the slice/embedded ratios. ``load repl bc``
@@ -255,8 +256,10 @@ def report(gib_wanted: float, args: argparse.Namespace) -> None:
     }
     gib = sl["bytes"] / 2**30
     print(
-        f"\n{gib:.3f} GiB in {N_ARRAYS} float32 arrays; slice {args.hosts} hosts x {args.devices_per_host} devices vs embedded "
-        f"{args.hosts * args.devices_per_host} devices; medians of {args.rounds} round(s), each the best of {args.repeat}; "
+        f"\n{gib:.3f} GiB in {N_ARRAYS} float32 arrays; "
+        f"slice {args.hosts} hosts x {args.devices_per_host} devices vs embedded "
+        f"{args.hosts * args.devices_per_host} devices; medians of {args.rounds} round(s), "
+        f"each the best of {args.repeat}; "
         f"1-min load average {min(loadavg):.2f}-{max(loadavg):.2f}"
     )
     times = ("save_block", "save_total", "load", "load_repl", "load_repl_bc")
@@ -278,33 +281,40 @@ def report(gib_wanted: float, args: argparse.Namespace) -> None:
                 for k in ("save_total", *LOADS)
             )
             print(
-                f"  {name} round {r + 1} (load average {run['loadavg_after_save']:.1f} after the saves, "
+                f"  {name} round {r + 1} "
+                f"(load average {run['loadavg_after_save']:.1f} after the saves, "
                 f"{run['loadavg_after_loads']:.1f} after the loads): {calls}"
             )
     print(
-        "(load: cold, resharded to P('model', 'data'); load repl: cold, to P('model'), replicated over 'data'; "
+        "(load: cold, resharded to P('model', 'data'); "
+        "load repl: cold, to P('model'), replicated over 'data'; "
         "load repl bc: the same with load-and-broadcast)"
     )
     for name, r in (("embedded", emb), ("slice", sl)):
         read = " / ".join(f"{r[f'{k}_read'] / r['bytes']:.2f}x" for k in LOADS)
         print(
-            f"{name:<10} storage bytes read per load (load / repl / repl bc), of the checkpoint: {read}; "
+            f"{name:<10} storage bytes read per load (load / repl / repl bc), "
+            f"of the checkpoint: {read}; "
             f"moved between hosts by repl bc: {r['load_repl_bc_between_hosts'] / r['bytes']:.2f}x"
         )
     print(
-        f"controller<->host bytes: save {sl['save_controller_bytes']:.0f} ({sl['save_controller_bytes'] / N_ARRAYS:.0f}/array), "
-        f"{len(LOADS)} loads {sl['loads_controller_bytes']:.0f} ({sl['loads_controller_bytes'] / N_ARRAYS / len(LOADS):.0f}/array/load)"
+        f"controller<->host bytes: save {sl['save_controller_bytes']:.0f} "
+        f"({sl['save_controller_bytes'] / N_ARRAYS:.0f}/array), "
+        f"{len(LOADS)} loads {sl['loads_controller_bytes']:.0f} "
+        f"({sl['loads_controller_bytes'] / N_ARRAYS / len(LOADS):.0f}/array/load)"
     )
     ratios = {key: sl[key] / emb[key] for key in ("save_total", "load", "load_repl")}
     ratios["load_repl_bc (vs embedded load_repl)"] = sl["load_repl_bc"] / emb["load_repl"]
     ratios["save_total+load"] = (sl["save_total"] + sl["load"]) / (emb["save_total"] + emb["load"])
     for key, ratio in ratios.items():
         print(
-            f"  {'PASS' if ratio <= 1.3 else 'FAIL'}  slice/embedded {key}: {ratio:.2f} (target <= 1.3)"
+            f"  {'PASS' if ratio <= 1.3 else 'FAIL'}  slice/embedded {key}: {ratio:.2f} "
+            "(target <= 1.3)"
         )
     growth = max(sl["save_rss_growth"], *(sl[f"{k}_rss_growth"] for k in LOADS)) / 2**20
     print(
-        f"  {'PASS' if growth <= 100 else 'FAIL'}  controller peak RSS growth {growth:.1f} MiB (bound 100 MiB)"
+        f"  {'PASS' if growth <= 100 else 'FAIL'}  controller peak RSS growth {growth:.1f} MiB "
+        "(bound 100 MiB)"
     )
 
 

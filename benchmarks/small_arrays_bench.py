@@ -1,4 +1,5 @@
-"""Many small arrays: save, cold load and metadata of an unstacked 100-layer model, milepost vs Orbax v1.
+"""Many small arrays: save, cold load and metadata of an unstacked 100-layer model, milepost vs
+Orbax v1.
 
     python benchmarks/small_arrays_bench.py [--layers 100] [--per-layer 20] [--repeats 3]
                                             [--only milepost,orbax] [--dir /tmp/x] [--profile OP]
@@ -290,7 +291,8 @@ def main() -> int:
 
     if info:
         print(
-            f"\n{info['arrays']} float32 arrays, {info['ckpt_bytes'] / MIB:.0f} MiB, (2, 4) mesh of 8 CPU devices; "
+            f"\n{info['arrays']} float32 arrays, {info['ckpt_bytes'] / MIB:.0f} MiB, "
+            "(2, 4) mesh of 8 CPU devices; "
             f"median of {args.repeats}, fresh process per operation, load and metadata cold"
         )
         print(

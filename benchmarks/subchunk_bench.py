@@ -1,6 +1,7 @@
 """Subchunking and resharding (Orbax paper, the (2, 4) -> (8, 1) case), side by side in one run.
 
-    python benchmarks/subchunk_bench.py [--gib 0.5] [--repeats 3] [--dir /tmp/x] [--chunk-mib 4 ...] [--no-auto]
+    python benchmarks/subchunk_bench.py [--gib 0.5] [--repeats 3] [--dir /tmp/x]
+                                        [--chunk-mib 4 ...] [--no-auto]
 
 8 float32 arrays of (rows, 8192) over 8 fake CPU devices, saved sharded ``P('data', 'model')`` on
 a (2, 4) mesh: each written shard is (rows/2, 2048). Loaded:
@@ -176,18 +177,21 @@ def main() -> None:
     med = {c: {k: median(v) for k, v in results[c].items()} for c in cases}
     gib = needed / 2**30
     print(
-        f"\n{N} arrays of ({rows_for(args.gib)}, {COLS}) float32 = {gib:.2f} GiB; saved P('data','model') on (2, 4); "
+        f"\n{N} arrays of ({rows_for(args.gib)}, {COLS}) float32 = {gib:.2f} GiB; "
+        "saved P('data','model') on (2, 4); "
         f"median of {args.repeats} (fresh processes, cold loads)"
     )
     print(
-        f"{'chunking':<10} {'chunk shape':<14} {'save s':>7} {'same s':>7} {'reshard s':>10} {'reshard/same':>13} "
-        f"{'read same':>10} {'read reshard':>13} {'reshard read/needed':>20}"
+        f"{'chunking':<10} {'chunk shape':<14} {'save s':>7} {'same s':>7} {'reshard s':>10} "
+        f"{'reshard/same':>13} {'read same':>10} {'read reshard':>13} "
+        f"{'reshard read/needed':>20}"
     )
     for c in cases:
         m = med[c]
         print(
-            f"{c:<10} {tuple(shapes[c])!s:<14} {m['save']:>7.3f} {m['same']:>7.3f} {m['reshard']:>10.3f} "
-            f"{m['reshard'] / m['same']:>13.2f} {reads[c]['same'] / 2**30:>9.2f}G {reads[c]['reshard'] / 2**30:>12.2f}G "
+            f"{c:<10} {tuple(shapes[c])!s:<14} {m['save']:>7.3f} {m['same']:>7.3f} "
+            f"{m['reshard']:>10.3f} {m['reshard'] / m['same']:>13.2f} "
+            f"{reads[c]['same'] / 2**30:>9.2f}G {reads[c]['reshard'] / 2**30:>12.2f}G "
             f"{reads[c]['reshard'] / needed:>20.2f}"
         )
     print("\nevery run, in the order run: seconds (CPU seconds of the process, all threads)")
@@ -204,10 +208,13 @@ def main() -> None:
         ok_time = med[c]["reshard"] <= 1.2 * med["none"]["same"]
         ok_bytes = reads[c]["reshard"] <= 1.05 * needed
         print(
-            f"  {c}: resharded load {med[c]['reshard'] / med['none']['same']:.2f}x the same-topology load (<= 1.2: "
-            f"{'PASS' if ok_time else 'FAIL'}), reads {reads[c]['reshard'] / needed:.3f}x needed (<= 1.05: "
-            f"{'PASS' if ok_bytes else 'FAIL'}); same-topology save {med[c]['save'] / med['none']['save']:.2f}x, "
-            f"load {med[c]['same'] / med['none']['same']:.2f}x of no subchunking (<= 1.05 for a default)"
+            f"  {c}: resharded load {med[c]['reshard'] / med['none']['same']:.2f}x "
+            f"the same-topology load (<= 1.2: {'PASS' if ok_time else 'FAIL'}), "
+            f"reads {reads[c]['reshard'] / needed:.3f}x needed "
+            f"(<= 1.05: {'PASS' if ok_bytes else 'FAIL'}); "
+            f"same-topology save {med[c]['save'] / med['none']['save']:.2f}x, "
+            f"load {med[c]['same'] / med['none']['same']:.2f}x of no subchunking "
+            "(<= 1.05 for a default)"
         )
 
 

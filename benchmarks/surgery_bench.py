@@ -192,7 +192,8 @@ def main() -> None:
             for k, v in results.items()
         }
         print(
-            f"{args.gib:g} GiB source (half params, half optimizer state), {args.repeats} repeats, budget {args.budget_mib} MiB, "
+            f"{args.gib:g} GiB source (half params, half optimizer state), {args.repeats} repeats, "
+            f"budget {args.budget_mib} MiB, "
             f"load average {os.getloadavg()[0]:.1f}"
         )
         for surgery in ("full", "prune", "rename"):
@@ -202,8 +203,9 @@ def main() -> None:
                 m["rss_growth"] / max(o["rss_growth"], 1),
             )
             print(
-                f"  {surgery:<7} milepost {m['seconds']:.2f}s {m['rss_growth'] / 2**20:7.0f} MiB | orbax {o['seconds']:.2f}s "
-                f"{o['rss_growth'] / 2**20:7.0f} MiB | time {t_ratio:.2f}x, peak RSS growth {r_ratio:.2f}x"
+                f"  {surgery:<7} milepost {m['seconds']:.2f}s {m['rss_growth'] / 2**20:7.0f} MiB | "
+                f"orbax {o['seconds']:.2f}s {o['rss_growth'] / 2**20:7.0f} MiB | "
+                f"time {t_ratio:.2f}x, peak RSS growth {r_ratio:.2f}x"
             )
         full = med[("milepost", "full")]["seconds"] / med[("orbax", "full")]["seconds"]
         full_rss = med[("milepost", "full")]["rss_growth"] / max(
@@ -212,7 +214,8 @@ def main() -> None:
         rename = med[("milepost", "rename")]["seconds"] / med[("orbax", "rename")]["seconds"]
         print(
             f"  targets: full time <= 0.5x {'PASS' if full <= 0.5 else 'FAIL'}; full RSS <= 0.3x "
-            f"{'PASS' if full_rss <= 0.3 else 'FAIL'}; rename-only time <= 0.1x {'PASS' if rename <= 0.1 else 'FAIL'}"
+            f"{'PASS' if full_rss <= 0.3 else 'FAIL'}; "
+            f"rename-only time <= 0.1x {'PASS' if rename <= 0.1 else 'FAIL'}"
         )
         print(json.dumps({f"{t}-{s}": v for (t, s), v in med.items()}))
     finally:

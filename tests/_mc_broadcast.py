@@ -1,4 +1,5 @@
-"""One process of a multi-controller load-and-broadcast job (see tests/_mc.py). Prints one JSON line.
+"""One process of a multi-controller load-and-broadcast job (see tests/_mc.py). Prints one JSON
+line.
 
 python -m tests._mc_broadcast broadcast <index> <count> <port> <root>
 """

@@ -72,7 +72,8 @@ mesh = jax.make_mesh((2, 4), ("data", "model"))
 rng = np.random.default_rng(0)
 tree = {f"layer{i}": {"w": jax.device_put(rng.standard_normal((2048, 2048), dtype=np.float32),
                                           NamedSharding(mesh, P("data", "model"))),
-                      "b": jax.device_put(rng.standard_normal((2048,), dtype=np.float32), NamedSharding(mesh, P()))}
+                      "b": jax.device_put(rng.standard_normal((2048,), dtype=np.float32),
+                                          NamedSharding(mesh, P()))}
         for i in range(16)}  # 16 x 16 MiB = 256 MiB
 tree["step"] = 7
 tree["host"] = rng.standard_normal((1 << 20,))  # 8 MiB of NumPy

@@ -92,7 +92,8 @@ def merge(directory):
     real(directory)
 mp.workers.merge_ocdbt = merge
 with mp.Context(async_=mp.AsyncOptions(timeout_secs=2 if hang else 60)):
-    mp.save_async(path, {"x": np.arange(1000), "y": jnp.arange(1 << 20, dtype=jnp.int32)})  # host and device data
+    # host and device data
+    mp.save_async(path, {"x": np.arange(1000), "y": jnp.arange(1 << 20, dtype=jnp.int32)})
 print("returned", flush=True)
 """
 

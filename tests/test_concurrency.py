@@ -115,7 +115,8 @@ def test_two_writers_of_one_path_never_commit_a_mix(tmp_path: Path) -> None:
             second,
         )
         loser = second if first == "committed" else first
-        # Raced while the winner wrote ("is writing it now"), or after it committed ("already exists").
+        # Raced while the winner wrote ("is writing it now"), or after it committed ("already
+        # exists").
         assert loser.startswith("exists: ") and (
             "is writing it now" in loser or "already exists" in loser
         ), loser
@@ -332,7 +333,10 @@ import numpy as np
 import milepost as mp
 
 path, seconds = sys.argv[1], float(sys.argv[2])
-trees = [{"a": np.full((256, 1024), k, np.float32), "b": np.full((512,), k, np.int64), "k": k} for k in (0, 1)]
+trees = [
+    {"a": np.full((256, 1024), k, np.float32), "b": np.full((512,), k, np.int64), "k": k}
+    for k in (0, 1)
+]
 mp.save(path, trees[0])
 print("ready", flush=True)
 end, n = time.monotonic() + seconds, 0

@@ -667,7 +667,8 @@ def test_a_missing_inner_chunk_falls_back_to_tensorstore(
                 ("a/c/1/0", 1, 0, 72, True),
             ],
         ),
-        # columns 0-2 of rows 0-1: strided in each band, read whole and placed (runs too short: beside the box)
+        # columns 0-2 of rows 0-1: strided in each band, read whole and placed (runs too short:
+        # beside the box)
         (
             ((0, 2), (0, 3)),
             [
@@ -698,7 +699,8 @@ def test_box_reads_of_subchunked_shards(box: Any, expected: Any) -> None:
     assert partial is not None and [(p.offset_in_chunk, p.nbytes, p.whole) for p in partial] == [
         (8, 12, False)
     ]
-    # with them, a chunk reaching past the array's edge (stored padding, unchecked) is not read directly
+    # with them, a chunk reaching past the array's edge (stored padding, unchecked) is not read
+    # directly
     edge = _pieces.ShardLayout(
         name="a",
         shard_shape=(4, 6),

@@ -460,8 +460,10 @@ SMALL_FILES = [
 
 # Files a load never reads: a flip there cannot change what it returns (verify still reports it).
 NOT_READ_BY_LOAD = {
-    "state/array_metadatas/process_0",  # Orbax's per-process record; milepost reads the headers instead
-    "state/ocdbt.process_0/manifest.ocdbt",  # a writer's database: loads go through the merged root view
+    # Orbax's per-process record; milepost reads the headers instead
+    "state/array_metadatas/process_0",
+    # a writer's database: loads go through the merged root view
+    "state/ocdbt.process_0/manifest.ocdbt",
 }
 
 
@@ -1122,7 +1124,8 @@ def test_each_host_is_sent_only_the_checksums_of_the_chunks_its_boxes_touch() ->
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [8, 16]}},
         "codecs": [{"name": "bytes"}],
     }
-    # (60, 16) in row chunks of 8 (8 chunks); P("model") on a (data 2, model 4) mesh: boxes of 15 rows, devices 4-7 repeat 0-3
+    # (60, 16) in row chunks of 8 (8 chunks); P("model") on a (data 2, model 4) mesh: boxes of 15
+    # rows, devices 4-7 repeat 0-3
     spec = ShardingSpec.named((2, 4), ("data", "model"), tuple(range(8)), ("model",))
     recorded = tuple(((g, 0), 1000 + g) for g in range(8))
     task = LoadTask(name="w", shape=(60, 16), dtype="float32", sharding=spec, checksums=recorded)
@@ -1130,7 +1133,8 @@ def test_each_host_is_sent_only_the_checksums_of_the_chunks_its_boxes_touch() ->
     plans = _pytree_load._checksums_per_process(
         [task, plain], {"w": header, "v": header}, _FourHosts()
     )
-    # host 0: devices 0, 1 = rows 0-30 (chunks 0-3); host 1: rows 30-60 (chunks 3-7, chunk 3 shared); hosts 2, 3 the same
+    # host 0: devices 0, 1 = rows 0-30 (chunks 0-3); host 1: rows 30-60 (chunks 3-7, chunk 3
+    # shared); hosts 2, 3 the same
     want = {0: range(0, 4), 1: range(3, 8), 2: range(0, 4), 3: range(3, 8)}
     for host, chunks in want.items():
         got, unchecked = plans[host]

@@ -216,7 +216,8 @@ def test_load_and_broadcast_reads_the_checkpoint_once_on_a_slice(
     assert all(b <= META for b in per_host(stats, "bytes_read")[2:]), (
         stats
     )  # replica 1's hosts read metadata only
-    # each device of replica 1 received its shard once, from another host; nothing through the controller
+    # each device of replica 1 received its shard once, from another host; nothing through the
+    # controller
     assert stats.bytes_between_hosts == nbytes and per_host(stats, "bytes_received") == [
         0,
         0,

@@ -282,7 +282,9 @@ def test_the_checks_catch_what_they_forbid() -> None:
     assert import_cycles(looped) == [["milepost._a", "milepost._b"]]
     typed = _modules(
         milepost___a="import milepost._b\n",
-        milepost___b="from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import milepost._a\n",
+        milepost___b=(
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import milepost._a\n"
+        ),
     )
     assert import_cycles(typed) == []
 

@@ -288,7 +288,8 @@ workers.JOBS["copy_files"] = stuck
 mesh = jax.make_mesh((2, 4), ("data", "model"))
 def state(k):
     rng = np.random.default_rng(k)
-    return {"w": jax.device_put(rng.standard_normal((64, 128), dtype=np.float32), NamedSharding(mesh, P("data", "model"))),
+    return {"w": jax.device_put(rng.standard_normal((64, 128), dtype=np.float32),
+                                NamedSharding(mesh, P("data", "model"))),
             "b": jax.device_put(np.arange(128, dtype=np.float32) + k, NamedSharding(mesh, P())),
             "host": np.arange(300) * (k + 1), "step": k}
 with mp.Context(saving=mp.SaveOptions(lease_secs=2.0)):

@@ -85,7 +85,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
 
 
 def _writers(state: Path) -> set[str]:
-    """Which processes wrote OCDBT databases (``ocdbt.process_<i>`` and ``ocdbt.process_<i>.<k>``)."""
+    """Which processes wrote OCDBT databases (``ocdbt.process_<i>`` and
+    ``ocdbt.process_<i>.<k>``)."""
     return {p.name.split(".")[1] for p in state.glob("ocdbt.process_*")}
 
 
@@ -156,9 +157,14 @@ def test_every_process_gets_the_same_error_and_nothing_is_committed(runs: Runs) 
         "missing": "CheckpointNotFoundError:",
         "missing_meta": "CheckpointNotFoundError:",
         "mismatch": "StructureMismatchError:",
-        "stage_fails": "HostError: process 2 failed staging its shards (device-to-host copy): RuntimeError: injected staging failure",
+        "stage_fails": (
+            "HostError: process 2 failed staging its shards (device-to-host copy): "
+            "RuntimeError: injected staging failure"
+        ),
         "commit_fails": "OSError: injected commit failure",
-        "load_fails": "HostError: process 3 failed reading its shards: ValueError: injected read failure",
+        "load_fails": (
+            "HostError: process 3 failed reading its shards: ValueError: injected read failure"
+        ),
         "controller_stage_fails": "RuntimeError: injected controller staging failure",
         "controller_write_fails": "OSError: injected controller write failure",
         "stateful_fails": "ValueError: injected stateful failure",

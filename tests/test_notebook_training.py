@@ -1,4 +1,5 @@
-"""The training-Checkpointer notebook runs top to bottom (so it cannot rot), and shows what it says."""
+"""The training-Checkpointer notebook runs top to bottom (so it cannot rot), and shows what it
+says."""
 
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ def test_training_checkpointer_notebook_executes(tmp_path: Path) -> None:
     )
     assert "<table" in html and "loss" in html
 
-    # the resume: from the preempted step, and the run then matches one never interrupted, bit for bit
+    # the resume: from the preempted step, and the run then matches one never interrupted, bit for
+    # bit
     assert "resumed from step 37 - optimizer step count: 37" in text
     assert "losses after the resume identical to the uninterrupted run: True" in text
     assert "final state identical to the uninterrupted run: True" in text

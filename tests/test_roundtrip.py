@@ -731,7 +731,8 @@ def test_default_chunking_cuts_large_shards_into_bands(
         )
         read = (mp.io_stats() - before).bytes_read
     assert_shards_exact(out["big"], big)
-    # (the paper's (2, 4) -> (8, 1): a device keeps a quarter of the rows of four shards, one band of each)
+    # (the paper's (2, 4) -> (8, 1): a device keeps a quarter of the rows of four shards, one band
+    # of each)
     assert (
         len(pieces) == 8 * 4 and sum(p.nbytes for p in pieces) == big.nbytes
     )  # each band once, all of it kept

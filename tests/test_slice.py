@@ -226,10 +226,14 @@ def test_a_staging_failure_on_one_host_is_named_and_leaves_nothing(
     before = slice42.traffic()
     with pytest.raises(
         mp.HostError,
-        match=r"host 2 \(node .* pid \d+\) failed while copying its shards to host memory: KeyError",
+        match=(
+            r"host 2 \(node .* pid \d+\) failed while copying its shards to host memory: "
+            r"KeyError"
+        ),
     ):
         mp.save(tmp_path / "c", tree)
-    # plans and waits, and for each host still staging when host 2 failed, a note to wake its wait if need be
+    # plans and waits, and for each host still staging when host 2 failed, a note to wake its wait
+    # if need be
     assert (
         2 * slice42.hosts <= slice42.traffic().messages - before.messages <= 3 * slice42.hosts - 1
     )

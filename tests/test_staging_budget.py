@@ -89,8 +89,13 @@ MEMORY_PROBES
 root = ROOT
 sharding = NamedSharding(jax.make_mesh((2, 4), ("data", "model")), P("data", "model"))
 rng = np.random.default_rng(0)
-tree = {f"w{i}": jax.device_put(rng.standard_normal((2048, 4096), dtype=np.float32), sharding) for i in range(8)}  # 256 MiB
-mp.save_async(f"{root}/warm", {"x": jax.device_put(np.ones((64, 64), np.float32), sharding)}).result()
+tree = {  # 256 MiB
+    f"w{i}": jax.device_put(rng.standard_normal((2048, 4096), dtype=np.float32), sharding)
+    for i in range(8)
+}
+mp.save_async(
+    f"{root}/warm", {"x": jax.device_put(np.ones((64, 64), np.float32), sharding)}
+).result()
 out = {}
 for name, budget in (("capped", 64 << 20), ("uncapped", None)):
     _staging.POOL.clear()

@@ -450,15 +450,28 @@ MEMORY_PROBES
 
 root = ROOT
 sharding = NamedSharding(jax.make_mesh((2, 4), ("data", "model")), P("data", "model"))
-for name, rows in (("small", 64), ("big", 2048)):  # 8 leaves of 32 KiB, then of 32 MiB (256 MiB in all)
-    mp.save(f"{root}/{name}", {f"w{i}": jax.device_put(jnp.full((rows, 4096), i, jnp.float32), sharding) for i in range(8)})
+# 8 leaves of 32 KiB, then of 32 MiB (256 MiB in all)
+for name, rows in (("small", 64), ("big", 2048)):
+    mp.save(
+        f"{root}/{name}",
+        {
+            f"w{i}": jax.device_put(jnp.full((rows, 4096), i, jnp.float32), sharding)
+            for i in range(8)
+        },
+    )
 jax.clear_caches()
 budget = 64 << 20
-ms.write(f"{root}/small-out", ms.cast(ms.open(f"{root}/small").tree, jnp.bfloat16), memory_budget_bytes=budget)  # warm
+ms.write(  # warm
+    f"{root}/small-out", ms.cast(ms.open(f"{root}/small").tree, jnp.bfloat16),
+    memory_budget_bytes=budget,
+)
 import gc; gc.collect()
 base = rss()
 open("/proc/self/clear_refs", "w").write("5")
-ms.write(f"{root}/big-out", ms.cast(ms.open(f"{root}/big").tree, jnp.bfloat16), memory_budget_bytes=budget)
+ms.write(
+    f"{root}/big-out", ms.cast(ms.open(f"{root}/big").tree, jnp.bfloat16),
+    memory_budget_bytes=budget,
+)
 print(json.dumps({"growth": hwm() - base}))
 """
 

@@ -1,4 +1,5 @@
-"""Resume bit-exactly after an interruption; SIGKILL at any point of a save never yields a partial step."""
+"""Resume bit-exactly after an interruption; SIGKILL at any point of a save never yields a
+partial step."""
 
 from __future__ import annotations
 

@@ -75,7 +75,8 @@ def test_leaf_metadata_says_type_shape_bytes_and_layout(
     w = tree["params"]["w"]
     assert w.nbytes == 64 * 32 * 4
     assert repr(w) == (
-        "LeafMetadata('params.w': jax.Array float32(64, 32), 8.0 KiB, sharding=P('data', 'model') on {data: 2, model: 4}, "
+        "LeafMetadata('params.w': jax.Array float32(64, 32), 8.0 KiB, "
+        "sharding=P('data', 'model') on {data: 2, model: 4}, "
         "write_shape=(32, 8))"
     )
     assert repr(tree["run"]) == "LeafMetadata('run': string)" and tree["run"].nbytes is None
@@ -127,9 +128,9 @@ def test_slice_and_remote_array_show_hosts_devices_and_sharding() -> None:
     assert "2048, 2049" in page and "10.0.0.2" in page and "3 messages" in page
     spec = ShardingSpec.named((2, 2), ("data", "model"), (0, 1, 2048, 2049), ("data",))
     x = mp.RemoteArray(group, "id-1", (64, 32), "float32", spec)
-    assert (
-        repr(x)
-        == "RemoteArray(float32(64, 32), 8.0 KiB, sharding=P('data') on {data: 2, model: 2}, shard shape (32, 32))"
+    assert repr(x) == (
+        "RemoteArray(float32(64, 32), 8.0 KiB, sharding=P('data') on {data: 2, model: 2}, "
+        "shard shape (32, 32))"
     )
     assert "2048" in x._repr_html_() and "id-1" in x._repr_html_()
 
@@ -141,7 +142,8 @@ def test_checkpointer_shows_its_steps(tmp_path: Path) -> None:
         ckpt.wait()
         text = repr(ckpt)
         assert text.startswith(
-            f"Checkpointer({str(tmp_path / 'root')!r}, local={str(tmp_path / 'fast')!r}): 3 steps, latest 2"
+            f"Checkpointer({str(tmp_path / 'root')!r}, local={str(tmp_path / 'fast')!r}): "
+            "3 steps, latest 2"
         )
         assert "keep=KeepLatest(n=3)" in text and "local_keep=KeepLatest(n=2)" in text
         header, *rows = text.splitlines()[1:]
