@@ -162,8 +162,8 @@ class RemoteArray:
     def __repr__(self) -> str:
         facts = self._facts()
         return (
-            f"RemoteArray({facts['dtype']}{facts['shape']}, {facts['bytes']}, sharding={facts['sharding']}, "
-            f"shard shape {facts['shard shape']})"
+            f"RemoteArray({facts['dtype']}{facts['shape']}, {facts['bytes']}, "
+            f"sharding={facts['sharding']}, shard shape {facts['shard shape']})"
         )
 
     def _repr_html_(self) -> str:

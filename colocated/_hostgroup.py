@@ -46,8 +46,8 @@ class HostGroup(Protocol):
         """The host process that owns global device ``device_id``."""
         ...
 
-    def processes(self) -> Sequence[int]:
-        """Every host process index, in order."""
+    def processes(self) -> Sequence[int | str]:
+        """Every host process index, in order (``"controller"`` for the controller's own leaves)."""
         ...
 
     def is_primary(self) -> bool:
@@ -133,8 +133,8 @@ class LocalHostGroup(JaxDevices):
             raise ValueError(f"the {self._process_index} host group holds no devices")
         return self._process_index
 
-    def processes(self) -> Sequence[int]:
-        return (self._process_index,)  # type: ignore[return-value]
+    def processes(self) -> Sequence[int | str]:
+        return (self._process_index,)
 
     def is_primary(self) -> bool:
         return True
@@ -185,13 +185,14 @@ def jax_mesh_device_ids(
             int(d.id) for d in jax.make_mesh(tuple(axis_sizes), tuple(axis_names)).devices.flat
         )
     raise ValueError(
-        f"the sharding is on an AbstractMesh {wanted} (as jax.eval_shape and nnx.eval_shape give), and no concrete mesh "
-        f"of those axes is at hand: this runtime has {jax.device_count()} devices"
+        f"the sharding is on an AbstractMesh {wanted} (as jax.eval_shape and "
+        "nnx.eval_shape give), and no concrete mesh of those axes is at hand: "
+        f"this runtime has {jax.device_count()} devices"
         + (
             f" and the mesh set with jax.set_mesh is {dict(current.shape)}"
             if not current.empty
             else ""
         )
-        + ". Load inside `with jax.set_mesh(mesh):` with your mesh, or give the abstract tree NamedShardings over a "
-        "concrete mesh"
+        + ". Load inside `with jax.set_mesh(mesh):` with your mesh, or give the "
+        "abstract tree NamedShardings over a concrete mesh"
     )

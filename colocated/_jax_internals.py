@@ -68,7 +68,8 @@ def check() -> list[str]:
         from jax._src.lib import _jax  # the client's type, with the methods milepost calls
     except ImportError:
         try:
-            from jax._src.lib import xla_extension as _jax  # type: ignore[no-redef]
+            # (older jaxlib; gone from the jax this is checked against)
+            from jax._src.lib import xla_extension as _jax  # type: ignore[attr-defined]
         except ImportError as e:
             return [*problems, f"the coordination client's type cannot be found ({e})"]
     kind = getattr(_jax, "DistributedRuntimeClient", None)

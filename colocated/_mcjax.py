@@ -155,7 +155,10 @@ class MultiControllerHostGroup(JaxDevices):
         self._generation = next(_generations)
 
     def __repr__(self) -> str:
-        return f"MultiControllerHostGroup(process={self._index} of {self._count}, primary={self.primary})"
+        return (
+            f"MultiControllerHostGroup(process={self._index} "
+            f"of {self._count}, primary={self.primary})"
+        )
 
     # -- topology -------------------------------------------------------------------------
     def process_of_device(self, device_id: int) -> int:
@@ -342,9 +345,10 @@ class MultiControllerHostGroup(JaxDevices):
             shown = ", ".join(map(str, missing[:16])) + (", ..." if len(missing) > 16 else "")
             noun = "process" if len(missing) == 1 else "processes"
             return HostError(
-                f"{noun} {shown} did not reach {op.name!r} within {timeout:g}s {me}: they died, hung, raised "
-                "an error before it, or did not make this milepost call (every process of the job must make the "
-                f"same milepost calls, in the same order); check their logs.{extra} {consequence}".rstrip()
+                f"{noun} {shown} did not reach {op.name!r} within {timeout:g}s {me}: they "
+                "died, hung, raised an error before it, or did not make this milepost call "
+                "(every process of the job must make the same milepost calls, in the same "
+                f"order); check their logs.{extra} {consequence}".rstrip()
             )
         return HostError(
             f"the barrier {op.name!r} failed {me}: {cause}.{extra} {consequence}".rstrip()
@@ -375,17 +379,18 @@ class MultiControllerHostGroup(JaxDevices):
             payload = client.blocking_key_value_get_bytes(key, _ms(timeout))
         except Exception as e:
             raise HostError(
-                f"the primary process {self.primary} did not publish {name!r} within {timeout:g}s (this is process "
-                f"{self._index} of {self._count}): it died, hung, raised an error before it, or did not make this "
-                "milepost call (every process of the job must make the same milepost calls, in the same order); "
-                "check its logs"
+                f"the primary process {self.primary} did not publish {name!r} within {timeout:g}s "
+                f"(this is process {self._index} of {self._count}): it died, hung, raised an error "
+                "before it, or did not make this milepost call (every process of the job must make "
+                "the same milepost calls, in the same order); check its logs"
             ) from e
         if client.key_value_increment(f"{op.keys}/read", 1) == self._count - 1:
             client.key_value_delete(key)
             client.key_value_delete(f"{op.keys}/read")
         if payload[:1] == b"E":
             raise HostError(
-                f"the primary could not send {name!r} to the other processes: {payload[1:].decode()}"
+                f"the primary could not send {name!r} to the "
+                f"other processes: {payload[1:].decode()}"
             )
         return pickle.loads(zlib.decompress(payload[1:]))
 

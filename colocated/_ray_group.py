@@ -203,7 +203,8 @@ class RayHostGroup:
                 except ray.exceptions.RayTaskError as e:
                     cause = getattr(e, "cause", None) or e
                     failures.append(
-                        f"{self.describe_host(i)} failed while {doing}: {type(cause).__name__}: {cause}"
+                        f"{self.describe_host(i)} failed while "
+                        f"{doing}: {type(cause).__name__}: {cause}"
                     )
                 else:
                     results[i] = value
@@ -287,9 +288,10 @@ class RayHostGroup:
         missing = [d for d in spec.device_ids if d not in self._owner]
         if missing:
             raise ValueError(
-                f"cannot load {name!r} with its saved sharding: devices {missing[:8]} are not in this slice "
-                f"(it has {self.device_ids[:8]}...); pass an abstract tree whose leaves carry shardings over "
-                "slice.mesh(...), e.g. milepost.AbstractArray(shape, dtype, mesh.sharding(PartitionSpec(...)))"
+                f"cannot load {name!r} with its saved sharding: devices {missing[:8]} are not in "
+                f"this slice (it has {self.device_ids[:8]}...); pass an abstract tree whose "
+                "leaves carry shardings over slice.mesh(...), e.g. milepost.AbstractArray(shape, "
+                "dtype, mesh.sharding(PartitionSpec(...)))"
             )
 
     def mesh_device_ids(
@@ -298,9 +300,10 @@ class RayHostGroup:
         """The slice's devices, host by host (as ``slice.mesh`` orders them)."""
         if math.prod(axis_sizes) != len(self.device_ids):
             raise ValueError(
-                f"the sharding is on an AbstractMesh {dict(zip(axis_names, axis_sizes, strict=True))} of "
-                f"{math.prod(axis_sizes)} devices, but the slice has {len(self.device_ids)}; give the abstract tree "
-                "shardings over slice.mesh(...)"
+                "the sharding is on an AbstractMesh "
+                f"{dict(zip(axis_names, axis_sizes, strict=True))} of "
+                f"{math.prod(axis_sizes)} devices, but the slice has {len(self.device_ids)}; "
+                "give the abstract tree shardings over slice.mesh(...)"
             )
         return tuple(self.device_ids)
 
@@ -314,8 +317,8 @@ class RayHostGroup:
             group = getattr(s, "__milepost_host_group__", None)
             if group is not self:
                 raise TypeError(
-                    f"source {k} ({type(s).__name__}) is not an array of this slice; a slice host can only "
-                    "save RemoteArrays of its own slice"
+                    f"source {k} ({type(s).__name__}) is not an array of this slice; a slice host "
+                    "can only save RemoteArrays of its own slice"
                 )
             refs.append(Ref(s.id))
         # Each host's wait for its writes goes out with its plan (it runs in the host's wait

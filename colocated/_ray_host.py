@@ -58,7 +58,8 @@ class HostActor:
         self.pending: dict[str, workers.PendingSave | None] = {}
         """Saves staged here by token (None: staging failed), until their ``wait_save`` ends."""
         self.staged = threading.Condition()
-        """Notified when a save is staged (or fails to): its ``wait_save`` may be waiting already."""
+        """Notified when a save is staged (or fails to): its ``wait_save`` may be waiting
+        already."""
         self.started: collections.deque[str] = collections.deque(maxlen=256)
         """The latest saves whose ``start_save`` ran here (see ``abandon_save``)."""
         self.jitted: collections.OrderedDict[bytes, Any] = collections.OrderedDict()
@@ -110,7 +111,8 @@ class HostActor:
                     return self.arrays[x.id]
                 except KeyError:
                     raise KeyError(
-                        f"host {self.index} holds no array {x.id!r}: it was released or never placed"
+                        f"host {self.index} holds no array "
+                        f"{x.id!r}: it was released or never placed"
                     ) from None
             return x
 
@@ -148,10 +150,11 @@ class HostActor:
             )
 
             def piece(
-                index: tuple[slice, ...],
+                index: tuple[slice, ...] | None,
                 shape: tuple[int, ...] = tuple(shape),
-                pieces: dict = pieces,
+                pieces: dict[Any, Any] = pieces,
             ) -> Any:
+                assert index is not None  # JAX gives every shard's index
                 return np.asarray(
                     pieces[tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))]
                 )
@@ -228,15 +231,16 @@ class HostActor:
             staged = self.staged.wait_for(lambda: token in self.pending, timeout)
         if not staged:
             raise TimeoutError(
-                f"host {self.index} was asked to wait for a save whose staging (start_save) did not run here within "
-                f"{timeout:g}s; the host was busy with an earlier call (raise AsyncOptions.timeout_secs if it is slow)"
+                f"host {self.index} was asked to wait for a save whose staging (start_save) did "
+                f"not run here within {timeout:g}s; the host was busy with an earlier call (raise "
+                "AsyncOptions.timeout_secs if it is slow)"
             )
         try:
             pending = self.pending[token]
             if pending is None:
                 raise RuntimeError(
-                    f"host {self.index} could not stage this save (its staging failed, or was dropped after a failure "
-                    "on another host): it wrote nothing"
+                    f"host {self.index} could not stage this save (its staging failed, or was "
+                    "dropped after a failure on another host): it wrote nothing"
                 )
             return pending.wait(timeout)
         finally:

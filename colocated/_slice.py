@@ -161,13 +161,16 @@ class Slice:
         except ray.exceptions.GetTimeoutError:
             remove_placement_group(pg)
             raise HostError(
-                f"Ray could not place {hosts} hosts ({strategy}, {options.cpus_per_host} CPU each) within "
-                f"{options.start_timeout_secs:g}s; the cluster has {ray.cluster_resources()}. "
+                f"Ray could not place {hosts} hosts ({strategy}, {options.cpus_per_host} "
+                f"CPU each) within {options.start_timeout_secs:g}s; the cluster has "
+                f"{ray.cluster_resources()}. "
                 + ("STRICT_SPREAD needs one node per host; " if strategy == "STRICT_SPREAD" else "")
                 + "lower SliceOptions.cpus_per_host or add resources"
             ) from None
         env = _actor_env(devices_per_host, options)
-        remote = ray.remote(concurrency_groups={WAIT_GROUP: 4})(HostActor)
+        # (ray's overloads of remote() omit its concurrency_groups option)
+        decorate = ray.remote(concurrency_groups={WAIT_GROUP: 4})  # type: ignore[call-overload]
+        remote = decorate(HostActor)
         actors = [
             remote.options(
                 num_cpus=options.cpus_per_host,
@@ -262,7 +265,8 @@ class Slice:
         if isinstance(shardings, SliceSharding):
             sh_leaves = [shardings] * len(leaves)
         else:
-            sh_leaves = treedef.flatten_up_to(shardings)
+            # (jax annotates tree_flatten's treedef with a type that does not resolve)
+            sh_leaves = treedef.flatten_up_to(shardings)  # type: ignore[attr-defined]
         for sh in sh_leaves:
             self._own(sh, "put")
         data = [np.asarray(leaf) for leaf in leaves]
@@ -305,7 +309,8 @@ class Slice:
         return jax.tree_util.tree_unflatten(treedef, out)
 
     def fetch(self, tree: Any) -> Any:
-        """Bring arrays back to the controller as NumPy (this moves the bytes: only when you ask)."""
+        """Bring arrays back to the controller as NumPy (this moves the bytes: only when you
+        ask)."""
         import jax
 
         leaves, treedef = jax.tree_util.tree_flatten(tree)
@@ -360,13 +365,13 @@ class Slice:
     def _own(self, x: Any, doing: str) -> Any:
         if getattr(x, "__milepost_host_group__", None) is not self.group:
             raise ValueError(
-                f"slice.{doing} got {x!r}, which belongs to another slice (or none); use this slice's "
-                "arrays and this slice's mesh(...).sharding(...)"
+                f"slice.{doing} got {x!r}, which belongs to another slice (or none); use this "
+                "slice's arrays and this slice's mesh(...).sharding(...)"
             )
         return x
 
     def _host_rows(self) -> list[tuple[str, ...]]:
-        rows = []
+        rows: list[tuple[str, ...]] = []
         per_host = getattr(self.group, "_device_ids", None) or [[] for _ in range(self.hosts)]
         for i, ident in enumerate(self.host_identities()):
             rows.append(
@@ -397,8 +402,9 @@ class Slice:
         state = "healthy" if self.healthy else "unhealthy or shut down"
         traffic = self.traffic()
         title = (
-            f"Slice: {self.hosts} hosts, {len(self.device_ids)} devices, {state}; controller traffic so far: "
-            f"{traffic.messages} messages, {workers.human_bytes(traffic.total_bytes)}"
+            f"Slice: {self.hosts} hosts, {len(self.device_ids)} devices, {state}; controller "
+            f"traffic so far: {traffic.messages} messages, "
+            f"{workers.human_bytes(traffic.total_bytes)}"
         )
         return workers.html_table(
             ("host", "node", "ip", "pid", "devices (global ids)"), self._host_rows(), title=title

@@ -11,7 +11,7 @@ from milepost import _checkpoint, _hosts, _progress, _safetensors
 from milepost._checkpoint import CheckpointMetadata, SaveHandle
 from milepost.workers import ObjectPath, as_path
 
-PathLike = str | os.PathLike[str]
+PathLike = str | os.PathLike[str] | ObjectPath
 STATE = "state"
 
 
@@ -21,7 +21,7 @@ def save(
     *,
     overwrite: bool = False,
     custom_metadata: Mapping[str, Any] | None = None,
-) -> Path:
+) -> Path | ObjectPath:
     """Save a tree of arrays, scalars and strings to ``path``; returns once it is committed.
 
     ``state`` is any pytree (dicts, lists, tuples, dataclasses registered with JAX) of
@@ -67,7 +67,7 @@ def save_checkpointables(
     overwrite: bool = False,
     custom_metadata: Mapping[str, Any] | None = None,
     metrics: Mapping[str, Any] | None = None,
-) -> Path:
+) -> Path | ObjectPath:
     """Save several separable checkpointables, each in its own folder of one checkpoint.
 
     Each value of ``checkpointables`` goes to a handler (a pytree, a JSON-able value, a
@@ -99,7 +99,9 @@ def save_checkpointables_async(
     """Like :func:`save_checkpointables`, but returns as soon as every array is copied to host
     memory (see :func:`save_async`); ``handle.result()`` waits for the commit.
 
-    >>> handle = milepost.save_checkpointables_async(path, {"state": state, "dataset": {"position": 7}})
+    >>> handle = milepost.save_checkpointables_async(
+    ...     path, {"state": state, "dataset": {"position": 7}}
+    ... )
     >>> handle.result()
     """
     return _checkpoint.start_save(
@@ -135,11 +137,11 @@ def load(path: PathLike, abstract_state: Any = None, *, partial: bool = False) -
         return _tree_loader(path, abstract_state)  # a surgery's tree: computed onto the devices
     where = as_path(path)
     with _progress.operation("load", where, primary=_primary()):
-        if _safetensors.is_safetensors(where):
+        if isinstance(where, Path) and _safetensors.is_safetensors(where):
             return _safetensors.load(where, abstract_state, partial)
         loaded = _checkpoint.load_checkpointables(
-            path, {None: abstract_state}, partial=partial, default_pytree=True
-        )  # type: ignore[dict-item]
+            path, {STATE: abstract_state}, partial=partial, default_pytree=True
+        )
     (value,) = loaded.values()
     return value
 
@@ -165,7 +167,9 @@ def load_checkpointables(
 ) -> dict[str, Any]:
     """Load the named checkpointables (all when None); the others are not read.
 
-    >>> parts = milepost.load_checkpointables("/ckpt/300", {"state": abstract_state, "dataset": None})
+    >>> parts = milepost.load_checkpointables(
+    ...     "/ckpt/300", {"state": abstract_state, "dataset": None}
+    ... )
     >>> parts["dataset"]          # {'position': 1234}
     """
     with _progress.operation("load", as_path(path), primary=_primary()):

@@ -19,7 +19,7 @@ from typing import Any
 from milepost import _format as fmt
 from milepost import _hosts, _options, _storage, workers
 from milepost._errors import CorruptCheckpointError
-from milepost.colocated import HostGroup
+from milepost.colocated import HostGroup, Slice
 from milepost.workers import ObjectPath, as_path, check
 
 
@@ -35,11 +35,11 @@ class CopyReport:
 
 
 def copy(
-    source: str | os.PathLike[str],
-    target: str | os.PathLike[str],
+    source: str | os.PathLike[str] | ObjectPath,
+    target: str | os.PathLike[str] | ObjectPath,
     *,
     overwrite: bool = False,
-    slice: Any = None,
+    slice: Slice | None = None,
     timeout_secs: float | None = None,
 ) -> CopyReport:
     """Copy the committed checkpoint at ``source`` to ``target`` (local folders, ``gs://``,
@@ -63,8 +63,8 @@ def copy(
 
 def copy_with(
     group: HostGroup,
-    source: Any,
-    target: Any,
+    source: str | os.PathLike[str] | ObjectPath,
+    target: str | os.PathLike[str] | ObjectPath,
     *,
     overwrite: bool,
     timeout: float,
@@ -130,13 +130,13 @@ def _list(src: Path | ObjectPath) -> tuple[list[str], list[str]]:
     its checkpointable folders."""
     fmt.require_checkpoint(src)
     if isinstance(src, Path):
-        names = []
+        names: list[str] = []
         for dirpath, dirnames, filenames in os.walk(src):
             for entry in dirnames + filenames:
                 if os.path.islink(os.path.join(dirpath, entry)):
                     raise CorruptCheckpointError(
-                        f"{os.path.join(dirpath, entry)} is a symbolic link; a checkpoint holds only files and folders, "
-                        "so it is not copied"
+                        f"{os.path.join(dirpath, entry)} is a symbolic link; a checkpoint holds "
+                        "only files and folders, so it is not copied"
                     )
             names.extend(Path(dirpath, f).relative_to(src).as_posix() for f in filenames)
     else:

@@ -78,8 +78,9 @@ def check_storage(group: HostGroup, where: Any) -> HostGroup:
         and place.scheme == "memory"
     ):
         raise ValueError(
-            f"{where} is in memory, inside this process; the other processes of {group!r} cannot reach it. Save "
-            "to storage every host shares instead: a shared file system, gs:// or s3://"
+            f"{where} is in memory, inside this process; the other processes of "
+            f"{group!r} cannot reach it. Save to storage every host shares "
+            "instead: a shared file system, gs:// or s3://"
         )
     return group
 

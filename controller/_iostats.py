@@ -12,9 +12,9 @@ two readings to measure a call:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from milepost import _hosts, _options
+from milepost.colocated import HostGroup, Slice
 from milepost.workers import HostIoStats, human_bytes
 from milepost.workers import io_snapshot as snapshot
 
@@ -62,8 +62,10 @@ class IoStats:
         missing = [h.process_index for h in self.hosts if h.process_index not in before]
         if missing or len(before) != len(self.hosts):
             raise ValueError(
-                f"these readings come from different host groups (hosts {[h.process_index for h in self.hosts]} and "
-                f"{[h.process_index for h in other.hosts]}); subtract readings of the same slice or job"
+                "these readings come from different host groups "
+                f"(hosts {[h.process_index for h in self.hosts]} and "
+                f"{[h.process_index for h in other.hosts]}); "
+                "subtract readings of the same slice or job"
             )
         controller = None
         if self.controller is not None and other.controller is not None:
@@ -93,7 +95,7 @@ class IoStats:
         )
 
 
-def io_stats(*, slice: Any = None) -> IoStats:
+def io_stats(*, slice: Slice | None = None) -> IoStats:
     """Every host's storage and between-host byte counts since it started.
 
     ``slice``: a :class:`milepost.Slice` (its hosts are asked; its controller is reported
@@ -101,7 +103,7 @@ def io_stats(*, slice: Any = None) -> IoStats:
     make this call — every process of the job (every process gets the same answer).
     """
     timeout = _options.current().async_.timeout_secs
-    group = slice.group if slice is not None else _hosts.host_group_for([])
+    group: HostGroup = slice.group if slice is not None else _hosts.host_group_for([])
     hosts = tuple(
         group.run("io_stats", {p: () for p in group.processes()}, timeout)
     )  # no plan: () (None means "no part")

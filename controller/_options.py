@@ -167,13 +167,13 @@ class LoadOptions:
         )
         if self.load_and_broadcast and self.replica_axis is None:
             raise ValueError(
-                "LoadOptions(load_and_broadcast=True) needs the mesh axis the replicas lie along: add "
-                "replica_axis='data' (the name of that axis in your mesh)"
+                "LoadOptions(load_and_broadcast=True) needs the mesh axis the replicas lie along: "
+                "add replica_axis='data' (the name of that axis in your mesh)"
             )
         if self.replica_axis is not None and not self.load_and_broadcast:
             raise ValueError(
-                f"LoadOptions(replica_axis={self.replica_axis!r}) does nothing without load_and_broadcast=True; add "
-                "it, or drop replica_axis"
+                f"LoadOptions(replica_axis={self.replica_axis!r}) does nothing without "
+                "load_and_broadcast=True; add it, or drop replica_axis"
             )
 
 
@@ -211,14 +211,16 @@ class ProgressOptions:
     file: Any = None
     """A text stream to draw on (None: standard error, or the notebook's output in Jupyter)."""
     delay_secs: float = 1.0
-    """Show a bar only once the operation has run this long (0: at once), so quick calls stay quiet."""
+    """Show a bar only once the operation has run this long (0: at once), so quick calls stay
+    quiet."""
     refresh_secs: float = 0.1
     """Redraw at most this often (0: at every update)."""
 
     def __post_init__(self) -> None:
         if self.file is not None and not callable(getattr(self.file, "write", None)):
             raise TypeError(
-                f"ProgressOptions.file must be a text stream (with .write) or None, got {type(self.file).__name__}"
+                "ProgressOptions.file must be a text stream (with .write) "
+                f"or None, got {type(self.file).__name__}"
             )
         for name in ("delay_secs", "refresh_secs"):
             check.number(getattr(self, name), f"ProgressOptions.{name} (seconds)", minimum=0)
@@ -286,7 +288,8 @@ class Context:
                 )
         if progress is not None and not isinstance(progress, bool | ProgressOptions):
             raise TypeError(
-                f"Context(progress=...) takes True, False or a ProgressOptions, got {type(progress).__name__}"
+                "Context(progress=...) takes True, False or a "
+                f"ProgressOptions, got {type(progress).__name__}"
             )
         self._changes: dict[str, Any] = {
             k: v

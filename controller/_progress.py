@@ -298,7 +298,10 @@ class _NotebookBar(_Bar):
             f"{human_bytes(rate) + '/s' if rate else '-'}, "
             + (f"{op.seconds:.1f} s{state}" if op.ended is not None else f"ETA {_clock(eta)}")
         )
-        bar = f'<progress value="{done}" max="{max(total, 1)}" style="width: 24em; vertical-align: middle"></progress>'
+        bar = (
+            f'<progress value="{done}" max="{max(total, 1)}" '
+            'style="width: 24em; vertical-align: middle"></progress>'
+        )
         return _Html(f"<div>{bar} <code>{html.escape(text)}</code></div>", text)
 
     def update(self, op: Operation) -> None:

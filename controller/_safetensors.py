@@ -25,7 +25,8 @@ from milepost import _checkpoint, _hosts, _options, _progress, _tree, workers
 from milepost import _format as fmt
 from milepost._errors import CheckpointExistsError, CheckpointNotFoundError, StructureMismatchError
 from milepost._tree import PLACEHOLDER
-from milepost.workers import as_path, check
+from milepost.colocated import Slice
+from milepost.workers import ObjectPath, as_path, check
 from milepost.workers import progress as workers_progress
 
 SUFFIX = ".safetensors"
@@ -60,7 +61,8 @@ def read_tensors(path: Path) -> dict[str, workers.Tensor]:
         for name in names:
             if not isinstance(name, str) or _tree.unsafe_part(name) is not None:
                 raise StructureMismatchError(
-                    f"{path / workers.SAFETENSORS_INDEX} names the file {name!r}, which is not a file of {path}"
+                    f"{path / workers.SAFETENSORS_INDEX} names the file "
+                    f"{name!r}, which is not a file of {path}"
                 )
         files = [path / n for n in names]
     else:
@@ -114,15 +116,18 @@ def load(path: Path, abstract: Any, partial: bool) -> Any:
         ]
         if missing:
             raise StructureMismatchError(
-                f"the abstract tree asks for {missing[:5]}, which {path} does not hold (it holds {sorted(tensors)[:8]}...); "
-                "the tensor names must be the leaves' key paths joined by '.'"
+                f"the abstract tree asks for {missing[:5]}, which {path} does "
+                f"not hold (it holds {sorted(tensors)[:8]}...); the tensor names "
+                "must be the leaves' key paths joined by '.'"
             )
         extra = sorted(set(tensors) - {leaf.name for leaf in flat})
         if extra and not partial:
             raise StructureMismatchError(
-                f"{path} holds tensors the abstract tree lacks: {extra[:5]}; pass partial=True to load only the leaves you give"
+                f"{path} holds tensors the abstract tree lacks: {extra[:5]}; pass "
+                "partial=True to load only the leaves you give"
             )
-    device_tasks, host_tasks = [], []
+    device_tasks: list[workers.LoadTask] = []
+    host_tasks: list[workers.LoadTask] = []
     for _, name, abst in targets:
         if abst is PLACEHOLDER:
             continue
@@ -171,15 +176,16 @@ def _task(tensor: workers.Tensor, name: str, abstract: Any, group: Any) -> worke
     if abstract is not None:
         if tuple(abstract.shape) != tensor.shape:
             raise StructureMismatchError(
-                f"leaf {name!r}: the abstract tree says shape {tuple(abstract.shape)} but the file holds {tensor.shape}"
+                f"leaf {name!r}: the abstract tree says shape "
+                f"{tuple(abstract.shape)} but the file holds {tensor.shape}"
             )
         dtype = np.dtype(abstract.dtype)
         if not isinstance(abstract, np.ndarray):
             sharding = getattr(abstract, "sharding", None)
             if sharding is None:
                 raise StructureMismatchError(
-                    f"leaf {name!r} has no sharding in the abstract tree; give one (safetensors files record none), or "
-                    "an np.ndarray leaf to load it into host memory"
+                    f"leaf {name!r} has no sharding in the abstract tree; give one (safetensors "
+                    "files record none), or an np.ndarray leaf to load it into host memory"
                 )
             sharding = getattr(sharding, "milepost_spec", None) or _checkpoint.concrete_sharding(
                 sharding, group, name
@@ -207,14 +213,14 @@ class ExportSummary:
 
 
 def export(
-    checkpoint: str | os.PathLike[str],
+    checkpoint: str | os.PathLike[str] | ObjectPath,
     out_dir: str | os.PathLike[str],
     *,
     max_shard_bytes: int = 5 << 30,
     subtree: str | None = None,
     metadata: Mapping[str, str] | None = None,
     overwrite: bool = False,
-    slice: Any = None,
+    slice: Slice | None = None,
 ) -> ExportSummary:
     """Write the arrays of ``checkpoint`` (its main tree, or the part under ``subtree``, e.g.
     ``"params"``) as HF-style safetensors shards plus ``model.safetensors.index.json`` in
@@ -293,7 +299,7 @@ class _ExportPlanned:
 
 
 def _plan(
-    root: Path,
+    root: Path | ObjectPath,
     out: Path,
     staging: Path,
     subtree: str | None,
@@ -329,7 +335,8 @@ def _plan(
     for name in chosen:
         if name in files.key_impls:
             raise StructureMismatchError(
-                f"leaf {name!r} holds PRNG keys, which safetensors cannot store; export a subtree without it"
+                f"leaf {name!r} holds PRNG keys, which safetensors "
+                "cannot store; export a subtree without it"
             )
         shape, dtype = _checkpoint.header_shape_dtype(headers[name])
         if dtype.name not in workers.SAFETENSORS_CODES:

@@ -128,12 +128,13 @@ def _check_part(part: str, path: tuple[str, ...]) -> None:
     why = unsafe_part(part)
     if why == "it is empty":
         raise InvalidKeyError(
-            f"tree key at {where!r} is empty; empty keys cannot name a stored array. Rename the key."
+            f"tree key at {where!r} is empty; empty keys "
+            "cannot name a stored array. Rename the key."
         )
     if why is not None:
         raise InvalidKeyError(
-            f"tree key {part!r} at {where!r} is not safe as a storage name ({why}); rename the key, e.g. replace '/' "
-            "with '_'."
+            f"tree key {part!r} at {where!r} is not safe as a storage name ({why}); "
+            "rename the key, e.g. replace '/' with '_'."
         )
 
 
@@ -150,8 +151,8 @@ def flatten(tree: Any) -> tuple[list[Leaf], Any]:
         name = ".".join(parts) if parts else "_root"
         if name in seen:
             raise InvalidKeyError(
-                f"tree keys {seen[name]!r} and {parts!r} both map to the storage name {name!r} (parts are joined by '.'); "
-                "rename one of them."
+                f"tree keys {seen[name]!r} and {parts!r} both map to the storage name {name!r} "
+                "(parts are joined by '.'); rename one of them."
             )
         seen[name] = str(parts)
         leaves.append(Leaf(name=name, keys=keys, value=value))

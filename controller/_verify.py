@@ -21,14 +21,15 @@ from milepost import _checkpoint, _hosts, _options, _progress, workers
 from milepost import _format as fmt
 from milepost._errors import CheckpointNotFoundError
 from milepost._tree import ValueType
-from milepost.workers import as_path
+from milepost.colocated import Slice
+from milepost.workers import ObjectPath, as_path
 
 
 @dataclass(frozen=True)
 class VerifyReport:
     """What ``milepost.verify`` checked and what it found wrong; true when sound."""
 
-    path: Path
+    path: Path | ObjectPath
     problems: tuple[str, ...]
     files_checked: int = 0
     arrays_checked: int = 0
@@ -46,8 +47,9 @@ class VerifyReport:
 
     def __str__(self) -> str:
         head = (
-            f"{self.path}: {'sound' if self.ok else f'{len(self.problems)} problem(s)'} — {self.files_checked} files, "
-            f"{self.arrays_checked} arrays, {self.chunks_checked} chunks ({self.bytes_read / 2**20:.1f} MiB) checked"
+            f"{self.path}: {'sound' if self.ok else f'{len(self.problems)} problem(s)'} — "
+            f"{self.files_checked} files, {self.arrays_checked} arrays, {self.chunks_checked} "
+            f"chunks ({self.bytes_read / 2**20:.1f} MiB) checked"
         )
         return "\n".join(
             [
@@ -58,7 +60,9 @@ class VerifyReport:
         )
 
 
-def verify(path: str | os.PathLike[str], *, slice: Any = None) -> VerifyReport:
+def verify(
+    path: str | os.PathLike[str] | ObjectPath, *, slice: Slice | None = None
+) -> VerifyReport:
     """Check the checkpoint at ``path`` whole: files, metadata and every chunk, spread over the
     hosts (``slice``: a :class:`milepost.Slice` whose hosts read; default: this process, or
     every process of a multi-controller job). Returns a :class:`VerifyReport`; raises only when
@@ -103,7 +107,7 @@ class _Planned:
     """Bytes of every array's chunks (what the hosts read)."""
 
 
-def _plan(root: Path, processes: Any, options: _options.Options) -> _Planned:
+def _plan(root: Path | ObjectPath, processes: Any, options: _options.Options) -> _Planned:
     """On the primary: check files and metadata, and share out the chunks among ``processes``."""
     fmt.require_checkpoint(root)
     out = _Planned()
@@ -122,7 +126,8 @@ def _plan(root: Path, processes: Any, options: _options.Options) -> _Planned:
         checksums = None
     if checksums is None:
         out.notes.append(
-            f"no {fmt.CHECKSUMS} (written by Orbax or an older milepost): files were checked for form only"
+            f"no {fmt.CHECKSUMS} (written by Orbax or an older "
+            "milepost): files were checked for form only"
         )
     else:
         for name, (size, _) in sorted(checksums.files.items()):
@@ -136,7 +141,8 @@ def _plan(root: Path, processes: Any, options: _options.Options) -> _Planned:
                 continue
             if not checksums.matches(name, raw):
                 out.problems.append(
-                    f"{root / name} is damaged or changed (size {len(raw)} vs {size}, or its checksums differ)"
+                    f"{root / name} is damaged or changed (size "
+                    f"{len(raw)} vs {size}, or its checksums differ)"
                 )
     # The files' checksums were checked above, each once: go on with what they hold, to check
     # the arrays too.
@@ -152,7 +158,9 @@ def _plan(root: Path, processes: Any, options: _options.Options) -> _Planned:
     return out
 
 
-def _plan_tree(directory: Path, processes: Any, options: _options.Options, out: _Planned) -> None:
+def _plan_tree(
+    directory: Path | ObjectPath, processes: Any, options: _options.Options, out: _Planned
+) -> None:
     try:
         files = fmt.read_tree(directory)
         arrays = [n for n, leaf in files.leaves.items() if leaf.value_type.is_array]
@@ -192,15 +200,17 @@ def _plan_tree(directory: Path, processes: Any, options: _options.Options, out: 
             missing = [g for g in grid if g not in recorded]
             if missing:
                 out.problems.append(
-                    f"array {name!r}: {len(missing)} of its {len(grid)} chunks have no recorded checksum (first: "
-                    f"{missing[0]}); the checkpoint's {fmt.MILEPOST_INFO} is damaged or incomplete"
+                    f"array {name!r}: {len(missing)} of its {len(grid)} chunks have no "
+                    f"recorded checksum (first: {missing[0]}); the checkpoint's "
+                    f"{fmt.MILEPOST_INFO} is damaged or incomplete"
                 )
         for g in grid:  # round robin, so every host reads about the same
             tasks[next(turn)].append((name, g, recorded.get(g) if recorded is not None else None))
     if unchecked:
         out.notes.append(
-            f"{len(unchecked)} array(s) in {directory.name} have no recorded chunk checksums (written by Orbax or an "
-            f"older milepost; e.g. {unchecked[0]!r}): their chunks were read but cannot be verified"
+            f"{len(unchecked)} array(s) in {directory.name} have no recorded chunk "
+            f"checksums (written by Orbax or an older milepost; e.g. {unchecked[0]!r}): "
+            "their chunks were read but cannot be verified"
         )
     store = files.store(directory)
     for process, entries in tasks.items():

@@ -35,8 +35,9 @@ def addressable_boxes(
     return [(tuple(d), box) for box, d in by_box.items()], of_device
 
 
-def slices_to_box(index: tuple[slice, ...], shape: tuple[int, ...]) -> Box:
-    """The box a tuple of slices (as JAX gives a shard's index) selects in an array of ``shape``."""
+def slices_to_box(index: tuple[slice, ...] | None, shape: tuple[int, ...]) -> Box:
+    """The box a tuple of slices (as JAX gives a shard's index; None or ``()``: all of it)
+    selects in an array of ``shape``."""
     return (
         tuple(
             (s.start or 0, n if s.stop is None else s.stop)

@@ -27,7 +27,8 @@ Grid = tuple[int, ...]
 
 def crc32c(data: np.ndarray | bytes | memoryview, value: int = 0) -> int:
     """CRC32C of a contiguous buffer, continuing from ``value``."""
-    return int(_crc32c.crc32c(data, value))
+    # (numpy's stubs give ndarray the buffer protocol only for Python >= 3.12)
+    return int(_crc32c.crc32c(data, value))  # type: ignore[arg-type]
 
 
 def crc32c_of(buffers: Iterable[np.ndarray | bytes | memoryview]) -> int:
@@ -35,7 +36,7 @@ def crc32c_of(buffers: Iterable[np.ndarray | bytes | memoryview]) -> int:
     value = 0
     compute = _crc32c.crc32c
     for buffer in buffers:
-        value = compute(buffer, value)
+        value = compute(buffer, value)  # type: ignore[arg-type]  # as in crc32c()
     return int(value)
 
 
@@ -76,7 +77,8 @@ def values_crc32c(array: np.ndarray) -> int:
 def chunk_boxes(
     box: tuple[tuple[int, int], ...], chunk_shape: tuple[int, ...]
 ) -> Iterator[tuple[Grid, tuple[slice, ...]]]:
-    """The chunks of a chunk-aligned ``box``: each one's grid index and its slices within the box."""
+    """The chunks of a chunk-aligned ``box``: each one's grid index and its slices within the
+    box."""
     ranges = [range(a // c, (b + c - 1) // c) for (a, b), c in zip(box, chunk_shape, strict=True)]
     for grid in itertools.product(*ranges):
         yield (
@@ -120,16 +122,17 @@ def check(name: str, grid: Grid, got: int, expected: dict[Grid, int], where: str
     want = expected.get(grid)
     if want is None:
         raise CorruptCheckpointError(
-            f"array {name!r}: chunk {grid} ({where}) has no recorded checksum although the array's others do; the "
-            "checkpoint's metadata is damaged. Load an earlier checkpoint.",
+            f"array {name!r}: chunk {grid} ({where}) has no recorded checksum although the array's "
+            "others do; the checkpoint's metadata is damaged. Load an earlier checkpoint.",
             array=name,
             chunk=grid,
             path=where,
         )
     if got != want:
         raise CorruptCheckpointError(
-            f"array {name!r}: chunk {grid} read from {where} fails its checksum (CRC32C {got:#010x}, recorded "
-            f"{want:#010x}): the data on disk is damaged or not this chunk's. Load an earlier checkpoint.",
+            f"array {name!r}: chunk {grid} read from {where} fails its checksum "
+            f"(CRC32C {got:#010x}, recorded {want:#010x}): the data on disk is damaged "
+            "or not this chunk's. Load an earlier checkpoint.",
             array=name,
             chunk=grid,
             path=where,

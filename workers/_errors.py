@@ -52,8 +52,8 @@ def from_tensorstore(
         # decoding manifest: ZSTD_decompressStream() failed: ...", a crafted node's "Invalid key").
         if reading and says_damaged(error):
             return CorruptCheckpointError(
-                f"{doing}{f' ({path})' if path else ''} failed: the checkpoint's metadata is damaged ({error}). "
-                "Load an earlier checkpoint."
+                f"{doing}{f' ({path})' if path else ''} failed: the checkpoint's metadata is "
+                f"damaged ({error}). Load an earlier checkpoint."
             )
         return error
     text = str(error)
@@ -61,7 +61,8 @@ def from_tensorstore(
     if says_no_space(error) or (status == "RESOURCE_EXHAUSTED" and not reading):
         return OSError(
             errno.ENOSPC,
-            f"no space left on the device while {doing}{where}; free space or save elsewhere. {text}",
+            f"no space left on the device while {doing}{where}; "
+            f"free space or save elsewhere. {text}",
             path or None,
         )
     if says_over_quota(error):
@@ -80,7 +81,8 @@ def from_tensorstore(
         "INVALID_ARGUMENT",
     ):
         return CorruptCheckpointError(
-            f"{doing}{where} failed: the checkpoint's data is missing or damaged ({text}). Load an earlier checkpoint."
+            f"{doing}{where} failed: the checkpoint's data is missing or "
+            f"damaged ({text}). Load an earlier checkpoint."
         )
     if status == "NOT_FOUND":
         return FileNotFoundError(

@@ -62,7 +62,8 @@ class HostIoStats:
             return NotImplemented
         if other.process_index != self.process_index:
             raise ValueError(
-                f"cannot subtract the counters of host {other.process_index!r} from those of host {self.process_index!r}"
+                f"cannot subtract the counters of host {other.process_index!r} "
+                f"from those of host {self.process_index!r}"
             )
         counts = {
             f.name: getattr(self, f.name) - getattr(other, f.name)

@@ -28,7 +28,8 @@ def impl_name(dtype: Any) -> str:
     name = getattr(impl, "name", None)
     if not isinstance(name, str):
         raise TypeError(
-            f"cannot tell the PRNG implementation of dtype {dtype}; this JAX version is not supported for keys"
+            f"cannot tell the PRNG implementation of dtype {dtype}; "
+            "this JAX version is not supported for keys"
         )
     return name
 

@@ -154,7 +154,8 @@ class LoadPlan:
     """At most this many bytes of read buffers in flight on a host (None: no cap)."""
     fill_missing: bool = False
     """Read a missing chunk as the fill value (zeros) instead of failing. Only for checkpoints
-    written without ``store_array_data_equal_to_fill_value``; otherwise a missing chunk is lost data."""
+    written without ``store_array_data_equal_to_fill_value``; otherwise a missing chunk is lost
+    data."""
     direct_reads: bool = True
     """Read uncompressed single-chunk shards straight from their files into the destination
     buffers (see ``_direct``); False sends every read through TensorStore."""

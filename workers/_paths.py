@@ -76,7 +76,7 @@ class UnknownStorageError(ValueError):
     """A path names a storage milepost does not write to (or cannot reach)."""
 
 
-def as_path(path: Any) -> Path | ObjectPath:
+def as_path(path: str | os.PathLike[str] | ObjectPath) -> Path | ObjectPath:
     """The path ``path`` names (a ``str``, ``os.PathLike`` or ``ObjectPath``): an absolute
     ``Path`` for local folders, else an :class:`ObjectPath`. An unknown scheme is an
     :class:`UnknownStorageError` (a ``ValueError``) before anything is written."""
@@ -107,12 +107,12 @@ def as_path(path: Any) -> Path | ObjectPath:
     return ObjectPath(scheme, bucket, key.strip("/"))
 
 
-def is_local(path: Any) -> bool:
+def is_local(path: str | os.PathLike[str] | ObjectPath) -> bool:
     """Whether ``path`` (as :func:`as_path` reads it) is a local folder."""
     return isinstance(as_path(path), Path)
 
 
-def kvstore(path: Any) -> dict[str, Any]:
+def kvstore(path: str | os.PathLike[str] | ObjectPath) -> dict[str, Any]:
     """The TensorStore kvstore spec of the folder ``path`` (its keys are the names below it)."""
     where = as_path(path)
     if isinstance(where, Path):
@@ -126,7 +126,7 @@ def memory_context() -> ts.Context:
     return ts.Context()
 
 
-def context_for(path: Any, **resources: Any) -> ts.Context:
+def context_for(path: str | os.PathLike[str] | ObjectPath, **resources: Any) -> ts.Context:
     """A TensorStore context for I/O at ``path``: the shared one for ``memory://``."""
     where = as_path(path)
     if isinstance(where, ObjectPath) and where.scheme == "memory":

@@ -116,7 +116,8 @@ def read_header(path: str) -> tuple[dict[str, Tensor], dict[str, str]]:
             raise bad(f"tensor {name!r} lacks dtype, shape or data_offsets ({e})") from e
         if code not in DTYPES:
             raise bad(
-                f"tensor {name!r} has dtype {code!r}, which milepost does not read (it reads {', '.join(DTYPES)})"
+                f"tensor {name!r} has dtype {code!r}, which milepost does "
+                f"not read (it reads {', '.join(DTYPES)})"
             )
         tensor = Tensor(
             path=path, name=name, dtype=DTYPES[code], shape=shape, offset=base + int(begin)
@@ -127,7 +128,8 @@ def read_header(path: str) -> tuple[dict[str, Tensor], dict[str, str]]:
             or base + int(end) > size
         ):
             raise bad(
-                f"tensor {name!r}: data_offsets {[begin, end]} do not hold a {code} tensor of shape {list(shape)}"
+                f"tensor {name!r}: data_offsets {[begin, end]} do not "
+                f"hold a {code} tensor of shape {list(shape)}"
             )
         tensors[name] = tensor
         spans.append((int(begin), int(end)))
@@ -204,7 +206,8 @@ def read_boxes(
     dtype = numpy_dtype(tensor.dtype)
     itemsize = dtype.itemsize
     shape = tensor.shape
-    direct, sliced = [], []
+    direct: list[tuple[tuple[tuple[int, int], ...], np.ndarray]] = []
+    sliced: list[tuple[tuple[tuple[int, int], ...], np.ndarray]] = []
     for box, out in boxes:
         if math.prod(b - a for a, b in box) == 0:
             continue
@@ -217,7 +220,7 @@ def read_boxes(
     where = f"tensor {tensor.name!r} in {tensor.path}"
 
     def read_direct(box: tuple[tuple[int, int], ...], out: np.ndarray) -> int:
-        view = memoryview(out.reshape(-1).view(np.uint8))
+        view = out.reshape(-1).view(np.uint8).data
         with _open(tensor.path) as fd:
             _pread_into(fd, view, tensor.offset + _offset(box, shape) * itemsize, where)
         return len(view)
@@ -227,7 +230,7 @@ def read_boxes(
         with _open(tensor.path) as fd:
             _pread_into(
                 fd,
-                memoryview(slab.reshape(-1).view(np.uint8)),
+                slab.reshape(-1).view(np.uint8).data,
                 tensor.offset + rows[0] * row_bytes,
                 where,
             )
@@ -276,7 +279,7 @@ def write_file(path: str, header: bytes, arrays: Iterable[np.ndarray]) -> int:
         written, requests = len(header), 1
         for array in arrays:
             data = np.ascontiguousarray(array)
-            f.write(memoryview(data.reshape(-1).view(np.uint8)))
+            f.write(data.reshape(-1).view(np.uint8).data)
             written += data.nbytes
             requests += 1
         f.flush()

@@ -46,7 +46,8 @@ class ShardingSpec:
     ) -> ShardingSpec:
         if math.prod(mesh_shape) != len(device_ids):
             raise ValueError(
-                f"mesh of shape {mesh_shape} needs {math.prod(mesh_shape)} device ids, got {len(device_ids)}"
+                f"mesh of shape {mesh_shape} needs {math.prod(mesh_shape)} "
+                f"device ids, got {len(device_ids)}"
             )
         if len(set(device_ids)) != len(device_ids):
             raise ValueError(f"mesh device ids must be distinct, got {device_ids}")
@@ -71,7 +72,8 @@ class ShardingSpec:
             axis_names=tuple(axis_names),
             device_ids=tuple(int(d) for d in device_ids),
             spec=tuple(norm),
-            # JAX's Mesh default is Auto for every axis; spell it out so equal shardings compare equal.
+            # JAX's Mesh default is Auto for every axis; spell it out so equal shardings compare
+            # equal.
             axis_types=tuple(str(t).rsplit(".", 1)[-1] for t in axis_types)
             or ("Auto",) * len(axis_names),
         )
@@ -92,12 +94,14 @@ class ShardingSpec:
                 tuple(mesh.devices.shape), tuple(mesh.axis_names), ids, tuple(sharding.spec), types
             )
         elif isinstance(sharding, jax.sharding.SingleDeviceSharding):
+            device: jax.Device  # (jax's annotation of device_set does not resolve)
             (device,) = sharding.device_set
             spec = ShardingSpec.single(device.id)
         else:
             raise TypeError(
-                f"milepost saves jax.Arrays with NamedSharding or SingleDeviceSharding, got {type(sharding).__name__}; "
-                "reshard the array onto a NamedSharding (jax.device_put(x, NamedSharding(mesh, spec))) before saving"
+                "milepost saves jax.Arrays with NamedSharding or SingleDeviceSharding, got "
+                f"{type(sharding).__name__}; reshard the array onto a NamedSharding "
+                "(jax.device_put(x, NamedSharding(mesh, spec))) before saving"
             )
         kind = sharding.memory_kind
         default = next(iter(sharding.device_set)).default_memory().kind
@@ -128,7 +132,8 @@ class ShardingSpec:
         for dim, p in zip(shape, parts, strict=True):
             if dim % p:
                 raise ValueError(
-                    f"sharding {self.describe()} cuts a dimension of size {dim} into {p} parts, which does not divide it"
+                    f"sharding {self.describe()} cuts a dimension of size {dim} "
+                    f"into {p} parts, which does not divide it"
                 )
         return tuple(dim // p for dim, p in zip(shape, parts, strict=True))
 
@@ -155,7 +160,10 @@ class ShardingSpec:
         memory = f", memory_kind={self.memory_kind!r}" if self.memory_kind else ""
         if self.kind == "single":
             return f"SingleDevice(id={self.device_ids[0]}{memory})"
-        return f"Named(mesh={dict(zip(self.axis_names, self.mesh_shape, strict=True))}, spec={self.spec}{memory})"
+        return (
+            f"Named(mesh={dict(zip(self.axis_names, self.mesh_shape, strict=True))}, "
+            f"spec={self.spec}{memory})"
+        )
 
     # ---- Orbax ``_sharding`` JSON -------------------------------------------------------
     def to_orbax_json(self, platform: str = "cpu") -> str:
@@ -245,9 +253,9 @@ def _to_jax(spec: ShardingSpec) -> Any:
     missing = [i for i in spec.device_ids if i not in by_id]
     if missing:
         raise ValueError(
-            f"the sharding {spec.describe()} uses devices {missing[:8]} that this JAX runtime does not have "
-            f"(it has ids {sorted(by_id)[:8]}{'...' if len(by_id) > 8 else ''}); "
-            "pass an abstract tree with shardings over the devices you have to load resharded"
+            f"the sharding {spec.describe()} uses devices {missing[:8]} that this JAX runtime does "
+            f"not have (it has ids {sorted(by_id)[:8]}{'...' if len(by_id) > 8 else ''}); pass an "
+            "abstract tree with shardings over the devices you have to load resharded"
         )
     if spec.kind == "single":
         return jax.sharding.SingleDeviceSharding(

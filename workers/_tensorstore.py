@@ -212,8 +212,9 @@ def read_array_headers(store: StoreSpec, names: Sequence[str]) -> dict[str, dict
     for name, result in results.items():
         if result.state != "value":
             raise CorruptCheckpointError(
-                f"array {name!r} is listed in the tree metadata of {store.directory} but its data is missing; the "
-                "checkpoint is damaged or was not merged. Load an earlier checkpoint.",
+                f"array {name!r} is listed in the tree metadata of "
+                f"{store.directory} but its data is missing; the checkpoint is "
+                "damaged or was not merged. Load an earlier checkpoint.",
                 array=name,
                 path=store.directory,
             )
@@ -221,12 +222,13 @@ def read_array_headers(store: StoreSpec, names: Sequence[str]) -> dict[str, dict
             header = json.loads(result.value)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise CorruptCheckpointError(
-                f"the header of array {name!r} in {store.directory} is not JSON ({e}); the checkpoint is damaged. "
-                "Load an earlier checkpoint."
+                f"the header of array {name!r} in {store.directory} is not JSON ({e}); the "
+                "checkpoint is damaged. Load an earlier checkpoint."
             ) from e
         if not isinstance(header, dict):
             raise CorruptCheckpointError(
-                f"the header of array {name!r} in {store.directory} is not a JSON object; the checkpoint is damaged"
+                f"the header of array {name!r} in {store.directory} is not "
+                "a JSON object; the checkpoint is damaged"
             )
         out[name] = header
     return out

@@ -216,7 +216,8 @@ def check() -> list[str]:
             found = dict(ocdbt_values(folder, _Shard()))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             return [
-                f"ts.ocdbt.dump no longer has the structure milepost walks ({type(e).__name__}: {e})"
+                "ts.ocdbt.dump no longer has the structure "
+                f"milepost walks ({type(e).__name__}: {e})"
             ]
         where = found.get(b"a b/c/0/0")
         if where is None:

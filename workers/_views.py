@@ -65,13 +65,17 @@ def html_table(
     )
     more = f"<p>... and {len(rows) - max_rows} more rows</p>" if len(rows) > max_rows else ""
     caption = f"<b>{html.escape(title)}</b>" if title else ""
-    return f"<div>{caption}<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>{more}</div>"
+    return (
+        f"<div>{caption}<table><thead><tr>{head}</tr></thead>"
+        f"<tbody>{body}</tbody></table>{more}</div>"
+    )
 
 
 def html_fields(title: str, fields: Mapping[str, Any]) -> str:
     """A two-column table of named facts."""
     rows = "".join(
-        f"<tr><th style='text-align:left'>{html.escape(k)}</th><td style='text-align:left'>{html.escape(str(v))}</td></tr>"
+        f"<tr><th style='text-align:left'>{html.escape(k)}</th>"
+        f"<td style='text-align:left'>{html.escape(str(v))}</td></tr>"
         for k, v in fields.items()
     )
     return f"<div><b>{html.escape(title)}</b><table>{rows}</table></div>"

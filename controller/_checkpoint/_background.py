@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent import futures
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from milepost import workers
 
@@ -32,7 +32,7 @@ T = TypeVar("T")
 
 
 class _Save:
-    def __init__(self, name: str, timeout: float, future: futures.Future[object]) -> None:
+    def __init__(self, name: str, timeout: float, future: futures.Future[Any]) -> None:
         self.name = name
         self.timeout = timeout
         self.future = future
@@ -51,7 +51,7 @@ class BackgroundSaves:
         """Run ``fn`` on a thread of its own; ``name`` (the path) and ``timeout`` (its longest
         wait) say what an exit waits for and how long."""
         future: futures.Future[T] = futures.Future()
-        entry = _Save(name, timeout, future)  # type: ignore[arg-type]
+        entry = _Save(name, timeout, future)
 
         def run() -> None:
             try:
@@ -98,7 +98,8 @@ class BackgroundSaves:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise TimeoutError(
-                    f"{len(running)} milepost save(s) still running after {timeout}s: {self.in_flight()}"
+                    f"{len(running)} milepost save(s) still "
+                    f"running after {timeout}s: {self.in_flight()}"
                 )
             futures.wait(running, timeout=left)
 
@@ -119,8 +120,8 @@ class BackgroundSaves:
                 save.future.result(timeout=save.timeout)
             except futures.TimeoutError:
                 log.error(
-                    "abandoned the save to %s: it did not finish within %gs before the interpreter exited; nothing of it "
-                    "was committed",
+                    "abandoned the save to %s: it did not finish within %gs before the "
+                    "interpreter exited; nothing of it was committed",
                     save.name,
                     save.timeout,
                 )

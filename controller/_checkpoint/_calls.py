@@ -68,6 +68,6 @@ def as_pending(part: PendingWrite[Any] | Callable[[], Any] | None) -> PendingWri
     if callable(part):
         return Deferred(part)
     raise TypeError(
-        f"a checkpointable's save returned {type(part).__name__}; it must return None, a callable to run in the "
-        "background, or a PendingWrite (wait(timeout) and settle(timeout))"
+        f"a checkpointable's save returned {type(part).__name__}; it must return None, a callable "
+        "to run in the background, or a PendingWrite (wait(timeout) and settle(timeout))"
     )

@@ -19,7 +19,7 @@ from milepost import _format as fmt
 from milepost import _hosts
 from milepost._checkpoint import _pytree_load, _pytree_save
 from milepost._checkpoint._calls import Deferred, LoadCall, SaveCall, as_pending
-from milepost.workers import PendingWrite
+from milepost.workers import ObjectPath, PendingWrite
 
 
 @runtime_checkable
@@ -63,7 +63,7 @@ class CheckpointableHandler(Protocol):
         ...
 
     def save(
-        self, directory: Path, obj: Any, call: SaveCall
+        self, directory: Path | ObjectPath, obj: Any, call: SaveCall
     ) -> PendingWrite[Any] | Callable[[], Any] | None:
         """Do the blocking part (validate, snapshot or stage the data) and return what is left
         to run in the background, if anything: a :class:`~milepost.workers.PendingWrite` for
@@ -71,11 +71,11 @@ class CheckpointableHandler(Protocol):
         runs it. ``directory`` exists; write only inside it."""
         ...
 
-    def load(self, directory: Path, abstract: Any, call: LoadCall) -> Any:
+    def load(self, directory: Path | ObjectPath, abstract: Any, call: LoadCall) -> Any:
         """The object saved in ``directory``, shaped as ``abstract`` (None: as saved)."""
         ...
 
-    def metadata(self, directory: Path) -> Any:
+    def metadata(self, directory: Path | ObjectPath) -> Any:
         """What the part holds, without reading its bulk data (None: nothing to say)."""
         ...
 
@@ -84,11 +84,11 @@ class CheckpointableHandler(Protocol):
 class StatefulCheckpointable(Protocol):
     """An object that saves and restores itself (a data iterator's position, an RNG...)."""
 
-    def save(self, directory: Path) -> Callable[[], None] | None:
+    def save(self, directory: Path | ObjectPath) -> Callable[[], None] | None:
         """Write (or snapshot) own state into ``directory``; may return a background part."""
         ...
 
-    def load(self, directory: Path) -> None:
+    def load(self, directory: Path | ObjectPath) -> None:
         """Restore own state from ``directory`` in place."""
         ...
 
@@ -101,14 +101,16 @@ class PyTreeHandler:
     def is_handleable(self, obj: Any) -> bool:
         return not isinstance(obj, StatefulCheckpointable)
 
-    def save(self, directory: Path, obj: Any, call: SaveCall) -> _pytree_save.PendingTree:
+    def save(
+        self, directory: Path | ObjectPath, obj: Any, call: SaveCall
+    ) -> _pytree_save.PendingTree:
         planned = _pytree_save.plan_tree(obj, call.options.saving, call.group)
         return _pytree_save.stage_tree(planned, directory, call)
 
-    def load(self, directory: Path, abstract: Any, call: LoadCall) -> Any:
+    def load(self, directory: Path | ObjectPath, abstract: Any, call: LoadCall) -> Any:
         return _pytree_load.load(directory, abstract, call)
 
-    def metadata(self, directory: Path) -> Any:
+    def metadata(self, directory: Path | ObjectPath) -> Any:
         return _pytree_load.tree_metadata(directory)
 
 
@@ -125,7 +127,7 @@ class JsonHandler:
             return False
         return True
 
-    def save(self, directory: Path, obj: Any, call: SaveCall) -> Deferred | None:
+    def save(self, directory: Path | ObjectPath, obj: Any, call: SaveCall) -> Deferred | None:
         try:
             text = json.dumps(obj)  # snapshot now: the caller may mutate obj after we return
         except (TypeError, ValueError) as e:
@@ -136,14 +138,14 @@ class JsonHandler:
             return None
         return Deferred(lambda: fmt.write_file(directory / self.filename, text))
 
-    def load(self, directory: Path, abstract: Any, call: LoadCall) -> Any:
+    def load(self, directory: Path | ObjectPath, abstract: Any, call: LoadCall) -> Any:
         # read once, on the primary, for every controller process
         timeout = call.options.async_.timeout_secs
         return _hosts.shared(
             call.group, f"json:{directory}", lambda: self._read(directory), timeout
         )
 
-    def _read(self, directory: Path) -> Any:
+    def _read(self, directory: Path | ObjectPath) -> Any:
         for name in (self.filename, "metadata"):
             if (directory / name).exists():
                 return fmt.read_json(directory / name, "JSON checkpointable")
@@ -151,7 +153,7 @@ class JsonHandler:
             f"{directory} has no {self.filename}: it was not saved by a JSON handler"
         )
 
-    def metadata(self, directory: Path) -> Any:
+    def metadata(self, directory: Path | ObjectPath) -> Any:
         return self._read(directory)
 
 
@@ -161,21 +163,23 @@ class StatefulHandler:
     def is_handleable(self, obj: Any) -> bool:
         return isinstance(obj, StatefulCheckpointable)
 
-    def save(self, directory: Path, obj: Any, call: SaveCall) -> PendingWrite[Any] | None:
+    def save(
+        self, directory: Path | ObjectPath, obj: Any, call: SaveCall
+    ) -> PendingWrite[Any] | None:
         if not call.group.is_primary():
             return None
         return as_pending(obj.save(directory))
 
-    def load(self, directory: Path, abstract: Any, call: LoadCall) -> Any:
+    def load(self, directory: Path | ObjectPath, abstract: Any, call: LoadCall) -> Any:
         if abstract is None or not isinstance(abstract, StatefulCheckpointable):
             raise TypeError(
-                f"{directory.name!r} was saved by a StatefulCheckpointable; pass the object to restore into as its "
-                "abstract value (load_checkpointables(path, {name: obj}))"
+                f"{directory.name!r} was saved by a StatefulCheckpointable; pass the object to "
+                "restore into as its abstract value (load_checkpointables(path, {name: obj}))"
             )
         abstract.load(directory)
         return abstract
 
-    def metadata(self, directory: Path) -> Any:
+    def metadata(self, directory: Path | ObjectPath) -> Any:
         return None
 
 
@@ -196,7 +200,8 @@ def register_handler(handler: CheckpointableHandler, *, name: str | None = None)
     """
     if not isinstance(handler, CheckpointableHandler):
         raise TypeError(
-            f"{handler!r} is not a CheckpointableHandler (it needs typestr, is_handleable, save, load, metadata)"
+            f"{handler!r} is not a CheckpointableHandler (it needs "
+            "typestr, is_handleable, save, load, metadata)"
         )
     with _lock:
         _registry.insert(0, (handler, name))
@@ -216,8 +221,9 @@ def resolve_for_save(name: str, obj: Any, context_handlers: tuple[Any, ...]) -> 
         if (only is None or only == name) and handler.is_handleable(obj):
             return handler
     raise TypeError(
-        f"no checkpointable handler can save {name!r} (a {type(obj).__name__}); register one with "
-        "milepost.register_handler(handler, name=...) or pass it in milepost.Context(handlers=[...])"
+        f"no checkpointable handler can save {name!r} (a {type(obj).__name__}); "
+        "register one with milepost.register_handler(handler, name=...) or pass "
+        "it in milepost.Context(handlers=[...])"
     )
 
 
@@ -238,11 +244,11 @@ def resolve_for_load(
         return _BUILTINS[2]
     if typestr.startswith("orbax."):
         raise TypeError(
-            f"checkpointable {name!r} was saved by the Orbax handler {typestr!r}, which milepost does not read (it reads "
-            "Orbax's PyTree, Standard and Json checkpointables); load that part with Orbax, or register a milepost "
-            "handler for it with milepost.register_handler"
+            f"checkpointable {name!r} was saved by the Orbax handler {typestr!r}, which milepost "
+            "does not read (it reads Orbax's PyTree, Standard and Json checkpointables); load that "
+            "part with Orbax, or register a milepost handler for it with milepost.register_handler"
         )
     raise TypeError(
-        f"checkpointable {name!r} was saved by handler {typestr!r}, which is not registered here; register it "
-        "with milepost.register_handler before loading"
+        f"checkpointable {name!r} was saved by handler {typestr!r}, which is not registered here; "
+        "register it with milepost.register_handler before loading"
     )

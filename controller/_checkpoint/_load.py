@@ -24,18 +24,18 @@ from milepost._checkpoint._handlers import (
     resolve_for_load,
 )
 from milepost._errors import CheckpointNotFoundError, CheckpointReplacedError
-from milepost.workers import as_path
+from milepost.workers import ObjectPath, as_path
 
 
 def load_checkpointables(
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | ObjectPath,
     abstracts: Mapping[str, Any] | None,
     *,
     partial: bool = False,
     default_pytree: bool = False,
 ) -> dict[str, Any]:
     """Load the named checkpointables (all when None). ``default_pytree``: ``abstracts`` holds
-    one entry under the key None, meaning the checkpoint's main pytree."""
+    one entry (its key is not read), for the checkpoint's main pytree."""
     options = _options.current()
     root = as_path(path)
     leaves: list[Any] = []
@@ -53,7 +53,8 @@ def load_checkpointables(
     )
     if default_pytree:
         assert abstracts is not None
-        abstracts = {fmt.main_tree(root, items): abstracts[None]}
+        (main,) = abstracts.values()
+        abstracts = {fmt.main_tree(root, items): main}
     wanted = dict(abstracts) if abstracts is not None else {n: None for n in items}
     unknown = [n for n in wanted if n not in items]
     if unknown:
@@ -85,7 +86,9 @@ def load_checkpointables(
     return out
 
 
-def _check_own_files(folder: Path, handler: Any, checksums: fmt.Checksums | None) -> None:
+def _check_own_files(
+    folder: Path | ObjectPath, handler: Any, checksums: fmt.Checksums | None
+) -> None:
     """A handler that reads its files itself (not the built-in pytree or JSON ones, which check
     what they read) gets its folder only once every committed file in it is checked."""
     if checksums is not None and not isinstance(handler, PyTreeHandler | JsonHandler):
@@ -93,7 +96,7 @@ def _check_own_files(folder: Path, handler: Any, checksums: fmt.Checksums | None
 
 
 @contextlib.contextmanager
-def unchanged(root: Path) -> Iterator[None]:
+def unchanged(root: Path | ObjectPath) -> Iterator[None]:
     """Raise CheckpointReplacedError if the checkpoint at ``root`` was replaced or deleted while
     the block ran (whatever the block raised then: it may have read parts of two checkpoints)."""
     identity = _identity(root)
@@ -108,7 +111,7 @@ def unchanged(root: Path) -> Iterator[None]:
 
 
 def read_checkpointables(
-    root: Path,
+    root: Path | ObjectPath,
 ) -> tuple[dict[str, Any], dict[str, fmt.Item], tuple[Any, ...], fmt.Checksums | None]:
     fmt.require_checkpoint(root)
     fmt.check_contained(root)  # before any file is opened (a FIFO would block the open forever)
@@ -120,7 +123,7 @@ def read_checkpointables(
     return meta, fmt.checkpointables(root, meta), identity, checksums
 
 
-def _identity(root: Path) -> tuple[Any, ...]:
+def _identity(root: Path | ObjectPath) -> tuple[Any, ...]:
     """What changes when the checkpoint at ``root`` is replaced: its folder and its commit."""
     try:
         if isinstance(root, Path):
@@ -143,10 +146,11 @@ def _identity(root: Path) -> tuple[Any, ...]:
     return (*where, *stamps)
 
 
-def _replaced(root: Path) -> CheckpointReplacedError:
+def _replaced(root: Path | ObjectPath) -> CheckpointReplacedError:
     return CheckpointReplacedError(
-        f"the checkpoint at {root} was replaced or deleted while it was being loaded (an overwrite, or retention, in "
-        "another process), so what was read may mix two checkpoints and was discarded. Load it again"
+        f"the checkpoint at {root} was replaced or deleted while it was being loaded (an "
+        "overwrite, or retention, in another process), so what was read may mix two "
+        "checkpoints and was discarded. Load it again"
     )
 
 
@@ -164,7 +168,7 @@ class CheckpointMetadata:
 
     def __init__(
         self,
-        path: Path,
+        path: Path | ObjectPath,
         meta: dict[str, Any],
         checkpointables: dict[str, Any],
         tree_name: str | None,
@@ -241,7 +245,7 @@ class CheckpointMetadata:
         return out
 
 
-def metadata(path: str | os.PathLike[str]) -> CheckpointMetadata:
+def metadata(path: str | os.PathLike[str] | ObjectPath) -> CheckpointMetadata:
     options = _options.current()
     root = as_path(path)
     group = _hosts.check_storage(_hosts.host_group_for([]), root)

@@ -25,7 +25,7 @@ from milepost._checkpoint._pytree_save import CONTROLLER, SCALAR_TYPES
 from milepost._checkpoint._replicas import mark as mark_replicas
 from milepost._errors import CheckpointNotFoundError, CorruptCheckpointError, StructureMismatchError
 from milepost._tree import PLACEHOLDER, ValueType
-from milepost.workers import ShardingSpec, progress
+from milepost.workers import ObjectPath, ShardingSpec, progress
 
 log = logging.getLogger("milepost")
 
@@ -84,7 +84,7 @@ def header_shape_dtype(header: dict[str, Any]) -> tuple[tuple[int, ...], np.dtyp
 
 
 def array_headers(
-    directory: Path, files: fmt.TreeFiles, names: list[str]
+    directory: Path | ObjectPath, files: fmt.TreeFiles, names: list[str]
 ) -> dict[str, dict[str, Any]]:
     """The ``zarr.json`` of each named array: through the root view with OCDBT (whose B-tree
     carries checksums), else as files (checked against the checkpoint's file checksums)."""
@@ -99,15 +99,15 @@ def array_headers(
             )
         except CheckpointNotFoundError as e:
             raise CorruptCheckpointError(
-                f"array {name!r} is listed in {directory / fmt.TREE_METADATA} but its data is missing; the checkpoint "
-                "is damaged. Load an earlier checkpoint.",
+                f"array {name!r} is listed in {directory / fmt.TREE_METADATA} but its data is "
+                "missing; the checkpoint is damaged. Load an earlier checkpoint.",
                 array=name,
                 path=str(directory),
             ) from e
     return out
 
 
-def tree_metadata(directory: Path) -> Any:
+def tree_metadata(directory: Path | ObjectPath) -> Any:
     """The tree of :class:`LeafMetadata` (and empty containers), from metadata and headers."""
     files = fmt.read_tree(directory)
     arrays = [n for n, leaf in files.leaves.items() if leaf.value_type.is_array]
@@ -122,7 +122,8 @@ def tree_metadata(directory: Path) -> Any:
                 inner, grid = workers.header_chunks(headers[name])
             except (KeyError, TypeError, ValueError, IndexError) as e:
                 raise CorruptCheckpointError(
-                    f"the header of array {name!r} in {directory} lacks {e}; the checkpoint is damaged"
+                    f"the header of array {name!r} in {directory} "
+                    f"lacks {e}; the checkpoint is damaged"
                 ) from e
             impl = files.key_impls.get(name)
             if impl is not None:  # typed PRNG keys: described as keys, not as their stored data
@@ -182,14 +183,15 @@ def _targets(files: fmt.TreeFiles, abstract: Any, partial: bool) -> tuple[list[_
     extra = [n for n in saved if n not in wanted]
     if missing:
         raise StructureMismatchError(
-            f"the abstract tree asks for {missing[:5]}{'...' if len(missing) > 5 else ''}, which the checkpoint does "
-            f"not have (it has {saved[:8]}{'...' if len(saved) > 8 else ''}); fix the abstract tree or "
-            "mark those leaves milepost.PLACEHOLDER"
+            f"the abstract tree asks for {missing[:5]}{'...' if len(missing) > 5 else ''}, which "
+            f"the checkpoint does not have (it has {saved[:8]}{'...' if len(saved) > 8 else ''}); "
+            "fix the abstract tree or mark those leaves milepost.PLACEHOLDER"
         )
     if extra and not partial:
         raise StructureMismatchError(
-            f"the checkpoint has leaves the abstract tree lacks: {extra[:5]}{'...' if len(extra) > 5 else ''}; "
-            "pass partial=True to load only the leaves you give, or add them to the abstract tree"
+            "the checkpoint has leaves the abstract tree lacks: "
+            f"{extra[:5]}{'...' if len(extra) > 5 else ''}; pass partial=True to load only the "
+            "leaves you give, or add them to the abstract tree"
         )
     return [_Target(leaf.keys, leaf.name, leaf.value) for leaf in leaves], treedef
 
@@ -215,8 +217,9 @@ def _task(
         return _key_task(files, header, target, impl, group)
     if _is_abstract_array(abstract) and workers.is_key(abstract.dtype):
         raise StructureMismatchError(
-            f"leaf {name!r}: the abstract tree asks for PRNG keys ({abstract.dtype}) but the checkpoint holds a plain "
-            f"{dtype} array of shape {shape}; ask for that array (and wrap it with jax.random.wrap_key_data)"
+            f"leaf {name!r}: the abstract tree asks for PRNG keys ({abstract.dtype}) but the "
+            f"checkpoint holds a plain {dtype} array of shape {shape}; ask for that array "
+            "(and wrap it with jax.random.wrap_key_data)"
         )
     sharding: Any = None
     if abstract is None:
@@ -225,14 +228,15 @@ def _task(
                 files,
                 name,
                 group,
-                f"array {name!r} was saved without a sharding milepost can rebuild; pass an abstract tree "
-                "(jax.ShapeDtypeStruct with a sharding) to load it",
+                f"array {name!r} was saved without a sharding milepost can rebuild; pass an "
+                "abstract tree (jax.ShapeDtypeStruct with a sharding) to load it",
             )
     elif _is_abstract_array(abstract):
         if tuple(abstract.shape) != shape:
             raise StructureMismatchError(
-                f"leaf {name!r}: the abstract tree says shape {tuple(abstract.shape)} but the checkpoint holds {shape}; "
-                "fix the abstract shape (milepost reshards but does not reshape)"
+                f"leaf {name!r}: the abstract tree says shape "
+                f"{tuple(abstract.shape)} but the checkpoint holds {shape}; fix the "
+                "abstract shape (milepost reshards but does not reshape)"
             )
         dtype = np.dtype(abstract.dtype)
         sharding = getattr(abstract, "sharding", None)
@@ -248,7 +252,8 @@ def _task(
     elif isinstance(abstract, np.ndarray):
         if tuple(abstract.shape) != shape:
             raise StructureMismatchError(
-                f"leaf {name!r}: the abstract array has shape {abstract.shape}, the checkpoint {shape}"
+                f"leaf {name!r}: the abstract array has shape "
+                f"{abstract.shape}, the checkpoint {shape}"
             )
         dtype = abstract.dtype
     return workers.LoadTask(
@@ -260,12 +265,13 @@ def _task(
     )
 
 
-def read_tree_files(directory: Path) -> fmt.TreeFiles:
+def read_tree_files(directory: Path | ObjectPath) -> fmt.TreeFiles:
     files = fmt.read_tree(directory)
     if files.chunk_crc32c and not fmt.verified():
         raise CorruptCheckpointError(
-            f"{directory / fmt.MILEPOST_INFO} records chunk checksums, so this checkpoint was written with file "
-            f"checksums too, but its {fmt.CHECKSUMS} is missing: the checkpoint is damaged. Load an earlier checkpoint."
+            f"{directory / fmt.MILEPOST_INFO} records chunk checksums, so this checkpoint was "
+            f"written with file checksums too, but its {fmt.CHECKSUMS} is missing: the "
+            "checkpoint is damaged. Load an earlier checkpoint."
         )
     return files
 
@@ -290,13 +296,13 @@ def _key_task(
         wanted = workers.key_impl_name(abstract.dtype)
         if wanted != impl:
             raise StructureMismatchError(
-                f"leaf {name!r}: the abstract tree asks for {wanted} keys but the checkpoint holds {impl} keys; ask for "
-                f"jax.random.key(..., impl={impl!r}) keys"
+                f"leaf {name!r}: the abstract tree asks for {wanted} keys but the checkpoint holds "
+                f"{impl} keys; ask for jax.random.key(..., impl={impl!r}) keys"
             )
         if tuple(abstract.shape) != keys_shape:
             raise StructureMismatchError(
-                f"leaf {name!r}: the abstract tree asks for keys of shape {tuple(abstract.shape)} but the checkpoint "
-                f"holds keys of shape {keys_shape}; fix the abstract shape"
+                f"leaf {name!r}: the abstract tree asks for keys of shape {tuple(abstract.shape)} "
+                f"but the checkpoint holds keys of shape {keys_shape}; fix the abstract shape"
             )
         sharding = getattr(abstract, "sharding", None)
         if sharding is None:
@@ -348,7 +354,7 @@ def recorded_checksums(
     return tuple(sorted(recorded.items())) if recorded is not None else None
 
 
-def load(directory: Path, abstract: Any, call: LoadCall) -> Any:
+def load(directory: Path | ObjectPath, abstract: Any, call: LoadCall) -> Any:
     timeout = call.options.async_.timeout_secs
     group = call.group
     files = _hosts.shared(
@@ -383,7 +389,8 @@ def load(directory: Path, abstract: Any, call: LoadCall) -> Any:
     own_bytes = _progress.read_bytes(host_tasks, group)
     progress.expect(device_bytes + own_bytes)
     log.debug(
-        "load plan for %s: %d arrays read by %d hosts (%d bytes), %d by the controller (%d bytes), memory budget %s per host",
+        "load plan for %s: %d arrays read by %d hosts (%d bytes), %d by the "
+        "controller (%d bytes), memory budget %s per host",
         directory,
         len(device_tasks),
         len(group.processes()),
@@ -480,7 +487,7 @@ def _checksums_per_process(
 
 def _assemble(
     files: fmt.TreeFiles,
-    directory: Path,
+    directory: Path | ObjectPath,
     targets: list[_Target],
     treedef: Any,
     values: dict[str, Any],
@@ -500,8 +507,8 @@ def _assemble(
         elif vt is ValueType.STRING:
             if t.name not in files.strings:
                 raise CorruptCheckpointError(
-                    f"string leaf {t.name!r} is missing from {directory / fmt.STRINGS}; the checkpoint is damaged. "
-                    "Load an earlier checkpoint."
+                    f"string leaf {t.name!r} is missing from {directory / fmt.STRINGS}; the "
+                    "checkpoint is damaged. Load an earlier checkpoint."
                 )
             value = files.strings[t.name]
         elif t.abstract is not None:

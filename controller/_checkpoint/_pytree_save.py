@@ -29,7 +29,7 @@ from milepost._errors import InvalidKeyError, UnsupportedLeafError
 from milepost._options import SaveOptions
 from milepost._tree import Leaf, ValueType
 from milepost.colocated import HostGroup
-from milepost.workers import progress
+from milepost.workers import ObjectPath, progress
 
 log = logging.getLogger("milepost")
 
@@ -51,9 +51,10 @@ def value_type(value: Any) -> ValueType:
     if _tree.is_empty_node(value):
         return _tree.empty_value_type(value)
     raise UnsupportedLeafError(
-        f"cannot save a leaf of type {type(value).__module__}.{type(value).__qualname__}; milepost saves jax.Array, "
-        "np.ndarray, Python/NumPy scalars, str, None and empty containers. Convert the leaf (e.g. np.asarray(x)), "
-        "register it as a pytree node, or save it in its own checkpointable with a handler."
+        f"cannot save a leaf of type {type(value).__module__}.{type(value).__qualname__}; "
+        "milepost saves jax.Array, np.ndarray, Python/NumPy scalars, str, None and empty "
+        "containers. Convert the leaf (e.g. np.asarray(x)), register it as a pytree node, or save "
+        "it in its own checkpointable with a handler."
     )
 
 
@@ -93,13 +94,15 @@ def _named(leaf: Leaf, fn: Callable[..., Any], *args: Any) -> Any:
 def _check_dtype(name: str, dtype: np.dtype) -> None:
     if dtype.kind in "OUS":
         raise UnsupportedLeafError(
-            f"leaf {name!r} has dtype {dtype}, which has no on-disk form; save numeric arrays, or strings as str leaves",
+            f"leaf {name!r} has dtype {dtype}, which has no on-disk form; "
+            "save numeric arrays, or strings as str leaves",
             leaf=name,
         )
     if dtype.name not in workers.ZARR3_DTYPES:
         raise UnsupportedLeafError(
-            f"leaf {name!r} has dtype {dtype.name}, which the zarr3 format cannot store "
-            f"(it stores {', '.join(sorted(workers.ZARR3_DTYPES))}); cast the leaf to one of those before saving",
+            f"leaf {name!r} has dtype {dtype.name}, which the zarr3 format cannot "
+            f"store (it stores {', '.join(sorted(workers.ZARR3_DTYPES))}); cast "
+            "the leaf to one of those before saving",
             leaf=name,
         )
 
@@ -120,13 +123,15 @@ class TreeSavePlan:
     python_types: dict[str, str] = field(default_factory=dict)
     key_impls: dict[str, str] = field(default_factory=dict)
     """Typed PRNG key leaves: their implementation."""
-    host_tasks: dict[int, list[workers.SaveTask]] = field(default_factory=lambda: defaultdict(list))
+    host_tasks: dict[int | str, list[workers.SaveTask]] = field(
+        default_factory=lambda: defaultdict(list)
+    )
     host_sources: list[Any] = field(default_factory=list)
     """Device arrays (or slice handles), indexed by ``SaveTask.source``."""
     controller_tasks: list[workers.SaveTask] = field(default_factory=list)
     controller_sources: list[np.ndarray] = field(default_factory=list)
     """NumPy arrays and scalars the controller holds, written by the controller."""
-    headers_by_host: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    headers_by_host: dict[int | str, int] = field(default_factory=lambda: defaultdict(int))
     """How many arrays' ``zarr.json`` each host writes (see ``SaveTask.write_metadata``)."""
 
     @property
@@ -154,8 +159,9 @@ def _plan_leaf(out: TreeSavePlan, leaf: Leaf, group: HostGroup) -> None:
     kind = value_type(leaf.value)
     if kind.is_array and not out.options.use_ocdbt and leaf.name in _PLAIN_ZARR3_RESERVED:
         raise InvalidKeyError(
-            f"leaf {leaf.name!r} would be stored in a folder with the name of a metadata file, which plain zarr3 "
-            "(SaveOptions(use_ocdbt=False)) cannot do; rename the key, or save with use_ocdbt=True (the default)"
+            f"leaf {leaf.name!r} would be stored in a folder with the name of a metadata "
+            "file, which plain zarr3 (SaveOptions(use_ocdbt=False)) cannot do; rename the "
+            "key, or save with use_ocdbt=True (the default)"
         )
     write_shape = None
     if kind is ValueType.JAX_ARRAY:
@@ -191,8 +197,8 @@ def _plan_device_array(out: TreeSavePlan, leaf: Leaf, group: HostGroup) -> tuple
     is_deleted = getattr(value, "is_deleted", None)
     if callable(is_deleted) and is_deleted():
         raise ValueError(
-            f"leaf {leaf.name!r} is a deleted jax.Array (deleted, or donated to a jitted function); "
-            "save it before donating it, or save the array the computation returned"
+            f"leaf {leaf.name!r} is a deleted jax.Array (deleted, or donated to a jitted "
+            "function); save it before donating it, or save the array the computation returned"
         )
     shape = tuple(value.shape)
     spec = _planning.sharding_spec(value.sharding)
@@ -229,7 +235,7 @@ def _plan_device_array(out: TreeSavePlan, leaf: Leaf, group: HostGroup) -> tuple
     )
     source = len(out.host_sources)
     out.host_sources.append(value)
-    by_process: dict[int, list[workers.Region]] = defaultdict(list)
+    by_process: dict[int | str, list[workers.Region]] = defaultdict(list)
     for region in regions:
         by_process[group.process_of_device(region.device_id)].append(region)
     if not by_process:  # zero-size: someone must still create the array's metadata
@@ -259,7 +265,7 @@ def _plan_device_array(out: TreeSavePlan, leaf: Leaf, group: HostGroup) -> tuple
 
 def stage_tree(
     planned: TreeSavePlan,
-    directory: Path,
+    directory: Path | ObjectPath,
     call: SaveCall,
     *,
     first_writer: int = 0,
@@ -276,8 +282,8 @@ def stage_tree(
     own_bytes = _task_bytes(planned.controller_tasks) if group.is_primary() else 0
     progress.expect(sum(host_bytes.values()) + own_bytes)
     log.debug(
-        "save plan for %s: %d leaves; %d arrays on %d hosts (bytes by host: %s); %d leaves written by the controller "
-        "(%d bytes); %d strings",
+        "save plan for %s: %d leaves; %d arrays on %d hosts (bytes by host: %s); %d leaves "
+        "written by the controller (%d bytes); %d strings",
         directory,
         len(planned.leaves),
         len({t.spec.name for ts in planned.host_tasks.values() for t in ts}),
@@ -338,7 +344,7 @@ class PendingTree:
 
     def __init__(
         self,
-        directory: Path,
+        directory: Path | ObjectPath,
         files: fmt.TreeFiles,
         group: HostGroup,
         hosts: workers.PendingWrite[list[workers.SaveAck]] | None,
@@ -383,7 +389,9 @@ class PendingTree:
         workers.settle_all([self.hosts, self.own], self.timeout if timeout is None else timeout)
 
 
-def finish_tree(directory: Path, files: fmt.TreeFiles, acks: list[workers.SaveAck]) -> None:
+def finish_tree(
+    directory: Path | ObjectPath, files: fmt.TreeFiles, acks: list[workers.SaveAck]
+) -> None:
     """On the primary, once every write landed: the format files, then one OCDBT root view."""
     platform = jax.devices()[0].platform if jax.device_count() else "cpu"
     fmt.write_tree(directory, files, acks, platform)

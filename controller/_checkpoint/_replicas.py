@@ -39,9 +39,10 @@ def mark(tasks: list[workers.LoadTask], loading: LoadOptions, group: Any) -> lis
             continue
         if axis not in spec.axis_names:
             raise ValueError(
-                f"array {task.name!r} is loaded onto a mesh with axes {spec.axis_names}, which has no axis {axis!r} "
-                f"(LoadOptions.replica_axis); set replica_axis to the mesh axis your replicas lie along (one of "
-                f"{spec.axis_names}), or load this array without load_and_broadcast (in its own load call)"
+                f"array {task.name!r} is loaded onto a mesh with axes {spec.axis_names}, which has "
+                f"no axis {axis!r} (LoadOptions.replica_axis); set replica_axis to the mesh axis "
+                f"your replicas lie along (one of {spec.axis_names}), or load this array without "
+                "load_and_broadcast (in its own load call)"
             )
         sharded_along = any(axis in _axes(entry) for entry in spec.spec)
         if sharded_along or not _replicas_elsewhere(spec, axis, group):

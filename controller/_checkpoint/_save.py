@@ -27,15 +27,15 @@ from milepost._checkpoint._background import SAVES
 from milepost._checkpoint._calls import SaveCall, as_pending
 from milepost._checkpoint._handlers import StatefulCheckpointable, resolve_for_save
 from milepost._errors import InvalidKeyError, SaveInProgressError
-from milepost._storage import LEASE_SUFFIX, NEW_MARKER, for_path
+from milepost._storage import LEASE_SUFFIX, NEW_MARKER, LocalWorkspace, ObjectWorkspace, for_path
 from milepost.colocated import HostGroup
 from milepost.workers import ObjectPath, as_path
 
-_in_flight: set[Path] = set()
+_in_flight: set[Path | ObjectPath] = set()
 _in_flight_lock = threading.Lock()
 
 
-def saves_in_flight(under: Path) -> set[str]:
+def saves_in_flight(under: Path | ObjectPath) -> set[str]:
     """Names of the entries of folder ``under`` that a save of this process is writing now."""
     with _in_flight_lock:
         return {p.name for p in _in_flight if p.parent == under}
@@ -46,13 +46,18 @@ class SaveHandle:
     failure on your thread; ``add_done_callback(fn)`` calls ``fn(handle)`` when it ends.
 
     >>> handle = milepost.save_async("/ckpt/200", state)
-    >>> handle                       # SaveHandle('/ckpt/200', running: 96.0 MiB of 512.0 MiB written, 0.3 s)
+    >>> handle
+    SaveHandle('/ckpt/200', running: 96.0 MiB of 512.0 MiB written, 0.3 s)
     >>> handle.result()              # waits for the commit; re-raises a failure
-    >>> handle                       # SaveHandle('/ckpt/200', committed: 512.0 MiB in 1.21 s (0.44 GB/s), blocking 0.118 s)
+    >>> handle
+    SaveHandle('/ckpt/200', committed: 512.0 MiB in 1.21 s (0.44 GB/s), blocking 0.118 s)
     """
 
     def __init__(
-        self, path: Path, future: futures.Future[Path], operation: _progress.Operation | None = None
+        self,
+        path: Path | ObjectPath,
+        future: futures.Future[Path | ObjectPath],
+        operation: _progress.Operation | None = None,
     ) -> None:
         self.path = path
         self._future = future
@@ -61,7 +66,7 @@ class SaveHandle:
     def done(self) -> bool:
         return self._future.done()
 
-    def result(self, timeout: float | None = None) -> Path:
+    def result(self, timeout: float | None = None) -> Path | ObjectPath:
         try:
             return self._future.result(timeout)
         except futures.TimeoutError as e:
@@ -81,7 +86,10 @@ class SaveHandle:
         if not self._future.done():
             if op is None:
                 return "running"
-            return f"running: {_progress.human_bytes(op.done)} of {_progress.human_bytes(op.total)} written, {op.seconds:.1f} s"
+            return (
+                f"running: {_progress.human_bytes(op.done)} of "
+                f"{_progress.human_bytes(op.total)} written, {op.seconds:.1f} s"
+            )
         error = self._future.exception()
         if error is None:
             return "committed" + (
@@ -99,8 +107,8 @@ class SaveHandle:
 def check_name(name: str) -> None:
     if (why := fmt.unsafe_item_name(name)) is not None:
         raise InvalidKeyError(
-            f"checkpointable name {name!r} is not a valid folder name ({why}; names are non-empty, have no '/', and do "
-            "not start with '_'); rename it"
+            f"checkpointable name {name!r} is not a valid folder name ({why}; names are non-empty, "
+            "have no '/', and do not start with '_'); rename it"
         )
 
 
@@ -118,7 +126,7 @@ def all_leaves(objs: Mapping[str, Any]) -> list[Any]:
 
 
 def start_save(
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | ObjectPath,
     objs: Mapping[str, Any],
     *,
     overwrite: bool,
@@ -136,8 +144,8 @@ def start_save(
         or final.name.endswith(LEASE_SUFFIX)
     ):
         raise ValueError(
-            f"cannot save to {final}: names ending in {fmt.TMP_SUFFIX!r} are temporary directories and are never "
-            "loaded as checkpoints; choose another name"
+            f"cannot save to {final}: names ending in {fmt.TMP_SUFFIX!r} are temporary directories "
+            "and are never loaded as checkpoints; choose another name"
         )
     if not objs:
         raise ValueError("nothing to save: pass at least one checkpointable")
@@ -169,7 +177,7 @@ def start_save(
     if asynchronous:
         op.blocked()
         return SaveHandle(final, SAVES.submit(str(final), save.finish, save.timeout), op)
-    future: futures.Future[Any] = futures.Future()
+    future: futures.Future[Path | ObjectPath] = futures.Future()
     future.set_result(save.finish())
     return SaveHandle(final, future, op)
 
@@ -339,14 +347,14 @@ def agree(
 
 
 def commit(
-    tmp: Any,
-    final: Any,
+    tmp: Path | ObjectPath,
+    final: Path | ObjectPath,
     handlers: Mapping[str, Any],
     init_ns: int,
     custom_json: str,
     metrics: Any,
     overwrite: bool,
-    workspace: Any,
+    workspace: LocalWorkspace | ObjectWorkspace,
 ) -> None:
     """Write the checkpoint's own files into the workspace, the commit marker last, and make it
     visible (``workspace.publish``: the rename into place, or nothing more on object stores)."""

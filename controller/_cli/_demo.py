@@ -30,7 +30,8 @@ def run(
     path = root / "ckpt_1000"
     if path.exists() and not overwrite:
         raise CliError(
-            f"{path} exists (from an earlier demo?); pass --overwrite to replace it, or choose another --dir",
+            f"{path} exists (from an earlier demo?); pass "
+            "--overwrite to replace it, or choose another --dir",
             USAGE,
         )
 
@@ -40,9 +41,9 @@ def run(
     jax.config.update("jax_num_cpu_devices", devices)
     if len(jax.devices()) != devices:
         raise CliError(
-            f"JAX already runs with {len(jax.devices())} devices (set up before the demo, e.g. by XLA_FLAGS="
-            "--xla_force_host_platform_device_count); run the demo in a fresh process without it, or pass "
-            f"--devices {len(jax.devices())}",
+            f"JAX already runs with {len(jax.devices())} devices (set up before the demo, e.g. by "
+            "XLA_FLAGS=--xla_force_host_platform_device_count); run the demo in a fresh process "
+            f"without it, or pass --devices {len(jax.devices())}",
             FAILED,
         )
     import jax.numpy as jnp
@@ -76,7 +77,8 @@ def run(
     }
     nbytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
     print(
-        f"milepost demo: {layers} layers, {human_bytes(nbytes)} of arrays over {devices} CPU devices, mesh {dict(mesh.shape)}"
+        f"milepost demo: {layers} layers, {human_bytes(nbytes)} of arrays over "
+        f"{devices} CPU devices, mesh {dict(mesh.shape)}"
     )
 
     with progress():
@@ -87,13 +89,16 @@ def run(
         t2 = time.perf_counter()
     on_disk = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     print(
-        f"save_async returned after {t1 - t0:.3f}s (arrays copied to host); committed after {t2 - t0:.3f}s"
+        f"save_async returned after {t1 - t0:.3f}s (arrays "
+        f"copied to host); committed after {t2 - t0:.3f}s"
     )
     print(
-        f"  checkpoint at {path}: {human_bytes(on_disk)} on disk, {sum(1 for _ in path.rglob('*'))} files and folders"
+        f"  checkpoint at {path}: {human_bytes(on_disk)} on disk, "
+        f"{sum(1 for _ in path.rglob('*'))} files and folders"
     )
 
     meta = mp.metadata(path)
+    assert meta.tree is not None  # (the demo saved a 'state')
     print(f"metadata: {meta.tree['params']['layer0']['kernel']}; custom={meta.custom_metadata}")
 
     other = jax.make_mesh((devices // 2, 2), ("x", "y"))
@@ -126,7 +131,8 @@ def run(
         f"(was {params['layer0']['kernel'].addressable_shards[0].data.shape})"
     )
     print(
-        f"values identical: {same}; step={restored['step']}, tokens_seen={restored['tokens_seen']!r}, run={restored['run']!r}"
+        f"values identical: {same}; step={restored['step']}, "
+        f"tokens_seen={restored['tokens_seen']!r}, run={restored['run']!r}"
     )
     sys.stdout.flush()
     if not directory:

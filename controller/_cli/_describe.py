@@ -10,10 +10,10 @@ from typing import Any
 
 from milepost import _api, _safetensors, _views
 from milepost import _format as fmt
-from milepost.workers import as_path
+from milepost.workers import ObjectPath, as_path
 
 
-def _storage(folder: Any) -> str:
+def _storage(folder: Path | ObjectPath) -> str:
     with contextlib.suppress(Exception):
         files = fmt.read_tree(folder)
         zarr = files.store(folder).zarr_format
@@ -26,7 +26,7 @@ def _totals(leaves: list[Any]) -> dict[str, int]:
     return {"leaves": n, "arrays": arrays, "bytes": nbytes}
 
 
-def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
+def describe(path: str | os.PathLike[str] | ObjectPath) -> dict[str, Any]:
     """A checkpoint (milepost, Orbax v1 or v0, plain zarr3 or OCDBT, any storage) or a
     safetensors file or folder: its format, timestamps, custom metadata, metrics and, per
     checkpointable, its leaves with their totals."""
@@ -64,7 +64,7 @@ def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 def _describe_safetensors(path: Path) -> dict[str, Any]:
     tensors = _safetensors.read_tensors(path)
-    leaves = []
+    leaves: list[dict[str, Any]] = []
     for name, t in tensors.items():
         leaves.append(
             {

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 OK, DAMAGED, USAGE, NOT_FOUND, FAILED, INTERRUPTED = 0, 1, 2, 3, 4, 130
 
-EXIT_CODES = f"""\b
-Exit status:
-  {OK}    success (verify: the checkpoint is sound; diff: the two are equal)
-  {DAMAGED}    the checkpoint is damaged (verify found problems, or a read found corruption); diff: they differ
-  {USAGE}    bad usage or input (an unknown option, a bad value, a path milepost does not read)
-  {NOT_FOUND}    nothing there (no checkpoint at the path, no training root)
-  {FAILED}    any other error (storage, permissions, a host that failed)
-  {INTERRUPTED}  interrupted (Ctrl-C)
-"""
+EXIT_CODES = (
+    "\b\n"
+    "Exit status:\n"
+    f"  {OK}    success (verify: the checkpoint is sound; diff: the two are equal)\n"
+    f"  {DAMAGED}    the checkpoint is damaged (verify found problems, or a read found "
+    "corruption); diff: they differ\n"
+    f"  {USAGE}    bad usage or input (an unknown option, a bad value, a path milepost does not "
+    "read)\n"
+    f"  {NOT_FOUND}    nothing there (no checkpoint at the path, no training root)\n"
+    f"  {FAILED}    any other error (storage, permissions, a host that failed)\n"
+    f"  {INTERRUPTED}  interrupted (Ctrl-C)\n"
+)
 
 
 class CliError(Exception):

@@ -19,7 +19,7 @@ import math
 import sys
 import traceback
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import click
 import jax
@@ -104,10 +104,10 @@ def cli(debug: bool, verbose: bool, progress: bool) -> None:
     and run a demo.
 
     \b
-      milepost inspect /ckpt/run1/1000          the tree as a table (shapes, dtypes, shardings, bytes)
+      milepost inspect /ckpt/run1/1000        the tree as a table (shapes, dtypes, shardings, bytes)
       milepost inspect gs://bucket/run/1000 --json
       milepost ls /ckpt/run1 --local /local_ssd/run1
-      milepost verify /ckpt/run1/1000           exit status 0 only when sound
+      milepost verify /ckpt/run1/1000         exit status 0 only when sound
       milepost stats /ckpt/run1/1000 --where 'kernel$'
       milepost diff /ckpt/run1/1000 /ckpt/run1/2000
       milepost convert /ckpt/run1/1000 /export/1000 --to zarr3 --chunk-bytes 4194304
@@ -189,7 +189,8 @@ def inspect_(path: str, as_json: bool) -> int:
     if record["committed"]:
         took = ""
         if record["init_timestamp_nsecs"] and record["commit_timestamp_nsecs"]:
-            took = f" (save took {(record['commit_timestamp_nsecs'] - record['init_timestamp_nsecs']) / 1e9:.2f} s)"
+            secs = (record["commit_timestamp_nsecs"] - record["init_timestamp_nsecs"]) / 1e9
+            took = f" (save took {secs:.2f} s)"
         facts["committed"] = record["committed"] + took
     parts = []
     for name, entry in record["checkpointables"].items():
@@ -449,8 +450,8 @@ def diff(a: str, b: str, item: str | None, budget_mib: int | None, as_json: bool
     type=click.Choice(["ocdbt", "zarr3", "safetensors"]),
     default="ocdbt",
     show_default=True,
-    help="ocdbt: one OCDBT database per host (milepost's and Orbax's default); zarr3: a plain zarr3 folder per array; "
-    "safetensors: HF-style shards plus model.safetensors.index.json.",
+    help="ocdbt: one OCDBT database per host (milepost's and Orbax's default); zarr3: a plain "
+    "zarr3 folder per array; safetensors: HF-style shards plus model.safetensors.index.json.",
 )
 @click.option(
     "--compression",
@@ -464,8 +465,9 @@ def diff(a: str, b: str, item: str | None, budget_mib: int | None, as_json: bool
     default="auto",
     show_default=True,
     metavar="BYTES|auto|none",
-    help="Cut each written shard into chunks of at most this many bytes (subchunking: resharded and partial loads read "
-    "less); auto: bands of about 1 MiB for shards of 2 MiB and more (SaveOptions' default); none: one chunk per shard.",
+    help="Cut each written shard into chunks of at most this many bytes (subchunking: resharded "
+    "and partial loads read less); auto: bands of about 1 MiB for shards of 2 MiB and more "
+    "(SaveOptions' default); none: one chunk per shard.",
 )
 @click.option(
     "--subtree",
@@ -501,7 +503,8 @@ def convert(
     if to == "safetensors":
         if compression != "none" or chunk_bytes != "auto":
             raise CliError(
-                "safetensors files are neither compressed nor chunked: drop --compression and --chunk-bytes"
+                "safetensors files are neither compressed nor "
+                "chunked: drop --compression and --chunk-bytes"
             )
         with _progress():
             summary = mp.safetensors.export(
@@ -517,8 +520,9 @@ def convert(
     others = [name for name, entry in record["checkpointables"].items() if "leaves" not in entry]
     if others:
         raise CliError(
-            f"{src} has checkpointables that are not trees ({', '.join(others)}): convert copies tree checkpointables "
-            "only; load and save those with milepost.load_checkpointables / save_checkpointables"
+            f"{src} has checkpointables that are not trees ({', '.join(others)}): convert "
+            "copies tree checkpointables only; load and save those with "
+            "milepost.load_checkpointables / save_checkpointables"
         )
 
     _exact_dtypes()
@@ -556,7 +560,7 @@ def convert(
     return OK
 
 
-def _chunking(chunk_bytes: str) -> int | str | None:
+def _chunking(chunk_bytes: str) -> int | Literal["auto"] | None:
     """--chunk-bytes as SaveOptions.chunk_byte_size: 'auto', None ('none') or a positive int."""
     if chunk_bytes.lower() in ("auto", "none"):
         return None if chunk_bytes.lower() == "none" else "auto"
@@ -566,7 +570,8 @@ def _chunking(chunk_bytes: str) -> int | str | None:
         value = 0
     if value < 1:
         raise CliError(
-            f"--chunk-bytes {chunk_bytes}: give a positive number of bytes, auto (the default) or none"
+            f"--chunk-bytes {chunk_bytes}: give a positive "
+            "number of bytes, auto (the default) or none"
         )
     return value
 
@@ -601,7 +606,8 @@ def demo(directory: str | None, size_mib: int, devices: int, overwrite: bool) ->
     check the values."""
     if devices < 2 or devices % 2:
         raise CliError(
-            f"--devices {devices}: the demo's mesh is 2 x devices/2, so give an even number >= 2 (e.g. --devices 8)"
+            f"--devices {devices}: the demo's mesh is 2 x devices/2, so "
+            "give an even number >= 2 (e.g. --devices 8)"
         )
     if size_mib < 1:
         raise CliError(f"--size-mib {size_mib}: give a model size of at least 1 MiB")

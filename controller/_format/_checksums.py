@@ -24,9 +24,10 @@ from typing import Any
 from milepost import workers
 from milepost._errors import CheckpointNotFoundError, CorruptCheckpointError
 from milepost._format._files import CHECKSUMS, write_file
+from milepost.workers import ObjectPath
 
 
-def read_json(path: Path, what: str) -> Any:
+def read_json(path: Path | ObjectPath, what: str) -> Any:
     """The JSON in ``path``: a missing file is a :class:`CheckpointNotFoundError`, one that is
     not UTF-8 JSON (or fails its recorded checksum) a :class:`CorruptCheckpointError`, both
     naming the file."""
@@ -36,8 +37,8 @@ def read_json(path: Path, what: str) -> Any:
     except FileNotFoundError as e:
         if checksums is not None and checksums.lists(path):
             raise CheckpointNotFoundError(
-                f"{what} {path} was committed (it is listed in {CHECKSUMS}) but is missing now: the checkpoint is "
-                "damaged. Load an earlier checkpoint."
+                f"{what} {path} was committed (it is listed in {CHECKSUMS}) but is missing now: "
+                "the checkpoint is damaged. Load an earlier checkpoint."
             ) from e
         raise CheckpointNotFoundError(
             f"{what} {path} is missing: {path.parent} is not a complete checkpoint. "
@@ -52,15 +53,15 @@ def read_json(path: Path, what: str) -> Any:
         ) from e
     except json.JSONDecodeError as e:
         raise CorruptCheckpointError(
-            f"{what} {path} is truncated or not JSON ({e.msg} at char {e.pos}); the checkpoint is damaged. "
-            "Load an earlier checkpoint, or re-save this one."
+            f"{what} {path} is truncated or not JSON ({e.msg} at char {e.pos}); the checkpoint is "
+            "damaged. Load an earlier checkpoint, or re-save this one."
         ) from e
     if checksums is not None:  # well-formed, but is it what was committed?
         checksums.check(path, raw)
     return value
 
 
-def present(path: Path) -> bool:
+def present(path: Path | ObjectPath) -> bool:
     """Whether an optional file of the checkpoint being read is there to read: it exists, or the
     checkpoint's checksums say it was committed (then reading it reports it missing)."""
     checksums = _VERIFYING.get()
@@ -72,13 +73,13 @@ def verified() -> bool:
     return _VERIFYING.get() is not None
 
 
-def read_json_object(path: Path, what: str) -> dict[str, Any]:
+def read_json_object(path: Path | ObjectPath, what: str) -> dict[str, Any]:
     """Like :func:`read_json`, for files that must hold a JSON object."""
     value = read_json(path, what)
     if not isinstance(value, dict):
         raise CorruptCheckpointError(
-            f"{what} {path} is not a JSON object (it holds a {type(value).__name__}); the checkpoint is damaged. "
-            "Load an earlier checkpoint."
+            f"{what} {path} is not a JSON object (it holds a {type(value).__name__}); the "
+            "checkpoint is damaged. Load an earlier checkpoint."
         )
     return value
 
@@ -104,12 +105,12 @@ class Checksums:
     different manifest of the same size would pass. Older checkpoints have only ``files``; older
     milepost versions ignore the new key."""
 
-    root: Path
+    root: Path | ObjectPath
     files: dict[str, tuple[int, int]]
     crc32: dict[str, int] | None = None
 
     @staticmethod
-    def compute(root: Any) -> Checksums:
+    def compute(root: Path | ObjectPath) -> Checksums:
         if not isinstance(root, Path):
             return Checksums._compute_objects(root)
         files: dict[str, tuple[int, int]] = {}
@@ -128,7 +129,7 @@ class Checksums:
         return Checksums(root, files, crc32)
 
     @staticmethod
-    def _compute_objects(root: Any) -> Checksums:
+    def _compute_objects(root: ObjectPath) -> Checksums:
         """The same over an object store's keys (one listing; array chunks told by their place:
         below an OCDBT database's ``d/`` or a zarr3 array's ``c/``)."""
         keys = root.keys()
@@ -172,7 +173,7 @@ class Checksums:
         )
 
     @staticmethod
-    def read(root: Path) -> Checksums | None:
+    def read(root: Path | ObjectPath) -> Checksums | None:
         """The checksums of the checkpoint at ``root``; None for checkpoints written without
         them (by Orbax, or older milepost versions)."""
         path = root / CHECKSUMS
@@ -181,8 +182,8 @@ class Checksums:
         except FileNotFoundError:
             return None
         damaged = CorruptCheckpointError(
-            f"{path} is damaged (it does not match its own checksum), so nothing in this checkpoint can be trusted. "
-            "Load an earlier checkpoint."
+            f"{path} is damaged (it does not match its own checksum), so nothing in this "
+            "checkpoint can be trusted. Load an earlier checkpoint."
         )
         try:
             data = json.loads(raw.decode("utf-8"))
@@ -208,16 +209,24 @@ class Checksums:
             raise damaged from e
         return Checksums(root, files, crc32)
 
-    def lists(self, path: Any) -> bool:
+    def _key(self, path: Path | ObjectPath) -> str:
+        """``path`` relative to ``root``, as files are recorded (ValueError if not inside)."""
+        if isinstance(path, Path) and isinstance(self.root, Path):
+            return path.relative_to(self.root).as_posix()
+        if isinstance(path, ObjectPath) and isinstance(self.root, ObjectPath):
+            return path.relative_to(self.root).as_posix()
+        raise ValueError(f"{path} is not inside {self.root}")
+
+    def lists(self, path: Path | ObjectPath) -> bool:
         try:
-            return path.relative_to(self.root).as_posix() in self.files
+            return self._key(path) in self.files
         except ValueError:
             return False
 
-    def check_folder(self, folder: Path) -> None:
+    def check_folder(self, folder: Path | ObjectPath) -> None:
         """Check every committed file below ``folder`` (the files of a checkpointable whose
         handler reads them itself): each must be there, with its recorded size and CRC32C."""
-        prefix = folder.relative_to(self.root).as_posix() + "/"
+        prefix = self._key(folder) + "/"
         for key in self.files:
             if key.startswith(prefix):
                 path = self.root / key
@@ -225,8 +234,8 @@ class Checksums:
                     raw = path.read_bytes()
                 except FileNotFoundError as e:
                     raise CheckpointNotFoundError(
-                        f"{path} was committed (it is listed in {CHECKSUMS}) but is missing now: the checkpoint is "
-                        "damaged. Load an earlier checkpoint."
+                        f"{path} was committed (it is listed in {CHECKSUMS}) but is missing now: "
+                        "the checkpoint is damaged. Load an earlier checkpoint."
                     ) from e
                 self.check(path, raw)
 
@@ -240,17 +249,18 @@ class Checksums:
             return False
         return self.crc32 is None or key not in self.crc32 or _crc32(raw) == self.crc32[key]
 
-    def check(self, path: Path, raw: bytes) -> None:
-        """Raise CorruptCheckpointError unless ``raw``, read from ``path``, is what was committed."""
+    def check(self, path: Path | ObjectPath, raw: bytes) -> None:
+        """Raise CorruptCheckpointError unless ``raw``, read from ``path``, is what was
+        committed."""
         try:
-            key = path.relative_to(self.root).as_posix()
+            key = self._key(path)
         except ValueError:
             return
         if not self.matches(key, raw):
             size = self.files[key][0]
             raise CorruptCheckpointError(
-                f"{path} is not the file that was committed (size {len(raw)} vs {size}, or its checksums differ): it was "
-                "damaged or changed. Load an earlier checkpoint."
+                f"{path} is not the file that was committed (size {len(raw)} vs {size}, or its "
+                "checksums differ): it was damaged or changed. Load an earlier checkpoint."
             )
 
 
@@ -273,7 +283,7 @@ def verifying(checksums: Checksums | None) -> Iterator[None]:
         _VERIFYING.reset(token)
 
 
-def check_contained(root: Any) -> None:
+def check_contained(root: Path | ObjectPath) -> None:
     """Refuse a checkpoint with a symlink that leads out of it (reading through it would read
     files that are not the checkpoint's), or with an entry that is neither a file nor a folder
     (a FIFO would block a read forever). Symlinks that stay inside are fine (object stores have
@@ -295,14 +305,15 @@ def check_contained(root: Any) -> None:
                     target = Path(entry.path).resolve()
                     if target != top and top not in target.parents:
                         raise CorruptCheckpointError(
-                            f"{entry.path} is a symlink to {target}, outside the checkpoint {root}; milepost does not "
-                            "read through it. Copy the files into the checkpoint instead of linking them"
+                            f"{entry.path} is a symlink to {target}, outside the checkpoint "
+                            f"{root}; milepost does not read through it. Copy the files into the "
+                            "checkpoint instead of linking them"
                         )
                 elif entry.is_dir(follow_symlinks=False):
                     folders.append(entry.path)
                 elif not entry.is_file(follow_symlinks=False):
                     raise CorruptCheckpointError(
-                        f"{entry.path} is not a regular file or folder (a FIFO, socket or device file); reading it "
-                        "could block forever. A checkpoint holds only files and folders: remove it, or restore the "
-                        "checkpoint from a copy"
+                        f"{entry.path} is not a regular file or folder (a FIFO, socket or device "
+                        "file); reading it could block forever. A checkpoint holds only files and "
+                        "folders: remove it, or restore the checkpoint from a copy"
                     )

@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from milepost.workers import ObjectPath
+
 CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
 COMMIT_MARKER = "commit_success.txt"
 ORBAX_MARKER = "orbax.checkpoint"
@@ -26,7 +28,7 @@ PYTREE_HANDLER_TYPESTR = (
 JSON_HANDLER_TYPESTR = "orbax.checkpoint.experimental.v1._src.handlers.json_handler.JsonHandler"
 
 
-def write_file(path: Any, data: bytes | str) -> None:
+def write_file(path: Path | ObjectPath, data: bytes | str) -> None:
     """Write ``path`` and fsync it (the directory is synced once at commit); in an object store
     the write is durable when it returns."""
     raw = data.encode() if isinstance(data, str) else data
@@ -39,7 +41,7 @@ def write_file(path: Any, data: bytes | str) -> None:
         os.fsync(f.fileno())
 
 
-def write_json(path: Path, obj: Any) -> None:
+def write_json(path: Path | ObjectPath, obj: Any) -> None:
     write_file(path, json.dumps(obj))
 
 

@@ -30,6 +30,7 @@ from milepost._format._files import (
     TREE_METADATA,
 )
 from milepost._tree import unsafe_part
+from milepost.workers import ObjectPath
 
 DEFAULT_ITEM = "default"
 """The name of a v0 checkpoint's single checkpointable (``CheckpointManager`` uses it too)."""
@@ -44,7 +45,7 @@ class Item:
 
     name: str
     handler: str | None
-    folder: Path
+    folder: Path | ObjectPath
 
     @property
     def is_pytree(self) -> bool:
@@ -60,7 +61,7 @@ def unsafe_item_name(name: Any) -> str | None:
     return why
 
 
-def _written_by_v0(path: Path) -> bool:
+def _written_by_v0(path: Path | ObjectPath) -> bool:
     """Orbax v0 wrote it (it names v0 handlers and has no v1 marker), so it was renamed into place
     whole even without a commit marker (older v0 wrote none on local disks)."""
     if (path / ORBAX_MARKER).exists() or (path / CHECKSUMS).exists():
@@ -84,7 +85,7 @@ def _written_by_v0(path: Path) -> bool:
 _V0_HANDLER_PREFIX = "orbax.checkpoint._src.handlers."
 
 
-def writer_of(path: Path) -> str:
+def writer_of(path: Path | ObjectPath) -> str:
     """Who wrote the checkpoint at ``path``, as far as its files tell: ``"Orbax v0"``,
     ``"milepost (Orbax v1 layout)"`` or ``"Orbax v1"``."""
     if _is_bare_v0(path) or _written_by_v0(path):
@@ -94,7 +95,7 @@ def writer_of(path: Path) -> str:
     return "Orbax v1"
 
 
-def is_committed(path: Path) -> bool:
+def is_committed(path: Path | ObjectPath) -> bool:
     """A checkpoint whose save finished: one with its commit marker, or one Orbax v0 wrote
     (renamed into place whole). Temporary directories never are."""
     if not path.is_dir() or path.name.endswith(TMP_SUFFIX):
@@ -104,13 +105,13 @@ def is_committed(path: Path) -> bool:
     return _is_bare_v0(path)
 
 
-def _is_bare_v0(path: Path) -> bool:
+def _is_bare_v0(path: Path | ObjectPath) -> bool:
     """A v0 single-item checkpoint from before ``_CHECKPOINT_METADATA``: ``_METADATA`` in the
     folder itself, which is not a checkpointable folder of a checkpoint."""
     return (path / TREE_METADATA).is_file() and not (path.parent / CHECKPOINT_METADATA).is_file()
 
 
-def require_checkpoint(path: Path) -> None:
+def require_checkpoint(path: Path | ObjectPath) -> None:
     """Raise CheckpointNotFoundError, saying what is there and what milepost reads, unless
     ``path`` is a committed checkpoint."""
     if not path.exists():
@@ -123,31 +124,33 @@ def require_checkpoint(path: Path) -> None:
         )
     if path.name.endswith(TMP_SUFFIX):
         raise CheckpointNotFoundError(
-            f"{path} is the temporary directory of an unfinished save, not a committed checkpoint; it cannot be loaded."
+            f"{path} is the temporary directory of an unfinished save, not a "
+            "committed checkpoint; it cannot be loaded."
         )
     if (path / CHECKPOINT_METADATA).exists():
         if not is_committed(path):
             raise CheckpointNotFoundError(
-                f"{path} has no commit marker ({COMMIT_MARKER}): the save that wrote it did not finish. Load "
-                "another checkpoint."
+                f"{path} has no commit marker ({COMMIT_MARKER}): the save that wrote it "
+                "did not finish. Load another checkpoint."
             )
         return
     if _is_bare_v0(path):
         return
     if (path / TREE_METADATA).is_file():
         raise CheckpointNotFoundError(
-            f"{path} is not a checkpoint but a checkpointable folder of the checkpoint {path.parent}; pass "
-            f"{path.parent} (and load_checkpointables for this part)."
+            f"{path} is not a checkpoint but a checkpointable folder of the checkpoint "
+            f"{path.parent}; pass {path.parent} (and load_checkpointables for this part)."
         )
     found = sorted(p.name for p in path.iterdir())[:8]
     raise CheckpointNotFoundError(
-        f"{path} is not a checkpoint: it has no {CHECKPOINT_METADATA} (it holds {found or 'nothing'}). milepost reads "
-        "milepost and Orbax v1 checkpoints, Orbax v0 ones (CheckpointManager steps, Standard/PyTree checkpointers) and "
-        "safetensors. Pass the checkpoint directory itself (e.g. root/<step>), not its parent or a checkpointable folder."
+        f"{path} is not a checkpoint: it has no {CHECKPOINT_METADATA} (it holds "
+        f"{found or 'nothing'}). milepost reads milepost and Orbax v1 checkpoints, Orbax v0 ones "
+        "(CheckpointManager steps, Standard/PyTree checkpointers) and safetensors. Pass the "
+        "checkpoint directory itself (e.g. root/<step>), not its parent or a checkpointable folder."
     )
 
 
-def checkpointables(path: Path, meta: dict[str, Any] | None) -> dict[str, Item]:
+def checkpointables(path: Path | ObjectPath, meta: dict[str, Any] | None) -> dict[str, Item]:
     """The checkpointables of the checkpoint at ``path`` (``meta``: its ``_CHECKPOINT_METADATA``,
     None when it has none), every name checked like a name being saved."""
     raw = (meta or {}).get("item_handlers")
@@ -163,22 +166,24 @@ def checkpointables(path: Path, meta: dict[str, Any] | None) -> dict[str, Item]:
     for name, handler in (raw or {}).items():
         if (why := unsafe_item_name(name)) is not None:
             raise CorruptCheckpointError(
-                f"'item_handlers' in {where} names the checkpointable {name!r}, which cannot be a folder name ({why}); "
-                "the checkpoint is damaged or crafted, and nothing was read from it"
+                f"'item_handlers' in {where} names the checkpointable {name!r}, "
+                f"which cannot be a folder name ({why}); the checkpoint is damaged "
+                "or crafted, and nothing was read from it"
             )
         out[name] = Item(name, handler if isinstance(handler, str) else None, path / name)
     if out:
         return out
     if (path / TREE_METADATA).is_file():  # very old v0: the folder is the item
         return {DEFAULT_ITEM: Item(DEFAULT_ITEM, None, path)}
+    entries: list[Path | ObjectPath] = [*path.iterdir()]
     return {
         p.name: Item(p.name, None, p)
-        for p in sorted(path.iterdir())
+        for p in sorted(entries)
         if p.is_dir() and unsafe_item_name(p.name) is None
     }
 
 
-def read_checkpoint_metadata(path: Path) -> dict[str, Any]:
+def read_checkpoint_metadata(path: Path | ObjectPath) -> dict[str, Any]:
     """``_CHECKPOINT_METADATA`` of a committed checkpoint (``{}`` for a bare v0 one)."""
     require_checkpoint(path)
     if not (path / CHECKPOINT_METADATA).exists():
@@ -186,7 +191,7 @@ def read_checkpoint_metadata(path: Path) -> dict[str, Any]:
     return read_json_object(path / CHECKPOINT_METADATA, "checkpoint metadata")
 
 
-def main_tree(path: Path, found: dict[str, Item]) -> str:
+def main_tree(path: Path | ObjectPath, found: dict[str, Item]) -> str:
     """The checkpointable ``milepost.load`` reads: ``state``, else the only pytree."""
     if "state" in found:
         return "state"
@@ -194,5 +199,6 @@ def main_tree(path: Path, found: dict[str, Item]) -> str:
     if len(trees) == 1:
         return trees[0]
     raise CheckpointNotFoundError(
-        f"checkpoint {path} has no 'state' checkpointable (it has {sorted(found)}); use load_checkpointables"
+        f"checkpoint {path} has no 'state' checkpointable (it "
+        f"has {sorted(found)}); use load_checkpointables"
     )

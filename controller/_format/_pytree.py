@@ -34,7 +34,7 @@ from milepost._format._files import (
     write_json,
 )
 from milepost._tree import Leaf, ValueType, unsafe_part
-from milepost.workers import ShardingSpec
+from milepost.workers import ObjectPath, ShardingSpec
 
 Keys = tuple[tuple[str, int], ...]
 """A leaf's key path: ``(key, key_type)`` per level, as in Orbax's ``key_metadata``."""
@@ -88,7 +88,7 @@ class TreeFiles:
     false): a missing chunk then means zeros. Milepost and Orbax 0.12 write every chunk, so a
     missing one is lost data and reading it fails."""
 
-    def store(self, directory: Path) -> workers.StoreSpec:
+    def store(self, directory: Path | ObjectPath) -> workers.StoreSpec:
         return workers.StoreSpec(
             directory=str(directory), use_ocdbt=self.use_ocdbt, zarr_format=self.zarr_format
         )
@@ -100,7 +100,7 @@ class TreeFiles:
 
 
 def write_tree(
-    directory: Path, files: TreeFiles, acks: Sequence[workers.SaveAck], platform: str
+    directory: Path | ObjectPath, files: TreeFiles, acks: Sequence[workers.SaveAck], platform: str
 ) -> None:
     """Write every format file of ``files``; ``array_metadatas/`` comes from the hosts' acks."""
     tree_metadata: dict[str, Any] = {}
@@ -159,7 +159,7 @@ def write_tree(
     _write_array_metadatas(directory / ARRAY_METADATAS, acks)
 
 
-def _write_array_metadatas(folder: Path, acks: Sequence[workers.SaveAck]) -> None:
+def _write_array_metadatas(folder: Path | ObjectPath, acks: Sequence[workers.SaveAck]) -> None:
     """``array_metadatas/process_<i>``: every array host i wrote (Orbax's per-process files).
 
     With H hosts sharing every array these are H files listing the same entries, so each
@@ -215,7 +215,7 @@ def _write_array_metadatas(folder: Path, acks: Sequence[workers.SaveAck]) -> Non
 # ------------------------------------------------------------------------------------------
 
 
-def read_tree(directory: Path) -> TreeFiles:
+def read_tree(directory: Path | ObjectPath) -> TreeFiles:
     """The format files in ``directory``; any of them malformed is a
     :class:`CorruptCheckpointError` naming the files."""
     try:
@@ -224,16 +224,18 @@ def read_tree(directory: Path) -> TreeFiles:
         raise
     except (KeyError, TypeError, AttributeError, ValueError) as e:
         raise CorruptCheckpointError(
-            f"the metadata files in {directory} ({TREE_METADATA}, {SHARDING}, {STRINGS}) do not have the "
-            f"expected form ({type(e).__name__}: {e}); the checkpoint is damaged. Load an earlier checkpoint."
+            f"the metadata files in {directory} ({TREE_METADATA}, {SHARDING}, "
+            f"{STRINGS}) do not have the expected form ({type(e).__name__}: {e}); the "
+            "checkpoint is damaged. Load an earlier checkpoint."
         ) from e
 
 
-def _read(directory: Path) -> TreeFiles:
+def _read(directory: Path | ObjectPath) -> TreeFiles:
     meta = read_json(directory / TREE_METADATA, "tree metadata")
     if not isinstance(meta, dict) or not isinstance(meta.get("tree_metadata"), dict):
         raise CorruptCheckpointError(
-            f"{directory / TREE_METADATA} has no 'tree_metadata'; the checkpoint is damaged or not a pytree"
+            f"{directory / TREE_METADATA} has no 'tree_metadata'; "
+            "the checkpoint is damaged or not a pytree"
         )
     leaves: dict[str, SavedLeaf] = {}
     for entry, item in meta["tree_metadata"].items():
@@ -244,8 +246,9 @@ def _read(directory: Path) -> TreeFiles:
         for key, _ in keys:
             if (why := unsafe_part(key)) is not None:
                 raise CorruptCheckpointError(
-                    f"{directory / TREE_METADATA} names a leaf with the key {key!r} (entry {entry!r}), which cannot "
-                    f"be a storage name ({why}); the checkpoint is damaged or crafted, and nothing was read from it"
+                    f"{directory / TREE_METADATA} names a leaf with the key {key!r} (entry "
+                    f"{entry!r}), which cannot be a storage name ({why}); the checkpoint is "
+                    "damaged or crafted, and nothing was read from it"
                 )
         value = item["value_metadata"]
         raw = value["value_type"]
@@ -319,7 +322,9 @@ def _read(directory: Path) -> TreeFiles:
     )
 
 
-def _key_impls_of_array_metadatas(directory: Path, arrays: list[str]) -> dict[str, str]:
+def _key_impls_of_array_metadatas(
+    directory: Path | ObjectPath, arrays: list[str]
+) -> dict[str, str]:
     """Typed-key implementations recorded in ``array_metadatas/process_<i>`` (``ext_metadata``),
     reading process files only until every array was seen (Orbax lists every array in each)."""
     folder = directory / ARRAY_METADATAS
@@ -327,7 +332,9 @@ def _key_impls_of_array_metadatas(directory: Path, arrays: list[str]) -> dict[st
         return {}
     out: dict[str, str] = {}
     unseen = set(arrays)
-    files = sorted(folder.glob("process_*"), key=lambda p: (len(p.name), p.name))
+    files: list[Path | ObjectPath] = sorted(
+        folder.glob("process_*"), key=lambda p: (len(p.name), p.name)
+    )
     for path in files:
         for entry in read_json_object(path, "array metadata").get("array_metadatas", []):
             meta = entry["array_metadata"]

@@ -184,8 +184,8 @@ def create_locked(
             holder = read_owner(tmp)
             who = holder.describe() if holder is not None else "another process"
             raise CheckpointExistsError(
-                f"cannot {doing} {tmp.parent / final}: {who} is writing it now. Wait for that save to finish (or "
-                "SaveOptions(wait_for_writer_secs=...)), or choose another path"
+                f"cannot {doing} {tmp.parent / final}: {who} is writing it now. Wait for that save "
+                "to finish (or SaveOptions(wait_for_writer_secs=...)), or choose another path"
             ) from None
         time.sleep(0.05)
 

@@ -14,9 +14,9 @@
   Uncommitted objects at the path are removed only under a lease taken over from a save that is
   gone; objects no save left there are refused, never deleted.
 
-The commit itself (``milepost._checkpoint``'s ``commit``) is the same for both: ``check`` that the workspace
-is still this save's, write the checkpoint metadata and file checksums, the commit marker, then
-``publish``.
+The commit itself (``milepost._checkpoint``'s ``commit``) is the same for both: ``check`` that
+the workspace is still this save's, write the checkpoint metadata and file checksums, the commit
+marker, then ``publish``.
 """
 
 from __future__ import annotations
@@ -65,18 +65,20 @@ def check_final(final: Any, overwrite: bool) -> None:
     for parent in final.resolve().parents if isinstance(final, Path) else ():
         if fmt.is_committed(parent) or parent.name.endswith(fmt.TMP_SUFFIX):
             raise CheckpointExistsError(
-                f"{final} is inside the checkpoint {parent}; milepost does not write a checkpoint into another one "
-                "(it would change it, and be deleted with it). Choose a path outside it"
+                f"{final} is inside the checkpoint {parent}; milepost does not "
+                "write a checkpoint into another one (it would change it, and be "
+                "deleted with it). Choose a path outside it"
             )
     if final.exists() or final.is_symlink():
         if not overwrite:
             raise CheckpointExistsError(
-                f"a checkpoint already exists at {final}; pass overwrite=True to replace it, or choose another path"
+                f"a checkpoint already exists at {final}; pass "
+                "overwrite=True to replace it, or choose another path"
             )
         if not fmt.is_committed(final) or final.is_symlink():
             raise CheckpointExistsError(
-                f"{final} exists and is not a committed checkpoint; milepost will not overwrite it. Remove it or choose "
-                "another path"
+                f"{final} exists and is not a committed checkpoint; milepost will not "
+                "overwrite it. Remove it or choose another path"
             )
 
 
@@ -136,8 +138,9 @@ class LocalWorkspace:
             if not same:
                 raise OSError(
                     errno.ESTALE,
-                    f"{where} was removed or replaced by someone else while this save ran, so its contents cannot be "
-                    f"trusted; nothing was committed to {self.final}. Save again",
+                    f"{where} was removed or replaced by someone else while this "
+                    "save ran, so its contents cannot be trusted; nothing was "
+                    f"committed to {self.final}. Save again",
                     str(where),
                 )
         _ownership.drop_owner_file(self.dir)
@@ -209,8 +212,8 @@ def rename_new(tmp: Path, final: Path) -> None:
             return
     except FileExistsError:
         raise CheckpointExistsError(
-            f"a checkpoint appeared at {final} while this save ran (written by another program); nothing was "
-            "replaced. Pass overwrite=True to replace it, or choose another path"
+            f"a checkpoint appeared at {final} while this save ran (written by another program); "
+            "nothing was replaced. Pass overwrite=True to replace it, or choose another path"
         ) from None
     if final.exists() or final.is_symlink():
         raise CheckpointExistsError(
@@ -276,7 +279,8 @@ class ObjectWorkspace:
         return json.dumps(asdict(self.lease)).encode()
 
     def acquire(self) -> None:
-        """Take the lease (waiting up to wait_secs for a live one to go); CheckpointExistsError if it does not."""
+        """Take the lease (waiting up to wait_secs for a live one to go); CheckpointExistsError
+        if it does not."""
         save_id, since = uuid.uuid4().hex[:12], time.time()
         deadline = time.monotonic() + self.wait_secs
         while True:
@@ -292,8 +296,10 @@ class ObjectWorkspace:
                 continue
             if time.monotonic() >= deadline:
                 raise CheckpointExistsError(
-                    f"cannot save to {self.final}: {current.describe()} is writing it now (its lease runs until "
-                    f"{time.strftime('%H:%M:%S', time.localtime(current.expires))}). Wait for that save to finish (or "
+                    f"cannot save to {self.final}: {current.describe()} is writing it "
+                    "now (its lease runs until "
+                    f"{time.strftime('%H:%M:%S', time.localtime(current.expires))}). "
+                    "Wait for that save to finish (or "
                     "SaveOptions(wait_for_writer_secs=...)), or choose another path"
                 )
             time.sleep(0.1)
@@ -334,8 +340,9 @@ class ObjectWorkspace:
                 check_final(self.final, self.overwrite)
             elif not self.took_over and self.final.exists():
                 raise CheckpointExistsError(
-                    f"{self.final} holds objects but is not a committed checkpoint, and no save left a lease there; "
-                    "milepost will not overwrite it. Remove it or choose another path"
+                    f"{self.final} holds objects but is not a committed "
+                    "checkpoint, and no save left a lease there; milepost will not "
+                    "overwrite it. Remove it or choose another path"
                 )
             # Hide it first (no commit marker, no load), then remove it.
             (self.final / fmt.COMMIT_MARKER).unlink(missing_ok=True)
@@ -351,7 +358,8 @@ class ObjectWorkspace:
             if self._lost is not None:
                 raise OSError(
                     errno.ESTALE,
-                    f"the save to {self.final} lost its ownership: {self._lost}; nothing was committed. Save again",
+                    f"the save to {self.final} lost its ownership: "
+                    f"{self._lost}; nothing was committed. Save again",
                 )
 
     def publish(self) -> None:

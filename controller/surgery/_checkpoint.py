@@ -13,6 +13,7 @@ import numpy as np
 from milepost import _checkpoint, _hosts, _options
 from milepost import _format as fmt
 from milepost._tree import PLACEHOLDER, ValueType
+from milepost.colocated import Slice
 from milepost.surgery._lazy import LazyArray, Source, flat, nest
 from milepost.surgery._placement import Placement
 from milepost.workers import ObjectPath, as_path
@@ -56,7 +57,8 @@ class Checkpoint:
         rows = self.rows()
         width = max((len(r[0]) for r in rows), default=4)
         lines = [
-            f"Checkpoint({str(self.path)!r}, item={self.item!r}, {len(self.arrays)} arrays, {self.nbytes / 2**20:.1f} MiB)"
+            f"Checkpoint({str(self.path)!r}, item={self.item!r}, "
+            f"{len(self.arrays)} arrays, {self.nbytes / 2**20:.1f} MiB)"
         ]
         lines += [
             f"  {n:<{width}}  {s:<16} {d:<10} {b / 2**20:>9.2f} MiB  {w}" for n, s, d, w, b in rows
@@ -65,18 +67,25 @@ class Checkpoint:
 
     def _repr_html_(self) -> str:
         cells = "".join(
-            f"<tr><td><code>{html.escape(n)}</code></td><td>{html.escape(s)}</td><td>{html.escape(d)}</td>"
-            f"<td>{html.escape(w)}</td><td style='text-align:right'>{b / 2**20:.2f} MiB</td></tr>"
+            f"<tr><td><code>{html.escape(n)}</code></td><td>{html.escape(s)}</td>"
+            f"<td>{html.escape(d)}</td><td>{html.escape(w)}</td>"
+            f"<td style='text-align:right'>{b / 2**20:.2f} MiB</td></tr>"
             for n, s, d, w, b in self.rows()
         )
         return (
-            f"<p><b>{html.escape(str(self.path))}</b> ({html.escape(self.item)}): {len(self.arrays)} arrays, "
-            f"{self.nbytes / 2**20:.1f} MiB</p><table><tr><th>leaf</th><th>shape</th><th>dtype</th><th>sharding</th>"
+            f"<p><b>{html.escape(str(self.path))}</b> ({html.escape(self.item)}): "
+            f"{len(self.arrays)} arrays, {self.nbytes / 2**20:.1f} MiB</p>"
+            "<table><tr><th>leaf</th><th>shape</th><th>dtype</th><th>sharding</th>"
             f"<th>bytes</th></tr>{cells}</table>"
         )
 
 
-def open(path: str | os.PathLike[str], *, slice: Any = None, item: str | None = None) -> Checkpoint:
+def open(
+    path: str | os.PathLike[str] | ObjectPath,
+    *,
+    slice: Slice | None = None,
+    item: str | None = None,
+) -> Checkpoint:
     """Open the checkpoint at ``path`` for surgery: a lazy view, nothing but metadata is read.
 
     ``slice``: a :class:`milepost.Slice` whose hosts will read, compute and write (default:
@@ -97,7 +106,8 @@ def open(path: str | os.PathLike[str], *, slice: Any = None, item: str | None = 
             name = item if item is not None else fmt.main_tree(root, items)
             if name not in items:
                 raise KeyError(
-                    f"{root} has no checkpointable {name!r} (it has {sorted(items)}); pass item=one of those"
+                    f"{root} has no checkpointable {name!r} (it has "
+                    f"{sorted(items)}); pass item=one of those"
                 )
             folder = items[name].folder
             with fmt.verifying(checksums):

@@ -20,6 +20,7 @@ from milepost.surgery._run import (
     counted,
     groups,
     placement_of,
+    source_of,
     sources_of,
 )
 from milepost.workers import ShardingSpec
@@ -82,7 +83,7 @@ def _run_small(kind: str, outputs: dict[str, LazyArray], budget: int) -> dict[st
     placement = placement_of(list(outputs.values()))
     specs = {n: _replicated(placement) for n in outputs}
     out: dict[str, np.ndarray] = {}
-    path = next(s.expr.checkpoint.path for x in outputs.values() for s in sources_of(x))  # type: ignore[union-attr]
+    path = next(source_of(s).checkpoint.path for x in outputs.values() for s in sources_of(x))
     with (
         _progress.operation(kind, path, primary=placement.group.is_primary()),
         counted(outputs, written=False),
@@ -181,7 +182,10 @@ class Diff:
             for w, v in (("a", self.only_a), ("b", self.only_b))
             if v
         )
-        return f"<p><b>{'equal' if self.equal else 'different'}</b></p>{extra}{self.table._repr_html_()}"
+        return (
+            f"<p><b>{'equal' if self.equal else 'different'}</b></p>"
+            f"{extra}{self.table._repr_html_()}"
+        )
 
 
 def _compare(a: Any, b: Any) -> Any:

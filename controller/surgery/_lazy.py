@@ -113,7 +113,8 @@ class LazyArray:
         for part in index:
             if not (part is None or part is Ellipsis or isinstance(part, int | slice | np.integer)):
                 raise TypeError(
-                    f"a LazyArray takes ints, slices, None and ... as indices (basic indexing), got {part!r}"
+                    "a LazyArray takes ints, slices, None and ... as "
+                    f"indices (basic indexing), got {part!r}"
                 )
         return apply("getitem", lambda x: x[index], (self,), params=index)
 
@@ -166,11 +167,13 @@ def check_cast(x: LazyArray, dtype: Any, where: str) -> np.dtype:
         raise TypeError(f"cast of {where}: {dtype!r} is not a dtype") from None
     if target.name not in workers.ZARR3_DTYPES:
         raise TypeError(
-            f"cast of {where}: {target} cannot be stored (the format stores {', '.join(sorted(workers.ZARR3_DTYPES))})"
+            f"cast of {where}: {target} cannot be stored (the format stores "
+            f"{', '.join(sorted(workers.ZARR3_DTYPES))})"
         )
     if x.dtype.kind == "c" and target.kind != "c":
         raise TypeError(
-            f"cast of {where}: {x.dtype} to {target} would drop the imaginary part; take .real in ms.map first"
+            f"cast of {where}: {x.dtype} to {target} would drop the "
+            "imaginary part; take .real in ms.map first"
         )
     return target
 
@@ -195,7 +198,8 @@ def apply(
         ) from None
     if not isinstance(out, jax.ShapeDtypeStruct):
         raise TypeError(
-            f"{name}{f' of {where}' if where else ''} must return one array, got {type(out).__name__}"
+            f"{name}{f' of {where}' if where else ''} must "
+            f"return one array, got {type(out).__name__}"
         )
     history = (*tuple(dict.fromkeys(h for x in inputs for h in x.history)), name)
     return LazyArray(
@@ -250,7 +254,8 @@ def flat(tree: Any) -> dict[str, Any]:
         else:
             if not prefix:
                 raise TypeError(
-                    f"a surgery works on trees (dicts and lists of arrays), got {type(node).__name__}"
+                    "a surgery works on trees (dicts and lists "
+                    f"of arrays), got {type(node).__name__}"
                 )
             out[prefix] = node
             return
@@ -258,7 +263,8 @@ def flat(tree: Any) -> dict[str, Any]:
             key = str(key)
             if "." in key or not key:
                 raise ValueError(
-                    f"key {key!r} under {prefix or 'the root'!r}: surgery names leaves by keys joined with '.', so keys must be non-empty and contain no '.'"
+                    f"key {key!r} under {prefix or 'the root'!r}: surgery names leaves by keys "
+                    "joined with '.', so keys must be non-empty and contain no '.'"
                 )
             walk(child, f"{prefix}.{key}" if prefix else key)
 

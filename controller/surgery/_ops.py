@@ -77,7 +77,8 @@ def rename(tree: Any, mapping: Mapping[str, str | None]) -> Any:
                 new = rx.sub(repl, name, count=1)
                 if new in out:
                     raise ValueError(
-                        f"rename: {origin[new]!r} and {name!r} would both be named {new!r}; make the names distinct"
+                        f"rename: {origin[new]!r} and {name!r} would both be "
+                        f"named {new!r}; make the names distinct"
                     )
                 out[new], origin[new] = (
                     (value.renamed("rename") if isinstance(value, LazyArray) else value),
@@ -87,7 +88,8 @@ def rename(tree: Any, mapping: Mapping[str, str | None]) -> Any:
         else:
             if name in out:
                 raise ValueError(
-                    f"rename: {origin[name]!r} would be renamed to {name!r}, which another leaf keeps; make the names distinct"
+                    f"rename: {origin[name]!r} would be renamed to {name!r}, which "
+                    "another leaf keeps; make the names distinct"
                 )
             out[name], origin[name] = value, name
     for pattern, count in used.items():
@@ -163,7 +165,8 @@ def map(
         raise TypeError("map needs at least one tree")
     leaves = flat(trees[0])
     others = [flat(t) for t in trees[1:]]
-    label = name or getattr(fn, "__name__", "map")
+    fn_name: str = getattr(fn, "__name__", "map")
+    label = name or fn_name
     label = "map" if label == "<lambda>" else label
     done = 0
     for leaf in _matching(leaves, where, "map"):
@@ -176,7 +179,8 @@ def map(
         done += 1
     if not done:
         raise ValueError(
-            f"map: no array of the first tree{f' matching {where!r}' if where else ''} is in all {len(trees)} trees; rename the other trees' leaves to the first one's names"
+            f"map: no array of the first tree{f' matching {where!r}' if where else ''} is in all "
+            f"{len(trees)} trees; rename the other trees' leaves to the first one's names"
         )
     return nest(leaves)
 
@@ -235,7 +239,8 @@ def stack(tree: Any, pattern: str, out: str, axis: int = 0) -> Any:
             index = int(m.group(1))
         except (TypeError, ValueError):
             raise ValueError(
-                f"stack: the first group of {pattern!r} must be an integer index, got {m.group(1)!r} in {name!r}"
+                f"stack: the first group of {pattern!r} must be an "
+                f"integer index, got {m.group(1)!r} in {name!r}"
             ) from None
         groups.setdefault(rx.sub(out, name, count=1), []).append((index, name))
     for new, members in groups.items():
@@ -247,7 +252,8 @@ def stack(tree: Any, pattern: str, out: str, axis: int = 0) -> Any:
         kinds = {(x.shape, x.dtype) for x in xs}
         if len(kinds) > 1:
             raise ValueError(
-                f"stack into {new!r}: the leaves differ in shape or dtype: {[(n, x.shape, str(x.dtype)) for (_, n), x in zip(members, xs, strict=True)]}"
+                f"stack into {new!r}: the leaves differ in shape or dtype: "
+                f"{[(n, x.shape, str(x.dtype)) for (_, n), x in zip(members, xs, strict=True)]}"
             )
         if new in leaves:
             raise ValueError(f"stack: {new!r} is already a leaf; choose another output name")
@@ -336,7 +342,8 @@ def split(tree: Any, name: str, parts: Mapping[str, int], axis: int = 0) -> Any:
     ax = axis if axis >= 0 else axis + x.ndim
     if sum(parts.values()) != x.shape[ax]:
         raise ValueError(
-            f"split of {name!r}: the sizes {dict(parts)} add up to {sum(parts.values())}, but axis {ax} has {x.shape[ax]}"
+            f"split of {name!r}: the sizes {dict(parts)} add up to "
+            f"{sum(parts.values())}, but axis {ax} has {x.shape[ax]}"
         )
     start = 0
     spec = (

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from milepost import _checkpoint, _hosts
-from milepost.colocated import AbstractArray, HostGroup, SliceSharding
+from milepost.colocated import AbstractArray, HostGroup, Slice, SliceSharding
 from milepost.workers import ShardingSpec
 
 
@@ -27,7 +27,7 @@ def fits(spec: ShardingSpec | None, shape: tuple[int, ...]) -> bool:
 
 
 class Placement:
-    def __init__(self, slice: Any = None) -> None:
+    def __init__(self, slice: Slice | None = None) -> None:
         self.slice = slice
         self.group: HostGroup = slice.group if slice is not None else _hosts.host_group_for([])
         self.device_ids: tuple[int, ...] = tuple(

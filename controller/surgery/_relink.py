@@ -37,13 +37,10 @@ _ARRAYS = (_tree.ValueType.JAX_ARRAY, _tree.ValueType.NP_ARRAY)
 def plan(arrays: dict[str, LazyArray], shardings_given: bool) -> tuple[Any, dict[str, str]] | None:
     """(the source checkpoint, {old name: new name}) when the output is stored leaves of one
     local OCDBT checkpoint, kept as they are; else None."""
-    if (
-        shardings_given
-        or not arrays
-        or not all(isinstance(x.expr, Source) for x in arrays.values())
-    ):
+    sources = {name: x.expr for name, x in arrays.items() if isinstance(x.expr, Source)}
+    if shardings_given or not arrays or len(sources) != len(arrays):
         return None
-    checkpoints = {id(x.expr.checkpoint): x.expr.checkpoint for x in arrays.values()}  # type: ignore[union-attr]
+    checkpoints = {id(s.checkpoint): s.checkpoint for s in sources.values()}
     if len(checkpoints) != 1:
         return None
     (ck,) = checkpoints.values()
@@ -55,8 +52,8 @@ def plan(arrays: dict[str, LazyArray], shardings_given: bool) -> tuple[Any, dict
     ):
         return None
     renames: dict[str, str] = {}
-    for new, x in arrays.items():
-        old = x.expr.name  # type: ignore[union-attr]
+    for new, source in sources.items():
+        old = source.name
         if old in renames:  # one stored leaf under two names: a copy, not a rename
             return None
         renames[old] = new
@@ -87,7 +84,8 @@ def link_databases(ck: Any, renames: dict[str, str], directory: Path) -> None:
             for f in [*dirs, *files]:
                 _check_plain(here / f)
             for f in files:
-                # (never through a link: one put here after the checks is linked or copied as a link)
+                # (never through a link: one put here after the checks is linked or copied as a
+                # link)
                 if rel.parts[:1] == ("d",):
                     os.link(
                         here / f, target / rel / f, follow_symlinks=False
@@ -115,8 +113,9 @@ def _check_plain(path: Path) -> None:
     st = os.lstat(path)
     if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
         raise CorruptCheckpointError(
-            f"{path} is a symlink or not a regular file: the source checkpoint changed since it was opened, and "
-            "surgery links and copies nothing from outside it. Open the source again (it is checked then)"
+            f"{path} is a symlink or not a regular file: the source checkpoint changed "
+            "since it was opened, and surgery links and copies nothing from outside it. "
+            "Open the source again (it is checked then)"
         )
 
 
@@ -128,7 +127,8 @@ def finish(
     acks: list[workers.SaveAck],
     directory: Path,
 ) -> None:
-    """On the primary: the format files (the renamed arrays' from the source's) and the root view."""
+    """On the primary: the format files (the renamed arrays' from the source's) and the root
+    view."""
     src = ck.files
     keyed = {leaf.name: leaf for leaf in _tree.flatten(nest(dict.fromkeys(renames.values(), 0)))[0]}
     written = []

@@ -60,10 +60,10 @@ def counted(outputs: Mapping[str, LazyArray], *, written: bool) -> Any:
     if op is None:
         return contextlib.nullcontext()
     inputs = {
-        (id(s.expr.checkpoint), s.expr.name): s.nbytes
+        (id(source_of(s).checkpoint), source_of(s).name): s.nbytes
         for x in outputs.values()
         for s in sources_of(x)
-    }  # type: ignore[union-attr]
+    }
     op.expect(sum(inputs.values()) + (sum(x.nbytes for x in outputs.values()) if written else 0))
     return progress_sink.reporting(_Counted(op))
 
@@ -136,7 +136,8 @@ def _signature(nodes: Any) -> Any:
         code = getattr(fn, "__code__", None)
         if code is None:
             return None
-        typed = lambda values: tuple((type(v), v) for v in values or ())  # noqa: E731 - 1 and 1.0 differ
+        # (each value with its type: 1 and 1.0 differ)
+        typed = lambda values: tuple((type(v), v) for v in values or ())  # noqa: E731
         cells = typed(c.cell_contents for c in (fn.__closure__ or ()))
         key = (code, typed(fn.__defaults__), cells, tuple(of(k) for k in kids))
         try:
@@ -154,11 +155,12 @@ def _signature(nodes: Any) -> Any:
 
 
 def placement_of(leaves: list[LazyArray]) -> Placement:
-    places = {s.expr.checkpoint.placement for leaf in leaves for s in sources_of(leaf)}
+    places = {source_of(s).checkpoint.placement for leaf in leaves for s in sources_of(leaf)}
     if len(places) > 1:
         raise ValueError(
-            f"the surgery mixes checkpoints opened on different hosts ({', '.join(p.describe() for p in places)}); open every "
-            "source with the same slice= (or none)"
+            "the surgery mixes checkpoints opened on different hosts "
+            f"({', '.join(p.describe() for p in places)}); open "
+            "every source with the same slice= (or none)"
         )
     return next(iter(places)) if places else Placement()
 
@@ -167,6 +169,12 @@ def sources_of(x: LazyArray) -> list[LazyArray]:
     if isinstance(x.expr, Source):
         return [x]
     return [s for i in x.expr.inputs for s in sources_of(i)]
+
+
+def source_of(x: LazyArray) -> Source:
+    """The stored leaf that ``x``, one of :func:`sources_of`, is."""
+    assert isinstance(x.expr, Source)
+    return x.expr
 
 
 def load_inputs(program: Program, placement: Placement) -> list[Any]:
@@ -235,8 +243,9 @@ def groups(
             )
         if not current and cost + extra > budget:
             log.info(
-                "leaf %r needs %.1f MiB per host, more than a group may hold (%.1f MiB: half the memory budget, as a "
-                "group is computed while the previous one is written); it is processed on its own",
+                "leaf %r needs %.1f MiB per host, more than a group may hold (%.1f "
+                "MiB: half the memory budget, as a group is computed while the "
+                "previous one is written); it is processed on its own",
                 name,
                 (cost + extra) / 2**20,
                 budget / 2**20,
@@ -271,7 +280,8 @@ def output_specs(
             spec = _checkpoint.sharding_spec(chosen)
             if spec is None or not placement.usable(spec, x.shape):
                 raise ValueError(
-                    f"the sharding given for {name!r} ({chosen!r}) cannot hold an array of shape {x.shape} on {placement.describe()}"
+                    f"the sharding given for {name!r} ({chosen!r}) cannot hold an array of "
+                    f"shape {x.shape} on {placement.describe()}"
                 )
             out[name] = spec
         else:
@@ -297,7 +307,8 @@ class Job:
     """Every leaf name of the output tree, in its order."""
     shardings_given: bool = False
     relink: bool = True
-    """Stored leaves only renamed or reordered (none dropped) may be relinked rather than rewritten."""
+    """Stored leaves only renamed or reordered (none dropped) may be relinked rather than
+    rewritten."""
     written: dict[str, int] = field(default_factory=dict)
     """Groups written and bytes computed (for the caller's report)."""
 
@@ -305,10 +316,11 @@ class Job:
     def __milepost_host_group__(self) -> Any:  # the save runs on the surgery's hosts
         return self.placement.group if self.placement.slice is not None else None
 
-    def write(self, directory: Path, call: _checkpoint.SaveCall) -> None:
+    def write(self, directory: Path | ObjectPath, call: _checkpoint.SaveCall) -> None:
         options = call.options.saving
-        # Stored leaves kept as stored (no SaveOptions asking for another chunking or compression:
-        # the default chunking, "auto", keeps what is stored) are relinked; anything else is rewritten.
+        # Stored leaves kept as stored (no SaveOptions asking for another chunking or
+        # compression: the default chunking, "auto", keeps what is stored) are relinked; anything
+        # else is rewritten.
         keep_layout = (
             options.use_ocdbt and options.compression is None and options.chunk_byte_size == "auto"
         )
@@ -318,6 +330,7 @@ class Job:
             else None
         )
         if fast is not None:
+            assert isinstance(directory, Path)  # (relinked only on local disks: above)
             ck, renames = fast
             timeout = call.options.async_.timeout_secs
             _hosts.shared(
@@ -344,7 +357,7 @@ class Job:
         with counted(self.arrays, written=True):
             self._write_groups(directory, call)
 
-    def _write_groups(self, directory: Path, call: _checkpoint.SaveCall) -> None:
+    def _write_groups(self, directory: Path | ObjectPath, call: _checkpoint.SaveCall) -> None:
         options = call.options.saving
         step = _options.max_writers(options)
         files = _checkpoint.TreeSavePlan(options)
@@ -402,13 +415,13 @@ class SurgeryHandler:
     def is_handleable(self, obj: Any) -> bool:
         return isinstance(obj, Job)
 
-    def save(self, directory: Path, obj: Any, call: _checkpoint.SaveCall) -> Any:
+    def save(self, directory: Path | ObjectPath, obj: Any, call: _checkpoint.SaveCall) -> Any:
         return _checkpoint.Deferred(lambda: obj.write(directory, call))
 
-    def load(self, directory: Path, abstract: Any, call: _checkpoint.LoadCall) -> Any:
+    def load(self, directory: Path | ObjectPath, abstract: Any, call: _checkpoint.LoadCall) -> Any:
         return _checkpoint.PyTreeHandler().load(directory, abstract, call)
 
-    def metadata(self, directory: Path) -> Any:
+    def metadata(self, directory: Path | ObjectPath) -> Any:
         return _checkpoint.PyTreeHandler().metadata(directory)
 
 
@@ -419,20 +432,22 @@ def split_tree(tree: Any) -> tuple[dict[str, LazyArray], dict[str, Any]]:
     bad = [n for n, v in others.items() if hasattr(v, "shape") and not isinstance(v, np.generic)]
     if bad:
         raise TypeError(
-            f"{bad[:5]} are arrays, not lazy arrays of opened checkpoints; a surgery's tree holds LazyArrays, strings and "
-            "scalars (save in-memory arrays with milepost.save)"
+            f"{bad[:5]} are arrays, not lazy arrays of opened checkpoints; a surgery's tree holds "
+            "LazyArrays, strings and scalars (save in-memory arrays with milepost.save)"
         )
     return arrays, others
 
 
 def provenance(arrays: dict[str, LazyArray]) -> dict[str, Any]:
-    sources = sorted({f"{s.expr.checkpoint.path}" for x in arrays.values() for s in sources_of(x)})
+    sources = sorted(
+        {f"{source_of(s).checkpoint.path}" for x in arrays.values() for s in sources_of(x)}
+    )
     operations = list(dict.fromkeys(h for x in arrays.values() for h in x.history))
     return {"sources": sources, "operations": operations}
 
 
 def write(
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | ObjectPath,
     tree: Any,
     *,
     shardings: Any = None,
@@ -471,7 +486,7 @@ def write(
 
 
 def write_items(
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | ObjectPath,
     trees: Mapping[str, Any],
     *,
     shardings: Any = None,
@@ -553,9 +568,12 @@ def _box(
     drop); None when ``x`` is more than that."""
     if isinstance(x.expr, Source):
         return x.expr, x, tuple((0, n) for n in x.shape), ()
-    if x.expr.name != "getitem" or not isinstance(x.expr.inputs[0].expr, Source):
+    if x.expr.name != "getitem":
         return None
     base = x.expr.inputs[0]
+    source = base.expr
+    if not isinstance(source, Source):
+        return None
     index = x.expr.params
     box, drop = [], []
     for d, part in enumerate(index):
@@ -571,7 +589,7 @@ def _box(
             box.append((i, i + 1))
             drop.append(d)
     box.extend((0, n) for n in base.shape[len(index) :])
-    return base.expr, base, tuple(box), tuple(drop)  # type: ignore[return-value]
+    return source, base, tuple(box), tuple(drop)
 
 
 def to_numpy(x: LazyArray) -> np.ndarray:

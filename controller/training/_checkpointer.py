@@ -90,7 +90,7 @@ class Checkpointer:
 
     def __init__(
         self,
-        root: str | os.PathLike[str],
+        root: str | os.PathLike[str] | ObjectPath,
         *,
         save_policy: SavePolicy | None = None,
         keep: RetentionPolicy | None = None,
@@ -102,7 +102,7 @@ class Checkpointer:
         local_keep: RetentionPolicy | None = None,
         mirror_timeout_secs: float | None = None,
     ) -> None:
-        given = {"save_policy": save_policy, "keep": keep}
+        given: dict[str, Any] = {"save_policy": save_policy, "keep": keep}
         self.options = CheckpointerOptions(
             **{k: v for k, v in given.items() if v is not None},
             max_in_flight=max_in_flight,

@@ -13,7 +13,7 @@ from milepost import _format as fmt
 from milepost import _views
 from milepost._errors import CheckpointNotFoundError
 from milepost.training._tier import DELETING_SUFFIX, Tier, is_leftover_of_step, is_step_name
-from milepost.workers import as_path
+from milepost.workers import ObjectPath, as_path
 
 
 def _size(path: Any) -> int | None:
@@ -54,7 +54,7 @@ def _entries(root: Any) -> dict[int, list[tuple[Any, str]]]:
 
 
 def list_steps(
-    root: str | os.PathLike[str], local: str | os.PathLike[str] | None = None
+    root: str | os.PathLike[str] | ObjectPath, local: str | os.PathLike[str] | None = None
 ) -> list[dict[str, Any]]:
     """Every step folder of a training root (and of its local tier): committed or not, which
     tier holds it, its size, commit time and metrics. Oldest first; nothing is written."""

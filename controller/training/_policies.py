@@ -152,7 +152,8 @@ class Preemption:
 
 @dataclass(frozen=True)
 class AnyOf:
-    """Save when any of the policies says so: ``AnyOf(FixedInterval(interval=1000), Preemption())``."""
+    """Save when any of the policies says so:
+    ``AnyOf(FixedInterval(interval=1000), Preemption())``."""
 
     policies: tuple[SavePolicy, ...]
 
@@ -171,7 +172,7 @@ class AnyOf:
 def preemption_signals(policy: Any) -> tuple[signal.Signals, ...]:
     """The signals of every :class:`Preemption` inside ``policy`` (through :class:`AnyOf`)."""
     if isinstance(policy, Preemption):
-        return tuple(policy.signals)
+        return tuple(signal.Signals(s) for s in policy.signals)
     if isinstance(policy, AnyOf):
         out: list[signal.Signals] = []
         for p in policy.policies:

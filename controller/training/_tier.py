@@ -53,7 +53,8 @@ class Tier:
         ``read_only``) and list the committed steps with their metrics."""
         if self.path.exists() and not self.path.is_dir():
             raise NotADirectoryError(
-                f"checkpoint root {self.path} is a file; pass a directory (it is created if missing)"
+                f"checkpoint root {self.path} is a file; "
+                "pass a directory (it is created if missing)"
             )
         if not read_only:
             self.path.mkdir(parents=True, exist_ok=True)
@@ -64,6 +65,7 @@ class Tier:
         out: dict[int, dict[str, Any]] = {}
         if not self.path.exists():
             return out
+        steps: list[Path | ObjectPath]
         if isinstance(self.path, Path):
             steps = [p for p in self.path.iterdir() if is_step_name(p.name) and fmt.is_committed(p)]
         else:
@@ -99,7 +101,7 @@ class Tier:
         if not isinstance(self.path, Path):
             committed, folders = self.listing()
             for name in sorted(folders - committed - busy):
-                if _storage.remove_abandoned_objects(self.path / name, self.lease_secs):  # type: ignore[arg-type]
+                if _storage.remove_abandoned_objects(self.path / name, self.lease_secs):
                     log.warning(
                         "removed %s, left by a save or deletion that did not finish",
                         self.path / name,
@@ -150,7 +152,8 @@ class Tier:
         if not isinstance(path, Path):
             if self._delete_objects([step]) != [step]:
                 raise StepBusyError(
-                    f"step {step} in {self.path} is being written by another process; it was not deleted"
+                    f"step {step} in {self.path} is being written "
+                    "by another process; it was not deleted"
                 )
             return
         if not path.exists():
@@ -158,7 +161,8 @@ class Tier:
         lock = _storage.try_lock(path)
         if lock is None:
             raise StepBusyError(
-                f"step {step} in {self.path} is held by another process (being committed); it was not deleted"
+                f"step {step} in {self.path} is held by another "
+                "process (being committed); it was not deleted"
             )
         with lock:
             # Rename first: a crash mid-delete leaves a name that is never listed, not half a step.
@@ -186,9 +190,9 @@ class Tier:
                 continue
             owned.append((step, workspace))
         try:
-            for step, _ in owned:
-                (self.step(step) / fmt.COMMIT_MARKER).unlink(missing_ok=True)
-            deletions: list[Any] = [self.step(step).delete_tree() for step, _ in owned]  # type: ignore[union-attr]
+            for _, workspace in owned:
+                (workspace.final / fmt.COMMIT_MARKER).unlink(missing_ok=True)
+            deletions = [workspace.final.delete_tree() for _, workspace in owned]
             for deletion in deletions:
                 deletion.result()
         finally:

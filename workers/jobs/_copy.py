@@ -34,7 +34,8 @@ class CopyPlan:
     """A folder (a path or URL)."""
     target: str
     names: tuple[str, ...]
-    """Files relative to ``source``, '/'-separated; each written to the same name under ``target``."""
+    """Files relative to ``source``, '/'-separated; each written to the same name under
+    ``target``."""
     timeout_secs: float
     """The copy stops (TimeoutError) once this long has passed; files in progress finish."""
 
@@ -65,8 +66,8 @@ def copy_files(plan: CopyPlan, process_index: int | str = 0) -> CopyAck:
         _behind()
         if time.monotonic() > deadline:
             raise TimeoutError(
-                f"host {process_index} did not finish copying {plan.source} to {plan.target} within "
-                f"{plan.timeout_secs:g}s (stopped before {name})"
+                f"host {process_index} did not finish copying {plan.source} to {plan.target} "
+                f"within {plan.timeout_secs:g}s (stopped before {name})"
             )
         return copy_one(name)
 

@@ -181,7 +181,7 @@ class Broadcasts:
             for i, t in enumerate(plan.tasks)
             if t.broadcast_axis is not None and t.sharding is not None
         ]
-        self.routes: dict[int, Any] = {}
+        self.routes: dict[int, _broadcast.Route] = {}
         self.broken = False
         """A collective itself failed: the others would fail (or wait) the same way."""
 
@@ -191,20 +191,24 @@ class Broadcasts:
             return None
         return self._route(slot, task, sharding).readers
 
-    def _route(self, slot: int, task: LoadTask, sharding: Any) -> Any:
+    def _route(self, slot: int, task: LoadTask, sharding: Any) -> _broadcast.Route:
         if slot not in self.routes:
+            axis = task.broadcast_axis
+            assert axis is not None  # only the tasks in ``pending`` are routed
             self.routes[slot] = _broadcast.route(
-                sharding, task.shape, np.dtype(task.dtype).itemsize, task.broadcast_axis
-            )  # type: ignore[arg-type]
+                sharding, task.shape, np.dtype(task.dtype).itemsize, axis
+            )
         return self.routes[slot]
 
     def run(self, slot: int, task: LoadTask, sharding: Any, data: dict[int, Any]) -> Any:
         route = self._route(slot, task, sharding)
         self.pending.remove(slot)
+        axis = task.broadcast_axis
+        assert axis is not None  # (routed above)
         try:
             return _broadcast.broadcast(
-                task.shape, np.dtype(task.dtype), sharding, task.broadcast_axis, route, data
-            )  # type: ignore[arg-type]
+                task.shape, np.dtype(task.dtype), sharding, axis, route, data
+            )
         except Exception:
             self.broken = True
             raise

@@ -141,6 +141,7 @@ def broadcast(
         return jax.make_array_from_single_device_arrays(shape, sharding, [])
     shard = tuple(sharding.shard_shape(shape))
     pieces = []
+    device: jax.Device  # (jax annotates its shardings' devices with a type that does not resolve)
     for device in stacked.addressable_devices:
         value = data.get(device.id) if device.id in route.readers else None
         if value is None:

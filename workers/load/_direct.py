@@ -344,8 +344,8 @@ class DirectReader:
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise CorruptCheckpointError(
-                    f"{path} is not a regular file (a FIFO, socket or device); a checkpoint's data files are files, so "
-                    "the checkpoint is damaged or crafted, and it was not read"
+                    f"{path} is not a regular file (a FIFO, socket or device); a checkpoint's data "
+                    "files are files, so the checkpoint is damaged or crafted, and it was not read"
                 )
         except BaseException:
             os.close(fd)
@@ -508,7 +508,7 @@ def _groups(
     expected: list[int | None],
 ) -> list[_Group]:
     """A box's pieces grouped by the shard value they lie in, each with its buffers."""
-    flat = memoryview(out.reshape(-1).view(np.uint8))
+    flat = out.reshape(-1).view(np.uint8).data
     groups: dict[tuple[str, int], _Group] = {}
     for value, read, crc in zip(values, reads, expected, strict=True):
         group = groups.get((value.path, value.offset))
@@ -533,12 +533,12 @@ def _piece(read: BoxRead, out: np.ndarray, flat: memoryview, expected: int | Non
         return _Piece(read, [target], expected)
     if not read.in_place:
         scratch = np.empty(read.length, np.uint8)
-        return _Piece(read, [memoryview(scratch)], expected, scratch)
+        return _Piece(read, [scratch.data], expected, scratch)
     within = read.within or tuple((0, n) for n in read.read_shape)
     sources, targets, length = runs(within, read.read_shape, read.scatter, out.shape, out.itemsize)
     if read.length == read.nbytes:  # all of it kept: runs back to back
         return _Piece(read, [flat[to : to + length] for to in targets], expected)
-    spare = memoryview(np.empty(read.length - read.nbytes, np.uint8))  # what the box does not keep
+    spare = np.empty(read.length - read.nbytes, np.uint8).data  # what the box does not keep
     buffers: list[memoryview] = []
     done = used = 0
     for at, to in zip(sources, targets, strict=True):

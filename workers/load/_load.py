@@ -170,7 +170,7 @@ def _start_opens(plan: LoadPlan) -> list[Any]:
 
 
 def _finish_opens(plan: LoadPlan, opens: list[Any]) -> list[Any]:
-    stores = []
+    stores: list[Any] = []
     for task, opening in zip(plan.tasks, opens, strict=True):
         if opening is None:
             stores.append(None)
@@ -193,8 +193,9 @@ def _finish_opens(plan: LoadPlan, opens: list[Any]) -> list[Any]:
             ) from e
         if tuple(store.shape) != tuple(task.shape):
             raise CorruptCheckpointError(
-                f"array {task.name!r} is stored with shape {tuple(store.shape)} in {plan.store.directory}, but its "
-                f"metadata says {task.shape}; the checkpoint is damaged",
+                f"array {task.name!r} is stored with shape {tuple(store.shape)} "
+                f"in {plan.store.directory}, but its metadata says "
+                f"{task.shape}; the checkpoint is damaged",
                 array=task.name,
                 path=plan.store.directory,
             )
@@ -213,10 +214,11 @@ def _check_device_dtypes(tasks: Sequence[LoadTask]) -> None:
         dtype = np.dtype(task.dtype)
         if np.dtype(jax.dtypes.canonicalize_dtype(dtype)) != dtype:
             raise ValueError(
-                f"array {task.name!r} would be loaded as {dtype} onto devices, but JAX runs without 64-bit types "
-                f"(it would become {np.dtype(jax.dtypes.canonicalize_dtype(dtype))}, losing values); enable them "
-                "(jax.config.update('jax_enable_x64', True) or `with jax.enable_x64():`), or ask for a 32-bit dtype "
-                "in the abstract tree to cast"
+                f"array {task.name!r} would be loaded as {dtype} onto devices, but JAX runs "
+                "without 64-bit types (it would become "
+                f"{np.dtype(jax.dtypes.canonicalize_dtype(dtype))}, losing values); enable them "
+                "(jax.config.update('jax_enable_x64', True) or `with jax.enable_x64():`), or ask "
+                "for a 32-bit dtype in the abstract tree to cast"
             )
 
 

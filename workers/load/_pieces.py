@@ -151,7 +151,8 @@ class BoxRead:
 
     @property
     def scratch(self) -> int:
-        """Bytes read beside the box (a scratch buffer of their own) while the piece is in flight."""
+        """Bytes read beside the box (a scratch buffer of their own) while the piece is in
+        flight."""
         if self.scatter is None:
             return 0
         return self.length - self.nbytes if self.in_place else self.length

@@ -23,6 +23,7 @@ from milepost.workers import _checksum, _memory, _progress, _safetensors
 from milepost.workers._boxes import box_to_slices
 from milepost.workers._errors import CorruptCheckpointError, from_tensorstore
 from milepost.workers._memory import parallel_copy
+from milepost.workers._ts_internals import FileRange
 from milepost.workers.load import _direct
 from milepost.workers.load._assemble import Assembler
 from milepost.workers.load._pieces import BoxRead, ShardLayout, box_reads
@@ -66,7 +67,8 @@ class _DirectRead:
         self.out = out
         self.whole = whole
         self.staged: np.ndarray | None = None
-        """After a fallback: the whole chunks the box touches, read to be checked (when more than the box)."""
+        """After a fallback: the whole chunks the box touches, read to be checked (when more
+        than the box)."""
 
     def result(self) -> bool:
         """Wait; True if the box was read through TensorStore after all (as ``whole``, the
@@ -169,15 +171,16 @@ class BudgetedReader:
     ) -> None:
         dtype = store.dtype.numpy_dtype
         nbytes = math.prod(b - a for a, b in box) * dtype.itemsize
-        direct: tuple[list[BoxRead], list[Any]] | None = None
+        direct: tuple[list[BoxRead], list[FileRange]] | None = None
         scratch = 0
         if layout is not None and self.locator is not None:
             # (with checksums, every chunk the box touches is read whole, and the box's part placed)
             pieces = box_reads(layout, box, whole_chunks=checked is not None) or []
             if checked is not None and not all(p.whole for p in pieces):
                 pieces = []  # a partial chunk cannot be checked: read it whole, below
-            values = [self.locator.locate(piece.key) for piece in pieces]
-            if pieces and all(v is not None for v in values):
+            located = [self.locator.locate(piece.key) for piece in pieces]
+            values = [v for v in located if v is not None]
+            if pieces and len(values) == len(located):
                 direct = pieces, values
                 scratch = sum(p.scratch for p in pieces)  # read beside the box
         whole = box
@@ -195,7 +198,8 @@ class BudgetedReader:
             expected = [
                 checked.expected.get(p.grid, -1) if checked is not None else None for p in pieces
             ]
-            handle = self.direct.read_box(values, pieces, out, expected, asm.task.name)  # type: ignore[union-attr]
+            assert self.direct is not None  # made with the locator, which ``direct`` needs
+            handle = self.direct.read_box(values, pieces, out, expected, asm.task.name)
             read.future = _DirectRead(
                 handle, store, box, out, whole
             )  # checked again only after a fallback
@@ -251,8 +255,9 @@ class BudgetedReader:
             ):
                 raise mapped from e
             raise CorruptCheckpointError(
-                f"array {asm.task.name!r}: reading a {read.out.shape} box from {self.directory} failed ({e}); the "
-                "checkpoint's data files are missing or damaged. Load an earlier checkpoint.",
+                f"array {asm.task.name!r}: reading a {read.out.shape} box from "
+                f"{self.directory} failed ({e}); the checkpoint's data files are "
+                "missing or damaged. Load an earlier checkpoint.",
                 array=asm.task.name,
                 path=self.directory,
             ) from e

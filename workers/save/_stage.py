@@ -265,8 +265,8 @@ def _region_data(
         shard = shards.get(device_id)
         if shard is None:
             raise ValueError(
-                f"array {spec.name!r}: the plan asks this host to write the shard on device {device_id}, "
-                f"which is not addressable here (addressable: {sorted(shards)})"
+                f"array {spec.name!r}: the plan asks this host to write the shard on device "
+                f"{device_id}, which is not addressable here (addressable: {sorted(shards)})"
             )
         data = np.asarray(shard.data)
         offsets = [s.start or 0 for s in shard.index] if shard.index else []
