@@ -56,8 +56,8 @@ class SaveOptions:
     1 MiB (the outermost dimensions first; the nearest divisor of the row count), smaller ones
     stay one chunk. Saves and same-topology loads cost what they cost unchunked (the bands of a
     shard lie one after another, and are read with the shard in one go), while a load onto
-    another sharding along the rows reads only the bands it keeps (1.00x the bytes it needs in
-    the Orbax paper's (2, 4) -> (8, 1) case, against 4x). An int: chunks of at most this many
+    another sharding along the rows reads only the bands it keeps (not the whole shards: in the
+    Orbax paper's (2, 4) -> (8, 1) case a quarter of the bytes). An int: chunks of at most this many
     bytes (bands of rows halved by their smallest prime factor, then pieces of a row once a single
     row is larger). None: one chunk per written shard (what milepost wrote before ``"auto"``).
     A surgery relinks stored leaves only under ``"auto"`` (they keep how they were stored); any
@@ -69,8 +69,7 @@ class SaveOptions:
     (``ocdbt.process_<i>``, ``ocdbt.process_<i>.1``, ...) written in parallel; one database
     writes its data files one after another. The commit merges them all into the root view.
     ``"auto"``: one database per 32 MiB the host writes, at most 4 (each database costs a few
-    ms to create, commit and merge: a 64 MiB slice save of 16 MiB per host took 80 ms with four
-    per host, 67-73 ms with one or two)."""
+    ms to create, commit and merge; the figures are in the performance guide)."""
 
     wait_for_writer_secs: float = 0.0
     """When another process is saving to the same path: wait up to this long for it to finish

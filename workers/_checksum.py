@@ -6,8 +6,8 @@ values it got against it before they reach a device. Being a checksum of the val
 of the encoded bytes, it is the same for compressed and uncompressed chunks, and it ties the
 values to their place: data read from the wrong file or the wrong chunk fails it too.
 
-The ``crc32c`` package computes it in hardware (SSE4.2 / ARMv8 CRC instructions, several GB/s
-per core) and releases the GIL, so host threads check while other threads read.
+The ``crc32c`` package computes it in hardware (SSE4.2 / ARMv8 CRC instructions) and releases
+the GIL, so host threads check while other threads read.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ def _contiguous_tail(array: np.ndarray) -> int:
 _RUN_BYTES = 4 << 10
 """Contiguous runs at least this long are checksummed in place, a call per run; shorter ones
 after one copy (a call per short run costs more than a copy). A copy needs fresh memory, whose
-first touch is what costs on a VM that hands freed memory back (the copies of a resharded load's
-chunks took 0.73 s of its 2.7 s); runs of 8 KiB checksummed in place cost about 0.6 ms per 8 MiB."""
+first touch is what costs on a VM that hands freed memory back (docs/performance.md#code-figures
+has the figures)."""
 
 
 def values_crc32c(array: np.ndarray) -> int:

@@ -40,8 +40,8 @@ def read_buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     Buffers of a MiB or more are private anonymous mappings, from the read pool
     (:mod:`._readpool`): a mapping whose arrays are all gone serves the next load of the same
     size instead of faulting in fresh memory. NumPy marks its large allocations MADV_HUGEPAGE,
-    and with that hint cold loads were about twice as slow (benchmarks/NOTES.md has the
-    figures); a mapping of our own follows the system's huge-page policy. In-memory copies
+    and with that hint cold loads were markedly slower (docs/performance.md has the figures); a
+    mapping of our own follows the system's huge-page policy. In-memory copies
     (staging, casts) keep NumPy's allocation: there the hint made save_async's copies faster.
     """
     dtype = np.dtype(dtype)

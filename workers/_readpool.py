@@ -1,10 +1,10 @@
 """Read buffers kept from one load to the next in a long-lived process.
 
 A load reads into private anonymous mappings that the device arrays adopt (CPU). On this kind
-of VM the first touch of every 4 KiB page of a fresh mapping is a fault, often a host fault: a
-512 MiB load takes 131,000 of them, and a cold read into fresh memory ran at 0.7-1.5 GB/s where
-the same read into memory already touched ran at ~2 GB/s. A notebook or a training script loads
-again and again: once the arrays of an earlier load are gone, their mappings serve the next.
+of VM the first touch of every 4 KiB page of a fresh mapping is a fault, often a host fault,
+and a cold read into fresh memory runs markedly slower than into memory already touched
+(docs/performance.md#code-figures). A notebook or a training script loads again and again: once
+the arrays of an earlier load are gone, their mappings serve the next.
 
 Safety: a mapping returns here only when no view of it is left. Every array handed out is a
 plain view of an owner array (``_Owner``) over the mapping; the owner's finalizer runs once the

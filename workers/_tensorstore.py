@@ -34,8 +34,7 @@ ROOT_OCDBT_CONFIG = {
     **OCDBT_CONFIG,
     # The merged root view holds a key per chunk per host (a million at 512 hosts x 2,000
     # arrays). With 100 MB nodes that was one huge leaf, decoded whole by every header read
-    # of every load: mp.metadata of a simulated 256-host checkpoint took 1.48 s, with 8 MB
-    # nodes 0.64 s (the merge took as long either way).
+    # of every load; 8 MB nodes read faster, and merge as fast (docs/performance.md).
     "max_decoded_node_bytes": 8_000_000,
 }
 

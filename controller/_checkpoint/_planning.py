@@ -112,10 +112,9 @@ def auto_chunk_shape(write_shape: tuple[int, ...], itemsize: int) -> tuple[int, 
     range of the shard (it is read and checked in place), and a size without a fitting divisor
     (a prime number of rows) makes fewer, larger bands rather than tiny ones.
 
-    Why (benchmarks/NOTES.md, "Subchunking for resharded loads"): with direct reads of banded
-    shards, same-topology saves and loads cost what they cost unchunked, and a resharded load
-    that keeps part of each saved shard reads only the bands it keeps (1.00x the bytes needed
-    instead of up to 4x).
+    Why: with direct reads of banded shards, same-topology saves and loads cost what they cost
+    unchunked, and a resharded load that keeps part of each saved shard reads only the bands it
+    keeps instead of whole shards (docs/performance.md has the figures).
     """
     total = math.prod(write_shape) * itemsize
     if total < 2 * AUTO_BAND_BYTES:

@@ -242,7 +242,7 @@ def _plan_device_array(out: TreeSavePlan, leaf: Leaf, group: HostGroup) -> tuple
         by_process[group.processes()[0]] = []
     # One host writes the array's zarr.json, the others chunks only: the one of its writers with
     # the fewest headers so far. Creating a header is a commit of its own in the host's database
-    # (~5 ms each on a busy 2-core machine), so one host writing them all made the slowest host.
+    # (milliseconds each on a busy machine), so one host writing them all made the slowest host.
     header_by = min(by_process, key=lambda p: (out.headers_by_host[p], p))
     out.headers_by_host[header_by] += 1
     for process, mine in by_process.items():

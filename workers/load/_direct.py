@@ -51,18 +51,17 @@ from milepost.workers.load._pieces import BoxRead, runs
 
 _READ_THREADS = max(1, min(4, os.cpu_count() or 1))
 """Read threads for loads of small boxes: more than cores only fight over the GIL between their
-reads (2 cores, 2,000 arrays of 4-256 KiB: 2 threads 2.09 s, 3 threads 2.24 s)."""
+reads (the figures: docs/performance.md#code-figures)."""
 _LARGE_BOX_BYTES = 1 << 20
 """Loads whose boxes average this much or more are I/O-bound: they get one more read thread
-than cores, so a read is in flight while every core checks what was read, and larger batches
-(2 cores, 512 MiB cold: 4 MiB batches on 2 threads 0.256 s, 32 MiB batches on 2 threads 0.250 s,
-on 3 threads 0.228 s, the disk's floor 0.18 s). Loads of small boxes are CPU-bound (placing
-thousands of arrays): small batches hand the placing thread results early."""
+than cores, so a read is in flight while every core checks what was read, and larger batches.
+Loads of small boxes are CPU-bound (placing thousands of arrays): small batches hand the placing
+thread results early. (The figures: docs/performance.md#code-figures.)"""
 _BATCH_BYTES = (4 << 20, 32 << 20)
 """Boxes are handed to the read threads in batches of about this many bytes, the least and the
 most: a small box's read costs less than its hand-over to a thread, and shard values lying back
 to back in a batch are read with one ``preadv``, which the disk serves faster the larger it is
-(cold, 512 MiB in 64 MiB files: 8 MiB reads 0.25 s on one thread, 64 MiB reads 0.20 s)."""
+(docs/performance.md#code-figures)."""
 
 
 def sizing(total: int, boxes: int) -> tuple[int, int]:
@@ -281,7 +280,7 @@ class DirectReader:
         handle = BoxHandle(self, batch, len(batch.boxes) - 1)
         # Large batches serve boxes of whole shard values (neighbours coalesce into one large
         # read); boxes that read parts of shards read them on their own, several threads at once
-        # (in 32 MiB batches, a (2, 4) -> (8, 1) load of unbanded shards took 0.97 s, not 0.58 s).
+        # (large batches made a resharded load much slower: docs/performance.md#code-figures).
         if batch.nbytes >= (_BATCH_BYTES[0] if batch.partial else self._batch_bytes):
             self.flush()
         return handle
@@ -291,10 +290,8 @@ class DirectReader:
         of (the chunks it touches, where the shard's C order puts them, and the index), so that
         those reads are in flight together instead of one after another on the read thread.
         A box that reads whole shard values needs no hint: each is one large read. Returns
-        whether the box is (most likely) such a box.
-
-        Cold (2, 4) -> (8, 1) loads of 1 MiB row bands, alternating, medians of 7: 0.56 s with
-        the hint, 0.66 s without (same-topology loads: no difference)."""
+        whether the box is (most likely) such a box. (What the hint saves, resharded and not:
+        docs/performance.md#code-figures.)"""
         chunks = reads[0].chunks if reads else 1
         if len(reads) % chunks == 0 and all(r.scatter is None and r.whole for r in reads):
             return True  # (most likely whole shard values, each one large read)

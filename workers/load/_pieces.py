@@ -160,9 +160,8 @@ class BoxRead:
 
 _IN_PLACE_RUN_BYTES = 4 << 10
 """A piece strided in the box whose runs are at least this long is read straight into place,
-an iovec per run, and checksummed there (shorter runs: a buffer of its own and a copy). Cold
-(2, 4) -> (8, 1) loads of 1 MiB row bands (8 KiB rows): 0.58 s in place, 0.65 s through a
-buffer and a copy (fresh memory to fault in), alternating, medians of 5."""
+an iovec per run, and checksummed there (shorter runs: a buffer of its own and a copy, whose
+fresh memory costs more to fault in; docs/performance.md#code-figures)."""
 
 _MAX_PIECES = 1 << 16
 """Boxes touching more chunks are read through TensorStore (planning a piece costs microseconds:

@@ -67,7 +67,7 @@ _Part = tuple[int, SaveTask, tuple[Region, ...]]
 class _Opening:
     """One array's open in one writer's database, started by its first use (on whichever
     thread gets there first): the opens of arrays whose regions are all staged then run off
-    the caller's thread with their writes (``ts.open`` costs ~0.3 ms of CPU per array)."""
+    the caller's thread with their writes (each ``ts.open`` costs CPU)."""
 
     def __init__(
         self, spec: dict[str, Any], create: bool, context: Any, pending: PendingSave
@@ -155,7 +155,7 @@ def _issue_writes(
     room = plan.staging_budget_bytes
     # The arrays are opened by the first write into each: the staged copies' writes run off
     # the caller's thread, so a save that stages everything neither opens nor waits for an open
-    # (creating 8 arrays' headers took ~5 ms of a 512 MiB save's blocking part).
+    # (creating arrays' headers cost milliseconds of a save's blocking part).
     for (_, task, regions), store in zip(parts, opens, strict=True):
         source = sources[task.source]
         shards = _shards_by_device(source)
@@ -210,7 +210,7 @@ def _issue_writes(
         parallel_copy([(item[2], data) for item, (_, data) in zip(staged, copies, strict=True)])
 
         # The copies' writes read only our buffers: they are issued off the caller's thread
-        # (64 writes and their checksum jobs cost ~10 ms of a 512 MiB save's blocking part),
+        # (many writes and their checksum jobs cost milliseconds of the blocking part),
         # after every open they wait for has started (so the opens run together).
         def issue() -> None:
             for opening in opens:
