@@ -115,8 +115,8 @@ class Slice:
         import ray
 
         options = options or SliceOptions()
-        if devices_per_host < 1:
-            raise ValueError(f"devices_per_host must be at least 1, got {devices_per_host}")
+        check.integer(devices_per_host, "devices_per_host", minimum=1)
+        check.integer(hosts, "hosts", minimum=1)
         if not ray.is_initialized():
             kwargs: dict[str, Any] = {
                 "include_dashboard": False,
@@ -141,6 +141,8 @@ class Slice:
         ``devices_per_host`` None: each host uses its node's real accelerators."""
         import ray
 
+        check.integer(hosts, "hosts", minimum=1)
+        check.integer(devices_per_host, "devices_per_host", minimum=1, optional=True)
         if not ray.is_initialized():
             ray.init(address=address, log_to_driver=False)
         return cls._launch(hosts, devices_per_host, "STRICT_SPREAD", options or SliceOptions())
@@ -153,8 +155,7 @@ class Slice:
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        if hosts < 1:
-            raise ValueError(f"a slice needs at least one host, got hosts={hosts}")
+        check.integer(hosts, "hosts (a slice needs at least one)", minimum=1)
         pg = placement_group([{"CPU": options.cpus_per_host}] * hosts, strategy=strategy)
         try:
             ray.get(pg.ready(), timeout=options.start_timeout_secs)
