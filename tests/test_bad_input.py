@@ -336,6 +336,19 @@ def _edit_sharding(ckpt: Path, edit: Any) -> None:
     reseal(ckpt)
 
 
+@pytest.mark.parametrize("device_str", ["TFRT_CPU_3", "cpu:3"])
+def test_a_single_device_sharding_in_any_of_its_saved_spellings_loads(
+    tmp_path: Path, device_str: str
+) -> None:
+    """Orbax records a single device as ``str(device)``: ``TFRT_CPU_3`` under jax before 0.10,
+    ``cpu:3`` since. Both name device 3, and the array loads there without an abstract tree."""
+    w = np.arange(32, dtype=np.float32).reshape(4, 8)
+    ckpt = mp.save(tmp_path / "c", {"w": jax.device_put(w, jax.devices()[0])})
+    _edit_sharding(ckpt, lambda s: s.__setitem__("device_str", device_str))
+    out = mp.load(ckpt)["w"]
+    assert same_bits(out, w) and out.sharding.device_set == {jax.devices()[3]}
+
+
 def test_saved_sharding_on_missing_devices(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
     w = np.arange(32, dtype=np.float32).reshape(4, 8)
     named = mp.save(tmp_path / "named", {"w": put(w, mesh24, P("data", "model"))})

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -199,7 +200,7 @@ class ShardingSpec:
         d: Mapping[str, Any] = json.loads(text)
         kind = d.get("sharding_type")
         if kind == "SingleDeviceSharding":
-            out = ShardingSpec.single(int(str(d["device_str"]).rsplit(":", 1)[-1]))
+            out = ShardingSpec.single(device_id_of(str(d["device_str"])))
         elif kind == "NamedSharding":
             ids: list[int] = []
             _flatten_ids(d["device_mesh"]["mesh"], ids)
@@ -216,6 +217,18 @@ class ShardingSpec:
         if memory_kind is not None and not isinstance(memory_kind, str):
             raise ValueError(f"memory_kind must be a string, got {memory_kind!r}")
         return dataclasses.replace(out, memory_kind=memory_kind) if memory_kind else out
+
+
+_DEVICE_STR = re.compile(r"^(?:TFRT_CPU_|[A-Za-z]+[_:])(\d+)(?:\(|$)")
+
+
+def device_id_of(text: str) -> int:
+    """The device id in ``str(device)`` as Orbax records it: ``cpu:3``, ``TFRT_CPU_3`` (jax
+    before 0.10), ``cuda:3``, ``TPU_3(process=0,(1,1,0,0))``."""
+    match = _DEVICE_STR.match(text)
+    if match is None:
+        raise ValueError(f"cannot tell the device id of the saved device {text!r}")
+    return int(match.group(1))
 
 
 def _axes(entry: AxisEntry | Any) -> tuple[str, ...]:
