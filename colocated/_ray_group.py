@@ -128,6 +128,11 @@ class RayHostGroup:
         return [d for ids in self._device_ids for d in ids]
 
     @property
+    def device_ids_by_host(self) -> list[list[int]]:
+        """Each host's global device ids, host by host."""
+        return [list(ids) for ids in self._device_ids]
+
+    @property
     def healthy(self) -> bool:
         return self._healthy and not self._closed
 

@@ -373,7 +373,7 @@ class Slice:
 
     def _host_rows(self) -> list[tuple[str, ...]]:
         rows: list[tuple[str, ...]] = []
-        per_host = getattr(self.group, "_device_ids", None) or [[] for _ in range(self.hosts)]
+        per_host = self.group.device_ids_by_host
         for i, ident in enumerate(self.host_identities()):
             rows.append(
                 (
@@ -387,7 +387,7 @@ class Slice:
         return rows
 
     def __repr__(self) -> str:
-        per_host = getattr(self.group, "_device_ids", None)
+        per_host = self.group.device_ids_by_host
         devices = (
             f"{len(per_host[0])} devices each"
             if per_host and len({len(d) for d in per_host}) == 1
