@@ -101,7 +101,7 @@ class _FakeSliceGroup:
 
     hosts = 2
     healthy = True
-    _device_ids = [[0, 1], [2048, 2049]]
+    device_ids_by_host = [[0, 1], [2048, 2049]]
     device_ids = [0, 1, 2048, 2049]
 
     def identities(self) -> list[dict[str, Any]]:
