@@ -203,7 +203,10 @@ class ShardingSpec:
             out = ShardingSpec.single(device_id_of(str(d["device_str"])))
         elif kind == "NamedSharding":
             ids: list[int] = []
-            _flatten_ids(d["device_mesh"]["mesh"], ids)
+            if "device_mesh" in d:
+                _flatten_ids(d["device_mesh"]["mesh"], ids)
+            else:  # Orbax before 0.6 recorded no devices: it lays the mesh over jax.devices()
+                ids = list(range(math.prod(int(n) for n in d["shape"])))
             spec = tuple(
                 tuple(e) if isinstance(e, list) else e for e in d.get("partition_spec", [])
             )

@@ -48,7 +48,7 @@ def load_checkpointables(
             )
     group = _hosts.check_storage(_hosts.host_group_for_abstract(leaves), root)
     timeout = options.async_.timeout_secs
-    _, items, identity, checksums = _hosts.shared(
+    meta, items, identity, checksums = _hosts.shared(
         group, f"ckpt-meta:{root}", lambda: read_checkpointables(root), timeout
     )
     if default_pytree:
@@ -57,6 +57,13 @@ def load_checkpointables(
         abstracts = {fmt.main_tree(root, items): main}
     wanted = dict(abstracts) if abstracts is not None else {n: None for n in items}
     unknown = [n for n in wanted if n not in items]
+    gone = [n for n in unknown if n in fmt.listed_items(root, meta)]
+    if gone:
+        raise CheckpointNotFoundError(
+            f"checkpoint {root} lists the checkpointable(s) {gone} in "
+            f"{fmt.CHECKPOINT_METADATA}, but their folders are missing: the checkpoint is damaged. "
+            f"Load the others (it has {sorted(items)}), or an earlier checkpoint"
+        )
     if unknown:
         raise KeyError(
             f"checkpoint {root} has no checkpointable(s) {unknown}; it has {sorted(items)}"
@@ -158,9 +165,11 @@ class CheckpointMetadata:
     """What ``milepost.metadata`` returns: the tree and the checkpoint-level facts.
 
     ``tree`` is the main pytree (``state``, or the only one) with a :class:`LeafMetadata` per
-    leaf; ``checkpointables`` has every checkpointable's metadata by name; ``custom_metadata``,
-    ``metrics`` and the timestamps come from the checkpoint's ``_CHECKPOINT_METADATA``. Its
-    ``repr`` (and its table in a notebook) lists every leaf with its bytes.
+    leaf; ``checkpointables`` has every checkpointable's metadata by name (None for one that
+    cannot be described: ``unreadable`` says why; only the main tree's failure fails the call);
+    ``custom_metadata``, ``metrics`` and the timestamps come from the checkpoint's
+    ``_CHECKPOINT_METADATA``. Its ``repr`` (and its table in a notebook) lists every leaf with
+    its bytes.
 
     >>> meta = milepost.metadata("/ckpt/100")
     >>> meta.tree["params"]["w"].shape, meta.nbytes, meta.custom_metadata
@@ -172,9 +181,13 @@ class CheckpointMetadata:
         meta: dict[str, Any],
         checkpointables: dict[str, Any],
         tree_name: str | None,
+        unreadable: dict[str, str] | None = None,
     ) -> None:
         self.path = path
         self.checkpointables = checkpointables
+        self.unreadable: dict[str, str] = dict(unreadable or {})
+        """Why a checkpointable could not be described (its handler is unknown here, its files
+        are damaged or gone), by name; its entry in ``checkpointables`` is None."""
         self.tree = checkpointables.get(tree_name) if tree_name else None
         self.custom_metadata: dict[str, Any] = meta.get("custom_metadata") or {}
         self.metrics: dict[str, Any] = meta.get("metrics") or {}
@@ -210,6 +223,8 @@ class CheckpointMetadata:
             f"{n} ({self.item_handlers.get(n, '?').rpartition('.')[2]})"
             for n in self.checkpointables
         )
+        for name, why in self.unreadable.items():
+            facts[f"not described: {name}"] = why
         facts["custom_metadata"] = _views.short_json(self.custom_metadata)
         if self.metrics:
             facts["metrics"] = _views.short_json(self.metrics)
@@ -253,16 +268,27 @@ def metadata(path: str | os.PathLike[str] | ObjectPath) -> CheckpointMetadata:
     def read() -> CheckpointMetadata:
         with unchanged(root):
             meta, items, _, checksums = read_checkpointables(root)
-            parts = {}
+            try:
+                tree_name: str | None = fmt.main_tree(root, items)
+            except CheckpointNotFoundError:
+                tree_name = None
+            parts: dict[str, Any] = {}
+            unreadable: dict[str, str] = {}
             with fmt.verifying(checksums):
                 for name, item in items.items():
-                    handler = resolve_for_load(name, item.handler, None, options.handlers)
-                    _check_own_files(item.folder, handler, checksums)
-                    parts[name] = handler.metadata(item.folder)
-        try:
-            tree_name: str | None = fmt.main_tree(root, items)
-        except CheckpointNotFoundError:
-            tree_name = None
-        return CheckpointMetadata(root, meta, parts, tree_name)
+                    try:
+                        handler = resolve_for_load(name, item.handler, None, options.handlers)
+                        _check_own_files(item.folder, handler, checksums)
+                        parts[name] = handler.metadata(item.folder)
+                    except (TypeError, ValueError, OSError) as e:
+                        if name == tree_name or isinstance(e, CheckpointReplacedError):
+                            raise  # the main tree is what the call is for
+                        parts[name] = None
+                        unreadable[name] = f"{type(e).__name__}: {e}"
+            for name in fmt.listed_items(root, meta).keys() - items.keys():
+                unreadable[name] = (
+                    f"listed in {fmt.CHECKPOINT_METADATA}, but its folder {root / name} is missing"
+                )
+        return CheckpointMetadata(root, meta, parts, tree_name, unreadable)
 
     return _hosts.shared(group, f"metadata:{root}", read, options.async_.timeout_secs)

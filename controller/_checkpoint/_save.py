@@ -139,12 +139,12 @@ def start_save(
     options = _options.current()
     final = as_path(path)
     if (
-        final.name.endswith(fmt.TMP_SUFFIX)
+        fmt.is_temporary_name(final.name)
         or NEW_MARKER in final.name
         or final.name.endswith(LEASE_SUFFIX)
     ):
         raise ValueError(
-            f"cannot save to {final}: names ending in {fmt.TMP_SUFFIX!r} are temporary directories "
+            f"cannot save to {final}: names holding {fmt.TMP_SUFFIX!r} are temporary directories "
             "and are never loaded as checkpoints; choose another name"
         )
     if not objs:

@@ -12,6 +12,7 @@ from milepost._format._checksums import (
     verifying,
 )
 from milepost._format._files import (
+    AGGREGATE,
     ARRAY_METADATAS,
     CHECKPOINT_METADATA,
     CHECKSUMS,
@@ -26,6 +27,7 @@ from milepost._format._files import (
     TREE_METADATA,
     fsync_dir,
     fsync_tree,
+    is_temporary_name,
     write_file,
     write_json,
 )
@@ -36,6 +38,7 @@ from milepost._format._layout import (
     Item,
     checkpointables,
     is_committed,
+    listed_items,
     main_tree,
     read_checkpoint_metadata,
     require_checkpoint,
@@ -45,6 +48,7 @@ from milepost._format._layout import (
 from milepost._format._pytree import Keys, SavedLeaf, TreeFiles, read_tree, write_tree
 
 __all__ = [
+    "AGGREGATE",
     "ARRAY_METADATAS",
     "CHECKPOINT_METADATA",
     "CHECKSUMS",
@@ -70,6 +74,8 @@ __all__ = [
     "fsync_dir",
     "fsync_tree",
     "is_committed",
+    "is_temporary_name",
+    "listed_items",
     "main_tree",
     "present",
     "read_checkpoint_metadata",

@@ -23,7 +23,7 @@ from typing import Any
 
 from milepost import workers
 from milepost._errors import CheckpointNotFoundError, CorruptCheckpointError
-from milepost._format._files import CHECKSUMS, write_file
+from milepost._format._files import CHECKSUMS, OCDBT_MANIFEST, write_file
 from milepost.workers import ObjectPath
 
 
@@ -86,7 +86,7 @@ def read_json_object(path: Path | ObjectPath, what: str) -> dict[str, Any]:
 
 def _is_array_data(folder: Path) -> bool:
     """A folder of array chunks: an OCDBT database's ``d/``, or a plain zarr3 array's ``c/``."""
-    return (folder.name == "d" and (folder.parent / "manifest.ocdbt").exists()) or (
+    return (folder.name == "d" and (folder.parent / OCDBT_MANIFEST).exists()) or (
         folder.name == "c" and (folder.parent / "zarr.json").exists()
     )
 
@@ -138,7 +138,7 @@ class Checksums:
         for key in keys:
             parts = key.split("/")
             chunk = any(
-                (part == "d" and "/".join([*parts[:i], "manifest.ocdbt"]) in present)
+                (part == "d" and "/".join([*parts[:i], OCDBT_MANIFEST]) in present)
                 or (part == "c" and "/".join([*parts[:i], "zarr.json"]) in present)
                 for i, part in enumerate(parts[:-1])
             )

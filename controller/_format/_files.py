@@ -13,12 +13,17 @@ CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
 COMMIT_MARKER = "commit_success.txt"
 ORBAX_MARKER = "orbax.checkpoint"
 TREE_METADATA = "_METADATA"
+OCDBT_MANIFEST = "manifest.ocdbt"
+AGGREGATE = "checkpoint"
+"""The msgpack file of Orbax's PyTree handler: the whole tree before ``_METADATA`` existed, the
+leaves saved in it (``aggregate``, and scalars) after."""
 SHARDING = "_sharding"
 STRINGS = "_strings.json"
 ARRAY_METADATAS = "array_metadatas"
 MILEPOST_INFO = "_milepost.json"
 """Types Orbax's metadata has no word for (NumPy vs Python scalars). Orbax ignores the file."""
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
+"""milepost's temporary directories end with it; Orbax's end with it or with it and ``-<time>``."""
 CHECKSUMS = "_milepost_checksums.json"
 """Size and CRC32C of every file but array chunks, written at commit. Orbax ignores the file."""
 
@@ -26,6 +31,12 @@ PYTREE_HANDLER_TYPESTR = (
     "orbax.checkpoint.experimental.v1._src.handlers.pytree_handler.PyTreeHandler"
 )
 JSON_HANDLER_TYPESTR = "orbax.checkpoint.experimental.v1._src.handlers.json_handler.JsonHandler"
+
+
+def is_temporary_name(name: str) -> bool:
+    """A name an unfinished save uses (every Orbax release's and milepost's): any name holding
+    ``.orbax-checkpoint-tmp``, which is how Orbax itself tells them."""
+    return TMP_SUFFIX in name
 
 
 def write_file(path: Path | ObjectPath, data: bytes | str) -> None:

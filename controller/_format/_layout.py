@@ -2,14 +2,17 @@
 
 - **v1** (milepost, ``orbax.checkpoint.experimental.v1``): ``_CHECKPOINT_METADATA`` whose
   ``item_handlers`` maps checkpointable names to handlers, one folder per checkpointable, the
-  ``orbax.checkpoint`` marker, and ``commit_success.txt`` once committed.
+  ``orbax.checkpoint`` marker, and ``commit_success.txt`` once committed (Orbax before 0.12.3:
+  on local disks, no marker; the rename out of the temporary name was the commit).
 - **v0** (``CheckpointManager`` steps, ``StandardCheckpointer``, ``PyTreeCheckpointer``,
   ``Composite``): ``item_handlers`` is a dict (Manager and Composite: folders such as
   ``default/``) or one handler's name (single checkpointers: the checkpoint's own folder is the
-  item), no marker; very old ones have no ``_CHECKPOINT_METADATA`` at all, just ``_METADATA``.
-  Orbax wrote them with an atomic rename, so a v0 checkpoint without a commit marker is whole.
+  item), no v1 marker. Older ones have no ``_CHECKPOINT_METADATA`` at all: a single
+  checkpointer's folder holds ``_METADATA`` (or, older still, only the msgpack ``checkpoint``),
+  a step holds its item folders. Some from 2024 have one holding only timestamps.
 
-milepost reads every one of these and writes v1 only.
+milepost reads every one of these and writes v1 only. The checkpointables are the folders that
+exist; ``item_handlers`` says which handler wrote each.
 """
 
 from __future__ import annotations
@@ -22,12 +25,13 @@ from typing import Any
 from milepost._errors import CheckpointNotFoundError, CorruptCheckpointError
 from milepost._format._checksums import read_json_object
 from milepost._format._files import (
+    AGGREGATE,
     CHECKPOINT_METADATA,
     CHECKSUMS,
     COMMIT_MARKER,
     ORBAX_MARKER,
-    TMP_SUFFIX,
     TREE_METADATA,
+    is_temporary_name,
 )
 from milepost._tree import unsafe_part
 from milepost.workers import ObjectPath
@@ -61,54 +65,86 @@ def unsafe_item_name(name: Any) -> str | None:
     return why
 
 
-def _written_by_v0(path: Path | ObjectPath) -> bool:
-    """Orbax v0 wrote it (it names v0 handlers and has no v1 marker), so it was renamed into place
-    whole even without a commit marker (older v0 wrote none on local disks)."""
-    if (path / ORBAX_MARKER).exists() or (path / CHECKSUMS).exists():
-        return False
-    try:
-        handlers = json.loads((path / CHECKPOINT_METADATA).read_bytes()).get("item_handlers")
-    except (OSError, ValueError, AttributeError):
-        return False
-    names = (
-        [handlers]
-        if isinstance(handlers, str)
-        else list(handlers.values())
-        if isinstance(handlers, dict)
-        else []
-    )
-    return bool(names) and all(
-        isinstance(n, str) and n.startswith(_V0_HANDLER_PREFIX) for n in names
-    )
-
-
-_V0_HANDLER_PREFIX = "orbax.checkpoint._src.handlers."
-
-
 def writer_of(path: Path | ObjectPath) -> str:
     """Who wrote the checkpoint at ``path``, as far as its files tell: ``"Orbax v0"``,
     ``"milepost (Orbax v1 layout)"`` or ``"Orbax v1"``."""
-    if _is_bare_v0(path) or _written_by_v0(path):
-        return "Orbax v0"
     if (path / CHECKSUMS).exists():
         return "milepost (Orbax v1 layout)"
-    return "Orbax v1"
+    if (path / ORBAX_MARKER).exists():
+        return "Orbax v1"
+    return "Orbax v0"
+
+
+ITEM_FILES = (TREE_METADATA, AGGREGATE, "metadata", "data.json")
+"""Files one of which every checkpointable folder Orbax or milepost writes holds: a tree's
+``_METADATA`` (or, before it, the msgpack ``checkpoint``), a JSON item's ``metadata`` (Orbax v0)
+or ``data.json``."""
+
+
+def _is_item_folder(path: Path | ObjectPath) -> bool:
+    return path.is_dir() and any((path / name).is_file() for name in ITEM_FILES)
+
+
+def _holds_checkpoint(path: Path | ObjectPath) -> bool:
+    """``path`` holds a checkpoint's files (whether its save finished is another question):
+    ``_CHECKPOINT_METADATA``; or, from before that file existed, a tree's own files (a single
+    checkpointer's folder) or folders of items (a CheckpointManager step, a Composite)."""
+    if (path / CHECKPOINT_METADATA).is_file():
+        # ...and something saved: its own tree's files, or a checkpointable's folder
+        if any((path / name).is_file() for name in (TREE_METADATA, AGGREGATE)):
+            return True
+        try:
+            listed = json.loads((path / CHECKPOINT_METADATA).read_bytes()).get("item_handlers")
+        except (OSError, ValueError, AttributeError):
+            listed = None
+        return isinstance(listed, str) or any(
+            p.is_dir() and ((isinstance(listed, dict) and p.name in listed) or _is_item_folder(p))
+            for p in path.iterdir()
+        )
+    if _is_bare_v0(path):
+        return True
+    return _is_unlisted_composite(path)
+
+
+def _is_unlisted_composite(path: Path | ObjectPath) -> bool:
+    """A step of a CheckpointManager (or a Composite) from before ``_CHECKPOINT_METADATA``: no
+    files of its own that a checkpoint or a checkpointable has, and item folders."""
+    if any((path / name).exists() for name in (TREE_METADATA, AGGREGATE, CHECKSUMS, ORBAX_MARKER)):
+        return False  # a tree's own folder, or a checkpoint of milepost or v1 (which have one)
+    if isinstance(path, Path) and (path.parent / CHECKPOINT_METADATA).is_file():
+        return False  # a checkpointable folder of a checkpoint, not a checkpoint
+    folders = [p for p in path.iterdir() if unsafe_item_name(p.name) is None and p.is_dir()]
+    return bool(folders) and all(_is_item_folder(p) for p in folders)
 
 
 def is_committed(path: Path | ObjectPath) -> bool:
-    """A checkpoint whose save finished: one with its commit marker, or one Orbax v0 wrote
-    (renamed into place whole). Temporary directories never are."""
-    if not path.is_dir() or path.name.endswith(TMP_SUFFIX):
+    """A checkpoint whose save finished, by the rule of the writer that wrote it:
+
+    - never a temporary name (``<name>.orbax-checkpoint-tmp[-<time>]``: every Orbax release and
+      milepost save into one and rename it into place when done);
+    - with its commit marker (``commit_success.txt``) when milepost wrote it, when it lies in an
+      object store (every writer writes the marker there, last), or when Orbax >= 0.12.3 did
+      (it writes the marker before its rename, so its finished folders all have one);
+    - else, on a local disk, a folder of checkpoint files that Orbax renamed into place: releases
+      before 0.12.3 wrote no marker there, and a folder they had not finished still had its
+      temporary name.
+    """
+    if not path.is_dir() or is_temporary_name(path.name):
         return False
-    if (path / CHECKPOINT_METADATA).is_file():
-        return (path / COMMIT_MARKER).is_file() or _written_by_v0(path)
-    return _is_bare_v0(path)
+    if (path / COMMIT_MARKER).is_file():
+        return _holds_checkpoint(path)
+    if not isinstance(path, Path) or (path / CHECKSUMS).exists():
+        return False  # an object store, or milepost's own: the marker is how they commit
+    return _holds_checkpoint(path)
 
 
 def _is_bare_v0(path: Path | ObjectPath) -> bool:
-    """A v0 single-item checkpoint from before ``_CHECKPOINT_METADATA``: ``_METADATA`` in the
-    folder itself, which is not a checkpointable folder of a checkpoint."""
-    return (path / TREE_METADATA).is_file() and not (path.parent / CHECKPOINT_METADATA).is_file()
+    """A v0 single-item checkpoint from before ``_CHECKPOINT_METADATA``: a tree's files in the
+    folder itself, which is not a checkpointable folder of a checkpoint. (An item folder of a
+    step from before that file is one too: Orbax's single checkpointers read it alone.)"""
+    if not ((path / TREE_METADATA).is_file() or (path / AGGREGATE).is_file()):
+        return False
+    return not (path.parent / CHECKPOINT_METADATA).is_file()
 
 
 def require_checkpoint(path: Path | ObjectPath) -> None:
@@ -122,20 +158,23 @@ def require_checkpoint(path: Path | ObjectPath) -> None:
         raise CheckpointNotFoundError(
             f"{path} is a file, not a checkpoint directory. Pass the checkpoint's directory."
         )
-    if path.name.endswith(TMP_SUFFIX):
+    if is_temporary_name(path.name):
         raise CheckpointNotFoundError(
             f"{path} is the temporary directory of an unfinished save, not a "
             "committed checkpoint; it cannot be loaded."
         )
-    if (path / CHECKPOINT_METADATA).exists():
-        if not is_committed(path):
-            raise CheckpointNotFoundError(
-                f"{path} has no commit marker ({COMMIT_MARKER}): the save that wrote it "
-                "did not finish. Load another checkpoint."
-            )
+    if is_committed(path):
         return
-    if _is_bare_v0(path):
-        return
+    if _holds_checkpoint(path):
+        why = (
+            "milepost writes it last"
+            if (path / CHECKSUMS).exists()
+            else "in an object store every writer writes it last"
+        )
+        raise CheckpointNotFoundError(
+            f"{path} has no commit marker ({COMMIT_MARKER}), and {why}: the save that wrote "
+            "it did not finish. Load another checkpoint."
+        )
     if (path / TREE_METADATA).is_file():
         raise CheckpointNotFoundError(
             f"{path} is not a checkpoint but a checkpointable folder of the checkpoint "
@@ -150,19 +189,20 @@ def require_checkpoint(path: Path | ObjectPath) -> None:
     )
 
 
-def checkpointables(path: Path | ObjectPath, meta: dict[str, Any] | None) -> dict[str, Item]:
-    """The checkpointables of the checkpoint at ``path`` (``meta``: its ``_CHECKPOINT_METADATA``,
-    None when it has none), every name checked like a name being saved."""
+def listed_items(path: Path | ObjectPath, meta: dict[str, Any] | None) -> dict[str, str | None]:
+    """The checkpointables ``_CHECKPOINT_METADATA``'s ``item_handlers`` names, with the handler
+    each was saved by (``meta``: that file, None when there is none). A single checkpointer's
+    string is the one item ``default``. Every name is checked like a name being saved."""
     raw = (meta or {}).get("item_handlers")
     where = path / CHECKPOINT_METADATA
-    if isinstance(raw, str):  # a v0 single checkpointer: the checkpoint's folder is the item
-        return {DEFAULT_ITEM: Item(DEFAULT_ITEM, raw, path)}
+    if isinstance(raw, str):
+        return {DEFAULT_ITEM: raw}
     if raw and not isinstance(raw, dict):
         raise CorruptCheckpointError(
             f"'item_handlers' in {where} is not a mapping of checkpointable names to handlers (got "
             f"{type(raw).__name__}); the checkpoint is damaged or of an unsupported layout"
         )
-    out: dict[str, Item] = {}
+    out: dict[str, str | None] = {}
     for name, handler in (raw or {}).items():
         if (why := unsafe_item_name(name)) is not None:
             raise CorruptCheckpointError(
@@ -170,17 +210,26 @@ def checkpointables(path: Path | ObjectPath, meta: dict[str, Any] | None) -> dic
                 f"which cannot be a folder name ({why}); the checkpoint is damaged "
                 "or crafted, and nothing was read from it"
             )
-        out[name] = Item(name, handler if isinstance(handler, str) else None, path / name)
-    if out:
-        return out
-    if (path / TREE_METADATA).is_file():  # very old v0: the folder is the item
-        return {DEFAULT_ITEM: Item(DEFAULT_ITEM, None, path)}
-    entries: list[Path | ObjectPath] = [*path.iterdir()]
-    return {
-        p.name: Item(p.name, None, p)
-        for p in sorted(entries)
-        if p.is_dir() and unsafe_item_name(p.name) is None
-    }
+        out[name] = handler if isinstance(handler, str) else None
+    return out
+
+
+def checkpointables(path: Path | ObjectPath, meta: dict[str, Any] | None) -> dict[str, Item]:
+    """The checkpointables of the checkpoint at ``path``: the folders that exist, each with the
+    handler ``item_handlers`` recorded for it as a hint (a name listed there whose folder is
+    gone is not one; a folder it does not list is one if it holds a checkpointable's files)."""
+    hints = listed_items(path, meta)
+    raw = (meta or {}).get("item_handlers")
+    if isinstance(raw, str) or (
+        not hints and ((path / TREE_METADATA).is_file() or (path / AGGREGATE).is_file())
+    ):  # a single checkpointer (or a very old one): the checkpoint's folder is the item
+        return {DEFAULT_ITEM: Item(DEFAULT_ITEM, hints.get(DEFAULT_ITEM), path)}
+    out: dict[str, Item] = {}
+    for p in sorted(path.iterdir(), key=lambda p: p.name):
+        if unsafe_item_name(p.name) is None and p.is_dir():
+            if p.name in hints or _is_item_folder(p):
+                out[p.name] = Item(p.name, hints.get(p.name), p)
+    return out
 
 
 def read_checkpoint_metadata(path: Path | ObjectPath) -> dict[str, Any]:

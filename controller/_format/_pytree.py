@@ -27,6 +27,7 @@ from milepost._format._checksums import present, read_json, read_json_object
 from milepost._format._files import (
     ARRAY_METADATAS,
     MILEPOST_INFO,
+    OCDBT_MANIFEST,
     SHARDING,
     STRINGS,
     TREE_METADATA,
@@ -311,7 +312,10 @@ def _read(directory: Path | ObjectPath) -> TreeFiles:
         )
     return TreeFiles(
         leaves=leaves,
-        use_ocdbt=bool(meta.get("use_ocdbt", True)),
+        # Orbax before 0.6 did not record it: an OCDBT tree has its manifest at the top
+        use_ocdbt=bool(meta["use_ocdbt"])
+        if "use_ocdbt" in meta
+        else present(directory / OCDBT_MANIFEST),
         zarr_format=3 if meta.get("use_zarr3", False) else 2,
         shardings=shardings,
         strings=strings,

@@ -63,7 +63,7 @@ def check_final(final: Any, overwrite: bool) -> None:
     changes it, and goes with it when it is overwritten or deleted)."""
     # (Local paths: on an object store each level would cost requests.)
     for parent in final.resolve().parents if isinstance(final, Path) else ():
-        if fmt.is_committed(parent) or parent.name.endswith(fmt.TMP_SUFFIX):
+        if fmt.is_committed(parent) or fmt.is_temporary_name(parent.name):
             raise CheckpointExistsError(
                 f"{final} is inside the checkpoint {parent}; milepost does not "
                 "write a checkpoint into another one (it would change it, and be "

@@ -72,7 +72,11 @@ class Tier:
             steps = [self.path / name for name in self.listing()[0]]
         for p in steps:
             try:
-                meta = fmt.read_json(p / fmt.CHECKPOINT_METADATA, "checkpoint metadata")
+                meta = (
+                    fmt.read_json(p / fmt.CHECKPOINT_METADATA, "checkpoint metadata")
+                    if isinstance(p, ObjectPath) or (p / fmt.CHECKPOINT_METADATA).exists()
+                    else {}  # a step from before Orbax wrote that file
+                )
             except (FileNotFoundError, ValueError) as e:
                 log.warning("ignoring step %s: %s", p.name, e)
                 continue
