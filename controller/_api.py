@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from milepost import _checkpoint, _hosts, _progress, _safetensors
+from milepost import _checkpoint, _hosts, _msgpack, _progress, _safetensors
 from milepost._checkpoint import CheckpointMetadata, SaveHandle
 from milepost.workers import ObjectPath, as_path
 
@@ -124,9 +124,10 @@ def load(path: PathLike, abstract_state: Any = None, *, partial: bool = False) -
 
     ``path`` may also be a ``.safetensors`` file or a folder of HF-style shards: tensor names are
     matched to the leaves' key paths joined by '.', and each host reads only the byte ranges its
-    devices need. Orbax v0 checkpoints (CheckpointManager steps, Standard/PyTree checkpointers)
-    load too. ``path`` may also be a tree from ``milepost.surgery``: it is computed onto the
-    devices (see ``surgery.materialize``).
+    devices need. So may a Flax msgpack file (``flax_model.msgpack``, ``checkpoint_<step>``):
+    names as for safetensors, list items by their index. Orbax v0 checkpoints (CheckpointManager
+    steps, Standard/PyTree checkpointers) load too. ``path`` may also be a tree from
+    ``milepost.surgery``: it is computed onto the devices (see ``surgery.materialize``).
     """
     if not isinstance(path, str | os.PathLike | ObjectPath):
         if _tree_loader is None:  # (a surgery's tree exists only once milepost.surgery is imported)
@@ -139,6 +140,8 @@ def load(path: PathLike, abstract_state: Any = None, *, partial: bool = False) -
     with _progress.operation("load", where, primary=_primary()):
         if isinstance(where, Path) and _safetensors.is_safetensors(where):
             return _safetensors.load(where, abstract_state, partial)
+        if isinstance(where, Path) and _msgpack.is_msgpack(where):
+            return _msgpack.load(where, abstract_state, partial)
         loaded = _checkpoint.load_checkpointables(
             path, {STATE: abstract_state}, partial=partial, default_pytree=True
         )

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,6 +91,20 @@ def read_tensors(path: Path) -> dict[str, workers.Tensor]:
 def load(path: Path, abstract: Any, partial: bool) -> Any:
     """The tensors of ``path`` as the tree ``abstract`` describes (names: key paths joined by
     '.'), or, with no abstract tree, as NumPy arrays in a nested dict split at the '.'s."""
+    return load_tensors(path, lambda: (read_tensors(path), {}), abstract, partial)
+
+
+Found = tuple[dict[str, workers.Tensor], dict[str, Any]]
+"""What a file holds by leaf name: arrays (where their bytes lie), and values read already."""
+
+
+def load_tensors(
+    path: Path, read: Callable[[], Found], abstract: Any, partial: bool, *, kind: str = "the file"
+) -> Any:
+    """The leaves ``read()`` finds in the file(s) at ``path`` (run once, on the primary), as the
+    tree ``abstract`` describes, or, with no abstract tree, NumPy arrays and values in nested
+    dicts split at the '.'s. Every host reads only the byte ranges of the arrays its devices
+    need."""
     options = _options.current()
     timeout = options.async_.timeout_secs
     leaves: list[Any] = (
@@ -101,31 +115,70 @@ def load(path: Path, abstract: Any, partial: bool) -> Any:
         )
     )
     group = _hosts.check_storage(_hosts.host_group_for_abstract(leaves), path)
-    tensors = _hosts.shared(group, f"safetensors:{path}", lambda: read_tensors(path), timeout)
+    tensors, plain = _hosts.shared(group, f"tensors:{path}", read, timeout)
+    held = [*tensors, *plain]
     if abstract is None:
         targets = [
-            (tuple((part, _tree.KEY_DICT) for part in name.split(".")), name, None)
-            for name in tensors
+            (tuple((part, _tree.KEY_DICT) for part in name.split(".")), name, None) for name in held
         ]
         treedef = None
     else:
         flat, treedef = _tree.flatten(abstract)
         targets = [(leaf.keys, leaf.name, leaf.value) for leaf in flat]
         missing = [
-            leaf.name for leaf in flat if leaf.name not in tensors and leaf.value is not PLACEHOLDER
+            leaf.name
+            for leaf in flat
+            if leaf.name not in tensors and leaf.name not in plain and leaf.value is not PLACEHOLDER
         ]
         if missing:
             raise StructureMismatchError(
                 f"the abstract tree asks for {missing[:5]}, which {path} does "
-                f"not hold (it holds {sorted(tensors)[:8]}...); the tensor names "
+                f"not hold (it holds {sorted(held)[:8]}...); the names in {kind} "
                 "must be the leaves' key paths joined by '.'"
             )
-        extra = sorted(set(tensors) - {leaf.name for leaf in flat})
+        extra = sorted(set(held) - {leaf.name for leaf in flat})
         if extra and not partial:
             raise StructureMismatchError(
-                f"{path} holds tensors the abstract tree lacks: {extra[:5]}; pass "
+                f"{path} holds leaves the abstract tree lacks: {extra[:5]}; pass "
                 "partial=True to load only the leaves you give"
             )
+    targets_of_arrays = [(keys, name, abst) for keys, name, abst in targets if name in tensors]
+    values = _arrays(path, tensors, targets_of_arrays, group, options, timeout)
+    for _, name, abst in targets:
+        if name in plain and abst is not PLACEHOLDER:
+            values[name] = _plain_value(plain[name], abst, name)
+    if treedef is None:
+        return _tree.build_nested([(keys, values[name]) for keys, name, _ in targets])
+    return _tree.unflatten(
+        treedef, [PLACEHOLDER if abst is PLACEHOLDER else values[name] for _, name, abst in targets]
+    )
+
+
+def _plain_value(value: Any, abstract: Any, name: str) -> Any:
+    """A value the file holds as such (a scalar, a string), shaped as its abstract leaf: an
+    array leaf gets it as an array of its dtype, on its sharding."""
+    if abstract is None or not hasattr(abstract, "dtype") or not hasattr(abstract, "shape"):
+        return value
+    out = np.asarray(value, dtype=np.dtype(abstract.dtype))
+    if tuple(out.shape) != tuple(abstract.shape):
+        raise StructureMismatchError(
+            f"leaf {name!r}: the abstract tree says shape {tuple(abstract.shape)} but the file "
+            f"holds {out.shape}"
+        )
+    if isinstance(abstract, np.generic):
+        return out[()]
+    sharding = None if isinstance(abstract, np.ndarray) else getattr(abstract, "sharding", None)
+    return out if sharding is None else jax.device_put(out, sharding)
+
+
+def _arrays(
+    path: Path,
+    tensors: dict[str, workers.Tensor],
+    targets: list[tuple[Any, str, Any]],
+    group: Any,
+    options: Any,
+    timeout: float | None,
+) -> dict[str, Any]:
     device_tasks: list[workers.LoadTask] = []
     host_tasks: list[workers.LoadTask] = []
     for _, name, abst in targets:
@@ -164,11 +217,7 @@ def load(path: Path, abstract: Any, partial: bool) -> Any:
             values.update(
                 zip((t.name for t in host_tasks), own.result(timeout).arrays, strict=True)
             )
-    if treedef is None:
-        return _tree.build_nested([(keys, values[name]) for keys, name, _ in targets])
-    return _tree.unflatten(
-        treedef, [PLACEHOLDER if abst is PLACEHOLDER else values[name] for _, name, abst in targets]
-    )
+    return values
 
 
 def _task(tensor: workers.Tensor, name: str, abstract: Any, group: Any) -> workers.LoadTask:

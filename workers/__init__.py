@@ -37,6 +37,8 @@ from milepost.workers._messages import (
     VerifyTask,
     WrittenArray,
 )
+from milepost.workers._msgpack import is_msgpack_tree
+from milepost.workers._msgpack import read_tree as read_msgpack
 from milepost.workers._paths import (
     NO_VALUE,
     STORAGE_ENV_VARS,
@@ -154,6 +156,7 @@ __all__ = [
     "io_snapshot",
     "is_key",
     "is_local",
+    "is_msgpack_tree",
     "key_impl_name",
     "key_words",
     "kvstore",
@@ -167,6 +170,7 @@ __all__ = [
     "progress",
     "read_array_headers",
     "read_kvstore",
+    "read_msgpack",
     "read_safetensors_header",
     "run_job",
     "safetensors_header",

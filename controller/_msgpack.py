@@ -1,0 +1,63 @@
+"""Flax msgpack checkpoints (``flax.serialization.to_bytes`` files such as model hubs'
+``flax_model.msgpack``, and ``flax.training.checkpoints``' ``checkpoint_<step>``) loaded as
+trees: the controller walks the file's structure (``milepost.workers.read_msgpack``, which
+skips the arrays' bytes), and every host reads only the byte ranges its devices need, as for
+safetensors. Nothing in the file is executed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from milepost import _safetensors, workers
+
+
+def is_msgpack(path: Path) -> bool:
+    """A file that Flax wrote with msgpack (the name a hub or Flax gives it, and a msgpack map
+    inside)."""
+    name = path.name
+    flax_name = name.endswith(".msgpack") or (
+        name.startswith("checkpoint_") and name.removeprefix("checkpoint_").isdigit()
+    )
+    return flax_name and path.is_file() and workers.is_msgpack_tree(str(path))
+
+
+def flat(tree: Any) -> _safetensors.Found:
+    """Arrays and values of a msgpack tree by leaf name (key paths joined by '.'; an empty map
+    or list is a value)."""
+    tensors: dict[str, workers.Tensor] = {}
+    plain: dict[str, Any] = {}
+
+    def walk(node: Any, parts: tuple[str, ...]) -> None:
+        children = (
+            node.items()
+            if isinstance(node, dict)
+            else ((str(i), v) for i, v in enumerate(node))
+            if isinstance(node, list)
+            else None
+        )
+        if children is not None and node:
+            for key, child in children:
+                walk(child, (*parts, key))
+            return
+        name = ".".join(parts) if parts else "_root"
+        if isinstance(node, workers.Tensor):
+            tensors[name] = workers.Tensor(node.path, name, node.dtype, node.shape, node.offset)
+        else:
+            plain[name] = node
+
+    walk(tree, ())
+    return tensors, plain
+
+
+def load(path: Path, abstract: Any, partial: bool) -> Any:
+    """The tree of the msgpack file ``path``, shaped and placed as ``abstract`` says (leaf names:
+    key paths joined by '.', list items by their index), or with no abstract tree as nested
+    dicts of NumPy arrays and values (as ``flax.serialization.msgpack_restore`` gives)."""
+    return _safetensors.load_tensors(
+        path,
+        lambda: flat(workers.read_msgpack(str(path))),
+        abstract,
+        partial,
+        kind="a msgpack file",
+    )
