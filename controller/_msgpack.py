@@ -23,30 +23,14 @@ def is_msgpack(path: Path) -> bool:
 
 
 def flat(tree: Any) -> _safetensors.Found:
-    """Arrays and values of a msgpack tree by leaf name (key paths joined by '.'; an empty map
-    or list is a value)."""
+    """Arrays and values of a msgpack tree by leaf name (key paths joined by '.')."""
     tensors: dict[str, workers.Tensor] = {}
     plain: dict[str, Any] = {}
-
-    def walk(node: Any, parts: tuple[str, ...]) -> None:
-        children = (
-            node.items()
-            if isinstance(node, dict)
-            else ((str(i), v) for i, v in enumerate(node))
-            if isinstance(node, list)
-            else None
-        )
-        if children is not None and node:
-            for key, child in children:
-                walk(child, (*parts, key))
-            return
-        name = ".".join(parts) if parts else "_root"
-        if isinstance(node, workers.Tensor):
-            tensors[name] = workers.Tensor(node.path, name, node.dtype, node.shape, node.offset)
+    for name, leaf in workers.msgpack_leaves(tree).items():
+        if isinstance(leaf, workers.Tensor):
+            tensors[name] = workers.Tensor(leaf.path, name, leaf.dtype, leaf.shape, leaf.offset)
         else:
-            plain[name] = node
-
-    walk(tree, ())
+            plain[name] = leaf
     return tensors, plain
 
 

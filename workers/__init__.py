@@ -37,8 +37,10 @@ from milepost.workers._messages import (
     VerifyTask,
     WrittenArray,
 )
+from milepost.workers._msgpack import flat_leaves as msgpack_leaves
 from milepost.workers._msgpack import is_msgpack_tree
 from milepost.workers._msgpack import read_tree as read_msgpack
+from milepost.workers._msgpack import read_tree_bytes as read_msgpack_bytes
 from milepost.workers._paths import (
     NO_VALUE,
     STORAGE_ENV_VARS,
@@ -162,6 +164,7 @@ __all__ = [
     "kvstore",
     "load",
     "merge_ocdbt",
+    "msgpack_leaves",
     "new_context",
     "ocdbt_kvstore",
     "parallel_copy",
@@ -171,6 +174,7 @@ __all__ = [
     "read_array_headers",
     "read_kvstore",
     "read_msgpack",
+    "read_msgpack_bytes",
     "read_safetensors_header",
     "run_job",
     "safetensors_header",

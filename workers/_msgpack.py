@@ -88,9 +88,41 @@ def read_tree(path: str) -> Any:
             return tree
 
 
+def read_tree_bytes(data: bytes, where: str) -> Any:
+    """The tree of a msgpack file already in memory (``where`` names it in errors), its arrays
+    as NumPy arrays: for the small aggregate file of an Orbax tree."""
+    walker = _Walker(where, data, arrays_in_memory=True)
+    if not data:
+        raise walker.bad("the file is empty")
+    tree = walker.value(0)
+    if walker.pos != len(data):
+        raise walker.bad(f"{len(data) - walker.pos} bytes follow the tree")
+    return tree
+
+
+def flat_leaves(tree: Any) -> dict[str, Any]:
+    """The leaves of a msgpack tree by name: key paths joined by '.' (list items by their
+    index); an empty map or list is a leaf."""
+    out: dict[str, Any] = {}
+
+    def walk(node: Any, parts: tuple[str, ...]) -> None:
+        if isinstance(node, dict | list) and node:
+            items = node.items() if isinstance(node, dict) else enumerate(node)
+            for key, child in items:
+                walk(child, (*parts, str(key)))
+            return
+        out[".".join(parts) if parts else "_root"] = node
+
+    walk(tree, ())
+    return out
+
+
 class _Walker:
-    def __init__(self, path: str, view: mmap.mmap) -> None:
+    def __init__(
+        self, path: str, view: mmap.mmap | bytes, *, arrays_in_memory: bool = False
+    ) -> None:
         self.path, self.view, self.pos, self.read = path, view, 0, 0
+        self.arrays_in_memory = arrays_in_memory
 
     def bad(self, why: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(
@@ -228,5 +260,7 @@ class _Walker:
             raise self.bad(f"an array of shape {tuple(shape)} {name} has {n} bytes, not {expected}")
         if scalar:
             return np.frombuffer(self.take(n), dtype=dtype).reshape(shape)[()]
+        if self.arrays_in_memory:
+            return np.frombuffer(self.take(n), dtype=dtype).reshape(shape).copy()
         offset = self.skip(n)
         return Tensor(path=self.path, name="", dtype=name, shape=tuple(shape), offset=offset)

@@ -110,7 +110,11 @@ def array_headers(
 def tree_metadata(directory: Path | ObjectPath) -> Any:
     """The tree of :class:`LeafMetadata` (and empty containers), from metadata and headers."""
     files = fmt.read_tree(directory)
-    arrays = [n for n, leaf in files.leaves.items() if leaf.value_type.is_array]
+    arrays = [
+        n
+        for n, leaf in files.leaves.items()
+        if leaf.value_type.is_array and n not in files.aggregated
+    ]
     headers = array_headers(directory, files, arrays)
     built = []
     for name, saved in files.leaves.items():
@@ -142,6 +146,9 @@ def tree_metadata(directory: Path | ObjectPath) -> Any:
             )
         elif vt.is_empty:
             leaf = vt.empty_value()
+        elif isinstance(files.aggregated.get(name), np.ndarray):
+            value = files.aggregated[name]
+            leaf = LeafMetadata(name=name, value_type=vt, shape=value.shape, dtype=value.dtype)
         else:
             leaf = LeafMetadata(name=name, value_type=vt)
         built.append((saved.keys, leaf))
@@ -368,6 +375,7 @@ def load(directory: Path | ObjectPath, abstract: Any, call: LoadCall) -> Any:
         if t.abstract is not PLACEHOLDER
         and t.name in files.leaves
         and files.leaves[t.name].value_type.is_array
+        and t.name not in files.aggregated
     ]
     headers = _hosts.shared(
         group,
@@ -504,6 +512,8 @@ def _assemble(
             value = values[t.name]
             if vt is ValueType.SCALAR and isinstance(value, np.ndarray):
                 value = to_scalar(value, files.python_types.get(t.name), t.abstract)
+        elif t.name in files.aggregated:
+            value = _aggregated_value(files.aggregated[t.name], t)
         elif vt is ValueType.STRING:
             if t.name not in files.strings:
                 raise CorruptCheckpointError(
@@ -521,6 +531,27 @@ def _assemble(
     if treedef is None:
         return _tree.build_nested(out)
     return _tree.unflatten(treedef, [v if v is PLACEHOLDER else v[1] for v in out])
+
+
+def _aggregated_value(value: Any, t: _Target) -> Any:
+    """A value Orbax kept in its msgpack file, shaped as the abstract leaf asks: an array leaf
+    gets an array of its dtype, on its sharding (these are small: Orbax aggregated scalars and
+    small arrays)."""
+    abstract = t.abstract
+    if abstract is None or not (hasattr(abstract, "shape") and hasattr(abstract, "dtype")):
+        if isinstance(abstract, SCALAR_TYPES) and not isinstance(value, str):
+            return to_scalar(np.asarray(value), None, abstract)
+        return value
+    out = np.asarray(value, dtype=np.dtype(abstract.dtype))
+    if tuple(out.shape) != tuple(abstract.shape):
+        raise StructureMismatchError(
+            f"leaf {t.name!r}: the abstract tree says shape {tuple(abstract.shape)} but the "
+            f"checkpoint holds {out.shape}"
+        )
+    if isinstance(abstract, np.generic):
+        return out[()]
+    sharding = None if isinstance(abstract, np.ndarray) else getattr(abstract, "sharding", None)
+    return out if sharding is None else jax.device_put(out, sharding)
 
 
 def to_scalar(value: np.ndarray, python_type: str | None, abstract: Any) -> Any:

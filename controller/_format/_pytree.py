@@ -25,6 +25,7 @@ from milepost import workers
 from milepost._errors import CorruptCheckpointError
 from milepost._format._checksums import present, read_json, read_json_object
 from milepost._format._files import (
+    AGGREGATE,
     ARRAY_METADATAS,
     MILEPOST_INFO,
     OCDBT_MANIFEST,
@@ -84,6 +85,10 @@ class TreeFiles:
     chunk_crc32c: dict[str, dict[tuple[int, ...], int]] = field(default_factory=dict)
     """Per array, the CRC32C of each chunk's values by chunk-grid index, as the hosts that wrote
     them computed it (``_milepost.json``); arrays written without them are absent."""
+    aggregated: dict[str, Any] = field(default_factory=dict)
+    """Leaves whose values Orbax's PyTree handler kept in its msgpack ``checkpoint`` file
+    (``SaveArgs(aggregate=True)``, and older defaults), by name; the others are placeholders
+    there."""
     fill_missing: bool = False
     """True for checkpoints written without every chunk (``store_array_data_equal_to_fill_value``
     false): a missing chunk then means zeros. Milepost and Orbax 0.12 write every chunk, so a
@@ -322,8 +327,27 @@ def _read(directory: Path | ObjectPath) -> TreeFiles:
         python_types=info.get("python_types", {}),
         key_impls=key_impls,
         chunk_crc32c=checksums,
+        aggregated=_aggregated(directory),
         fill_missing=not meta.get("store_array_data_equal_to_fill_value", False),
     )
+
+
+PLACEHOLDER_PREFIX = "PLACEHOLDER://"
+"""How Orbax's aggregate file marks a leaf whose value lies elsewhere."""
+
+
+def _aggregated(directory: Path | ObjectPath) -> dict[str, Any]:
+    """The values Orbax's msgpack ``checkpoint`` file holds (small: scalars, and arrays saved
+    with ``aggregate``), by leaf name; placeholders left out."""
+    if not present(directory / AGGREGATE):
+        return {}
+    path = directory / AGGREGATE
+    leaves = workers.msgpack_leaves(workers.read_msgpack_bytes(path.read_bytes(), str(path)))
+    return {
+        name: value
+        for name, value in leaves.items()
+        if not (isinstance(value, str) and value.startswith(PLACEHOLDER_PREFIX))
+    }
 
 
 def _key_impls_of_array_metadatas(
