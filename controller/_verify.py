@@ -163,13 +163,21 @@ def _plan_tree(
 ) -> None:
     try:
         files = fmt.read_tree(directory)
-        arrays = [n for n, leaf in files.leaves.items() if leaf.value_type.is_array]
+        arrays = [  # (what Orbax kept in its msgpack file was read, and is sound, already)
+            n
+            for n, leaf in files.leaves.items()
+            if leaf.value_type.is_array and n not in files.aggregated
+        ]
         headers = _checkpoint.array_headers(directory, files, arrays)
     except (ValueError, CheckpointNotFoundError) as e:
         out.problems.append(str(e))
         return
     for name, leaf in files.leaves.items():
-        if leaf.value_type is ValueType.STRING and name not in files.strings:
+        if (
+            leaf.value_type is ValueType.STRING
+            and name not in files.strings
+            and name not in files.aggregated
+        ):
             out.problems.append(f"string leaf {name!r} is missing from {directory / fmt.STRINGS}")
     unchecked: list[str] = []
     tasks: dict[Any, list[tuple[str, tuple[int, ...], int | None]]] = {p: [] for p in processes}
