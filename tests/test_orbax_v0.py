@@ -173,3 +173,66 @@ def test_a_handler_milepost_does_not_read_is_named(
     with pytest.raises(TypeError, match=r"(?s)'extra'.*ProtoCheckpointHandler.*does not read"):
         mp.load_checkpointables(ckpt)
     assert set(mp.load_checkpointables(ckpt, {"state": None})) == {"state"}  # the rest still loads
+    meta = mp.metadata(ckpt)  # every part it can describe; the other one says why not
+    assert meta.tree["params"]["w"].shape == (16, 8)
+    assert meta.checkpointables["extra"] is None
+    assert "ProtoCheckpointHandler" in meta.unreadable["extra"]
+    assert "not described: extra" in repr(meta)
+
+
+def test_a_listed_part_whose_folder_is_gone(
+    written: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    root, tree = written
+    ckpt = shutil.copytree(root / "composite" / "7", tmp_path / "c")
+    shutil.rmtree(ckpt / "extra")
+    check(mp.load(ckpt), tree)  # the tree never needs its sibling
+    meta = mp.metadata(ckpt)
+    assert set(meta.checkpointables) == {"state"} and "missing" in meta.unreadable["extra"]
+    with pytest.raises(mp.CheckpointNotFoundError, match=r"(?s)\['extra'\].*folders are missing"):
+        mp.load_checkpointables(ckpt, {"extra": None})
+
+
+def test_older_steps_without_markers_are_finished_and_kept(
+    written: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    """Orbax before 0.12.3 wrote no commit marker on local disks (the rename was the commit):
+    a writable Checkpointer must list those steps, load them, and never remove them."""
+    root, tree = written
+    manager = shutil.copytree(root / "manager", tmp_path / "manager")
+    for step in (0, 5, 10):
+        (manager / str(step) / "commit_success.txt").unlink()
+    with Checkpointer(manager) as ckpt:
+        assert ckpt.steps == [0, 5, 10]
+        check(ckpt.load(10), tree)
+    assert sorted(p.name for p in manager.iterdir()) == ["0", "10", "5"]
+    assert mp.training.list_steps(manager)[0]["state"] == "committed"
+
+
+def test_what_an_unfinished_orbax_save_leaves_is_never_a_checkpoint(
+    written: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    """Orbax's temporary names (with a timestamp before 0.12) are unfinished, whatever they
+    hold; so is a step folder that holds only checkpoint metadata."""
+    root, _ = written
+    manager = shutil.copytree(root / "manager", tmp_path / "manager")
+    for name in ("15.orbax-checkpoint-tmp-1716000000000000", "20.orbax-checkpoint-tmp"):
+        shutil.copytree(manager / "10", manager / name)
+        with pytest.raises(mp.CheckpointNotFoundError, match="unfinished save"):
+            mp.load(manager / name)
+    single = shutil.copytree(root / "standard", tmp_path / "x.orbax-checkpoint-tmp-1716000000")
+    (single / "commit_success.txt").unlink()
+    with pytest.raises(mp.CheckpointNotFoundError, match="unfinished save"):
+        mp.load(single)
+    with Checkpointer(manager, read_only=True) as ckpt:
+        assert ckpt.steps == [0, 5, 10]
+    rows = {r["step"]: r["state"] for r in mp.training.list_steps(manager)}
+    assert rows == {
+        0: "committed",
+        5: "committed",
+        10: "committed",
+        15: "unfinished save",
+        20: "unfinished save",
+    }
+    with pytest.raises(ValueError, match="temporary"):
+        mp.save(tmp_path / "y.orbax-checkpoint-tmp-5", {"x": 1})

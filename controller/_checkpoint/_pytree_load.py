@@ -56,7 +56,9 @@ class LeafMetadata:
         """Bytes of its values (None for strings and other leaves that are not arrays)."""
         if self.shape is None or self.dtype is None:
             return None
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+        # (a typed PRNG key's dtype is JAX's, not NumPy's: its itemsize is its key data's)
+        itemsize = getattr(self.dtype, "itemsize", None) or np.dtype(self.dtype).itemsize
+        return int(np.prod(self.shape, dtype=np.int64)) * int(itemsize)
 
     def __repr__(self) -> str:
         if self.shape is None:
