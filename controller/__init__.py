@@ -18,6 +18,8 @@ from milepost._api import (
 from milepost._checkpoint import (
     CheckpointableHandler,
     CheckpointMetadata,
+    DataIterator,
+    DataIteratorHandler,
     JsonHandler,
     LeafMetadata,
     PyTreeHandler,
@@ -57,6 +59,8 @@ __all__ = [
     "Context",
     "CopyReport",
     "CorruptCheckpointError",
+    "DataIterator",
+    "DataIteratorHandler",
     "HostError",
     "HostIoStats",
     "InvalidKeyError",

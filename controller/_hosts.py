@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import jax
 
-from milepost.colocated import HostGroup, LocalHostGroup
+from milepost.colocated import HostGroup, LocalHostGroup, MultiControllerHostGroup
 from milepost.colocated import default_group as _multi_controller_group
 from milepost.workers import ObjectPath, as_path
 
@@ -40,6 +40,15 @@ def _default_group() -> HostGroup:
         if group is not None:
             return group
     return _local()
+
+
+def controller_process(group: HostGroup) -> tuple[int, int]:
+    """This controller process's index and the number of controller processes of ``group``:
+    each process of a multi-controller job, else the one controller (0 of 1, embedded or with a
+    Ray slice, whose hosts are not controllers)."""
+    if isinstance(group, MultiControllerHostGroup):
+        return jax.process_index(), len(group.processes())
+    return 0, 1
 
 
 def shared(group: HostGroup, name: str, fn: Callable[[], T], timeout: float) -> T:

@@ -131,6 +131,30 @@ def main(scenario: str, index: int, count: int, port: int, root: str) -> dict:
             out["exact_durable"] = exact(durable.load(1), 1)
         out["on_disk"] = sorted(os.listdir(root))
         out["local_on_disk"] = sorted(os.listdir(local))
+    elif scenario == "data_iter":
+        # every process feeds its own shard of the data: each saves and restores its own
+        # iterator with the step (process_<i>-of-<n>.json)
+        import grain
+
+        def batches() -> Any:
+            data = grain.MapDataset.range(64).shuffle(seed=7).batch(2)
+            shard = data[index::count]
+            return iter(shard.to_iter_dataset(grain.ReadOptions(num_threads=0)))
+
+        it = batches()
+        with Checkpointer(root) as ckpt:
+            for step in range(3):
+                next(it)
+                ckpt.save(step, state(step), data_iter=it)
+            ckpt.wait()
+        expected = [next(it).tolist() for _ in range(4)]  # the uninterrupted run goes on
+        with Checkpointer(root) as again:
+            fresh = batches()
+            abstract = {"w": jax.ShapeDtypeStruct(SHAPE, np.float32, sharding=sharding), "step": 0}
+            out["exact"] = exact(again.load(None, abstract, data_iter=fresh), 2)
+            out["resumed"] = [next(fresh).tolist() for _ in range(4)]
+        out["expected"] = expected
+        out["files"] = sorted(os.listdir(Path(root) / "2" / "data_iter"))
     else:
         raise ValueError(f"unknown scenario {scenario}")
     return out

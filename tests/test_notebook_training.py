@@ -12,7 +12,7 @@ from tests._notebooks import execute
 
 
 def test_training_checkpointer_notebook_executes(tmp_path: Path) -> None:
-    for module in ("matplotlib", "flax", "optax"):
+    for module in ("matplotlib", "flax", "optax", "grain"):
         pytest.importorskip(module)
     run = execute("training_checkpointer.ipynb", tmp_path, "milepost-training-notebook-")
     outs, text, html = run.outputs, run.text, run.html
@@ -40,9 +40,20 @@ def test_training_checkpointer_notebook_executes(tmp_path: Path) -> None:
 
     # the resume: from the preempted step, and the run then matches one never interrupted, bit for
     # bit
-    assert "resumed from step 37 - optimizer step count: 37" in text
+    assert (
+        "resumed from step 37 - optimizer step count: 37 - data iterator: {'next_index': 37}"
+        in text
+    )
     assert "losses after the resume identical to the uninterrupted run: True" in text
     assert "final state identical to the uninterrupted run: True" in text
+    # the data: the resumed run trained on the batches the uninterrupted one did, not on the
+    # epoch's first batches again
+    assert "batches after the resume identical to the uninterrupted run: True" in text
+    seen = {
+        who: re.search(rf"{who}: +(\[[\d, ]+\])", text).group(1)
+        for who in ("resumed", "uninterrupted", "not restored")
+    }
+    assert seen["resumed"] == seen["uninterrupted"] != seen["not restored"], seen
     assert sum("image/png" in o.get("data", {}) for o in outs) == 1
     # a read-only watcher sees the retained steps and their metrics
     assert re.search(r"\{50: [\d.]+, 55: [\d.]+, 60: [\d.]+\}", text)

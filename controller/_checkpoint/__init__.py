@@ -3,6 +3,7 @@ checkpointable handlers, and the pytree checkpointable (its save plan and its lo
 
 from milepost._checkpoint._background import SAVES, wait_for_saves
 from milepost._checkpoint._calls import Deferred, LoadCall, SaveCall, as_pending
+from milepost._checkpoint._data_iterator import DataIterator, DataIteratorHandler
 from milepost._checkpoint._handlers import (
     CheckpointableHandler,
     JsonHandler,
@@ -57,6 +58,8 @@ __all__ = [
     "SCALAR_TYPES",
     "CheckpointMetadata",
     "CheckpointableHandler",
+    "DataIterator",
+    "DataIteratorHandler",
     "Deferred",
     "JsonHandler",
     "LeafMetadata",

@@ -3,12 +3,13 @@
 A checkpoint holds several checkpointables, each in its own folder (``state``, ``dataset``...).
 A handler turns one object into files in its folder. Resolution order for saving: handlers of
 the current ``Context``, then globally registered ones (newest first), then the built-ins
-(``StatefulCheckpointable`` objects, then PyTrees). Loading picks the handler recorded in the
-checkpoint's metadata.
+(``StatefulCheckpointable`` objects, data iterators such as Grain's, then PyTrees). Loading picks
+the handler recorded in the checkpoint's metadata.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import threading
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from milepost import _format as fmt
 from milepost import _hosts
 from milepost._checkpoint import _pytree_load, _pytree_save
 from milepost._checkpoint._calls import Deferred, LoadCall, SaveCall, as_pending
+from milepost._checkpoint._data_iterator import DataIterator, DataIteratorHandler
 from milepost.workers import ObjectPath, PendingWrite
 
 
@@ -93,6 +95,23 @@ class StatefulCheckpointable(Protocol):
         ...
 
 
+def saves_itself(obj: Any) -> bool:
+    """Whether ``obj`` is a :class:`StatefulCheckpointable` milepost runs: its ``save`` and
+    ``load`` are plain methods. Orbax v1's protocol has the same names as coroutines (a Grain
+    iterator has both kinds: milepost saves it through ``get_state``/``set_state``)."""
+    return (
+        isinstance(obj, StatefulCheckpointable)
+        and not inspect.iscoroutinefunction(obj.save)
+        and not inspect.iscoroutinefunction(obj.load)
+    )
+
+
+def holds_no_tree(obj: Any) -> bool:
+    """Whether ``obj`` is saved whole by its handler, not as a tree of leaves (so its leaves
+    take no part in choosing the host group)."""
+    return isinstance(obj, StatefulCheckpointable | DataIterator)
+
+
 class PyTreeHandler:
     """A tree of arrays, scalars and strings in the Orbax v1 PyTree layout."""
 
@@ -161,7 +180,7 @@ class StatefulHandler:
     typestr = "milepost.StatefulCheckpointable"
 
     def is_handleable(self, obj: Any) -> bool:
-        return isinstance(obj, StatefulCheckpointable)
+        return saves_itself(obj)
 
     def save(
         self, directory: Path | ObjectPath, obj: Any, call: SaveCall
@@ -171,7 +190,7 @@ class StatefulHandler:
         return as_pending(obj.save(directory))
 
     def load(self, directory: Path | ObjectPath, abstract: Any, call: LoadCall) -> Any:
-        if abstract is None or not isinstance(abstract, StatefulCheckpointable):
+        if abstract is None or not saves_itself(abstract):
             raise TypeError(
                 f"{directory.name!r} was saved by a StatefulCheckpointable; pass the object to "
                 "restore into as its abstract value (load_checkpointables(path, {name: obj}))"
@@ -183,7 +202,13 @@ class StatefulHandler:
         return None
 
 
-_BUILTINS: tuple[Any, ...] = (StatefulHandler(), PyTreeHandler(), JsonHandler())
+_BUILTINS: tuple[Any, ...] = (
+    StatefulHandler(),
+    DataIteratorHandler(),
+    PyTreeHandler(),
+    JsonHandler(),
+)
+_PYTREE, _JSON = _BUILTINS[2], _BUILTINS[3]
 _registry: list[tuple[Any, str | None]] = []
 _lock = threading.Lock()
 
@@ -232,20 +257,25 @@ def resolve_for_load(
 ) -> Any:
     candidates = _candidates(context_handlers)
     for handler, only in candidates:
-        if (only is None or only == name) and typestr is not None and handler.typestr == typestr:
+        if (
+            (only is None or only == name)
+            and typestr is not None
+            and typestr in getattr(handler, "typestrs", (handler.typestr,))
+        ):
             return handler
     if abstract is not None:
         for handler, only in candidates:
             if (only is None or only == name) and handler.is_handleable(abstract):
                 return handler
     if typestr is None or typestr.endswith(fmt.PYTREE_HANDLERS):
-        return _BUILTINS[1]
+        return _PYTREE
     if typestr.endswith(fmt.JSON_HANDLERS):
-        return _BUILTINS[2]
+        return _JSON
     if typestr.startswith("orbax."):
         raise TypeError(
             f"checkpointable {name!r} was saved by the Orbax handler {typestr!r}, which milepost "
-            "does not read (it reads Orbax's PyTree, Standard and Json checkpointables); load that "
+            "does not read (it reads Orbax's PyTree, Standard and Json checkpointables, and data "
+            "iterators such as Grain's given the iterator to restore into); load that "
             "part with Orbax, or register a milepost handler for it with milepost.register_handler"
         )
     raise TypeError(

@@ -20,7 +20,7 @@ from milepost._checkpoint._calls import LoadCall
 from milepost._checkpoint._handlers import (
     JsonHandler,
     PyTreeHandler,
-    StatefulCheckpointable,
+    holds_no_tree,
     resolve_for_load,
 )
 from milepost._errors import CheckpointNotFoundError, CheckpointReplacedError
@@ -40,7 +40,7 @@ def load_checkpointables(
     root = as_path(path)
     leaves: list[Any] = []
     for a in (abstracts or {}).values():
-        if a is not None and not isinstance(a, StatefulCheckpointable):
+        if a is not None and not holds_no_tree(a):
             leaves.extend(
                 jax.tree_util.tree_leaves(
                     a, is_leaf=lambda x: hasattr(x, "__milepost_host_group__")

@@ -25,7 +25,7 @@ from milepost import _format as fmt
 from milepost import _hosts, _options, _progress, _views, workers
 from milepost._checkpoint._background import SAVES
 from milepost._checkpoint._calls import SaveCall, as_pending
-from milepost._checkpoint._handlers import StatefulCheckpointable, resolve_for_save
+from milepost._checkpoint._handlers import holds_no_tree, resolve_for_save
 from milepost._errors import InvalidKeyError, SaveInProgressError
 from milepost._storage import LEASE_SUFFIX, NEW_MARKER, LocalWorkspace, ObjectWorkspace, for_path
 from milepost.colocated import HostGroup
@@ -115,7 +115,7 @@ def check_name(name: str) -> None:
 def all_leaves(objs: Mapping[str, Any]) -> list[Any]:
     out: list[Any] = []
     for obj in objs.values():
-        if isinstance(obj, StatefulCheckpointable):
+        if holds_no_tree(obj):
             continue
         out.extend(
             jax.tree_util.tree_leaves(

@@ -31,9 +31,29 @@ def read_json(path: Path | ObjectPath, what: str) -> Any:
     """The JSON in ``path``: a missing file is a :class:`CheckpointNotFoundError`, one that is
     not UTF-8 JSON (or fails its recorded checksum) a :class:`CorruptCheckpointError`, both
     naming the file."""
+    raw = _read(path, what)
+    value = parse_json(path, raw, what)
+    checksums = _VERIFYING.get()
+    if checksums is not None:  # well-formed, but is it what was committed?
+        checksums.check(path, raw)
+    return value
+
+
+def read_checked(path: Path | ObjectPath, what: str) -> bytes:
+    """The bytes of ``path``, checked against the recorded checksum (inside :func:`verifying`):
+    a missing file is a :class:`CheckpointNotFoundError`, a changed one a
+    :class:`CorruptCheckpointError`, both naming the file."""
+    raw = _read(path, what)
+    checksums = _VERIFYING.get()
+    if checksums is not None:
+        checksums.check(path, raw)
+    return raw
+
+
+def _read(path: Path | ObjectPath, what: str) -> bytes:
     checksums = _VERIFYING.get()
     try:
-        raw = path.read_bytes()
+        return path.read_bytes()
     except FileNotFoundError as e:
         if checksums is not None and checksums.lists(path):
             raise CheckpointNotFoundError(
@@ -44,8 +64,13 @@ def read_json(path: Path | ObjectPath, what: str) -> Any:
             f"{what} {path} is missing: {path.parent} is not a complete checkpoint. "
             "Pass the path of a committed checkpoint (a directory with commit_success.txt)."
         ) from e
+
+
+def parse_json(path: Path | ObjectPath, raw: bytes, what: str) -> Any:
+    """``raw`` (read from ``path``) as UTF-8 JSON; a :class:`CorruptCheckpointError` naming the
+    file if it is not."""
     try:
-        value = json.loads(raw.decode("utf-8"))
+        return json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
         raise CorruptCheckpointError(
             f"{what} {path} is not UTF-8 text (byte {e.start}); the checkpoint is damaged. "
@@ -56,9 +81,6 @@ def read_json(path: Path | ObjectPath, what: str) -> Any:
             f"{what} {path} is truncated or not JSON ({e.msg} at char {e.pos}); the checkpoint is "
             "damaged. Load an earlier checkpoint, or re-save this one."
         ) from e
-    if checksums is not None:  # well-formed, but is it what was committed?
-        checksums.check(path, raw)
-    return value
 
 
 def present(path: Path | ObjectPath) -> bool:

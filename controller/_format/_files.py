@@ -31,6 +31,18 @@ PYTREE_HANDLER_TYPESTR = (
     "orbax.checkpoint.experimental.v1._src.handlers.pytree_handler.PyTreeHandler"
 )
 JSON_HANDLER_TYPESTR = "orbax.checkpoint.experimental.v1._src.handlers.json_handler.JsonHandler"
+STATEFUL_HANDLER_TYPESTR = (
+    "orbax.checkpoint.experimental.v1._src.handlers.stateful_checkpointable_handler."
+    "StatefulCheckpointableHandler"
+)
+"""What Orbax v1 records for a checkpointable that saves itself, such as a Grain iterator."""
+GRAIN_HANDLER_TYPESTR = "grain._src.python.checkpoint.handler.CheckpointHandler"
+"""What Orbax's CheckpointManager records for a Grain iterator saved with Grain's handler."""
+
+
+def data_state_file(index: int, count: int) -> str:
+    """The file of process ``index`` of ``count`` in a data iterator's folder (Grain's name)."""
+    return f"process_{index}-of-{count}.json"
 
 
 def is_temporary_name(name: str) -> bool:

@@ -50,6 +50,7 @@ log = logging.getLogger("milepost.training")
 
 T = TypeVar("T")
 STATE = "state"
+DATA_ITER = "data_iter"
 
 
 class Checkpointer:
@@ -311,14 +312,20 @@ class Checkpointer:
         metrics: Mapping[str, Any] | None = None,
         custom_metadata: Mapping[str, Any] | None = None,
         force: bool = False,
+        data_iter: Any = None,
     ) -> bool:
         """Save ``state`` as ``step`` if the policy says so (or ``force``); True if a save started.
 
         Returns once the arrays are copied to host memory (you may then change or donate them);
         the write and commit continue in the background. ``metrics`` (JSON numbers, e.g. a loss)
-        are stored in the step's ``_CHECKPOINT_METADATA`` and feed :class:`KeepBest`."""
+        are stored in the step's ``_CHECKPOINT_METADATA`` and feed :class:`KeepBest`.
+        ``data_iter``: the training data's iterator (a Grain iterator, or any object with
+        ``get_state()``/``set_state()``), whose position is saved with the step as its
+        ``data_iter`` checkpointable (in every process of a multi-controller job, each its own);
+        :meth:`load` with ``data_iter=`` restores it."""
+        parts = {STATE: state} if data_iter is None else {STATE: state, DATA_ITER: data_iter}
         return self.save_checkpointables(
-            step, {STATE: state}, metrics=metrics, custom_metadata=custom_metadata, force=force
+            step, parts, metrics=metrics, custom_metadata=custom_metadata, force=force
         )
 
     def save_checkpointables(
@@ -509,17 +516,29 @@ class Checkpointer:
                 self._retention.request()
 
     def load(
-        self, step: int | None = None, abstract_state: Any = None, *, partial: bool = False
+        self,
+        step: int | None = None,
+        abstract_state: Any = None,
+        *,
+        partial: bool = False,
+        data_iter: Any = None,
     ) -> Any:
         """Load the tree saved by :meth:`save` at ``step`` (default: the latest committed).
 
-        ``abstract_state`` gives the structure and target shardings (see ``milepost.load``)."""
-        self._state.raise_failure()
-        s = self._protect(step)
-        try:
-            return _api.load(self._where(s), abstract_state, partial=partial)
-        finally:
-            self._release(s)
+        ``abstract_state`` gives the structure and target shardings (see ``milepost.load``).
+        ``data_iter``: the iterator to restore, in place, to the position saved with the step
+        by ``save(..., data_iter=)``; it then yields what the saved run would have yielded."""
+        if data_iter is None:
+            self._state.raise_failure()
+            s = self._protect(step)
+            try:
+                return _api.load(self._where(s), abstract_state, partial=partial)
+            finally:
+                self._release(s)
+        parts = self.load_checkpointables(
+            step, {STATE: abstract_state, DATA_ITER: data_iter}, partial=partial
+        )
+        return parts[STATE]
 
     def load_checkpointables(
         self,
