@@ -29,7 +29,9 @@ from milepost._format._files import (
     CHECKPOINT_METADATA,
     CHECKSUMS,
     COMMIT_MARKER,
+    JSON_HANDLER_TYPESTR,
     ORBAX_MARKER,
+    PYTREE_HANDLER_TYPESTR,
     TREE_METADATA,
     is_temporary_name,
 )
@@ -53,7 +55,7 @@ class Item:
 
     @property
     def is_pytree(self) -> bool:
-        return self.handler is None or self.handler.endswith(PYTREE_HANDLERS)
+        return self.handler is not None and self.handler.endswith(PYTREE_HANDLERS)
 
 
 def unsafe_item_name(name: Any) -> str | None:
@@ -223,13 +225,25 @@ def checkpointables(path: Path | ObjectPath, meta: dict[str, Any] | None) -> dic
     if isinstance(raw, str) or (
         not hints and ((path / TREE_METADATA).is_file() or (path / AGGREGATE).is_file())
     ):  # a single checkpointer (or a very old one): the checkpoint's folder is the item
-        return {DEFAULT_ITEM: Item(DEFAULT_ITEM, hints.get(DEFAULT_ITEM), path)}
+        return {
+            DEFAULT_ITEM: Item(DEFAULT_ITEM, hints.get(DEFAULT_ITEM) or _handler_of(path), path)
+        }
     out: dict[str, Item] = {}
     for p in sorted(path.iterdir(), key=lambda p: p.name):
         if unsafe_item_name(p.name) is None and p.is_dir():
             if p.name in hints or _is_item_folder(p):
-                out[p.name] = Item(p.name, hints.get(p.name), p)
+                out[p.name] = Item(p.name, hints.get(p.name) or _handler_of(p), p)
     return out
+
+
+def _handler_of(folder: Path | ObjectPath) -> str | None:
+    """The handler whose files ``folder`` holds, for checkpoints that do not record it (Orbax
+    before ``item_handlers``): a tree's, or a JSON item's (``metadata`` in Orbax v0)."""
+    if (folder / TREE_METADATA).is_file() or (folder / AGGREGATE).is_file():
+        return PYTREE_HANDLER_TYPESTR
+    if (folder / "metadata").is_file() or (folder / "data.json").is_file():
+        return JSON_HANDLER_TYPESTR
+    return None
 
 
 def read_checkpoint_metadata(path: Path | ObjectPath) -> dict[str, Any]:
