@@ -181,5 +181,9 @@ def load_checkpointables(
 
 def metadata(path: PathLike) -> CheckpointMetadata:
     """Shapes, dtypes, shardings and chunking of every array, and the checkpoint's custom
-    metadata and timestamps, without reading array data."""
+    metadata and timestamps, without reading array data. A Flax msgpack file is described
+    too (its one tree, ``default``)."""
+    where = as_path(path) if isinstance(path, str | os.PathLike) else path
+    if isinstance(where, Path) and _msgpack.is_msgpack(where):
+        return _msgpack.metadata(where)
     return _checkpoint.metadata(path)

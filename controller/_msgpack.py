@@ -9,7 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from milepost import _safetensors, workers
+import numpy as np
+
+from milepost import _checkpoint, _safetensors, _tree, workers
+from milepost._tree import ValueType
 
 
 def is_msgpack(path: Path) -> bool:
@@ -45,3 +48,32 @@ def load(path: Path, abstract: Any, partial: bool) -> Any:
         partial,
         kind="a msgpack file",
     )
+
+
+def metadata(path: Path) -> _checkpoint.CheckpointMetadata:
+    """What ``milepost.metadata`` says of a msgpack file: every leaf's shape and dtype (arrays),
+    or its kind; no array bytes are read. The tree is the one checkpointable, ``default``."""
+    entries: list[tuple[tuple[tuple[str, int], ...], Any]] = []
+    for name, leaf in workers.msgpack_leaves(workers.read_msgpack(str(path))).items():
+        keys = tuple((part, _tree.KEY_DICT) for part in name.split("."))
+        described: Any
+        if isinstance(leaf, workers.Tensor):
+            described = _checkpoint.LeafMetadata(
+                name=name,
+                value_type=ValueType.NP_ARRAY,
+                shape=leaf.shape,
+                dtype=workers.numpy_dtype(leaf.dtype),
+            )
+        elif isinstance(leaf, dict | list):
+            described = leaf  # an empty container
+        elif leaf is None:
+            described = None
+        else:
+            kind = ValueType.STRING if isinstance(leaf, str | bytes) else ValueType.SCALAR
+            shape_dtype = (
+                {"shape": (), "dtype": np.asarray(leaf).dtype} if kind is ValueType.SCALAR else {}
+            )
+            described = _checkpoint.LeafMetadata(name=name, value_type=kind, **shape_dtype)
+        entries.append((keys, described))
+    tree = _tree.build_nested(entries)
+    return _checkpoint.CheckpointMetadata(path, {}, {"default": tree}, "default")

@@ -57,7 +57,7 @@ from milepost.workers._pending import Done, PendingWrite, settle_all
 from milepost.workers._runtime import RUNTIME, Pool, Runtime
 from milepost.workers._safetensors import CODES as SAFETENSORS_CODES
 from milepost.workers._safetensors import INDEX_FILE as SAFETENSORS_INDEX
-from milepost.workers._safetensors import Tensor
+from milepost.workers._safetensors import Tensor, numpy_dtype
 from milepost.workers._safetensors import header_bytes as safetensors_header
 from milepost.workers._safetensors import read_header as read_safetensors_header
 from milepost.workers._sharding import ShardingSpec
@@ -166,6 +166,7 @@ __all__ = [
     "merge_ocdbt",
     "msgpack_leaves",
     "new_context",
+    "numpy_dtype",
     "ocdbt_kvstore",
     "parallel_copy",
     "parse_grid_key",
