@@ -193,6 +193,21 @@ def test_a_listed_part_whose_folder_is_gone(
         mp.load_checkpointables(ckpt, {"extra": None})
 
 
+def test_a_damaged_part_is_named_and_the_rest_described(
+    written: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    root, tree = written
+    ckpt = shutil.copytree(root / "composite" / "7", tmp_path / "c")
+    json_file = ckpt / "extra" / "metadata"  # Orbax v0's JSON item file
+    json_file.write_text('{"epoch": ')  # truncated
+    meta = mp.metadata(ckpt)
+    assert meta.tree["params"]["w"].shape == (16, 8) and meta.checkpointables["extra"] is None
+    assert json_file.name in meta.unreadable["extra"]
+    check(mp.load(ckpt), tree)
+    with pytest.raises(ValueError, match=json_file.name):
+        mp.load_checkpointables(ckpt, {"extra": None})
+
+
 def test_older_steps_without_markers_are_finished_and_kept(
     written: tuple[Path, dict[str, Any]], tmp_path: Path
 ) -> None:

@@ -688,3 +688,24 @@ def test_multi_node_cluster_one_host_per_node(tmp_path: Path) -> None:
         ray.init(
             num_cpus=16, include_dashboard=False, log_to_driver=False, object_store_memory=1 << 30
         )
+
+
+def test_a_flax_msgpack_file_loads_on_a_slice(slice42: mp.Slice, tmp_path: Path) -> None:
+    serialization = pytest.importorskip("flax.serialization")
+    mesh = slice42.mesh({"data": 2, "model": 4})
+    values = host_values(3, 512)  # 3 x 512 KiB
+    path = tmp_path / "flax_model.msgpack"
+    path.write_bytes(serialization.to_bytes({"params": values, "step": 9}))
+    abstract = {
+        "params": {
+            k: mp.AbstractArray(v.shape, v.dtype, mesh.sharding(P("data", "model")))
+            for k, v in values.items()
+        },
+        "step": 0,
+    }
+    before = slice42.traffic()
+    back = mp.load(path, abstract)
+    # the controller walked the structure; each host read its rows of the file
+    assert (slice42.traffic() - before).total_bytes < 64 * 1024
+    assert back["step"] == 9
+    assert all(np.array_equal(slice42.fetch(back["params"][k]), v) for k, v in values.items())
