@@ -68,12 +68,12 @@ def metadata(path: Path) -> _checkpoint.CheckpointMetadata:
             described = leaf  # an empty container
         elif leaf is None:
             described = None
+        elif isinstance(leaf, str | bytes):
+            described = _checkpoint.LeafMetadata(name=name, value_type=ValueType.STRING)
         else:
-            kind = ValueType.STRING if isinstance(leaf, str | bytes) else ValueType.SCALAR
-            shape_dtype = (
-                {"shape": (), "dtype": np.asarray(leaf).dtype} if kind is ValueType.SCALAR else {}
+            described = _checkpoint.LeafMetadata(
+                name=name, value_type=ValueType.SCALAR, shape=(), dtype=np.asarray(leaf).dtype
             )
-            described = _checkpoint.LeafMetadata(name=name, value_type=kind, **shape_dtype)
         entries.append((keys, described))
     tree = _tree.build_nested(entries)
     return _checkpoint.CheckpointMetadata(path, {}, {"default": tree}, "default")

@@ -229,7 +229,8 @@ def checkpointables(path: Path | ObjectPath, meta: dict[str, Any] | None) -> dic
             DEFAULT_ITEM: Item(DEFAULT_ITEM, hints.get(DEFAULT_ITEM) or _handler_of(path), path)
         }
     out: dict[str, Item] = {}
-    for p in sorted(path.iterdir(), key=lambda p: p.name):
+    entries: list[Path | ObjectPath] = sorted(path.iterdir(), key=lambda p: p.name)
+    for p in entries:
         if unsafe_item_name(p.name) is None and p.is_dir():
             if p.name in hints or _is_item_folder(p):
                 out[p.name] = Item(p.name, hints.get(p.name) or _handler_of(p), p)
