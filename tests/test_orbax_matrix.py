@@ -235,3 +235,36 @@ def test_an_unfinished_step_of_each_version_is_never_listed(
     with Checkpointer(copy) as ckpt:
         assert ckpt.steps == entry["steps"]
     assert sorted(p.name for p in copy.iterdir()) == [str(s) for s in entry["steps"]]
+
+
+def test_a_folder_of_old_checkpoints_is_not_taken_for_one(tmp_path: Path) -> None:
+    """Checkpoints from before _CHECKPOINT_METADATA side by side look like the items of one old
+    step: each still loads, a save beside them is not "inside a checkpoint", and replacing the
+    folder needs files of its own saying it is one."""
+    folder = tmp_path / "ckpts"
+    for name in ("pytree_default", "standard"):
+        shutil.copytree(HERE / "0.5.3" / name, folder / name)
+    entry = next(e for e in MANIFEST if e["path"] == "0.5.3/pytree_default")
+    check_tree(mp.load(folder / "pytree_default"), expected(entry, 0, entry["leaves"]), "copy")
+    mp.save(folder / "new", {"x": np.arange(3)})
+    with pytest.raises(mp.CheckpointExistsError, match="not a committed checkpoint"):
+        mp.save(folder, {"x": 1}, overwrite=True)
+    assert sorted(p.name for p in folder.iterdir()) == ["new", "pytree_default", "standard"]
+
+
+def test_an_old_step_with_a_part_milepost_does_not_know_is_kept(tmp_path: Path) -> None:
+    """A step from before _CHECKPOINT_METADATA whose parts include one milepost has no handler
+    for is still a finished step: a writable Checkpointer lists it and never removes it."""
+    root = shutil.copytree(HERE / "0.5.3" / "manager", tmp_path / "root")
+    (root / "1" / "data_iter").mkdir()
+    (root / "1" / "data_iter" / "process_0-of-1.json").write_text('{"next_index": 4}')
+    with Checkpointer(root) as ckpt:
+        assert ckpt.steps == [0, 1]
+        meta = ckpt.metadata(1)
+        assert meta.tree is not None and set(meta.checkpointables) == {
+            "state",
+            "extra",
+            "data_iter",
+        }
+        assert "data_iter" in meta.unreadable  # no handler recorded, and not a tree's files
+    assert (root / "1" / "data_iter" / "process_0-of-1.json").is_file()

@@ -116,7 +116,10 @@ def _is_unlisted_composite(path: Path | ObjectPath) -> bool:
     if isinstance(path, Path) and (path.parent / CHECKPOINT_METADATA).is_file():
         return False  # a checkpointable folder of a checkpoint, not a checkpoint
     folders = [p for p in path.iterdir() if unsafe_item_name(p.name) is None and p.is_dir()]
-    return bool(folders) and all(_is_item_folder(p) for p in folders)
+    # (a folder of a handler milepost does not know is an item too; a folder of steps is not)
+    return any(_is_item_folder(p) for p in folders) and not any(
+        (p / CHECKPOINT_METADATA).exists() for p in folders
+    )
 
 
 def is_committed(path: Path | ObjectPath) -> bool:
@@ -138,6 +141,14 @@ def is_committed(path: Path | ObjectPath) -> bool:
     if not isinstance(path, Path) or (path / CHECKSUMS).exists():
         return False  # an object store, or milepost's own: the marker is how they commit
     return _holds_checkpoint(path)
+
+
+def is_committed_by_own_files(path: Path | ObjectPath) -> bool:
+    """A committed checkpoint that says so by files of its own (``_CHECKPOINT_METADATA``, or a
+    single checkpointer's tree files), not only by the item folders it holds, which a folder
+    of several checkpoints holds too. Saves decide by this what they may replace or write in."""
+    own = (CHECKPOINT_METADATA, TREE_METADATA, AGGREGATE)
+    return any((path / name).is_file() for name in own) and is_committed(path)
 
 
 def _is_bare_v0(path: Path | ObjectPath) -> bool:
@@ -219,7 +230,8 @@ def listed_items(path: Path | ObjectPath, meta: dict[str, Any] | None) -> dict[s
 def checkpointables(path: Path | ObjectPath, meta: dict[str, Any] | None) -> dict[str, Item]:
     """The checkpointables of the checkpoint at ``path``: the folders that exist, each with the
     handler ``item_handlers`` recorded for it as a hint (a name listed there whose folder is
-    gone is not one; a folder it does not list is one if it holds a checkpointable's files)."""
+    gone is not one; a folder it does not list is one if it holds a checkpointable's files, or
+    if the checkpoint lists none)."""
     hints = listed_items(path, meta)
     raw = (meta or {}).get("item_handlers")
     if isinstance(raw, str) or (
@@ -232,7 +244,7 @@ def checkpointables(path: Path | ObjectPath, meta: dict[str, Any] | None) -> dic
     entries: list[Path | ObjectPath] = sorted(path.iterdir(), key=lambda p: p.name)
     for p in entries:
         if unsafe_item_name(p.name) is None and p.is_dir():
-            if p.name in hints or _is_item_folder(p):
+            if p.name in hints or not hints or _is_item_folder(p):
                 out[p.name] = Item(p.name, hints.get(p.name) or _handler_of(p), p)
     return out
 

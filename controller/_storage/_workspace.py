@@ -63,7 +63,7 @@ def check_final(final: Any, overwrite: bool) -> None:
     changes it, and goes with it when it is overwritten or deleted)."""
     # (Local paths: on an object store each level would cost requests.)
     for parent in final.resolve().parents if isinstance(final, Path) else ():
-        if fmt.is_committed(parent) or fmt.is_temporary_name(parent.name):
+        if fmt.is_committed_by_own_files(parent) or fmt.is_temporary_name(parent.name):
             raise CheckpointExistsError(
                 f"{final} is inside the checkpoint {parent}; milepost does not "
                 "write a checkpoint into another one (it would change it, and be "
@@ -75,7 +75,7 @@ def check_final(final: Any, overwrite: bool) -> None:
                 f"a checkpoint already exists at {final}; pass "
                 "overwrite=True to replace it, or choose another path"
             )
-        if not fmt.is_committed(final) or final.is_symlink():
+        if not fmt.is_committed_by_own_files(final) or final.is_symlink():
             raise CheckpointExistsError(
                 f"{final} exists and is not a committed checkpoint; milepost will not "
                 "overwrite it. Remove it or choose another path"
