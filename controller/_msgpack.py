@@ -25,11 +25,11 @@ def is_msgpack(path: Path) -> bool:
     return flax_name and path.is_file() and workers.is_msgpack_tree(str(path))
 
 
-def flat(tree: Any) -> _safetensors.Found:
-    """Arrays and values of a msgpack tree by leaf name (key paths joined by '.')."""
+def flat(path: Path) -> _safetensors.Found:
+    """Arrays and values of the msgpack file ``path`` by leaf name (key paths joined by '.')."""
     tensors: dict[str, workers.Tensor] = {}
     plain: dict[str, Any] = {}
-    for name, leaf in workers.msgpack_leaves(tree).items():
+    for name, leaf in workers.msgpack_leaves(workers.read_msgpack(str(path)), str(path)).items():
         if isinstance(leaf, workers.Tensor):
             tensors[name] = workers.Tensor(leaf.path, name, leaf.dtype, leaf.shape, leaf.offset)
         else:
@@ -43,7 +43,7 @@ def load(path: Path, abstract: Any, partial: bool) -> Any:
     dicts of NumPy arrays and values (as ``flax.serialization.msgpack_restore`` gives)."""
     return _safetensors.load_tensors(
         path,
-        lambda: flat(workers.read_msgpack(str(path))),
+        lambda: flat(path),
         abstract,
         partial,
         kind="a msgpack file",
@@ -54,7 +54,7 @@ def metadata(path: Path) -> _checkpoint.CheckpointMetadata:
     """What ``milepost.metadata`` says of a msgpack file: every leaf's shape and dtype (arrays),
     or its kind; no array bytes are read. The tree is the one checkpointable, ``default``."""
     entries: list[tuple[tuple[tuple[str, int], ...], Any]] = []
-    for name, leaf in workers.msgpack_leaves(workers.read_msgpack(str(path))).items():
+    for name, leaf in workers.msgpack_leaves(workers.read_msgpack(str(path)), str(path)).items():
         keys = tuple((part, _tree.KEY_DICT) for part in name.split("."))
         described: Any
         if isinstance(leaf, workers.Tensor):

@@ -125,6 +125,7 @@ def ext_array(shape: list[int], dtype: bytes, data: bytes) -> bytes:
         (b"\x82\xa1a\x01\xa1a\x02", "twice"),
         (b"\x81\x90\x01", "map key is a list"),
         (b"\x83\xb9__msgpack_chunked_array__\xc3\xa5shape\x90\xa6chunks\x80", "chunks"),
+        (b"\x82\xa3a.b\x01\xa1a\x81\xa1b\x02", "both name the leaf 'a.b'"),
     ],
 )
 def test_damaged_or_crafted_files_are_clear_errors(tmp_path: Path, body: bytes, words: str) -> None:

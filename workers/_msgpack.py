@@ -100,9 +100,10 @@ def read_tree_bytes(data: bytes, where: str) -> Any:
     return tree
 
 
-def flat_leaves(tree: Any) -> dict[str, Any]:
+def flat_leaves(tree: Any, where: str) -> dict[str, Any]:
     """The leaves of a msgpack tree by name: key paths joined by '.' (list items by their
-    index); an empty map or list is a leaf."""
+    index); an empty map or list is a leaf. Two key paths that join to one name (``{"a.b": x}``
+    beside ``{"a": {"b": y}}``) are a CorruptCheckpointError: neither could be told apart."""
     out: dict[str, Any] = {}
 
     def walk(node: Any, parts: tuple[str, ...]) -> None:
@@ -111,7 +112,13 @@ def flat_leaves(tree: Any) -> dict[str, Any]:
             for key, child in items:
                 walk(child, (*parts, str(key)))
             return
-        out[".".join(parts) if parts else "_root"] = node
+        name = ".".join(parts) if parts else "_root"
+        if name in out:
+            raise CorruptCheckpointError(
+                f"{where}: two key paths both name the leaf {name!r} (milepost joins key parts "
+                "with '.'), so neither can be loaded by name; rename one in the file's tree"
+            )
+        out[name] = node
 
     walk(tree, ())
     return out

@@ -342,7 +342,9 @@ def _aggregated(directory: Path | ObjectPath) -> dict[str, Any]:
     if not present(directory / AGGREGATE):
         return {}
     path = directory / AGGREGATE
-    leaves = workers.msgpack_leaves(workers.read_msgpack_bytes(path.read_bytes(), str(path)))
+    leaves = workers.msgpack_leaves(
+        workers.read_msgpack_bytes(path.read_bytes(), str(path)), str(path)
+    )
     return {
         name: value
         for name, value in leaves.items()
