@@ -23,7 +23,12 @@ import numpy as np
 
 from milepost import _checkpoint, _hosts, _options, _progress, _tree, workers
 from milepost import _format as fmt
-from milepost._errors import CheckpointExistsError, CheckpointNotFoundError, StructureMismatchError
+from milepost._errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CheckpointReplacedError,
+    StructureMismatchError,
+)
 from milepost._tree import PLACEHOLDER
 from milepost.colocated import Slice
 from milepost.workers import ObjectPath, as_path, check
@@ -115,6 +120,7 @@ def load_tensors(
         )
     )
     group = _hosts.check_storage(_hosts.host_group_for_abstract(leaves), path)
+    before = _identity(path)
     tensors, plain = _hosts.shared(group, f"tensors:{path}", read, timeout)
     held = [*tensors, *plain]
     if abstract is None:
@@ -144,6 +150,11 @@ def load_tensors(
             )
     targets_of_arrays = [(keys, name, abst) for keys, name, abst in targets if name in tensors]
     values = _arrays(path, tensors, targets_of_arrays, group, options, timeout)
+    if _identity(path) != before:  # the hosts may have read another file than the one planned
+        raise CheckpointReplacedError(
+            f"{path} was replaced or changed while it was being loaded, so what was read may mix "
+            "two versions of it and was discarded. Load it again"
+        )
     for _, name, abst in targets:
         if name in plain and abst is not PLACEHOLDER:
             values[name] = _plain_value(plain[name], abst, name)
@@ -152,6 +163,20 @@ def load_tensors(
     return _tree.unflatten(
         treedef, [PLACEHOLDER if abst is PLACEHOLDER else values[name] for _, name, abst in targets]
     )
+
+
+def _identity(path: Path) -> tuple[Any, ...]:
+    """What changes when the file at ``path`` (or a file of the folder) is replaced or written."""
+    files = [path] if not path.is_dir() else sorted(p for p in path.iterdir() if p.is_file())
+    out = []
+    for f in files:
+        try:
+            st = f.stat()
+        except OSError:
+            out.append((f.name, None))
+            continue
+        out.append((f.name, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(out)
 
 
 def _plain_value(value: Any, abstract: Any, name: str) -> Any:

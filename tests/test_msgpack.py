@@ -4,6 +4,7 @@ damaged or crafted files are clear errors that execute nothing."""
 
 from __future__ import annotations
 
+import os
 import struct
 from pathlib import Path
 from typing import Any
@@ -126,6 +127,16 @@ def ext_array(shape: list[int], dtype: bytes, data: bytes) -> bytes:
         (b"\x81\x90\x01", "map key is a list"),
         (b"\x83\xb9__msgpack_chunked_array__\xc3\xa5shape\x90\xa6chunks\x80", "chunks"),
         (b"\x82\xa3a.b\x01\xa1a\x81\xa1b\x02", "both name the leaf 'a.b'"),
+        (b"\x82\xa1a\x80\xa3a.x\x01", "also the start of the leaf 'a.x'"),
+        (b"\x82\xa3a.b\x01\xa1a\x81\xa1b\x81\xa1c\x02", "also the start of the leaf 'a.b.c'"),
+        (
+            b"\x81\xa1a"
+            + ext_array([3], b"float32", b"\0" * 12)[:2]
+            + b"\x03"
+            + ext_array([3], b"float32", b"\0" * 12)[3:],
+            "array scalar's shape",
+        ),
+        (b"\x81\xa1a" + bytes([0xD7, 2, 0x92, 0xC3, 0xC2]), "complex number"),
     ],
 )
 def test_damaged_or_crafted_files_are_clear_errors(tmp_path: Path, body: bytes, words: str) -> None:
@@ -149,3 +160,50 @@ def test_a_truncated_flax_file_is_refused(tmp_path: Path) -> None:
         path.write_bytes(data[:cut])
         with pytest.raises(mp.CorruptCheckpointError, match="flax_model.msgpack"):
             mp.load(path)
+
+
+def test_a_file_cut_short_while_it_is_walked_is_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The walk reads through pread (a mapping would fault the process): a file that shrinks
+    under it ends the walk with an error naming the file."""
+    path = write(tmp_path, model())
+    from milepost.workers import _msgpack
+
+    fstat = _msgpack.os.fstat
+
+    def size_then_shrink(fd: int) -> Any:
+        st = fstat(fd)
+        os.truncate(path, 40)  # cut short once its size is known
+        return st
+
+    monkeypatch.setattr(_msgpack.os, "fstat", size_then_shrink)
+    with pytest.raises(mp.CorruptCheckpointError, match="ended at byte 40"):
+        workers.read_msgpack(str(path))
+
+
+def test_a_file_replaced_while_it_loads_is_refused(
+    tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The controller walked one file and the hosts would read another: refused, not mixed."""
+    import milepost._msgpack as controller_msgpack
+
+    first = {"w": np.full((8, 4), 1.0, np.float32), "step": 1}
+    second = {"w": np.full((8, 4), 2.0, np.float32), "step": 2}  # the same layout
+    path = write(tmp_path, first)
+    walk = controller_msgpack.flat
+
+    def walk_then_replace(p: Path) -> Any:
+        found = walk(p)
+        replacement = tmp_path / "next.msgpack"
+        replacement.write_bytes(serialization.to_bytes(second))
+        replacement.replace(p)
+        return found
+
+    monkeypatch.setattr(controller_msgpack, "flat", walk_then_replace)
+    abstract = {
+        "w": jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=NamedSharding(mesh24, P("data"))),
+        "step": 0,
+    }
+    with pytest.raises(mp.CheckpointReplacedError, match="replaced or changed"):
+        mp.load(path, abstract)

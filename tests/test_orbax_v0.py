@@ -251,3 +251,97 @@ def test_what_an_unfinished_orbax_save_leaves_is_never_a_checkpoint(
     }
     with pytest.raises(ValueError, match="temporary"):
         mp.save(tmp_path / "y.orbax-checkpoint-tmp-5", {"x": 1})
+
+
+def test_a_folder_that_only_shares_a_file_name_is_never_replaced(tmp_path: Path) -> None:
+    """TensorFlow names its checkpoint index ``checkpoint``, as Orbax names its msgpack file: a
+    folder holding one is not a checkpoint to load or to replace."""
+    tf_run = tmp_path / "tf_run"
+    tf_run.mkdir()
+    files = {
+        "checkpoint": 'model_checkpoint_path: "ckpt-1"\n',
+        "ckpt-1.index": "x",
+        "train.py": "print('hi')\n",
+    }
+    for name, text in files.items():
+        (tf_run / name).write_text(text)
+    with pytest.raises(mp.CheckpointExistsError, match="not a committed checkpoint"):
+        mp.save(tf_run, {"x": np.arange(3)}, overwrite=True)
+    with pytest.raises(mp.CheckpointNotFoundError, match="not a checkpoint"):
+        mp.load(tf_run)
+    mp.save(tf_run / "milepost", {"x": np.arange(3)})  # beside them is fine
+    assert {p.name: p.read_text() for p in tf_run.iterdir() if p.is_file()} == files
+
+
+COMMIT_FILE_WRITER = """
+import os, sys
+import numpy as np
+import orbax.checkpoint as ocp
+from orbax.checkpoint._src.path import atomicity
+
+root = sys.argv[1]
+options = ocp.CheckpointManagerOptions(
+    temporary_path_class=atomicity.CommitFileTemporaryPath, enable_async_checkpointing=False
+)
+manager = ocp.CheckpointManager(root, options=options, item_names=("state", "extra"))
+for step in (1, 2):
+    if step == 2:  # die where the commit would start: the files are written at the final name
+        async def die(self, *args, **kwargs):
+            os._exit(9)
+        atomicity.CommitFileTemporaryPath.finalize = die
+    manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave({"w": np.full(4, float(step), np.float32)}),
+        extra=ocp.args.JsonSave({"step": step})))
+    manager.wait_until_finished()
+"""
+
+
+def test_an_orbax_save_killed_in_commit_file_mode_is_unfinished(tmp_path: Path) -> None:
+    """Orbax's commit-file mode saves at the final name and commits by its marker: a save
+    killed before that is not a step, and a writable Checkpointer leaves it to its writer."""
+    import os
+    import subprocess
+    import sys
+
+    root = tmp_path / "root"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    done = subprocess.run(
+        [sys.executable, "-c", COMMIT_FILE_WRITER, str(root)], env=env, timeout=120
+    )
+    assert done.returncode == 9 and (root / "2" / "state").is_dir()
+    assert not (root / "2" / "commit_success.txt").exists()
+    with Checkpointer(root) as ckpt:
+        assert ckpt.steps == [1]
+        assert ckpt.load_checkpointables(1, {"extra": None})["extra"] == {"step": 1}
+    assert sorted(p.name for p in root.iterdir()) == ["1", "2"]  # not ours to remove
+    with pytest.raises(mp.CheckpointNotFoundError, match="did not finish"):
+        mp.load(root / "2")
+
+
+def test_an_aggregate_file_that_contradicts_the_tree_metadata_is_damage(tmp_path: Path) -> None:
+    """Orbax 0.5.3 kept aggregated leaves in its msgpack file: one whose kind is not what
+    _METADATA records (a string for a scalar) is damage, not a value to return."""
+    msgpack = pytest.importorskip("msgpack")
+    fixture = Path(__file__).parent / "fixtures" / "orbax" / "0.5.3" / "pytree_save_args"
+    path = shutil.copytree(fixture, tmp_path / "c")
+    held = msgpack.unpackb((path / "checkpoint").read_bytes())
+    assert held["lr"] == 0.5  # aggregated there, as the fixture says
+    held["lr"] = "not a number"
+    (path / "checkpoint").write_bytes(msgpack.packb(held))
+    for call in (mp.load, mp.metadata):
+        with pytest.raises(mp.CorruptCheckpointError, match=r"(?s)'lr'.*records as 'scalar'"):
+            call(path)
+
+
+def test_metadata_of_a_checkpoint_with_no_part_it_can_describe_raises(tmp_path: Path) -> None:
+    """Two trees and no 'state': each is a part; when neither can be described the call says
+    why instead of returning nothing."""
+    path = mp.save_checkpointables(
+        tmp_path / "c", {"params": {"w": np.arange(4.0)}, "opt": {"m": np.zeros(2)}}
+    )
+    assert mp.metadata(path).tree is None  # no main tree, both described
+    for part in ("params", "opt"):
+        (path / part / "_METADATA").write_text("{")
+    with pytest.raises(mp.CorruptCheckpointError):
+        mp.metadata(path)

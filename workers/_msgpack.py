@@ -17,7 +17,7 @@ named by the file, only the dtypes below.
 from __future__ import annotations
 
 import math
-import mmap
+import os
 import struct
 from typing import Any
 
@@ -74,18 +74,42 @@ def is_msgpack_tree(path: str) -> bool:
 def read_tree(path: str) -> Any:
     """The tree of the msgpack file ``path``: nested dicts whose leaves are :class:`Tensor`
     (arrays, not read), NumPy scalars, Python scalars, strings, bytes and None. A file that is
-    not well-formed is a CorruptCheckpointError naming it and the offset."""
+    not well-formed (or that shrinks while it is read) is a CorruptCheckpointError naming it and
+    the offset."""
     with open(path, "rb") as f:
-        size = f.seek(0, 2)
-        if size == 0:
+        source = _FileWindow(f.fileno(), os.fstat(f.fileno()).st_size)
+        if len(source) == 0:
             raise CorruptCheckpointError(f"{path} is empty; it is not a msgpack checkpoint")
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
-            walker = _Walker(path, view)
-            tree = walker.value(0)
-            if walker.pos != size:
-                raise walker.bad(f"{size - walker.pos} bytes follow the tree")
-            count_read(walker.read)
-            return tree
+        walker = _Walker(path, source)
+        tree = walker.value(0)
+        if walker.pos != len(source):
+            raise walker.bad(f"{len(source) - walker.pos} bytes follow the tree")
+        count_read(walker.read)
+        return tree
+
+
+class _FileWindow:
+    """The bytes of a file, read on demand through a window of ``WINDOW`` bytes (``pread``: a
+    file cut short while it is read gives short reads, an error, never a fault as a mapping
+    would). Skipped ranges (the arrays' bytes) are never read."""
+
+    WINDOW = 1 << 16
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.fd, self.size = fd, size
+        self.start, self.data = 0, b""
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, span: slice) -> bytes:
+        lo, hi = span.start, span.stop
+        if not (self.start <= lo and hi <= self.start + len(self.data)):
+            want = max(hi - lo, self.WINDOW)
+            self.start, self.data = lo, os.pread(self.fd, min(want, self.size - lo), lo)
+            if len(self.data) < hi - lo:
+                raise OSError(f"the file ended at byte {lo + len(self.data)} while being read")
+        return self.data[lo - self.start : hi - self.start]
 
 
 def read_tree_bytes(data: bytes, where: str) -> Any:
@@ -121,12 +145,22 @@ def flat_leaves(tree: Any, where: str) -> dict[str, Any]:
         out[name] = node
 
     walk(tree, ())
+    for name in out:  # {"a": {}} or {"a.b": x} beside {"a": {"b": {"c": y}}}
+        head = name
+        while "." in head:
+            head = head.rpartition(".")[0]
+            if head in out:
+                raise CorruptCheckpointError(
+                    f"{where}: the leaf {head!r} is also the start of the leaf {name!r} "
+                    "(milepost joins key parts with '.'), so the tree cannot be rebuilt; "
+                    "rename one in the file's tree"
+                )
     return out
 
 
 class _Walker:
     def __init__(
-        self, path: str, view: mmap.mmap | bytes, *, arrays_in_memory: bool = False
+        self, path: str, view: _FileWindow | bytes, *, arrays_in_memory: bool = False
     ) -> None:
         self.path, self.view, self.pos, self.read = path, view, 0, 0
         self.arrays_in_memory = arrays_in_memory
@@ -140,7 +174,10 @@ class _Walker:
     def take(self, n: int) -> bytes:
         if n < 0 or self.pos + n > len(self.view):
             raise self.bad(f"{n} bytes are needed but the file ends")
-        out = self.view[self.pos : self.pos + n]
+        try:
+            out = self.view[self.pos : self.pos + n]
+        except OSError as e:
+            raise self.bad(str(e)) from None
         self.pos += n
         self.read += n
         return out
@@ -228,11 +265,11 @@ class _Walker:
         code = struct.unpack(">b", self.take(1))[0]
         end = self.pos + n
         if code == _COMPLEX:
-            pair = self.value(MAX_DEPTH - 1)
+            pair = self.value(MAX_DEPTH - 2)
             if not (
                 isinstance(pair, list)
                 and len(pair) == 2
-                and all(isinstance(x, int | float) for x in pair)
+                and all(isinstance(x, int | float) and not isinstance(x, bool) for x in pair)
             ):
                 raise self.bad(f"a complex number is {pair!r}")
             value: Any = complex(pair[0], pair[1])
@@ -248,11 +285,14 @@ class _Walker:
         b = self.take(1)[0]
         if b != 0x93:
             raise self.bad("an array is not the triple (shape, dtype, bytes)")
-        shape = self.value(MAX_DEPTH - 1)
-        if not isinstance(shape, list) or not all(
-            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape
+        shape = self.value(MAX_DEPTH - 2)
+        if (
+            not isinstance(shape, list)
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)
+            or math.prod(max(n, 1) for n in shape) >= 1 << 62
+            or (scalar and shape)
         ):
-            raise self.bad(f"an array's shape is {shape!r}")
+            raise self.bad(f"an {'array scalar' if scalar else 'array'}'s shape is {shape!r}")
         name = self.value(MAX_DEPTH)
         name = name.decode("ascii", "replace") if isinstance(name, bytes) else name
         if name not in DTYPES:

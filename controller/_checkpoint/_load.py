@@ -274,6 +274,7 @@ def metadata(path: str | os.PathLike[str] | ObjectPath) -> CheckpointMetadata:
                 tree_name = None
             parts: dict[str, Any] = {}
             unreadable: dict[str, str] = {}
+            failures: list[Exception] = []
             with fmt.verifying(checksums):
                 for name, item in items.items():
                     try:
@@ -285,6 +286,9 @@ def metadata(path: str | os.PathLike[str] | ObjectPath) -> CheckpointMetadata:
                             raise  # the main tree is what the call is for
                         parts[name] = None
                         unreadable[name] = f"{type(e).__name__}: {e}"
+                        failures.append(e)
+            if items and len(failures) == len(items):
+                raise failures[0]  # nothing could be described: say why, as for one tree
             for name in fmt.listed_items(root, meta).keys() - items.keys():
                 unreadable[name] = (
                     f"listed in {fmt.CHECKPOINT_METADATA}, but its folder {root / name} is missing"

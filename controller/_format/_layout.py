@@ -8,8 +8,9 @@
   ``Composite``): ``item_handlers`` is a dict (Manager and Composite: folders such as
   ``default/``) or one handler's name (single checkpointers: the checkpoint's own folder is the
   item), no v1 marker. Older ones have no ``_CHECKPOINT_METADATA`` at all: a single
-  checkpointer's folder holds ``_METADATA`` (or, older still, only the msgpack ``checkpoint``),
-  a step holds its item folders. Some from 2024 have one holding only timestamps.
+  checkpointer's folder holds ``_METADATA`` (and the msgpack ``checkpoint`` file, whose
+  aggregated leaves are read too), a step holds its item folders. Some from 2024 have one
+  holding only timestamps. (Orbax before 0.4 wrote only the msgpack file: not read.)
 
 milepost reads every one of these and writes v1 only. The checkpointables are the folders that
 exist; ``item_handlers`` says which handler wrote each.
@@ -25,7 +26,6 @@ from typing import Any
 from milepost._errors import CheckpointNotFoundError, CorruptCheckpointError
 from milepost._format._checksums import read_json_object
 from milepost._format._files import (
-    AGGREGATE,
     CHECKPOINT_METADATA,
     CHECKSUMS,
     COMMIT_MARKER,
@@ -77,10 +77,11 @@ def writer_of(path: Path | ObjectPath) -> str:
     return "Orbax v0"
 
 
-ITEM_FILES = (TREE_METADATA, AGGREGATE, "metadata", "data.json")
+ITEM_FILES = (TREE_METADATA, "metadata", "data.json")
 """Files one of which every checkpointable folder Orbax or milepost writes holds: a tree's
-``_METADATA`` (or, before it, the msgpack ``checkpoint``), a JSON item's ``metadata`` (Orbax v0)
-or ``data.json``."""
+``_METADATA``, a JSON item's ``metadata`` (Orbax v0) or ``data.json``. (Not the msgpack
+``checkpoint`` file alone: TensorFlow names its index so, and Orbax since 0.5 writes
+``_METADATA`` beside it.)"""
 
 
 def _is_item_folder(path: Path | ObjectPath) -> bool:
@@ -93,7 +94,7 @@ def _holds_checkpoint(path: Path | ObjectPath) -> bool:
     checkpointer's folder) or folders of items (a CheckpointManager step, a Composite)."""
     if (path / CHECKPOINT_METADATA).is_file():
         # ...and something saved: its own tree's files, or a checkpointable's folder
-        if any((path / name).is_file() for name in (TREE_METADATA, AGGREGATE)):
+        if (path / TREE_METADATA).is_file():
             return True
         try:
             listed = json.loads((path / CHECKPOINT_METADATA).read_bytes()).get("item_handlers")
@@ -111,7 +112,7 @@ def _holds_checkpoint(path: Path | ObjectPath) -> bool:
 def _is_unlisted_composite(path: Path | ObjectPath) -> bool:
     """A step of a CheckpointManager (or a Composite) from before ``_CHECKPOINT_METADATA``: no
     files of its own that a checkpoint or a checkpointable has, and item folders."""
-    if any((path / name).exists() for name in (TREE_METADATA, AGGREGATE, CHECKSUMS, ORBAX_MARKER)):
+    if any((path / name).exists() for name in (TREE_METADATA, CHECKSUMS, ORBAX_MARKER)):
         return False  # a tree's own folder, or a checkpoint of milepost or v1 (which have one)
     if isinstance(path, Path) and (path.parent / CHECKPOINT_METADATA).is_file():
         return False  # a checkpointable folder of a checkpoint, not a checkpoint
@@ -132,7 +133,7 @@ def is_committed(path: Path | ObjectPath) -> bool:
       (it writes the marker before its rename, so its finished folders all have one);
     - else, on a local disk, a folder of checkpoint files that Orbax renamed into place: releases
       before 0.12.3 wrote no marker there, and a folder they had not finished still had its
-      temporary name.
+      temporary name (or, in Orbax's commit-file mode, no commit time in its metadata).
     """
     if not path.is_dir() or is_temporary_name(path.name):
         return False
@@ -140,14 +141,44 @@ def is_committed(path: Path | ObjectPath) -> bool:
         return _holds_checkpoint(path)
     if not isinstance(path, Path) or (path / CHECKSUMS).exists():
         return False  # an object store, or milepost's own: the marker is how they commit
-    return _holds_checkpoint(path)
+    return _holds_checkpoint(path) and not _commit_unrecorded(path)
+
+
+def is_foreign_unfinished(path: Path | ObjectPath) -> bool:
+    """A local folder at a final name holding another program's checkpoint files whose save has
+    not finished (Orbax's commit-file mode writes so): not loadable, and not milepost's to
+    remove either (its writer may still be at work)."""
+    return (
+        isinstance(path, Path)
+        and not is_temporary_name(path.name)
+        and not (path / CHECKSUMS).exists()
+        and _holds_checkpoint(path)
+        and not is_committed(path)
+    )
+
+
+def _commit_unrecorded(path: Path) -> bool:
+    """``_CHECKPOINT_METADATA`` records the save's start but not its commit: every Orbax that
+    writes the file fills ``commit_timestamp_nsecs`` when it finalizes, so a folder without it
+    is a save killed before that (Orbax's commit-file mode saves at the final name)."""
+    try:
+        meta = json.loads((path / CHECKPOINT_METADATA).read_bytes())
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError):
+        return True  # unreadable: not known to be finished
+    return (
+        isinstance(meta, dict)
+        and meta.get("init_timestamp_nsecs") is not None
+        and meta.get("commit_timestamp_nsecs") is None
+    )
 
 
 def is_committed_by_own_files(path: Path | ObjectPath) -> bool:
     """A committed checkpoint that says so by files of its own (``_CHECKPOINT_METADATA``, or a
     single checkpointer's tree files), not only by the item folders it holds, which a folder
     of several checkpoints holds too. Saves decide by this what they may replace or write in."""
-    own = (CHECKPOINT_METADATA, TREE_METADATA, AGGREGATE)
+    own = (CHECKPOINT_METADATA, TREE_METADATA)
     return any((path / name).is_file() for name in own) and is_committed(path)
 
 
@@ -155,7 +186,7 @@ def _is_bare_v0(path: Path | ObjectPath) -> bool:
     """A v0 single-item checkpoint from before ``_CHECKPOINT_METADATA``: a tree's files in the
     folder itself, which is not a checkpointable folder of a checkpoint. (An item folder of a
     step from before that file is one too: Orbax's single checkpointers read it alone.)"""
-    if not ((path / TREE_METADATA).is_file() or (path / AGGREGATE).is_file()):
+    if not (path / TREE_METADATA).is_file():
         return False
     return not (path.parent / CHECKPOINT_METADATA).is_file()
 
@@ -235,7 +266,7 @@ def checkpointables(path: Path | ObjectPath, meta: dict[str, Any] | None) -> dic
     hints = listed_items(path, meta)
     raw = (meta or {}).get("item_handlers")
     if isinstance(raw, str) or (
-        not hints and ((path / TREE_METADATA).is_file() or (path / AGGREGATE).is_file())
+        not hints and (path / TREE_METADATA).is_file()
     ):  # a single checkpointer (or a very old one): the checkpoint's folder is the item
         return {
             DEFAULT_ITEM: Item(DEFAULT_ITEM, hints.get(DEFAULT_ITEM) or _handler_of(path), path)
@@ -252,7 +283,7 @@ def checkpointables(path: Path | ObjectPath, meta: dict[str, Any] | None) -> dic
 def _handler_of(folder: Path | ObjectPath) -> str | None:
     """The handler whose files ``folder`` holds, for checkpoints that do not record it (Orbax
     before ``item_handlers``): a tree's, or a JSON item's (``metadata`` in Orbax v0)."""
-    if (folder / TREE_METADATA).is_file() or (folder / AGGREGATE).is_file():
+    if (folder / TREE_METADATA).is_file():
         return PYTREE_HANDLER_TYPESTR
     if (folder / "metadata").is_file() or (folder / "data.json").is_file():
         return JSON_HANDLER_TYPESTR

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from milepost import workers
 from milepost._errors import CorruptCheckpointError
 from milepost._format._checksums import present, read_json, read_json_object
@@ -327,7 +329,7 @@ def _read(directory: Path | ObjectPath) -> TreeFiles:
         python_types=info.get("python_types", {}),
         key_impls=key_impls,
         chunk_crc32c=checksums,
-        aggregated=_aggregated(directory),
+        aggregated=_aggregated(directory, leaves),
         fill_missing=not meta.get("store_array_data_equal_to_fill_value", False),
     )
 
@@ -336,20 +338,46 @@ PLACEHOLDER_PREFIX = "PLACEHOLDER://"
 """How Orbax's aggregate file marks a leaf whose value lies elsewhere."""
 
 
-def _aggregated(directory: Path | ObjectPath) -> dict[str, Any]:
+def _aggregated(directory: Path | ObjectPath, leaves: dict[str, SavedLeaf]) -> dict[str, Any]:
     """The values Orbax's msgpack ``checkpoint`` file holds (small: scalars, and arrays saved
-    with ``aggregate``), by leaf name; placeholders left out."""
+    with ``aggregate``), by leaf name; placeholders left out. Each must be of the kind
+    ``_METADATA`` records for its leaf: a file that says otherwise is damaged."""
     if not present(directory / AGGREGATE):
         return {}
     path = directory / AGGREGATE
-    leaves = workers.msgpack_leaves(
+    found = workers.msgpack_leaves(
         workers.read_msgpack_bytes(path.read_bytes(), str(path)), str(path)
     )
-    return {
-        name: value
-        for name, value in leaves.items()
-        if not (isinstance(value, str) and value.startswith(PLACEHOLDER_PREFIX))
-    }
+    out: dict[str, Any] = {}
+    for name, value in found.items():
+        if isinstance(value, str) and value.startswith(PLACEHOLDER_PREFIX):
+            continue
+        saved = leaves.get(name)
+        if saved is None:
+            continue  # not a leaf of the tree _METADATA describes: never returned
+        if not _fits(saved.value_type, value):
+            raise CorruptCheckpointError(
+                f"{path} holds a {type(value).__name__} for the leaf {name!r}, which "
+                f"{directory / TREE_METADATA} records as {saved.raw_value_type!r}; the "
+                "checkpoint is damaged. Load an earlier checkpoint."
+            )
+        out[name] = value
+    return out
+
+
+def _fits(value_type: ValueType, value: Any) -> bool:
+    """``value`` (as the msgpack file holds it) is of the kind ``value_type`` says."""
+    if value_type is ValueType.SCALAR:
+        return isinstance(value, int | float | complex | np.generic) or (
+            isinstance(value, np.ndarray) and value.ndim == 0
+        )
+    if value_type is ValueType.STRING:
+        return isinstance(value, str)
+    if value_type in (ValueType.NP_ARRAY, ValueType.JAX_ARRAY):
+        return isinstance(value, np.ndarray | np.generic | int | float | complex)
+    if value_type.is_empty:
+        return value is None or (isinstance(value, dict | list) and not value)
+    return value_type is ValueType.UNKNOWN
 
 
 def _key_impls_of_array_metadatas(

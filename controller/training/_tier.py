@@ -118,6 +118,9 @@ class Tier:
             partial = (
                 is_step_name(name) and p.is_dir() and not p.is_symlink() and not fmt.is_committed(p)
             )
+            if partial and fmt.is_foreign_unfinished(p):
+                log.warning("left %s alone: another program's save that has not finished", p)
+                continue
             making = (
                 name.startswith(".")
                 and _storage.NEW_MARKER in name
