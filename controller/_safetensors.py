@@ -168,7 +168,7 @@ def load_tensors(
 def _identity(path: Path) -> tuple[Any, ...]:
     """What changes when the file at ``path`` (or a file of the folder) is replaced or written."""
     files = [path] if not path.is_dir() else sorted(p for p in path.iterdir() if p.is_file())
-    out = []
+    out: list[tuple[Any, ...]] = []
     for f in files:
         try:
             st = f.stat()
