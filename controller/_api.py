@@ -130,10 +130,11 @@ def load(path: PathLike, abstract_state: Any = None, *, partial: bool = False) -
     ``milepost.surgery``: it is computed onto the devices (see ``surgery.materialize``).
     """
     if not isinstance(path, str | os.PathLike | ObjectPath):
-        if _tree_loader is None:  # (a surgery's tree exists only once milepost.surgery is imported)
+        # (a surgery's tree, a container, exists only once milepost.surgery is imported)
+        if _tree_loader is None or not isinstance(path, dict | list | tuple):
             raise TypeError(
-                f"milepost.load takes the path of a checkpoint (a str or os.PathLike), got a "
-                f"{type(path).__name__}"
+                f"milepost.load takes the path of a checkpoint (a str or os.PathLike) or a tree "
+                f"from milepost.surgery, got a {type(path).__name__}"
             )
         return _tree_loader(path, abstract_state)  # a surgery's tree: computed onto the devices
     where = as_path(path)

@@ -84,9 +84,18 @@ def as_path(path: str | os.PathLike[str] | ObjectPath) -> Path | ObjectPath:
         return path
     if isinstance(path, Path):
         return Path(os.path.abspath(path))
-    text = os.fspath(path) if isinstance(path, str | os.PathLike) else str(path)
-    if isinstance(text, bytes):
-        text = os.fsdecode(text)
+    text = os.fspath(path) if isinstance(path, str | os.PathLike) else None
+    if not isinstance(text, str):
+        raise TypeError(
+            f"a checkpoint path is a str or os.PathLike naming a folder or a URL, got "
+            f"{type(path).__name__} {path!r}; pass e.g. '/ckpt/100' or 's3://bucket/run/100'. "
+            "Nothing was written."
+        )
+    if not text.strip():
+        raise ValueError(
+            "the checkpoint path is empty; pass the folder to write or read, e.g. '/ckpt/100'. "
+            "Nothing was written."
+        )
     match = _URL.match(text)
     if match is None or (len(match.group(1)) == 1 and os.name == "nt"):  # no scheme, or a drive
         return Path(os.path.abspath(text))

@@ -286,9 +286,12 @@ class ObjectWorkspace:
         while True:
             current, generation = read_lease(self.lease_path)
             if current is None or current.expires < time.time():
-                got = self.lease_path.write_bytes(
-                    self._new_lease(save_id, since), if_generation=generation or NO_VALUE
-                )
+                data = self._new_lease(save_id, since)
+                got = self.lease_path.write_bytes(data, if_generation=generation or NO_VALUE)
+                # The condition failing means a racing writer, or our own write whose reply was
+                # lost (the client re-sent it; the server refused the repeat): then the lease
+                # there is byte for byte ours.
+                got = got or self._own_write(data)
                 if got:  # ours; if someone else raced us to it, look again
                     self.generation = got
                     self.took_over = current is not None
@@ -310,10 +313,17 @@ class ObjectWorkspace:
                 return
             data = self._new_lease(self.lease.save_id, self.lease.since)
             got = self.lease_path.write_bytes(data, if_generation=self.generation)
+            got = got or self._own_write(data)  # a renewal whose reply was lost is no takeover
             if got:
                 self.generation = got
             else:
                 self._lost = "another writer took over its lease (it was not renewed in time)"
+
+    def _own_write(self, data: bytes) -> bytes:
+        """The lease's generation if what is there is ``data``, this save's own write (its save
+        id, process and expiry in it make it unique); ``b''`` otherwise."""
+        raw, generation = self.lease_path.read_with_generation()
+        return generation or b"" if raw == data else b""
 
     def _beat(self) -> None:
         while not self._stop.wait(self.lease_secs / 4):

@@ -1,0 +1,103 @@
+"""A fault-injecting HTTP proxy for the object-store tests, on 127.0.0.1 only: it forwards every
+request to the real server (moto's S3) and, for the requests a rule matches, misbehaves the way
+storage behind a bad gateway does. Rules are (method, key suffix, fault, count):
+
+- ``"lose-reply"``: forward the request (the server applies it), then close the connection
+  without answering; the client re-sends, and the server sees the request twice.
+
+A test points milepost at the proxy (``AWS_ENDPOINT_URL``) and sets rules with ``fail``."""
+
+from __future__ import annotations
+
+import http.client
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+_HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "upgrade"}
+
+
+@dataclass
+class Rule:
+    method: str
+    suffix: str
+    fault: str
+    left: int
+    hits: int = 0
+
+
+class FaultyProxy:
+    def __init__(self, upstream: str) -> None:
+        target = urlsplit(upstream)
+        self.upstream = (target.hostname or "127.0.0.1", target.port or 80)
+        self.rules: list[Rule] = []
+        self.lock = threading.Lock()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:  # quiet
+                pass
+
+            def _any(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else b""
+                conn = http.client.HTTPConnection(*proxy.upstream, timeout=60)
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
+                conn.request(self.command, self.path, body=body, headers=headers)
+                reply = conn.getresponse()
+                data = reply.read()
+                conn.close()
+                if proxy._take(self.command, self.path) == "lose-reply":
+                    self.close_connection = True  # applied upstream; the answer never arrives
+                    return
+                self.send_response(reply.status, reply.reason)
+                for k, v in reply.getheaders():
+                    if k.lower() not in _HOP_BY_HOP | {"content-length"}:
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def _take(self, method: str, path: str) -> str | None:
+        key = urlsplit(path).path
+        with self.lock:
+            for rule in self.rules:
+                if rule.left > 0 and rule.method == method and key.endswith(rule.suffix):
+                    rule.left -= 1
+                    rule.hits += 1
+                    return rule.fault
+        return None
+
+    def fail(self, method: str, suffix: str, fault: str, count: int = 1) -> Rule:
+        rule = Rule(method, suffix, fault, count)
+        with self.lock:
+            self.rules.append(rule)
+        return rule
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(10)
+
+
+@contextmanager
+def faulty_proxy(upstream: str) -> Iterator[FaultyProxy]:
+    proxy = FaultyProxy(upstream)
+    try:
+        yield proxy
+    finally:
+        proxy.close()

@@ -1,0 +1,88 @@
+"""Storage that misbehaves, through a fault-injecting proxy in front of the real S3 server
+(tests/_faulty_proxy.py): a lost reply is not a conflict. And paths that are not paths are
+refused before anything is written."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import milepost as mp
+from tests._faulty_proxy import FaultyProxy, faulty_proxy
+from tests._helpers import assert_tree_equal, gate_merge
+from tests._object_stores import new_s3_bucket, s3_endpoint  # noqa: F401  (a fixture)
+
+
+@pytest.fixture
+def proxy(s3_endpoint: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[FaultyProxy]:  # noqa: F811
+    with faulty_proxy(s3_endpoint[0]) as p:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", p.url)
+        yield p
+
+
+def test_a_lost_reply_to_taking_the_lease_is_not_another_writer(
+    s3_endpoint: Any,  # noqa: F811
+    proxy: FaultyProxy,
+) -> None:
+    """The lease's create-if-absent PUT lands but its answer is lost; the client re-sends it
+    and the server refuses the repeat. The lease found is byte for byte the one this save
+    wrote: the save goes on (before: CheckpointExistsError naming its own process)."""
+    url = f"s3://{new_s3_bucket(s3_endpoint[0])}/run/1"
+    rule = proxy.fail("PUT", "1.milepost-lease", "lose-reply")
+    mp.save(url, {"x": np.arange(5)})
+    assert rule.hits == 1
+    assert_tree_equal(mp.load(url), {"x": np.arange(5)})
+
+
+def test_a_lost_reply_to_a_renewal_is_not_a_takeover(
+    s3_endpoint: Any,  # noqa: F811
+    proxy: FaultyProxy,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A save held open while its lease's renewals lose their replies still commits (before:
+    "another writer took over its lease")."""
+    from milepost.training import Checkpointer
+
+    url = f"s3://{new_s3_bucket(s3_endpoint[0])}/run"
+    gate = gate_merge(monkeypatch)  # the save waits in its background part: renewals happen
+    proxy.fail("PUT", "/0.milepost-lease", "pass")  # the lease's creation goes through
+    rule = proxy.fail("PUT", "/0.milepost-lease", "lose-reply", count=2)
+    with mp.Context(saving=mp.SaveOptions(lease_secs=1.0)), Checkpointer(url) as ckpt:
+        ckpt.save(0, {"x": np.arange(7)}, force=True)
+        deadline = time.monotonic() + 30
+        while rule.left and time.monotonic() < deadline:  # both renewals lost their replies
+            time.sleep(0.05)
+        assert rule.hits == 2
+        gate.set()
+        ckpt.wait()
+        assert ckpt.steps == [0]
+        assert_tree_equal(ckpt.load(0), {"x": np.arange(7)})
+
+
+@pytest.mark.parametrize("bad", [None, 12345, 3.5, b"/tmp/x", object()])
+def test_what_is_not_a_path_is_a_type_error(
+    bad: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    for call in (
+        lambda: mp.save(bad, {"x": 1}),
+        lambda: mp.load(bad),
+        lambda: mp.metadata(bad),
+        lambda: mp.verify(bad),
+    ):
+        with pytest.raises(TypeError, match="str or os.PathLike"):
+            call()
+    assert os.listdir(tmp_path) == []  # nothing written, not ./None, not ./12345
+
+
+def test_an_empty_path_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="empty"):
+        mp.save("", {"x": 1})
+    assert os.listdir(tmp_path) == []
