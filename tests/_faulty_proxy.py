@@ -4,6 +4,8 @@ storage behind a bad gateway does. Rules are (method, key suffix, fault, count):
 
 - ``"lose-reply"``: forward the request (the server applies it), then close the connection
   without answering; the client re-sends, and the server sees the request twice.
+- ``"drop-write"``: answer a write with success without forwarding it (a write acknowledged
+  and not kept).
 
 A test points milepost at the proxy (``AWS_ENDPOINT_URL``) and sets rules with ``fail``."""
 
@@ -46,13 +48,20 @@ class FaultyProxy:
             def _any(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
+                fault = proxy._take(self.command, self.path)
+                if fault == "drop-write":
+                    self.send_response(200, "OK")
+                    self.send_header("ETag", '"00000000000000000000000000000000"')
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 conn = http.client.HTTPConnection(*proxy.upstream, timeout=60)
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
                 conn.request(self.command, self.path, body=body, headers=headers)
                 reply = conn.getresponse()
                 data = reply.read()
                 conn.close()
-                if proxy._take(self.command, self.path) == "lose-reply":
+                if fault == "lose-reply":
                     self.close_connection = True  # applied upstream; the answer never arrives
                     return
                 self.send_response(reply.status, reply.reason)

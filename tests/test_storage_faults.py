@@ -65,6 +65,40 @@ def test_a_lost_reply_to_a_renewal_is_not_a_takeover(
         assert_tree_equal(ckpt.load(0), {"x": np.arange(7)})
 
 
+@pytest.mark.parametrize(
+    "lost", ["commit_success.txt", "_milepost_checksums.json", "state/_METADATA"]
+)
+def test_a_write_acknowledged_and_not_kept_is_never_called_committed(
+    s3_endpoint: Any,  # noqa: F811
+    proxy: FaultyProxy,
+    lost: str,
+) -> None:
+    """The store answers success for a write it drops. The save fails, saying what is missing;
+    nothing is left that loads or that blocks the next save of the path (before: success was
+    reported, and the step then did not load)."""
+    from milepost.training import BackgroundSaveError, Checkpointer
+
+    url = f"s3://{new_s3_bucket(s3_endpoint[0])}/run"
+    with Checkpointer(url, asynchronous=False) as ckpt:
+        ckpt.save(1, {"x": np.arange(3)}, force=True)
+        rule = proxy.fail("PUT", f"/2/{lost}", "drop-write")
+        with pytest.raises(
+            BackgroundSaveError, match=r"(?s)acknowledged writes of .*" + lost.split("/")[-1]
+        ) as failed:
+            ckpt.save(2, {"x": np.arange(4)}, force=True)
+        assert isinstance(failed.value.__cause__, OSError)
+        assert rule.hits == 1
+        assert ckpt.steps == [1]
+        assert_tree_equal(ckpt.load(), {"x": np.arange(3)})
+        ckpt.save(2, {"x": np.arange(4)}, force=True)  # the path is not blocked
+        assert ckpt.steps == [1, 2]
+    proxy.fail("PUT", "/3/commit_success.txt", "drop-write")
+    with pytest.raises(OSError, match="acknowledged writes"):
+        mp.save(f"{url}/3", {"x": 1})
+    with pytest.raises(mp.CheckpointNotFoundError):
+        mp.load(f"{url}/3")
+
+
 @pytest.mark.parametrize("bad", [None, 12345, 3.5, b"/tmp/x", object()])
 def test_what_is_not_a_path_is_a_type_error(
     bad: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -25,7 +25,7 @@ from milepost import _format as fmt
 from milepost import _hosts, _options, _progress, _views, workers
 from milepost._checkpoint._background import SAVES
 from milepost._checkpoint._calls import SaveCall, as_pending
-from milepost._checkpoint._handlers import holds_no_tree, resolve_for_save
+from milepost._checkpoint._handlers import PyTreeHandler, holds_no_tree, resolve_for_save
 from milepost._errors import InvalidKeyError, SaveInProgressError
 from milepost._storage import LEASE_SUFFIX, NEW_MARKER, LocalWorkspace, ObjectWorkspace, for_path
 from milepost.colocated import HostGroup
@@ -371,7 +371,16 @@ def commit(
             "custom_metadata": json.loads(custom_json),
         },
     )
-    fmt.Checksums.compute(tmp).write()  # every file but array chunks, which carry their own
+    checksums = fmt.Checksums.compute(tmp)  # every file but array chunks, which carry their own
+    checksums.write()
     workspace.check()
     fmt.write_file(tmp / fmt.COMMIT_MARKER, f"Checkpoint commit was successful to {final}")
+    # What makes the checkpoint loadable must be there before it is called committed (a store
+    # may acknowledge a write it did not keep): read back, or the save fails and is removed.
+    needed = [fmt.CHECKPOINT_METADATA, fmt.ORBAX_MARKER] + [
+        f"{name}/{fmt.TREE_METADATA}"
+        for name, h in handlers.items()
+        if isinstance(h, PyTreeHandler)
+    ]
+    workspace.confirm(checksums, needed)
     workspace.publish()

@@ -145,6 +145,9 @@ class LocalWorkspace:
                 )
         _ownership.drop_owner_file(self.dir)
 
+    def confirm(self, checksums: Any, needed: Iterable[str]) -> None:
+        """Local folders: written and fsynced files are kept (POSIX); nothing to read back."""
+
     def publish(self) -> None:
         tmp, final = self.dir, self.final
         fmt.fsync_tree(tmp)
@@ -371,6 +374,32 @@ class ObjectWorkspace:
                     f"the save to {self.final} lost its ownership: "
                     f"{self._lost}; nothing was committed. Save again",
                 )
+
+    def confirm(self, checksums: Any, needed: Iterable[str]) -> None:
+        """Read back what makes the checkpoint committed: the marker, the file checksums (whose
+        own checksum proves them whole), and that they list every format file ``needed``. A
+        store that acknowledged a write it did not keep fails the save here, before anything
+        calls it committed (the marker, if it is there, is removed first)."""
+        problems = []
+        if not (self.final / fmt.COMMIT_MARKER).exists():
+            problems.append(fmt.COMMIT_MARKER)
+        try:
+            kept = fmt.Checksums.read(self.final)
+        except ValueError:
+            kept = None
+        if kept is None or kept.files != checksums.files:
+            problems.append(fmt.CHECKSUMS)
+        problems += [name for name in needed if name not in checksums.files]
+        if problems:
+            with contextlib.suppress(Exception):
+                (self.final / fmt.COMMIT_MARKER).unlink(missing_ok=True)
+            raise OSError(
+                errno.EIO,
+                f"the storage acknowledged writes of {problems} to {self.final} but does not "
+                "hold them now (a proxy or gateway that drops writes?); nothing was committed, "
+                "and what this save wrote is removed. Save again, and check the storage path",
+                str(self.final),
+            )
 
     def publish(self) -> None:
         self.release()
