@@ -157,7 +157,7 @@ def load_tensors(
         )
     for _, name, abst in targets:
         if name in plain and abst is not PLACEHOLDER:
-            values[name] = _plain_value(plain[name], abst, name)
+            values[name] = _tree.value_as_abstract(plain[name], abst, name, str(path))
     if treedef is None:
         return _tree.build_nested([(keys, values[name]) for keys, name, _ in targets])
     return _tree.unflatten(
@@ -177,23 +177,6 @@ def _identity(path: Path) -> tuple[Any, ...]:
             continue
         out.append((f.name, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
     return tuple(out)
-
-
-def _plain_value(value: Any, abstract: Any, name: str) -> Any:
-    """A value the file holds as such (a scalar, a string), shaped as its abstract leaf: an
-    array leaf gets it as an array of its dtype, on its sharding."""
-    if abstract is None or not hasattr(abstract, "dtype") or not hasattr(abstract, "shape"):
-        return value
-    out = np.asarray(value, dtype=np.dtype(abstract.dtype))
-    if tuple(out.shape) != tuple(abstract.shape):
-        raise StructureMismatchError(
-            f"leaf {name!r}: the abstract tree says shape {tuple(abstract.shape)} but the file "
-            f"holds {out.shape}"
-        )
-    if isinstance(abstract, np.generic):
-        return out[()]
-    sharding = None if isinstance(abstract, np.ndarray) else getattr(abstract, "sharding", None)
-    return out if sharding is None else jax.device_put(out, sharding)
 
 
 def _arrays(

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import numpy as np
 
-from milepost._errors import InvalidKeyError
+from milepost._errors import InvalidKeyError, StructureMismatchError
 
 PLACEHOLDER = ...
 """A leaf of an abstract tree that is skipped on load (it comes back as ``...``): nothing of it
@@ -188,3 +189,25 @@ def _listify(node: Any, kinds: dict[int, int]) -> Any:
     if kind == KEY_SEQUENCE:
         return [children[k] for k in sorted(children, key=int)]
     return children
+
+
+def value_as_abstract(value: Any, abstract: Any, name: str, where: str) -> Any:
+    """A value a file holds as such (a scalar, a string, a small array), shaped as its abstract
+    leaf: an array leaf gets an array of its dtype, on its sharding; a scalar leaf a scalar of
+    its type. ``where`` names the file in the error when the shapes differ."""
+    if abstract is None or isinstance(value, str):
+        return value
+    if isinstance(abstract, bool | int | float | complex):
+        return type(abstract)(np.asarray(value).item())
+    if not (hasattr(abstract, "shape") and hasattr(abstract, "dtype")):
+        return value
+    out = np.asarray(value, dtype=np.dtype(abstract.dtype))
+    if tuple(out.shape) != tuple(abstract.shape):
+        raise StructureMismatchError(
+            f"leaf {name!r}: the abstract tree says shape {tuple(abstract.shape)} but {where} "
+            f"holds {out.shape}"
+        )
+    if isinstance(abstract, np.generic):
+        return out[()]
+    sharding = None if isinstance(abstract, np.ndarray) else getattr(abstract, "sharding", None)
+    return out if sharding is None else jax.device_put(out, sharding)

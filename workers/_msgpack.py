@@ -26,36 +26,11 @@ import numpy as np
 from milepost.workers._errors import CorruptCheckpointError
 from milepost.workers._iostats import count_read
 from milepost.workers._safetensors import Tensor, numpy_dtype
+from milepost.workers._tensorstore import ZARR3_DTYPES
 
-DTYPES = frozenset(
-    {
-        "bool",
-        "int8",
-        "int16",
-        "int32",
-        "int64",
-        "uint8",
-        "uint16",
-        "uint32",
-        "uint64",
-        "float16",
-        "bfloat16",
-        "float32",
-        "float64",
-        "complex64",
-        "complex128",
-        "float8_e4m3fn",
-        "float8_e5m2",
-        "float8_e4m3fnuz",
-        "float8_e5m2fnuz",
-        "float8_e4m3b11fnuz",
-        "float8_e8m0fnu",
-        "int4",
-        "uint4",
-    }
-)
-"""The dtypes an array of a msgpack checkpoint may have (Flax refuses object and structured
-dtypes when it writes; milepost refuses every name it does not know when it reads)."""
+DTYPES = ZARR3_DTYPES
+"""The dtypes an array of a msgpack checkpoint may have: those milepost stores (Flax refuses
+object and structured dtypes when it writes; milepost refuses every other name when it reads)."""
 CHUNKED = "__msgpack_chunked_array__"
 MAX_DEPTH = 256
 _ARRAY, _COMPLEX, _SCALAR = 1, 2, 3

@@ -515,7 +515,9 @@ def _assemble(
             if vt is ValueType.SCALAR and isinstance(value, np.ndarray):
                 value = to_scalar(value, files.python_types.get(t.name), t.abstract)
         elif t.name in files.aggregated:
-            value = _aggregated_value(files.aggregated[t.name], t)
+            value = _tree.value_as_abstract(
+                files.aggregated[t.name], t.abstract, t.name, f"{directory / fmt.AGGREGATE}"
+            )
         elif vt is ValueType.STRING:
             if t.name not in files.strings:
                 raise CorruptCheckpointError(
@@ -533,27 +535,6 @@ def _assemble(
     if treedef is None:
         return _tree.build_nested(out)
     return _tree.unflatten(treedef, [v if v is PLACEHOLDER else v[1] for v in out])
-
-
-def _aggregated_value(value: Any, t: _Target) -> Any:
-    """A value Orbax kept in its msgpack file, shaped as the abstract leaf asks: an array leaf
-    gets an array of its dtype, on its sharding (these are small: Orbax aggregated scalars and
-    small arrays)."""
-    abstract = t.abstract
-    if abstract is None or not (hasattr(abstract, "shape") and hasattr(abstract, "dtype")):
-        if isinstance(abstract, SCALAR_TYPES) and not isinstance(value, str):
-            return to_scalar(np.asarray(value), None, abstract)
-        return value
-    out = np.asarray(value, dtype=np.dtype(abstract.dtype))
-    if tuple(out.shape) != tuple(abstract.shape):
-        raise StructureMismatchError(
-            f"leaf {t.name!r}: the abstract tree says shape {tuple(abstract.shape)} but the "
-            f"checkpoint holds {out.shape}"
-        )
-    if isinstance(abstract, np.generic):
-        return out[()]
-    sharding = None if isinstance(abstract, np.ndarray) else getattr(abstract, "sharding", None)
-    return out if sharding is None else jax.device_put(out, sharding)
 
 
 def to_scalar(value: np.ndarray, python_type: str | None, abstract: Any) -> Any:
