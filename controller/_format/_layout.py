@@ -84,16 +84,35 @@ ITEM_FILES = (TREE_METADATA, "metadata", "data.json")
 ``_METADATA`` beside it.)"""
 
 
-def _is_item_folder(path: Path | ObjectPath) -> bool:
-    return path.is_dir() and any((path / name).is_file() for name in ITEM_FILES)
+def folders_of(path: Path | ObjectPath) -> dict[str, frozenset[str]]:
+    """The folders directly in ``path`` whose names can be checkpointables', each with the names
+    of the files directly in it: one listing on an object store, one per folder locally."""
+    out: dict[str, set[str]] = {}
+    if isinstance(path, Path):
+        for p in path.iterdir():
+            if unsafe_item_name(p.name) is None and p.is_dir():
+                out[p.name] = {f.name for f in p.iterdir() if f.is_file()}
+    else:
+        for key in path.keys():
+            head, sep, rest = key.partition("/")
+            if sep and unsafe_item_name(head) is None:
+                files = out.setdefault(head, set())
+                if "/" not in rest:
+                    files.add(rest)
+    return {name: frozenset(files) for name, files in out.items()}
+
+
+def _is_item(files: frozenset[str]) -> bool:
+    """A folder holding these files is a checkpointable's (``ITEM_FILES``)."""
+    return any(name in files for name in ITEM_FILES)
 
 
 def _holds_checkpoint(path: Path | ObjectPath) -> bool:
     """``path`` holds a checkpoint's files (whether its save finished is another question):
-    ``_CHECKPOINT_METADATA``; or, from before that file existed, a tree's own files (a single
-    checkpointer's folder) or folders of items (a CheckpointManager step, a Composite)."""
+    ``_CHECKPOINT_METADATA`` and something saved (its own tree's files, or a checkpointable's
+    folder); or, from before that file existed, a tree's own files (a single checkpointer's
+    folder) or folders of items (a CheckpointManager step, a Composite)."""
     if (path / CHECKPOINT_METADATA).is_file():
-        # ...and something saved: its own tree's files, or a checkpointable's folder
         if (path / TREE_METADATA).is_file():
             return True
         try:
@@ -101,8 +120,8 @@ def _holds_checkpoint(path: Path | ObjectPath) -> bool:
         except (OSError, ValueError, AttributeError):
             listed = None
         return isinstance(listed, str) or any(
-            p.is_dir() and ((isinstance(listed, dict) and p.name in listed) or _is_item_folder(p))
-            for p in path.iterdir()
+            (isinstance(listed, dict) and name in listed) or _is_item(files)
+            for name, files in folders_of(path).items()
         )
     if _is_bare_v0(path):
         return True
@@ -116,10 +135,10 @@ def _is_unlisted_composite(path: Path | ObjectPath) -> bool:
         return False  # a tree's own folder, or a checkpoint of milepost or v1 (which have one)
     if isinstance(path, Path) and (path.parent / CHECKPOINT_METADATA).is_file():
         return False  # a checkpointable folder of a checkpoint, not a checkpoint
-    folders = [p for p in path.iterdir() if unsafe_item_name(p.name) is None and p.is_dir()]
+    folders = folders_of(path)
     # (a folder of a handler milepost does not know is an item too; a folder of steps is not)
-    return any(_is_item_folder(p) for p in folders) and not any(
-        (p / CHECKPOINT_METADATA).exists() for p in folders
+    return any(_is_item(files) for files in folders.values()) and not any(
+        CHECKPOINT_METADATA in files for files in folders.values()
     )
 
 
@@ -135,10 +154,14 @@ def is_committed(path: Path | ObjectPath) -> bool:
       before 0.12.3 wrote no marker there, and a folder they had not finished still had its
       temporary name (or, in Orbax's commit-file mode, no commit time in its metadata).
     """
-    if not path.is_dir() or is_temporary_name(path.name):
+    if is_temporary_name(path.name) or not path.is_dir():
         return False
-    if (path / COMMIT_MARKER).is_file():
-        return _holds_checkpoint(path)
+    if (path / COMMIT_MARKER).is_file():  # written last: everything else is there
+        return (
+            (path / CHECKPOINT_METADATA).is_file()
+            or _is_bare_v0(path)
+            or _is_unlisted_composite(path)
+        )
     if not isinstance(path, Path) or (path / CHECKSUMS).exists():
         return False  # an object store, or milepost's own: the marker is how they commit
     return _holds_checkpoint(path) and not _commit_unrecorded(path)
@@ -269,23 +292,23 @@ def checkpointables(path: Path | ObjectPath, meta: dict[str, Any] | None) -> dic
         not hints and (path / TREE_METADATA).is_file()
     ):  # a single checkpointer (or a very old one): the checkpoint's folder is the item
         return {
-            DEFAULT_ITEM: Item(DEFAULT_ITEM, hints.get(DEFAULT_ITEM) or _handler_of(path), path)
+            DEFAULT_ITEM: Item(
+                DEFAULT_ITEM, hints.get(DEFAULT_ITEM) or PYTREE_HANDLER_TYPESTR, path
+            )
         }
     out: dict[str, Item] = {}
-    entries: list[Path | ObjectPath] = sorted(path.iterdir(), key=lambda p: p.name)
-    for p in entries:
-        if unsafe_item_name(p.name) is None and p.is_dir():
-            if p.name in hints or not hints or _is_item_folder(p):
-                out[p.name] = Item(p.name, hints.get(p.name) or _handler_of(p), p)
+    for name, files in sorted(folders_of(path).items()):
+        if name in hints or not hints or _is_item(files):
+            out[name] = Item(name, hints.get(name) or _handler_of(files), path / name)
     return out
 
 
-def _handler_of(folder: Path | ObjectPath) -> str | None:
-    """The handler whose files ``folder`` holds, for checkpoints that do not record it (Orbax
+def _handler_of(files: frozenset[str]) -> str | None:
+    """The handler whose files a folder holds, for checkpoints that do not record it (Orbax
     before ``item_handlers``): a tree's, or a JSON item's (``metadata`` in Orbax v0)."""
-    if (folder / TREE_METADATA).is_file():
+    if TREE_METADATA in files:
         return PYTREE_HANDLER_TYPESTR
-    if (folder / "metadata").is_file() or (folder / "data.json").is_file():
+    if "metadata" in files or "data.json" in files:
         return JSON_HANDLER_TYPESTR
     return None
 
