@@ -1,6 +1,6 @@
 """A fault-injecting HTTP proxy for the object-store tests, on 127.0.0.1 only: it forwards every
 request to the real server (moto's S3) and, for the requests a rule matches, misbehaves the way
-storage behind a bad gateway does. Rules are (method, key suffix, fault, count):
+storage behind a bad gateway does. Rules are (method, a part of the key, fault, count):
 
 - ``"lose-reply"``: forward the request (the server applies it), then close the connection
   without answering; the client re-sends, and the server sees the request twice.
@@ -85,7 +85,7 @@ class FaultyProxy:
         key = urlsplit(path).path
         with self.lock:
             for rule in self.rules:
-                if rule.left > 0 and rule.method == method and key.endswith(rule.suffix):
+                if rule.left > 0 and rule.method == method and rule.suffix in key:
                     rule.left -= 1
                     rule.hits += 1
                     return rule.fault

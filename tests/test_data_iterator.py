@@ -331,3 +331,57 @@ def test_damage_in_a_checkpoint_without_checksums(tmp_path: Path) -> None:
     f.unlink()
     with pytest.raises(mp.CheckpointNotFoundError, match="process_0-of-1.json is missing"):
         mp.load_checkpointables(root, {"data_iter": Counter()})
+
+
+def test_a_failed_load_leaves_the_iterator_where_it_was(tmp_path: Path) -> None:
+    """Iterators are restored in place after every other part loaded: a damaged sibling fails
+    the load and the iterator has not moved, whatever the order it was asked in."""
+    it = Counter(seed=7)
+    for _ in range(5):
+        next(it)
+    path = mp.save_checkpointables(tmp_path / "c", {"state": {"x": np.arange(4)}, "data_iter": it})
+    (path / "state" / "_METADATA").write_text("{")  # damaged
+    fresh = Counter(seed=0)
+    for _ in range(2):
+        next(fresh)
+    with pytest.raises(mp.CorruptCheckpointError):
+        mp.load_checkpointables(path, {"data_iter": fresh, "state": None})
+    assert fresh.get_state() == {"seed": 0, "position": 2}
+
+
+def test_an_iterator_that_cannot_take_the_state_is_named(tmp_path: Path) -> None:
+    it = Counter(seed=7)
+    path = mp.save_checkpointables(tmp_path / "c", {"state": {"x": 1}, "data_iter": it})
+
+    class Other(Counter):
+        def set_state(self, state: dict[str, Any]) -> None:
+            raise KeyError("shard_index")
+
+    with pytest.raises(mp.StructureMismatchError, match=r"(?s)'data_iter'.*KeyError.*kind"):
+        mp.load_checkpointables(path, {"data_iter": Other()})
+
+
+def test_state_files_nested_beyond_reading_are_damage(tmp_path: Path) -> None:
+    """A state file (as Orbax or Grain write them: no checksums) nested deeper than JSON can be
+    read is a CorruptCheckpointError, not a RecursionError; so is a folder in its place."""
+    path = mp.save_checkpointables(tmp_path / "c", {"data_iter": Counter()})
+    (path / "_milepost_checksums.json").unlink()
+    state = path / "data_iter" / "process_0-of-1.json"
+    state.write_text("[" * 200_000 + "]" * 200_000)
+    with pytest.raises(mp.CorruptCheckpointError, match="nests deeper"):
+        mp.load_checkpointables(path, {"data_iter": Counter()})
+    state.unlink()
+    state.mkdir()
+    with pytest.raises(mp.CorruptCheckpointError, match="is a folder"):
+        mp.load_checkpointables(path, {"data_iter": Counter()})
+
+    class Deep(Counter):
+        def get_state(self) -> Any:
+            value: Any = []
+            for _ in range(100_000):
+                value = [value]
+            return value
+
+    with pytest.raises(TypeError, match="get_state"):
+        mp.save_checkpointables(tmp_path / "d", {"data_iter": Deep()})
+    assert not (tmp_path / "d").exists()

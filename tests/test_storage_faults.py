@@ -10,8 +10,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import milepost as mp
 from tests._faulty_proxy import FaultyProxy, faulty_proxy
@@ -66,12 +69,24 @@ def test_a_lost_reply_to_a_renewal_is_not_a_takeover(
 
 
 @pytest.mark.parametrize(
-    "lost", ["commit_success.txt", "_milepost_checksums.json", "state/_METADATA"]
+    "lost",
+    [
+        "commit_success.txt",
+        "_milepost_checksums.json",
+        "_CHECKPOINT_METADATA",
+        "state/_METADATA",
+        "state/_sharding",
+        "state/_milepost.json",
+        "state/_strings.json",
+        "state/manifest.ocdbt",
+        "state/d/",  # the root view's B-tree, written by the merge
+    ],
 )
 def test_a_write_acknowledged_and_not_kept_is_never_called_committed(
     s3_endpoint: Any,  # noqa: F811
     proxy: FaultyProxy,
     lost: str,
+    mesh24: Any,
 ) -> None:
     """The store answers success for a write it drops. The save fails, saying what is missing;
     nothing is left that loads or that blocks the next save of the path (before: success was
@@ -79,24 +94,46 @@ def test_a_write_acknowledged_and_not_kept_is_never_called_committed(
     from milepost.training import BackgroundSaveError, Checkpointer
 
     url = f"s3://{new_s3_bucket(s3_endpoint[0])}/run"
+    w = jax.device_put(np.arange(64.0).reshape(8, 8), NamedSharding(mesh24, P("data", "model")))
+
+    def tree(k: int) -> dict[str, Any]:
+        return {"x": np.arange(k), "w": w + k, "note": f"step {k}"}
+
     with Checkpointer(url, asynchronous=False) as ckpt:
-        ckpt.save(1, {"x": np.arange(3)}, force=True)
-        rule = proxy.fail("PUT", f"/2/{lost}", "drop-write")
+        ckpt.save(1, tree(1), force=True)
+        rule = proxy.fail("PUT", f"/2/{lost}", "drop-write", count=100)
         with pytest.raises(
-            BackgroundSaveError, match=r"(?s)acknowledged writes of .*" + lost.split("/")[-1]
+            BackgroundSaveError, match=r"(?s)(acknowledged writes of|does not read back)"
         ) as failed:
-            ckpt.save(2, {"x": np.arange(4)}, force=True)
+            ckpt.save(2, tree(2), force=True)
         assert isinstance(failed.value.__cause__, OSError)
-        assert rule.hits == 1
+        assert rule.hits >= 1
+        rule.left = 0
         assert ckpt.steps == [1]
-        assert_tree_equal(ckpt.load(), {"x": np.arange(3)})
-        ckpt.save(2, {"x": np.arange(4)}, force=True)  # the path is not blocked
+        assert_tree_equal(ckpt.load(), tree(1))
+        ckpt.save(2, tree(2), force=True)  # the path is not blocked
         assert ckpt.steps == [1, 2]
+        assert_tree_equal(ckpt.load(2), tree(2))
     proxy.fail("PUT", "/3/commit_success.txt", "drop-write")
     with pytest.raises(OSError, match="acknowledged writes"):
         mp.save(f"{url}/3", {"x": 1})
     with pytest.raises(mp.CheckpointNotFoundError):
         mp.load(f"{url}/3")
+
+
+def test_a_lease_acknowledged_and_not_kept_is_not_held(
+    s3_endpoint: Any,  # noqa: F811
+    proxy: FaultyProxy,
+) -> None:
+    """Taking the lease is read back: a save whose lease the store dropped would share the path
+    with the next writer. It fails before writing anything."""
+    url = f"s3://{new_s3_bucket(s3_endpoint[0])}/run/1"
+    rule = proxy.fail("PUT", "1.milepost-lease", "drop-write")
+    with pytest.raises(OSError, match="acknowledged the lease"):
+        mp.save(url, {"x": np.arange(3)})
+    assert rule.hits == 1
+    mp.save(url, {"x": np.arange(3)})
+    assert_tree_equal(mp.load(url), {"x": np.arange(3)})
 
 
 @pytest.mark.parametrize("bad", [None, 12345, 3.5, b"/tmp/x", object()])

@@ -29,7 +29,11 @@ from typing import Any, Protocol, runtime_checkable
 from milepost import _format as fmt
 from milepost import _hosts
 from milepost._checkpoint._calls import LoadCall, SaveCall
-from milepost._errors import CheckpointNotFoundError, StructureMismatchError
+from milepost._errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    StructureMismatchError,
+)
 from milepost.colocated import HostGroup
 from milepost.workers import ObjectPath
 
@@ -58,7 +62,7 @@ def state_text(obj: Any, name: str) -> bytes:
         raw = bytes(state)
         try:
             json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as e:
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
             raise ValueError(
                 f"data iterator {name!r}: get_state() returned bytes that are not UTF-8 JSON text "
                 f"({e}); its state is saved as a JSON file (the layout Orbax and Grain use). "
@@ -67,7 +71,7 @@ def state_text(obj: Any, name: str) -> bytes:
         return raw
     try:
         return json.dumps(state, indent=4).encode()
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, RecursionError) as e:
         raise TypeError(
             f"data iterator {name!r}: get_state() returned a {type(state).__name__} that is not "
             f"JSON-serializable ({e}); its state is saved as a JSON file (the layout Orbax and "
@@ -167,9 +171,21 @@ class DataIteratorHandler:
             call.group, f"data-iter:{directory}", lambda: _check_files(directory, count), timeout
         )
         path = directory / fmt.data_state_file(index, count)
+        if path.is_dir():
+            raise CorruptCheckpointError(
+                f"{WHAT} {path} is a folder, not a file; the checkpoint is damaged or crafted. "
+                "Load an earlier checkpoint"
+            )
         raw = fmt.read_checked(path, WHAT)
         value = fmt.parse_json(path, raw, WHAT)
-        abstract.set_state(raw if isinstance(abstract.get_state(), bytes) else value)
+        try:
+            abstract.set_state(raw if isinstance(abstract.get_state(), bytes) else value)
+        except Exception as e:
+            raise StructureMismatchError(
+                f"the iterator passed for {directory.name!r} could not take the state saved in "
+                f"{path} ({type(e).__name__}: {e}); pass an iterator of the kind that was saved "
+                "(the same dataset and pipeline). It may be left partly restored: make a new one"
+            ) from e
         return abstract
 
     def metadata(self, directory: Path | ObjectPath) -> Any:
@@ -186,7 +202,7 @@ def _check_files(directory: Path | ObjectPath, count: int) -> None:
     missing = [i for i in range(count) if fmt.data_state_file(i, count) not in names]
     if not missing:
         return
-    if counts and count not in counts:
+    if counts and count not in counts and counts[0] > 0:
         saved = counts[0]
         raise StructureMismatchError(
             f"{directory} holds the data iterator states of a job of {saved} process"

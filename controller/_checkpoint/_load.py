@@ -72,7 +72,14 @@ def load_checkpointables(
     out = {}
     try:
         with fmt.verifying(checksums):
-            for name, abstract in wanted.items():
+            # Objects restored in place (data iterators, stateful ones) last: a part that fails
+            # to load leaves them as they were.
+            in_place = [
+                n for n, a in wanted.items() if hasattr(a, "set_state") or hasattr(a, "load")
+            ]
+            order = [n for n in wanted if n not in in_place] + in_place
+            for name in order:
+                abstract = wanted[name]
                 handler = resolve_for_load(name, items[name].handler, abstract, options.handlers)
                 folder = items[name].folder
                 _hosts.shared(
@@ -86,6 +93,7 @@ def load_checkpointables(
         if _identity(root) != identity:  # local: the other processes may not be here
             raise _replaced(root) from e
         raise
+    out = {name: out[name] for name in wanted}
     # Every byte came from the checkpoint that was there when the load started, or it was
     # replaced (an overwrite, a deletion) meanwhile and the result may mix two: refuse it.
     if _hosts.shared(group, f"ckpt-changed:{root}", lambda: _identity(root) != identity, timeout):

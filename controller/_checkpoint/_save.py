@@ -10,6 +10,7 @@ all raise the same error.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import threading
@@ -23,6 +24,7 @@ import jax
 
 from milepost import _format as fmt
 from milepost import _hosts, _options, _progress, _views, workers
+from milepost._checkpoint import _pytree_load
 from milepost._checkpoint._background import SAVES
 from milepost._checkpoint._calls import SaveCall, as_pending
 from milepost._checkpoint._handlers import PyTreeHandler, holds_no_tree, resolve_for_save
@@ -371,16 +373,27 @@ def commit(
             "custom_metadata": json.loads(custom_json),
         },
     )
+    # A store may acknowledge a write it did not keep: before the marker, read back through
+    # the root view what each tree needs to load (object stores; local files are fsynced).
+    needed = [fmt.CHECKPOINT_METADATA, fmt.ORBAX_MARKER]
+    if not isinstance(tmp, Path):
+        try:
+            for name, h in handlers.items():
+                if isinstance(h, PyTreeHandler):
+                    needed += [f"{name}/{f}" for f in _pytree_load.confirm_written(tmp / name)]
+        except (OSError, ValueError) as e:
+            raise OSError(
+                errno.EIO,
+                f"the save to {final} does not read back ({type(e).__name__}: {e}); the storage "
+                "may have dropped a write it acknowledged. Nothing was committed, and what this "
+                "save wrote is removed. Save again, and check the storage path",
+                str(final),
+            ) from e
     checksums = fmt.Checksums.compute(tmp)  # every file but array chunks, which carry their own
     checksums.write()
     workspace.check()
     fmt.write_file(tmp / fmt.COMMIT_MARKER, f"Checkpoint commit was successful to {final}")
-    # What makes the checkpoint loadable must be there before it is called committed (a store
-    # may acknowledge a write it did not keep): read back, or the save fails and is removed.
-    needed = [fmt.CHECKPOINT_METADATA, fmt.ORBAX_MARKER] + [
-        f"{name}/{fmt.TREE_METADATA}"
-        for name, h in handlers.items()
-        if isinstance(h, PyTreeHandler)
-    ]
+    # Then the marker, the checksums and what they must list are read back, or the save fails
+    # and is removed (the marker first).
     workspace.confirm(checksums, needed)
     workspace.publish()

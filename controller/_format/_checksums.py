@@ -81,6 +81,11 @@ def parse_json(path: Path | ObjectPath, raw: bytes, what: str) -> Any:
             f"{what} {path} is truncated or not JSON ({e.msg} at char {e.pos}); the checkpoint is "
             "damaged. Load an earlier checkpoint, or re-save this one."
         ) from e
+    except RecursionError:
+        raise CorruptCheckpointError(
+            f"{what} {path} nests deeper than JSON can be read here; the checkpoint is damaged "
+            "or crafted. Load an earlier checkpoint."
+        ) from None
 
 
 def present(path: Path | ObjectPath) -> bool:

@@ -295,6 +295,16 @@ class ObjectWorkspace:
                 # lost (the client re-sent it; the server refused the repeat): then the lease
                 # there is byte for byte ours.
                 got = got or self._own_write(data)
+                if got:  # read back: a store may acknowledge a write it does not keep
+                    got = self._own_write(data)
+                    if not got and self.lease_path.generation() is None:
+                        raise OSError(
+                            errno.EIO,
+                            f"the storage acknowledged the lease {self.lease_path} but does not "
+                            "hold it (a proxy or gateway that drops writes?); nothing was "
+                            "written. Check the storage path and save again",
+                            str(self.lease_path),
+                        )
                 if got:  # ours; if someone else raced us to it, look again
                     self.generation = got
                     self.took_over = current is not None
