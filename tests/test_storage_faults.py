@@ -121,6 +121,21 @@ def test_a_write_acknowledged_and_not_kept_is_never_called_committed(
         mp.load(f"{url}/3")
 
 
+def test_a_data_iterator_state_acknowledged_and_not_kept_fails_the_save(
+    s3_endpoint: Any,  # noqa: F811
+    proxy: FaultyProxy,
+) -> None:
+    from tests.test_data_iterator import Counter
+
+    url = f"s3://{new_s3_bucket(s3_endpoint[0])}/run/1"
+    rule = proxy.fail("PUT", "data_iter/process_0-of-1.json", "drop-write")
+    with pytest.raises(mp.CheckpointNotFoundError, match="did not keep it"):
+        mp.save_checkpointables(url, {"state": {"x": np.arange(3)}, "data_iter": Counter(3)})
+    assert rule.hits == 1
+    with pytest.raises(mp.CheckpointNotFoundError):
+        mp.load(url)
+
+
 def test_a_lease_acknowledged_and_not_kept_is_not_held(
     s3_endpoint: Any,  # noqa: F811
     proxy: FaultyProxy,

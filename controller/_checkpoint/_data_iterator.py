@@ -111,16 +111,18 @@ class _StateWrite:
         # Every process waits for its parts in the same order, or settles them after a failure:
         # both arrive here.
         self.group.barrier(f"data-iter:{self.directory}", timeout or self.timeout)
-        if error is None and write and self.group.is_primary() and self.count > 1:
+        if error is None and write and self.group.is_primary():
+            # every process's file, read back (a store may drop a write it acknowledged)
             names = {p.name for p in self.directory.iterdir()}
             missing = [
                 i for i in range(self.count) if fmt.data_state_file(i, self.count) not in names
             ]
             if missing:
                 error = CheckpointNotFoundError(
-                    f"processes {missing[:8]} did not write their data iterator state "
-                    f"({fmt.data_state_file(missing[0], self.count)} in {self.directory}); their "
-                    "logs say why. The step was not committed: save it again"
+                    f"processes {missing[:8]} did not write their data iterator state, or the "
+                    f"storage did not keep it ({fmt.data_state_file(missing[0], self.count)} in "
+                    f"{self.directory}); their logs say why. The step was not committed: save it "
+                    "again"
                 )
         return error
 
