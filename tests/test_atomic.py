@@ -286,3 +286,23 @@ def test_commit_rename_failure_keeps_the_previous_checkpoint(
     monkeypatch.undo()
     assert same_bits(mp.load(ckpt)["x"], np.arange(4))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
+
+
+def test_a_checkpoint_that_appears_while_a_save_runs_is_never_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another program commits at the path while this save is in its background part: the
+    save's commit refuses to replace it, and what appeared is intact (the promise of
+    overwrite=False holds at the commit, not only when the save began)."""
+    from tests._helpers import gate_merge
+
+    final = tmp_path / "c"
+    other = mp.save(tmp_path / "other", {"y": np.arange(9)})
+    gate = gate_merge(monkeypatch)
+    handle = mp.save_async(final, {"x": np.arange(3)})
+    other.rename(final)  # the other program's checkpoint takes the path meanwhile
+    gate.set()
+    with pytest.raises(mp.CheckpointExistsError, match="appeared"):
+        handle.result(timeout=120)
+    assert_tree_equal(mp.load(final), {"y": np.arange(9)})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]  # and nothing of this save left
