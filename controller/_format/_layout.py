@@ -107,18 +107,36 @@ def _is_item(files: frozenset[str]) -> bool:
     return any(name in files for name in ITEM_FILES)
 
 
-def _holds_checkpoint(path: Path | ObjectPath) -> bool:
+_UNREADABLE = object()
+"""``_CHECKPOINT_METADATA`` is there but cannot be read or parsed."""
+
+
+def _own_metadata(path: Path | ObjectPath) -> Any:
+    """``path``'s ``_CHECKPOINT_METADATA`` parsed (read once for every question asked of it):
+    None when there is none, ``_UNREADABLE`` when it cannot be read."""
+    if not (path / CHECKPOINT_METADATA).is_file():  # (never open a FIFO: it would block)
+        return None
+    try:
+        raw = (path / CHECKPOINT_METADATA).read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return _UNREADABLE
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return _UNREADABLE
+
+
+def _holds_checkpoint(path: Path | ObjectPath, meta: Any) -> bool:
     """``path`` holds a checkpoint's files (whether its save finished is another question):
-    ``_CHECKPOINT_METADATA`` and something saved (its own tree's files, or a checkpointable's
-    folder); or, from before that file existed, a tree's own files (a single checkpointer's
-    folder) or folders of items (a CheckpointManager step, a Composite)."""
-    if (path / CHECKPOINT_METADATA).is_file():
+    ``_CHECKPOINT_METADATA`` (``meta``) and something saved (its own tree's files, or a
+    checkpointable's folder); or, from before that file existed, a tree's own files (a single
+    checkpointer's folder) or folders of items (a CheckpointManager step, a Composite)."""
+    if meta is not None:
         if (path / TREE_METADATA).is_file():
             return True
-        try:
-            listed = json.loads((path / CHECKPOINT_METADATA).read_bytes()).get("item_handlers")
-        except (OSError, ValueError, AttributeError):
-            listed = None
+        listed = meta.get("item_handlers") if isinstance(meta, dict) else None
         return isinstance(listed, str) or any(
             (isinstance(listed, dict) and name in listed) or _is_item(files)
             for name, files in folders_of(path).items()
@@ -164,32 +182,29 @@ def is_committed(path: Path | ObjectPath) -> bool:
         )
     if not isinstance(path, Path) or (path / CHECKSUMS).exists():
         return False  # an object store, or milepost's own: the marker is how they commit
-    return _holds_checkpoint(path) and not _commit_unrecorded(path)
+    meta = _own_metadata(path)
+    return _holds_checkpoint(path, meta) and not _commit_unrecorded(meta)
 
 
 def is_foreign_unfinished(path: Path | ObjectPath) -> bool:
     """A local folder at a final name holding another program's checkpoint files whose save has
     not finished (Orbax's commit-file mode writes so): not loadable, and not milepost's to
     remove either (its writer may still be at work)."""
-    return (
-        isinstance(path, Path)
-        and not is_temporary_name(path.name)
-        and not (path / CHECKSUMS).exists()
-        and _holds_checkpoint(path)
-        and not is_committed(path)
-    )
-
-
-def _commit_unrecorded(path: Path) -> bool:
-    """``_CHECKPOINT_METADATA`` records the save's start but not its commit: every Orbax that
-    writes the file fills ``commit_timestamp_nsecs`` when it finalizes, so a folder without it
-    is a save killed before that (Orbax's commit-file mode saves at the final name)."""
-    try:
-        meta = json.loads((path / CHECKPOINT_METADATA).read_bytes())
-    except FileNotFoundError:
+    if not isinstance(path, Path) or is_temporary_name(path.name) or not path.is_dir():
         return False
-    except (OSError, ValueError):
-        return True  # unreadable: not known to be finished
+    if (path / COMMIT_MARKER).is_file() or (path / CHECKSUMS).exists():
+        return False
+    meta = _own_metadata(path)
+    return _holds_checkpoint(path, meta) and _commit_unrecorded(meta)
+
+
+def _commit_unrecorded(meta: Any) -> bool:
+    """``_CHECKPOINT_METADATA`` (``meta``) records the save's start but not its commit: every
+    Orbax that writes the file fills ``commit_timestamp_nsecs`` when it finalizes, so a folder
+    without it is a save killed before that (Orbax's commit-file mode saves at the final
+    name). An unreadable one is not known to be finished."""
+    if meta is _UNREADABLE:
+        return True
     return (
         isinstance(meta, dict)
         and meta.get("init_timestamp_nsecs") is not None
@@ -232,7 +247,7 @@ def require_checkpoint(path: Path | ObjectPath) -> None:
         )
     if is_committed(path):
         return
-    if _holds_checkpoint(path):
+    if _holds_checkpoint(path, _own_metadata(path)):
         why = (
             "milepost writes it last"
             if (path / CHECKSUMS).exists()
