@@ -88,7 +88,7 @@ class _Pending:
 
     def settle(self, timeout: float | None = None) -> None:
         """Local only: wait for this process's writes to land; no other process is waited for."""
-        workers.settle_all([self._pending], self._timeout if timeout is None else timeout)
+        workers.settle_all([self._pending], timeout)  # None: the storage's request budget
 
     def wait(self, timeout: float | None = None) -> list[workers.SaveAck]:
         timeout = self._timeout if timeout is None else timeout

@@ -82,10 +82,14 @@ class _PendingRaySave:
         Fresh ``settle_save`` calls, not the ``wait_save`` calls already made: a failure
         cancels a gather's pending calls, and a cancelled call reports done at once while the
         host may still be writing."""
-        t = self._group.timeout_secs if timeout is None else timeout
+        # None: as long as the storage may take to give up on a request (the host's own budget),
+        # and a margin for the call itself.
+        t = workers.storage_budget_secs() + 30.0 if timeout is None else timeout
         live = [i for i in self._waits if i not in self._group.failed_hosts]
         settles = {
-            i: self._group.call(i, "settle_save", self._token, t, concurrency_group=WAIT_GROUP)
+            i: self._group.call(
+                i, "settle_save", self._token, timeout, concurrency_group=WAIT_GROUP
+            )
             for i in live
         }
         self._group.settle(settles, t)

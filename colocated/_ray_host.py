@@ -256,7 +256,7 @@ class HostActor:
             self.pending[token] = None
             self.staged.notify_all()
 
-    def settle_save(self, token: str, timeout: float) -> None:
+    def settle_save(self, token: str, timeout: float | None) -> None:
         """An abandoned save: let its writes land, ignoring their outcome. If a ``wait_save``
         of the same save is running, this returns only after it (the same lock)."""
         pending = self.pending.get(token)

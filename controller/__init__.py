@@ -45,7 +45,7 @@ from milepost._options import AsyncOptions, Context, LoadOptions, ProgressOption
 from milepost._tree import PLACEHOLDER
 from milepost._verify import VerifyReport, verify
 from milepost.colocated import AbstractArray, RemoteArray, Slice, SliceOptions
-from milepost.workers import PendingWrite, ShardingSpec
+from milepost.workers import PendingWrite, ShardingSpec, StorageOptions, configure_storage
 
 __all__ = [
     "PLACEHOLDER",
@@ -79,9 +79,11 @@ __all__ = [
     "Slice",
     "SliceOptions",
     "StatefulCheckpointable",
+    "StorageOptions",
     "StructureMismatchError",
     "UnsupportedLeafError",
     "VerifyReport",
+    "configure_storage",
     "copy",
     "io_stats",
     "load",

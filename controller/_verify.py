@@ -60,6 +60,7 @@ class VerifyReport:
         )
 
 
+@workers.reading_once()  # each small object of an object store read once per call
 def verify(
     path: str | os.PathLike[str] | ObjectPath, *, slice: Slice | None = None
 ) -> VerifyReport:

@@ -6,6 +6,10 @@ storage behind a bad gateway does. Rules are (method, a part of the key, fault, 
   without answering; the client re-sends, and the server sees the request twice.
 - ``"drop-write"``: answer a write with success without forwarding it (a write acknowledged
   and not kept).
+- ``"stall"``: hold the request, unanswered, until the test calls ``release`` (or the proxy
+  closes), then forward it and answer if the client still listens: a request the storage
+  takes forever to answer, and a write that lands after the client gave up on it.
+- ``"throttle"``: answer ``503 SlowDown`` without forwarding (the server is throttling).
 
 A test points milepost at the proxy (``AWS_ENDPOINT_URL``) and sets rules with ``fail``."""
 
@@ -29,6 +33,8 @@ class Rule:
     fault: str
     left: int
     hits: int = 0
+    forwarded: int = 0
+    """Stalled requests forwarded to the server after their release."""
 
 
 class FaultyProxy:
@@ -37,6 +43,8 @@ class FaultyProxy:
         self.upstream = (target.hostname or "127.0.0.1", target.port or 80)
         self.rules: list[Rule] = []
         self.lock = threading.Lock()
+        self.released = threading.Event()
+        """Set by ``release``: stalled requests go on."""
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -48,7 +56,21 @@ class FaultyProxy:
             def _any(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
-                fault = proxy._take(self.command, self.path)
+                rule = proxy._take(self.command, self.path)
+                fault = rule.fault if rule is not None else None
+                if fault == "throttle":
+                    reply = b"<Error><Code>SlowDown</Code><Message>Slow down</Message></Error>"
+                    self.send_response(503, "Slow Down")
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(reply)))
+                    self.end_headers()
+                    self.wfile.write(reply)
+                    return
+                if fault == "stall":
+                    proxy.released.wait()
+                    with proxy.lock:
+                        assert rule is not None
+                        rule.forwarded += 1
                 if fault == "drop-write":
                     self.send_response(200, "OK")
                     self.send_header("ETag", '"00000000000000000000000000000000"')
@@ -81,15 +103,19 @@ class FaultyProxy:
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
 
-    def _take(self, method: str, path: str) -> str | None:
+    def _take(self, method: str, path: str) -> Rule | None:
         key = urlsplit(path).path
         with self.lock:
             for rule in self.rules:
                 if rule.left > 0 and rule.method == method and rule.suffix in key:
                     rule.left -= 1
                     rule.hits += 1
-                    return rule.fault
+                    return rule
         return None
+
+    def release(self) -> None:
+        """Let every stalled request go on to the server (and those stalled later pass at once)."""
+        self.released.set()
 
     def fail(self, method: str, suffix: str, fault: str, count: int = 1) -> Rule:
         rule = Rule(method, suffix, fault, count)
@@ -98,6 +124,7 @@ class FaultyProxy:
         return rule
 
     def close(self) -> None:
+        self.released.set()
         self.server.shutdown()
         self.server.server_close()
         self.thread.join(10)

@@ -4,6 +4,7 @@ refused before anything is written."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Iterator
@@ -17,6 +18,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import milepost as mp
+from milepost.workers import _paths
+from tests import _subproc
 from tests._faulty_proxy import FaultyProxy, faulty_proxy
 from tests._helpers import assert_tree_equal, gate_merge
 from tests._object_stores import new_s3_bucket, s3_endpoint  # noqa: F401  (a fixture)
@@ -172,3 +175,224 @@ def test_an_empty_path_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     with pytest.raises(ValueError, match="empty"):
         mp.save("", {"x": 1})
     assert os.listdir(tmp_path) == []
+
+
+_STALLED_SAVE = """
+import json, sys, time
+import numpy as np
+import milepost as mp
+
+mp.configure_storage(mp.StorageOptions(
+    silence_secs=2, max_retries=1, retry_delay_secs=0.2, retry_max_delay_secs=0.2))
+url, timeout = sys.argv[1], float(sys.argv[2])
+start = time.monotonic()
+try:
+    with mp.Context(async_=mp.AsyncOptions(timeout_secs=timeout)):
+        mp.save(url, {"x": np.arange(1000.0), "y": np.ones(10, np.int32)})
+    out = {"error": None}
+except Exception as e:
+    out = {"error": type(e).__name__, "message": str(e)}
+out["secs"] = time.monotonic() - start
+out["budget"] = mp.workers.storage_budget_secs()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("who", ["deadline", "storage"])
+def test_a_stalled_write_fails_in_time_and_its_late_arrival_blocks_nothing(
+    s3_endpoint: Any,  # noqa: F811
+    proxy: FaultyProxy,
+    who: str,
+) -> None:
+    """A data-file PUT the storage never answers, then applies after the save gave up on it.
+    The save fails with a TimeoutError that says what and how long: at ``timeout_secs`` (the
+    deadline), or when every attempt has been silent for ``silence_secs`` (the storage) — not
+    after the minutes TensorStore's defaults take. The late writes land under the failed save's
+    expired lease: the next save of the path takes it over, removes them and commits (before:
+    every later save was refused, and the bucket had to be cleaned by hand)."""
+    import json
+    import subprocess
+    import sys
+
+    bucket_url = f"s3://{new_s3_bucket(s3_endpoint[0])}"
+    url = f"{bucket_url}/run/1"
+    rule = proxy.fail("PUT", "/state/ocdbt.process_controller/d/", "stall", count=1000)
+    child = subprocess.run(
+        [sys.executable, "-c", _STALLED_SAVE, url, "4" if who == "deadline" else "600"],
+        env={**_subproc.env(1), "AWS_ENDPOINT_URL": proxy.url},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert child.returncode == 0, child.stderr
+    out = json.loads(child.stdout.strip().splitlines()[-1])
+    assert out["error"] == "TimeoutError", out
+    if who == "deadline":
+        assert "did not finish within 4 s" in out["message"] and "'x'" in out["message"], out
+    else:
+        assert "each of 2 attempts moved nothing for 2 s" in out["message"], out
+        assert rule.hits >= 2  # the first attempt, then the retry
+    assert out["secs"] < 4 + out["budget"] + 30, out  # bounded (before: ~40 minutes)
+    stalled = rule.hits
+    proxy.release()  # the storage now applies every write it held: they land late
+    deadline = time.monotonic() + 60
+    while rule.forwarded < stalled and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert rule.forwarded == stalled >= 1
+    bucket = _paths.as_path(bucket_url)
+    late = {k for k in bucket.keys() if k.startswith("run/1/")}
+    assert late, "the late writes landed"
+    assert "run/1.milepost-lease" in set(bucket.keys())  # the failed save's lease, expired
+    state = {"x": np.arange(7), "note": "again"}
+    mp.save(url, state)  # the path is not blocked
+    assert_tree_equal(mp.load(url), state)
+    assert mp.verify(url).ok
+    keys = set(bucket.keys())
+    assert not late & keys, "the late writes were removed"
+    assert "run/1.milepost-lease" not in keys
+
+
+_STALLED_LOAD = """
+import json, sys, time
+import milepost as mp
+
+mp.configure_storage(mp.StorageOptions(
+    silence_secs=2, max_retries=1, retry_delay_secs=0.2, retry_max_delay_secs=0.2))
+start = time.monotonic()
+try:
+    mp.load(sys.argv[1])
+    out = {"error": None}
+except Exception as e:
+    out = {"error": type(e).__name__, "message": str(e)}
+out["secs"] = time.monotonic() - start
+out["budget"] = mp.workers.storage_budget_secs()
+print(json.dumps(out))
+"""
+
+
+def test_a_stalled_read_fails_when_the_storage_policy_gives_up(
+    s3_endpoint: Any,  # noqa: F811
+    proxy: FaultyProxy,
+) -> None:
+    """A load whose data-file GETs are never answered fails with a TimeoutError naming the
+    object, after ``max_retries + 1`` silent attempts (before: a minute of silence per
+    attempt, 33 attempts)."""
+    import json
+    import subprocess
+    import sys
+
+    url = f"s3://{new_s3_bucket(s3_endpoint[0])}/run/1"
+    mp.save(url, {"x": np.arange(1000.0)})
+    rule = proxy.fail("GET", "/run/1/state/d/", "stall", count=1000)
+    child = subprocess.run(
+        [sys.executable, "-c", _STALLED_LOAD, url],
+        env={**_subproc.env(1), "AWS_ENDPOINT_URL": proxy.url},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert child.returncode == 0, child.stderr
+    out = json.loads(child.stdout.strip().splitlines()[-1])
+    assert out["error"] == "TimeoutError", out
+    assert "each of 2 attempts moved nothing for 2 s" in out["message"], out
+    assert "run/1/state/d/" in out["message"], out  # the object
+    assert rule.hits == 2  # one attempt and one retry, each abandoned after 2 s of silence
+    assert out["secs"] < out["budget"] + 30, out
+
+
+def test_throttling_is_retried_and_every_value_is_exact(
+    s3_endpoint: Any,  # noqa: F811
+    proxy: FaultyProxy,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """503 SlowDown on the first requests of each kind: retried with the policy's back-off;
+    saves, a Checkpointer loop with retention and loads give exact values."""
+    import json
+
+    from milepost.training import Checkpointer, KeepLatest
+    from milepost.workers import _requests
+
+    policy = mp.StorageOptions(
+        silence_secs=_requests.silence_in_effect(), retry_delay_secs=0.01, retry_max_delay_secs=0.05
+    )
+    monkeypatch.setenv(_requests.ENV, json.dumps(dataclasses.asdict(policy)))
+    url = f"s3://{new_s3_bucket(s3_endpoint[0])}/run"
+    rules = [proxy.fail(m, "/run", "throttle", count=4) for m in ("PUT", "GET", "HEAD", "DELETE")]
+    with Checkpointer(url, keep=KeepLatest(n=2), asynchronous=False) as ckpt:
+        for step in range(4):
+            ckpt.save(step, {"x": np.arange(step + 3), "step": step}, force=True)
+        assert ckpt.steps == [2, 3]
+        assert_tree_equal(ckpt.load(3), {"x": np.arange(6), "step": 3})
+    assert [r.hits for r in rules if r.method in ("PUT", "GET")] == [4, 4]
+
+
+_STALLED_LOOP = """
+import json, sys
+import numpy as np
+import milepost as mp
+from milepost.training import BackgroundSaveError, Checkpointer, KeepLatest
+
+mp.configure_storage(mp.StorageOptions(
+    silence_secs=2, max_retries=1, retry_delay_secs=0.2, retry_max_delay_secs=0.2))
+out = {}
+with Checkpointer(sys.argv[1], keep=KeepLatest(n=2)) as ckpt:
+    for step in range(3):
+        try:
+            ckpt.save(step, {"x": np.arange(1000.0) + step}, force=True)
+            ckpt.wait()
+        except BackgroundSaveError as e:
+            out[step] = type(e.__cause__).__name__
+    out["steps"] = ckpt.steps
+print(json.dumps(out))
+sys.stdin.readline()  # the test releases the stalled writes, then lets this go on
+with Checkpointer(sys.argv[1], keep=KeepLatest(n=2)) as ckpt:
+    ckpt.save(3, {"x": np.arange(1000.0) + 3}, force=True)
+    ckpt.wait()
+    print(json.dumps({"steps": ckpt.steps}))
+"""
+
+
+def test_a_checkpointer_loop_survives_a_stalled_step(
+    s3_endpoint: Any,  # noqa: F811
+    proxy: FaultyProxy,
+) -> None:
+    """Step 2's data writes stall: that step fails with a TimeoutError once the storage
+    policy gives up on them (two silent attempts of 2 s). Retention keeps steps 0 and 1
+    (nothing good is deleted on the strength of a step that failed); the writes land late, and
+    a later run removes them and goes on."""
+    import json
+    import subprocess
+    import sys
+
+    bucket_url = f"s3://{new_s3_bucket(s3_endpoint[0])}"
+    url = f"{bucket_url}/run"
+    rule = proxy.fail("PUT", "/run/2/state/ocdbt.process_controller/d/", "stall", count=1000)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _STALLED_LOOP, url],
+        env={**_subproc.env(1), "AWS_ENDPOINT_URL": proxy.url},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        first = json.loads(child.stdout.readline() or "null")
+        assert first == {"2": "TimeoutError", "steps": [0, 1]}, child.stderr.read()
+        proxy.release()
+        deadline = time.monotonic() + 60
+        while rule.forwarded < rule.hits and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert rule.forwarded == rule.hits >= 1
+        bucket = _paths.as_path(bucket_url)
+        assert any(k.startswith("run/2/") for k in bucket.keys())  # the late writes
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        second = json.loads(child.stdout.readline() or "null")
+        assert second == {"steps": [1, 3]}, child.stderr.read()
+        assert child.wait(60) == 0
+    finally:
+        child.kill()
+    keys = set(bucket.keys())
+    assert not any(k.startswith("run/2") for k in keys), sorted(keys)  # debris and lease removed
+    assert_tree_equal(mp.load(f"{url}/3"), {"x": np.arange(1000.0) + 3})

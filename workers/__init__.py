@@ -49,11 +49,15 @@ from milepost.workers._paths import (
     UnknownStorageError,
     as_path,
     context_for,
+    fresh_reads,
     is_local,
     kvstore,
+    reading_once,
     storage_environment,
 )
 from milepost.workers._pending import Done, PendingWrite, settle_all
+from milepost.workers._requests import StorageOptions, configure_storage
+from milepost.workers._requests import budget_secs as storage_budget_secs
 from milepost.workers._runtime import RUNTIME, Pool, Runtime
 from milepost.workers._safetensors import CODES as SAFETENSORS_CODES
 from milepost.workers._safetensors import INDEX_FILE as SAFETENSORS_INDEX
@@ -132,6 +136,7 @@ __all__ = [
     "SavePlan",
     "SaveTask",
     "ShardingSpec",
+    "StorageOptions",
     "StoragePath",
     "StoreSpec",
     "Tensor",
@@ -142,10 +147,12 @@ __all__ = [
     "WrittenArray",
     "as_path",
     "check",
+    "configure_storage",
     "context_for",
     "crc32c",
     "dtype_name",
     "dtype_of",
+    "fresh_reads",
     "from_tensorstore",
     "grid_key",
     "header_chunks",
@@ -177,12 +184,14 @@ __all__ = [
     "read_msgpack",
     "read_msgpack_bytes",
     "read_safetensors_header",
+    "reading_once",
     "run_job",
     "safetensors_header",
     "settle_all",
     "shape_str",
     "sharding_str",
     "start_save",
+    "storage_budget_secs",
     "storage_environment",
     "verify",
 ]

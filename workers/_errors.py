@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 
+from milepost.workers import _requests
 from milepost.workers._ts_internals import says_damaged, says_no_space, says_over_quota, status_of
 
 
@@ -87,6 +88,17 @@ def from_tensorstore(
     if status == "NOT_FOUND":
         return FileNotFoundError(
             errno.ENOENT, f"not found while {doing}{where}. {text}", path or None
+        )
+    if "Timeout was reached" in text or "curl_code='28'" in text:
+        policy = _requests.current()
+        return TimeoutError(
+            errno.ETIMEDOUT,
+            f"the storage did not answer while {doing}{where}: each of "
+            f"{policy.max_retries + 1} attempts moved nothing for "
+            f"{_requests.silence_in_effect()} s. Check the storage or the network; "
+            "milepost.configure_storage(StorageOptions(silence_secs=..., max_retries=...)) "
+            "sets how long a request may be silent and how often it is retried. "
+            + text.split(" [tensorstore_spec=")[0],
         )
     if status in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
         return OSError(

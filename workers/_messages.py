@@ -87,6 +87,9 @@ class SavePlan:
     staging_budget_bytes: int | None = None
     """With ``copy``: copy at most this many bytes; write the other regions from the caller's
     memory and return only once they are durable (None: copy every region)."""
+    timeout_secs: float | None = None
+    """The staging's writes that it waits for (array creations, regions not copied) must be
+    durable within this (a :class:`TimeoutError` naming them otherwise; None: no limit)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -27,10 +27,15 @@ How object stores are reached comes from the standard places, read when a path i
   conventional ``STORAGE_EMULATOR_HOST`` alone is refused with the fix (TensorStore does not
   read it, and milepost does not change the process's environment).
 - ``memory://``: one store per process, shared by every open (handy in tests and notebooks).
+- Retries and the silence limit of ``gs://`` and ``s3://`` requests: this process's
+  :class:`~milepost.workers._requests.StorageOptions` (the one variable milepost sets itself is
+  TensorStore's silence limit, before the first request, unless the environment has one).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import errno
 import fnmatch
 import functools
@@ -41,6 +46,8 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 import tensorstore as ts
+
+from milepost.workers import _requests
 
 SCHEMES = ("file", "gs", "s3", "memory")
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):(//?)(.*)$")
@@ -62,6 +69,9 @@ STORAGE_ENV_VARS: tuple[str, ...] = (
     "STORAGE_EMULATOR_HOST",
     "GOOGLE_APPLICATION_CREDENTIALS",
     "GOOGLE_AUTH_TOKEN_FOR_TESTING",
+    _requests.ENV,
+    _requests.SILENCE_ENV,
+    "TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES",
 )
 """The variables that decide how this module and TensorStore reach gs:// and s3:// (endpoints,
 regions, credentials, emulators): a host process must see the controller's to open its paths."""
@@ -136,10 +146,15 @@ def memory_context() -> ts.Context:
 
 
 def context_for(path: str | os.PathLike[str] | ObjectPath, **resources: Any) -> ts.Context:
-    """A TensorStore context for I/O at ``path``: the shared one for ``memory://``."""
+    """A TensorStore context for I/O at ``path``: the shared one for ``memory://``; for
+    ``gs://`` and ``s3://`` with this process's retry policy (``_requests``)."""
     where = as_path(path)
-    if isinstance(where, ObjectPath) and where.scheme == "memory":
-        return memory_context()
+    if isinstance(where, ObjectPath):
+        if where.scheme == "memory":
+            return memory_context()
+        policy = _requests.start_transport()
+        kind = "gcs" if where.scheme == "gs" else where.scheme
+        resources = {f"{kind}_request_retries": policy.retries_resource(), **resources}
     return ts.Context(resources) if resources else ts.Context()
 
 
@@ -183,6 +198,80 @@ def _successor(prefix: bytes) -> bytes:
     """The smallest key greater than every key that starts with ``prefix``."""
     trimmed = prefix.rstrip(b"\xff")
     return trimmed[:-1] + bytes([trimmed[-1] + 1]) if trimmed else b""
+
+
+class _Memo:
+    """What one read-only call learned of object stores: listings, objects, generations."""
+
+    def __init__(self) -> None:
+        self.listings: dict[tuple[str, str, str], list[str]] = {}
+        self.objects: dict[tuple[str, str, str], tuple[bytes | None, bytes | None]] = {}
+        self.generations: dict[tuple[str, str, str], bytes | None] = {}
+
+    def clear(self) -> None:
+        self.listings.clear()
+        self.objects.clear()
+        self.generations.clear()
+
+    def listed_below(self, where: tuple[str, str, str]) -> list[str] | None:
+        """The keys below folder ``where``, from a listing of a folder above it (None: none)."""
+        scheme, bucket, key = where
+        for (s, b, above), keys in self.listings.items():
+            if (s, b) == (scheme, bucket) and (not above or key.startswith(above + "/")):
+                inner = key[len(above) + 1 :] if above else key
+                return [k[len(inner) + 1 :] for k in keys if k.startswith(inner + "/")]
+        return None
+
+    def listed(self, where: tuple[str, str, str]) -> bool | None:
+        """Whether a listing of a folder above ``where`` shows it (None: no such listing)."""
+        scheme, bucket, key = where
+        for (s, b, above), keys in self.listings.items():
+            if (s, b) == (scheme, bucket) and (not above or key.startswith(above + "/")):
+                inner = key[len(above) + 1 :] if above else key
+                return inner in keys
+        return None
+
+    def absent(self, where: tuple[str, str, str]) -> bool:
+        """Whether a listing of a folder above ``where`` shows it is not there."""
+        return self.listed(where) is False
+
+
+_MEMO: contextvars.ContextVar[_Memo | None] = contextvars.ContextVar(
+    "milepost_object_memo", default=None
+)
+
+
+def _forget() -> None:
+    """A write: what this thread's read-only call remembered may be stale now."""
+    memo = _MEMO.get()
+    if memo is not None:
+        memo.clear()
+
+
+@contextlib.contextmanager
+def reading_once() -> Iterator[None]:
+    """Inside, on this thread, each object-store listing, object and existence check is asked of
+    the store once: a read-only call (a load, metadata, a verify) reads each small object once,
+    however many of its parts look at it. Nothing may be written meanwhile (the answers would
+    be stale); :func:`fresh_reads` asks the store again."""
+    if _MEMO.get() is not None:
+        yield
+        return
+    token = _MEMO.set(_Memo())
+    try:
+        yield
+    finally:
+        _MEMO.reset(token)
+
+
+@contextlib.contextmanager
+def fresh_reads() -> Iterator[None]:
+    """Inside, the store is asked again (whether a checkpoint changed while it was read)."""
+    token = _MEMO.set(None)
+    try:
+        yield
+    finally:
+        _MEMO.reset(token)
 
 
 class ObjectPath:
@@ -268,27 +357,61 @@ class ObjectPath:
     # -- the store ------------------------------------------------------------------------
     def keys(self) -> list[str]:
         """Every key below this folder, relative to it, sorted (one listing)."""
+        memo = _MEMO.get()
+        where = (self.scheme, self.bucket, self.key)
+        if memo is not None:
+            if where in memo.listings:
+                return memo.listings[where]
+            listed = memo.listed_below(where)
+            if listed is not None:
+                return listed
         prefix = (self.key + "/").lstrip("/").encode()
         every = ts.KvStore.KeyRange(prefix, _successor(prefix)) if prefix else ts.KvStore.KeyRange()
-        return sorted(k[len(prefix) :].decode() for k in self._kv.list(every).result())
+        out = sorted(k[len(prefix) :].decode() for k in self._kv.list(every).result())
+        if memo is not None:
+            memo.listings[where] = out
+        return out
 
     def read_bytes(self) -> bytes:
-        result = self._kv.read(self.key).result()
-        if result.state != "value":
+        raw, _ = self.read_with_generation()
+        if raw is None:
             raise FileNotFoundError(errno.ENOENT, "no such object", str(self))
-        return bytes(result.value)
+        return raw
 
     def read_with_generation(self) -> tuple[bytes | None, bytes | None]:
         """The object's bytes and generation; (None, None) when it does not exist."""
-        result = self._kv.read(self.key).result()
-        if result.state != "value":
+        memo = _MEMO.get()
+        where = (self.scheme, self.bucket, self.key)
+        if memo is not None and where in memo.objects:
+            return memo.objects[where]
+        if memo is not None and memo.absent(where):
             return None, None
-        return bytes(result.value), bytes(result.stamp.generation)
+        result = self._kv.read(self.key).result()
+        out = (
+            (bytes(result.value), bytes(result.stamp.generation))
+            if result.state == "value"
+            else (None, None)
+        )
+        if memo is not None:
+            memo.objects[where] = out
+        return out
 
     def generation(self) -> bytes | None:
         """The object's generation (changes on every write); None when it does not exist."""
+        memo = _MEMO.get()
+        where = (self.scheme, self.bucket, self.key)
+        if memo is not None:
+            if where in memo.objects:
+                return memo.objects[where][1]
+            if where in memo.generations:
+                return memo.generations[where]
+            if memo.absent(where):
+                return None
         result = self._kv.read(self.key, byte_range=slice(0, 0)).result()
-        return bytes(result.stamp.generation) if result.state == "value" else None
+        out = bytes(result.stamp.generation) if result.state == "value" else None
+        if memo is not None:
+            memo.generations[where] = out
+        return out
 
     def read_text(self) -> str:
         return self.read_bytes().decode()
@@ -297,6 +420,7 @@ class ObjectPath:
         """Write the object (durable when this returns); with ``if_generation`` only if its
         generation is that (``NO_VALUE``: only if it does not exist). Returns the new
         generation, ``b''`` when the condition failed."""
+        _forget()
         if if_generation is None:
             return bytes(self._kv.write(self.key, data).result().generation)
         return bytes(self._kv.write(self.key, data, if_equal=if_generation).result().generation)
@@ -305,6 +429,14 @@ class ObjectPath:
         self.write_bytes(text.encode())
 
     def is_file(self) -> bool:
+        memo = _MEMO.get()
+        if memo is not None:
+            where = (self.scheme, self.bucket, self.key)
+            if where in memo.objects:
+                return memo.objects[where][0] is not None
+            listed = memo.listed(where)
+            if listed is not None:
+                return listed
         return self.generation() is not None
 
     def is_dir(self) -> bool:
@@ -328,6 +460,7 @@ class ObjectPath:
 
     def unlink(self, missing_ok: bool = False, *, if_generation: bytes | None = None) -> bool:
         """Delete the object; with ``if_generation`` only if its generation is that."""
+        _forget()
         if not missing_ok and not self.is_file():
             raise FileNotFoundError(errno.ENOENT, "no such object", str(self))
         if if_generation is None:
@@ -338,6 +471,7 @@ class ObjectPath:
 
     def delete_tree(self) -> ts.Future[None]:
         """Start deleting every key below this folder; returns the future."""
+        _forget()
         prefix = (self.key + "/").encode()
         return self._kv.delete_range(ts.KvStore.KeyRange(prefix, _successor(prefix)))
 

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 
 from milepost import _format as fmt
-from milepost import _hosts, _options, _views
+from milepost import _hosts, _options, _views, workers
 from milepost._checkpoint._calls import LoadCall
 from milepost._checkpoint._handlers import (
     JsonHandler,
@@ -27,6 +27,7 @@ from milepost._errors import CheckpointNotFoundError, CheckpointReplacedError
 from milepost.workers import ObjectPath, as_path
 
 
+@workers.reading_once()  # each small object of an object store read once per call
 def load_checkpointables(
     path: str | os.PathLike[str] | ObjectPath,
     abstracts: Mapping[str, Any] | None,
@@ -90,13 +91,15 @@ def load_checkpointables(
                 )
                 out[name] = handler.load(folder, abstract, call)
     except Exception as e:
-        if _identity(root) != identity:  # local: the other processes may not be here
+        if _identity(root, fresh=True) != identity:  # local: the other processes may not be here
             raise _replaced(root) from e
         raise
     out = {name: out[name] for name in wanted}
     # Every byte came from the checkpoint that was there when the load started, or it was
     # replaced (an overwrite, a deletion) meanwhile and the result may mix two: refuse it.
-    if _hosts.shared(group, f"ckpt-changed:{root}", lambda: _identity(root) != identity, timeout):
+    if _hosts.shared(
+        group, f"ckpt-changed:{root}", lambda: _identity(root, fresh=True) != identity, timeout
+    ):
         raise _replaced(root)
     return out
 
@@ -111,17 +114,18 @@ def _check_own_files(
 
 
 @contextlib.contextmanager
-def unchanged(root: Path | ObjectPath) -> Iterator[None]:
+def unchanged(root: Path | ObjectPath, *, after: bool = True) -> Iterator[None]:
     """Raise CheckpointReplacedError if the checkpoint at ``root`` was replaced or deleted while
-    the block ran (whatever the block raised then: it may have read parts of two checkpoints)."""
+    the block ran (whatever the block raised then: it may have read parts of two checkpoints).
+    ``after=False``: only when the block raised (the caller checks once it is done)."""
     identity = _identity(root)
     try:
         yield
     except Exception as e:
-        if _identity(root) != identity:
+        if _identity(root, fresh=True) != identity:
             raise _replaced(root) from e
         raise
-    if _identity(root) != identity:
+    if after and _identity(root, fresh=True) != identity:
         raise _replaced(root)
 
 
@@ -131,15 +135,19 @@ def read_checkpointables(
     fmt.require_checkpoint(root)
     fmt.check_contained(root)  # before any file is opened (a FIFO would block the open forever)
     identity = _identity(root)
-    with unchanged(root):
+    with unchanged(root, after=False):  # every caller checks once it read what it needs
         checksums = fmt.Checksums.read(root)
         with fmt.verifying(checksums):
             meta = fmt.read_checkpoint_metadata(root)
     return meta, fmt.checkpointables(root, meta), identity, checksums
 
 
-def _identity(root: Path | ObjectPath) -> tuple[Any, ...]:
-    """What changes when the checkpoint at ``root`` is replaced: its folder and its commit."""
+def _identity(root: Path | ObjectPath, *, fresh: bool = False) -> tuple[Any, ...]:
+    """What changes when the checkpoint at ``root`` is replaced: its folder and its commit
+    (``fresh``: asked of the storage again, not answered by what this call has read)."""
+    if fresh:
+        with workers.fresh_reads():
+            return _identity(root)
     try:
         if isinstance(root, Path):
             st = os.stat(root)
@@ -268,6 +276,7 @@ class CheckpointMetadata:
         return out
 
 
+@workers.reading_once()
 def metadata(path: str | os.PathLike[str] | ObjectPath) -> CheckpointMetadata:
     options = _options.current()
     root = as_path(path)

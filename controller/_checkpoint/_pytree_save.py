@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -304,6 +305,7 @@ def stage_tree(
                 first_writer=first_writer,
                 writers=_options.writers_for(planned.options, host_bytes[p]),
                 staging_budget_bytes=planned.options.host_staging_budget_bytes,
+                timeout_secs=timeout,
             )
             for p, tasks in planned.host_tasks.items()
         }
@@ -319,12 +321,13 @@ def stage_tree(
                 writers=_options.writers_for(planned.options, own_bytes),
                 first_writer=first_writer,
                 staging_budget_bytes=planned.options.host_staging_budget_bytes,
+                timeout_secs=timeout,
             )
             own = _hosts.controller_host().start_save(
                 {CONTROLLER: plan}, planned.controller_sources, timeout
             )
     except BaseException:
-        workers.settle_all([hosts], timeout)
+        workers.settle_all([hosts])
         raise
     planned.controller_sources = []
     return PendingTree(directory, planned.files, group, hosts, own, timeout, finish)
@@ -363,30 +366,35 @@ class PendingTree:
         self.timeout = timeout
 
     def wait(self, timeout: float | None = None) -> None:
-        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+
+        def left() -> float:
+            return max(0.0, deadline - time.monotonic())
+
         try:
-            acks = self.hosts.wait(timeout) if self.hosts is not None else []
+            acks = self.hosts.wait(left()) if self.hosts is not None else []
         except BaseException:
-            self.settle(timeout)
+            self.settle()
             raise
-        self.group.barrier(f"pytree-written:{self.directory}", timeout)
+        self.group.barrier(f"pytree-written:{self.directory}", left())
         if not self.group.is_primary():
             return
         # The controller's own leaves and the format files: a failure here is the primary's
         # alone; it reaches the other controller processes through the commit outcome.
         try:
             if self.own is not None:
-                acks = [*acks, *self.own.wait(timeout)]
+                acks = [*acks, *self.own.wait(left())]
         except BaseException:
-            self.settle(timeout)
+            self.settle()
             raise
         self.acks = list(acks)
         if self.finish:
             finish_tree(self.directory, self.files, self.acks)
 
     def settle(self, timeout: float | None = None) -> None:
-        """Local only: let this process's writes land (no host coordination)."""
-        workers.settle_all([self.hosts, self.own], self.timeout if timeout is None else timeout)
+        """Local only: let this process's writes land (no host coordination); None: as long as
+        the storage may take to give up on them."""
+        workers.settle_all([self.hosts, self.own], timeout)
 
 
 def finish_tree(

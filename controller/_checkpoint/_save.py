@@ -251,7 +251,7 @@ class _Save:
             # The primary may fail alone here (its own leaves, a stateful checkpointable).
             agree(group, f"staged:{final}", failure, timeout)
         except BaseException:
-            workers.settle_all(self.pending, timeout)
+            workers.settle_all(self.pending)  # bounded by the storage's request budget
             if prepared:
                 self._abandon(f"abandon-staged:{final}")
             raise
@@ -276,15 +276,17 @@ class _Save:
         try:
             failure: Exception | None = None
             done = 0
+            deadline = time.monotonic() + timeout  # one timeout for all of the parts
             try:
                 for part in self.pending:
-                    part.wait(timeout)
+                    part.wait(max(0.0, deadline - time.monotonic()))
                     done += 1
             except Exception as e:
                 failure = e
-                # The parts not finished may still write: let them land before the workspace
-                # is removed, or they would recreate it.
-                workers.settle_all(self.pending[done:], timeout)
+                # The parts not finished may still write: let them land (or the storage give up
+                # on them: bounded by its request budget) before the workspace is removed, or
+                # they would recreate it.
+                workers.settle_all(self.pending[done:])
             # The primary commits, or reports why not; every process gets the same outcome.
             agree(group, f"commit:{final}", failure, timeout, then=self.commit)
         except BaseException:

@@ -15,6 +15,7 @@ from milepost._storage._workspace import (
     ObjectWorkspace,
     check_final,
     for_path,
+    remove_expired_lease,
 )
 from milepost._storage._workspace import remove_if_abandoned as remove_abandoned_objects
 
@@ -28,6 +29,7 @@ __all__ = [
     "for_path",
     "remove_abandoned_folder",
     "remove_abandoned_objects",
+    "remove_expired_lease",
     "remove_tree",
     "try_lock",
 ]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import errno
 import json
 import logging
@@ -415,14 +416,38 @@ class ObjectWorkspace:
         self.release()
 
     def abandon(self) -> None:
+        """A failed save: remove what it wrote, and leave its lease behind, expired. A write
+        the storage applies after the save gave up on it (a request it answered too late)
+        then lands under a lease of a save that is gone: the next save of the path takes the
+        lease over and removes it, instead of refusing objects no save owns."""
         if self.lease is not None and self._lost is None:
             try:
                 self.final.delete_tree().result()
             except Exception as e:
-                # Keep the lease (it expires): it marks what is left as a dead save's, to remove.
-                log.warning("could not remove what the failed save to %s wrote: %s", self.final, e)
-                self._lost = "abandoned"
+                log.warning(
+                    "could not remove what the failed save to %s wrote (%s); its lease %s is "
+                    "left, so the next save of the path removes it",
+                    self.final,
+                    e,
+                    self.lease_path,
+                )
+            self._expire()
         self.release()
+
+    def _expire(self) -> None:
+        """Rewrite this save's lease as expired and keep it (``release`` then leaves it)."""
+        self._stop.set()
+        if self._heartbeat is not None and self._heartbeat is not threading.current_thread():
+            self._heartbeat.join(timeout=5)
+        with self._lock:
+            if self.lease is None or self._lost is not None:
+                return
+            self.lease = dataclasses.replace(self.lease, expires=time.time())
+            with contextlib.suppress(Exception):  # if not rewritten, it expires in lease_secs
+                self.lease_path.write_bytes(
+                    json.dumps(asdict(self.lease)).encode(), if_generation=self.generation
+                )
+            self._lost = "abandoned"
 
     def release(self) -> None:
         self._stop.set()
@@ -433,6 +458,17 @@ class ObjectWorkspace:
                 with contextlib.suppress(Exception):
                     self.lease_path.unlink(missing_ok=True, if_generation=self.generation)
             self.lease = None
+
+
+def remove_expired_lease(path: ObjectPath) -> bool:
+    """Remove the lease of checkpoint ``path`` if it expired (a failed save leaves its lease,
+    expired, to cover writes landing late); True if removed. A live lease, or one renewed or
+    taken over meanwhile (its generation changed), is left."""
+    lease_path = path.with_name(path.name + LEASE_SUFFIX)
+    current, generation = read_lease(lease_path)
+    if current is None or generation is None or current.expires >= time.time():
+        return False
+    return bool(lease_path.unlink(missing_ok=True, if_generation=generation))
 
 
 def remove_if_abandoned(path: ObjectPath, lease_secs: float = 60.0) -> bool:

@@ -86,15 +86,24 @@ class Tier:
 
     def listing(self) -> tuple[set[str], set[str]]:
         """Object stores: (committed step names, every step folder name), from one listing."""
+        committed, folders, _ = self._listing()
+        return committed, folders
+
+    def _listing(self) -> tuple[set[str], set[str], set[str]]:
+        """(committed step names, step folder names, names of steps with a lease object)."""
         assert isinstance(self.path, ObjectPath)
-        committed, folders = set(), set()
+        committed, folders, leased = set(), set(), set()
         for key in self.path.keys():
             head, _, rest = key.partition("/")
             if rest and is_step_name(head):
                 folders.add(head)
                 if rest == fmt.COMMIT_MARKER:
                     committed.add(head)
-        return committed, folders
+            elif not rest and head.endswith(_storage.LEASE_SUFFIX):
+                name = head.removesuffix(_storage.LEASE_SUFFIX)
+                if is_step_name(name):
+                    leased.add(name)
+        return committed, folders, leased
 
     def remove_uncommitted(self) -> None:
         """Remove what saves and deletions that did not finish left behind: a step's temporary
@@ -103,7 +112,10 @@ class Tier:
         progress, in any process, does."""
         busy = _checkpoint.saves_in_flight(self.path)  # saves of this process: not leftovers
         if not isinstance(self.path, Path):
-            committed, folders = self.listing()
+            committed, folders, leased = self._listing()
+            for name in sorted(leased - folders - busy):  # a failed save's, expired: no debris
+                if _storage.remove_expired_lease(self.path / name):
+                    log.info("removed the expired lease of %s", self.path / name)
             for name in sorted(folders - committed - busy):
                 if _storage.remove_abandoned_objects(self.path / name, self.lease_secs):
                     log.warning(

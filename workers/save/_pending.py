@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import errno
 import threading
 import time
 from concurrent.futures import Future
@@ -11,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from milepost.workers import _checksum
+from milepost.workers import _checksum, _requests
 from milepost.workers._boxes import Box
 from milepost.workers._errors import from_tensorstore
 from milepost.workers._memory import on_copy_pool
@@ -25,9 +26,13 @@ class PendingSave:
 
     def __init__(self, plan: SavePlan) -> None:
         self._plan = plan
+        self._deadline = None if plan.timeout_secs is None else time.monotonic() + plan.timeout_secs
+        """When the staging's own waits (``staging_left``) run out."""
         self._inflight: list[Any] | None = []
         """TensorStore futures that may still write: array opens (they create zarr.json) and
         write commits. Dropped once durable, which frees the staged buffers."""
+        self._names: list[str] = []
+        """The array each of ``_inflight`` writes to."""
         self._nbytes = 0
         self._checksums: list[tuple[str, Any]] = []
         """(array name, future of its chunks' checksums), computed while the writes run."""
@@ -40,11 +45,12 @@ class PendingSave:
         """The job issuing the staging copies' writes (it adds to ``_inflight`` and
         ``_checksums``): waited for before either is read."""
 
-    def track(self, future: Any, nbytes: int = 0) -> None:
-        """Count a TensorStore future that may still write (an open, a write's commit) and the
-        bytes it writes."""
+    def track(self, future: Any, nbytes: int = 0, name: str = "") -> None:
+        """Count a TensorStore future that may still write (an open, a write's commit), the
+        bytes it writes and the array it writes to."""
         assert self._inflight is not None
         self._inflight.append(future)
+        self._names.append(name)
         self._nbytes += nbytes
 
     def checksum(self, spec: ArraySpec, box: Box, data: np.ndarray) -> Future[Any]:
@@ -58,6 +64,14 @@ class PendingSave:
         self._staged.append(raw)
         self._staged_bytes += raw.nbytes
 
+    def staging_left(self) -> float | None:
+        """Seconds left for the staging's waits (None: no limit)."""
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+
+    def staging_timeout(self) -> TimeoutError:
+        """The error of a staging that waited past its ``timeout_secs``."""
+        return self._late(self._plan.timeout_secs)
+
     def issued_by(self, job: Future[None]) -> None:
         """``job`` issues writes (adding to what is tracked): waited for before the writes."""
         self._issuing = job
@@ -66,21 +80,21 @@ class PendingSave:
         with self._lock:
             if self._ack is None:
                 deadline = None if timeout is None else time.monotonic() + timeout
+
+                def left() -> float | None:
+                    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
                 try:
                     if self._issuing is not None:
-                        self._issuing.result(
-                            timeout=None
-                            if deadline is None
-                            else max(0.0, deadline - time.monotonic())
-                        )
+                        self._issuing.result(timeout=left())
                     for f in self._inflight or []:
-                        f.result(
-                            timeout=None
-                            if deadline is None
-                            else max(0.0, deadline - time.monotonic())
-                        )
+                        f.result(timeout=left())
                 except BaseException as e:
-                    self._settle(timeout)  # no write may land after the caller cleans up
+                    late = isinstance(e, TimeoutError) and not str(e)  # the deadline, not storage
+                    error = self._late(timeout) if late else None
+                    self._settle()  # no write may land after the caller cleans up
+                    if error is not None:
+                        raise error from None
                     mapped = from_tensorstore(
                         e, "writing the checkpoint's arrays", self._plan.store.directory
                     )
@@ -117,14 +131,35 @@ class PendingSave:
         with self._lock:
             self._settle(timeout)
 
-    def _settle(self, timeout: float | None) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
+    def _settle(self, timeout: float | None = None) -> None:
+        """Wait until no write is in flight: at most ``timeout``, or (None) as long as one
+        storage request may take with its retries, after which TensorStore has given up."""
+        if timeout is None:
+            timeout = _requests.budget_secs()
+        deadline = time.monotonic() + timeout
         if self._issuing is not None:
             futures_wait([self._issuing], timeout=timeout)
         for f in self._inflight or []:
             try:
-                f.result(
-                    timeout=None if deadline is None else max(0.0, deadline - time.monotonic())
-                )
+                f.result(timeout=max(0.0, deadline - time.monotonic()))
             except Exception:
                 pass
+
+    def _late(self, timeout: float | None) -> TimeoutError:
+        """The error of a wait that reached its deadline: what was still being written."""
+        running = sorted(
+            {
+                name
+                for f, name in zip(self._inflight or [], self._names, strict=True)
+                if not f.done()
+            }
+        )
+        shown = ", ".join(repr(n) for n in running[:5]) + (" ..." if len(running) > 5 else "")
+        return TimeoutError(
+            errno.ETIMEDOUT,
+            f"writing the checkpoint's arrays to {self._plan.store.directory} did not finish "
+            f"within {timeout if timeout is not None else 0:g} s"
+            + (f"; still writing {len(running)} array(s): {shown}" if running else "")
+            + ". The storage is stalled or slower than the timeout allows: check it, or raise "
+            "AsyncOptions(timeout_secs=...)",
+        )

@@ -53,7 +53,10 @@ def start_save(plan: SavePlan, sources: Sequence[Any]) -> PendingSave:
         _start_device_to_host(plan, sources)
         _issue_writes(plan, sources, parts, opens, pending)
     except BaseException as e:
+        late = pending.staging_timeout() if isinstance(e, TimeoutError) and not str(e) else None
         pending.settle()  # opens and writes already issued must land before the caller cleans up
+        if late is not None:
+            raise late from None
         mapped = from_tensorstore(e, "creating the checkpoint's arrays", plan.store.directory)
         if mapped is e:
             raise
@@ -89,7 +92,7 @@ class _Opening:
                     )
                 else:
                     self._future = ts.open(self._spec, assume_metadata=True, context=self._context)
-                self._pending.track(self._future)
+                self._pending.track(self._future, name=self._spec["kvstore"]["path"].rstrip("/"))
             return self._future
 
 
@@ -174,10 +177,10 @@ def _issue_writes(
         opening, box, data, spec = item
         written = (
             opening.start()
-            .result()[box_to_slices(box)]
+            .result(timeout=pending.staging_left())[box_to_slices(box)]
             .write(data, can_reference_source_data_indefinitely=True)
         )
-        pending.track(written.commit, data.nbytes)
+        pending.track(written.commit, data.nbytes, spec.name)
         if progress is not None:  # a progress bar counts each write once durable
             written.commit.add_done_callback(
                 lambda f, n=data.nbytes: f.exception() is None and progress(n)
@@ -220,7 +223,7 @@ def _issue_writes(
 
         pending.issued_by(on_copy_pool(issue))
     for future in waits:
-        future.result()
+        future.result(timeout=pending.staging_left())
 
 
 def _start_device_to_host(plan: SavePlan, sources: Sequence[Any]) -> None:
