@@ -101,6 +101,10 @@ class _Pending:
                         ack = self._pending.wait(timeout)  # settles before it raises
                 except Exception as e:
                     error = e
+                    if isinstance(e, workers.StillWritingError) and self._pending is not None:
+                        # (out of time: it raised at once) The job decides together, after
+                        # every process's writes stopped, so none lands after the cleanup.
+                        self._pending.settle()
                 self._pending = None  # the staged buffers go as soon as they are on disk
                 try:
                     acks = self._group.sync(

@@ -235,6 +235,7 @@ class HostActor:
                 f"not run here within {timeout:g}s; the host was busy with an earlier call (raise "
                 "AsyncOptions.timeout_secs if it is slow)"
             )
+        keep = False
         try:
             pending = self.pending[token]
             if pending is None:
@@ -243,8 +244,12 @@ class HostActor:
                     "dropped after a failure on another host): it wrote nothing"
                 )
             return pending.wait(timeout)
+        except workers.StillWritingError:
+            keep = True  # still writing: the controller's settle_save waits for it, then drops it
+            raise
         finally:
-            self.pending.pop(token, None)
+            if not keep:
+                self.pending.pop(token, None)
 
     def abandon_save(self, token: str) -> None:
         """After a failed staging elsewhere: runs after this save's ``start_save`` (the same call

@@ -35,6 +35,9 @@ class Rule:
     hits: int = 0
     forwarded: int = 0
     """Stalled requests forwarded to the server after their release."""
+    every: int = 1
+    """Apply the fault to every ``every``-th request the rule matches (the others pass)."""
+    seen: int = 0
 
 
 class FaultyProxy:
@@ -108,6 +111,9 @@ class FaultyProxy:
         with self.lock:
             for rule in self.rules:
                 if rule.left > 0 and rule.method == method and rule.suffix in key:
+                    rule.seen += 1
+                    if rule.seen % rule.every:
+                        return None
                     rule.left -= 1
                     rule.hits += 1
                     return rule
@@ -117,8 +123,8 @@ class FaultyProxy:
         """Let every stalled request go on to the server (and those stalled later pass at once)."""
         self.released.set()
 
-    def fail(self, method: str, suffix: str, fault: str, count: int = 1) -> Rule:
-        rule = Rule(method, suffix, fault, count)
+    def fail(self, method: str, suffix: str, fault: str, count: int = 1, every: int = 1) -> Rule:
+        rule = Rule(method, suffix, fault, count, every=every)
         with self.lock:
             self.rules.append(rule)
         return rule

@@ -14,6 +14,7 @@ from milepost.workers._checksum import crc32c, grid_key, parse_grid_key
 from milepost.workers._errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    StillWritingError,
     from_tensorstore,
 )
 from milepost.workers._iostats import HostIoStats
@@ -136,6 +137,7 @@ __all__ = [
     "SavePlan",
     "SaveTask",
     "ShardingSpec",
+    "StillWritingError",
     "StorageOptions",
     "StoragePath",
     "StoreSpec",

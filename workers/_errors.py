@@ -7,6 +7,7 @@ The controller re-exports them as ``milepost.CheckpointNotFoundError`` and
 from __future__ import annotations
 
 import errno
+from typing import Any
 
 from milepost.workers import _requests
 from milepost.workers._ts_internals import says_damaged, says_no_space, says_over_quota, status_of
@@ -14,6 +15,16 @@ from milepost.workers._ts_internals import says_damaged, says_no_space, says_ove
 
 class CheckpointNotFoundError(FileNotFoundError):
     """The path is not a committed checkpoint, or a file a checkpoint needs is missing."""
+
+
+class StillWritingError(TimeoutError):
+    """A wait for a save's writes ran out of time while some are still in flight. Whoever
+    removes what they write into first settles them (``unsettled``: the pending writes the
+    raiser did not hand back otherwise), or they would land after it."""
+
+    def __init__(self, *args: object, unsettled: list[Any] | None = None) -> None:
+        super().__init__(*args)
+        self.unsettled: list[Any] = list(unsettled or [])
 
 
 class CorruptCheckpointError(ValueError):

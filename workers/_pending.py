@@ -22,7 +22,8 @@ class PendingWrite(Protocol[T_co]):
 
     def wait(self, timeout: float | None = None) -> T_co:
         """Block until every write is durable and return the outcome; raise on failure (after
-        settling, so that nothing lands later)."""
+        settling, so that nothing lands later), except when ``timeout`` runs out: then
+        :class:`StillWritingError` at once, and the caller settles."""
         ...
 
     def settle(self, timeout: float | None = None) -> None:

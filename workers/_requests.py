@@ -51,7 +51,7 @@ class StorageOptions:
     """A request that moves (almost) nothing for this long is abandoned, then retried."""
     max_retries: int = 5
     """Retries of a failed request (throttled, 5xx, reset, abandoned) before the call fails."""
-    retry_delay_secs: float = 1.0
+    retry_delay_secs: float = 0.25
     """The wait before the first retry; it doubles for each next one."""
     retry_max_delay_secs: float = 16.0
     """The longest wait between two attempts."""

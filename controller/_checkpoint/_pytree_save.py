@@ -326,6 +326,9 @@ def stage_tree(
             own = _hosts.controller_host().start_save(
                 {CONTROLLER: plan}, planned.controller_sources, timeout
             )
+    except workers.StillWritingError as e:
+        e.unsettled.append(hosts)  # the caller settles every write before it cleans up
+        raise
     except BaseException:
         workers.settle_all([hosts])
         raise
@@ -373,6 +376,9 @@ class PendingTree:
 
         try:
             acks = self.hosts.wait(left()) if self.hosts is not None else []
+        except workers.StillWritingError as e:
+            e.unsettled.append(self)  # out of time: the caller settles (on a thread it chooses)
+            raise
         except BaseException:
             self.settle()
             raise
@@ -384,6 +390,9 @@ class PendingTree:
         try:
             if self.own is not None:
                 acks = [*acks, *self.own.wait(left())]
+        except workers.StillWritingError as e:
+            e.unsettled.append(self)
+            raise
         except BaseException:
             self.settle()
             raise

@@ -34,13 +34,36 @@ from milepost.colocated import HostGroup
 from milepost.workers import ObjectPath, as_path
 
 _in_flight: set[Path | ObjectPath] = set()
+_cleaning: dict[Path | ObjectPath, futures.Future[None]] = {}
+"""Failed saves that ran out of time, still waiting in the background for their writes to
+stop before they remove what they wrote (and release the path)."""
 _in_flight_lock = threading.Lock()
 
 
 def saves_in_flight(under: Path | ObjectPath) -> set[str]:
-    """Names of the entries of folder ``under`` that a save of this process is writing now."""
+    """Names of the entries of folder ``under`` that a save of this process is writing now (or a
+    failed one is cleaning up)."""
     with _in_flight_lock:
-        return {p.name for p in _in_flight if p.parent == under}
+        return {p.name for p in (*_in_flight, *_cleaning) if p.parent == under}
+
+
+def _wait_for_cleanup(final: Path | ObjectPath) -> None:
+    """A new save of a path whose last save failed out of time waits until that one's writes
+    stopped and it removed them (at most as long as the storage may take to give up)."""
+    with _in_flight_lock:
+        cleaning = _cleaning.get(final)
+    if cleaning is None:
+        return
+    limit = workers.storage_budget_secs() + 30.0
+    try:
+        cleaning.result(timeout=limit)
+    except futures.TimeoutError:
+        raise SaveInProgressError(
+            f"the last save to {final} failed, and its writes had still not stopped after "
+            f"{limit:g}s (the storage does not answer them); save elsewhere, or later"
+        ) from None
+    except Exception:
+        pass  # its own failure was reported; what it left is taken over by this save
 
 
 class SaveHandle:
@@ -160,6 +183,7 @@ def start_save(
         raise TypeError(f"custom_metadata and metrics must be JSON-serializable: {e}") from e
     handlers = {name: resolve_for_save(name, obj, options.handlers) for name, obj in objs.items()}
     group = _hosts.check_storage(_hosts.host_group_for(all_leaves(objs)), final)
+    _wait_for_cleanup(final)
     with _in_flight_lock:
         if final in _in_flight:
             raise SaveInProgressError(
@@ -216,6 +240,9 @@ class _Save:
         """Bytes planned and written, times, and the progress bar (on the primary)."""
         self.prepared = False
         """True on the primary once it owns the workspace (until it committed or abandoned it)."""
+        self.unsettled: list[workers.PendingWrite[Any]] = []
+        """Writes still in flight when a wait ran out of time: settled in the background, and
+        the workspace removed after them, so the caller hears of the timeout at once."""
         self.init_ns = 0
 
     @property
@@ -250,8 +277,8 @@ class _Save:
                 failure = e
             # The primary may fail alone here (its own leaves, a stateful checkpointable).
             agree(group, f"staged:{final}", failure, timeout)
-        except BaseException:
-            workers.settle_all(self.pending)  # bounded by the storage's request budget
+        except BaseException as e:
+            self._settle_after(e, self.pending)
             if prepared:
                 self._abandon(f"abandon-staged:{final}")
             raise
@@ -284,9 +311,8 @@ class _Save:
             except Exception as e:
                 failure = e
                 # The parts not finished may still write: let them land (or the storage give up
-                # on them: bounded by its request budget) before the workspace is removed, or
-                # they would recreate it.
-                workers.settle_all(self.pending[done:])
+                # on them) before the workspace is removed, or they would recreate it.
+                self._settle_after(e, self.pending[done:])
             # The primary commits, or reports why not; every process gets the same outcome.
             agree(group, f"commit:{final}", failure, timeout, then=self.commit)
         except BaseException:
@@ -309,15 +335,49 @@ class _Save:
         )
         self.prepared = False
 
+    def _settle_after(self, error: BaseException, pending: list[workers.PendingWrite[Any]]) -> None:
+        """After ``error``: let ``pending`` stop writing. Out of time with one controller, in
+        the background (``unsettled``: the workspace goes after them), so the timeout is
+        reported when it happens; otherwise now, bounded by the storage's request budget."""
+        pending = [*pending, *getattr(error, "unsettled", [])]
+        if isinstance(error, workers.StillWritingError) and (
+            _hosts.controller_process(self.group)[1] == 1
+        ):
+            self.unsettled = pending
+        else:
+            workers.settle_all(pending)
+
     def _abandon(self, name: str) -> None:
         """Remove the workspace once every controller process has settled its own writes (a late
         write elsewhere would recreate it); a process that died is waited for at most
-        ``min(timeout, 10s)``. The caller raises its error either way."""
+        ``min(timeout, 10s)``. The caller raises its error either way. Writes still in flight
+        (``unsettled``) are waited for in the background, then the workspace is removed: a new
+        save of the path in this process waits for that, one in another finds the lease live
+        (or the temporary directory locked) until then."""
         with contextlib.suppress(Exception):
             self.group.barrier(name, min(self.timeout, 10.0))
-        if self.prepared:
-            self.prepared = False
+        if not self.prepared:
+            return
+        self.prepared = False
+        if not self.unsettled:
             self.workspace.abandon()
+            return
+        unsettled, workspace, final = self.unsettled, self.workspace, self.final
+
+        def clean_up() -> None:
+            try:
+                workers.settle_all(unsettled)
+                workspace.abandon()
+            finally:
+                with _in_flight_lock:
+                    _cleaning.pop(final, None)
+
+        with _in_flight_lock:
+            _cleaning[final] = SAVES.submit(
+                f"{final} (a failed save, removed once its writes stop)",
+                clean_up,
+                workers.storage_budget_secs() + 30.0,
+            )
 
 
 def agree(
@@ -378,20 +438,23 @@ def commit(
     # A store may acknowledge a write it did not keep: before the marker, read back through
     # the root view what each tree needs to load (object stores; local files are fsynced).
     needed = [fmt.CHECKPOINT_METADATA, fmt.ORBAX_MARKER]
-    if not isinstance(tmp, Path):
-        try:
-            for name, h in handlers.items():
-                if isinstance(h, PyTreeHandler):
-                    needed += [f"{name}/{f}" for f in _pytree_load.confirm_written(tmp / name)]
-        except (OSError, ValueError) as e:
-            raise OSError(
-                errno.EIO,
-                f"the save to {final} does not read back ({type(e).__name__}: {e}); the storage "
-                "may have dropped a write it acknowledged. Nothing was committed, and what this "
-                "save wrote is removed. Save again, and check the storage path",
-                str(final),
-            ) from e
-    checksums = fmt.Checksums.compute(tmp)  # every file but array chunks, which carry their own
+    # Reading back and checksumming ask the store for one listing and each file once.
+    with workers.reading_once():
+        if not isinstance(tmp, Path):
+            tmp.keys()
+            try:
+                for name, h in handlers.items():
+                    if isinstance(h, PyTreeHandler):
+                        needed += [f"{name}/{f}" for f in _pytree_load.confirm_written(tmp / name)]
+            except (OSError, ValueError) as e:
+                raise OSError(
+                    errno.EIO,
+                    f"the save to {final} does not read back ({type(e).__name__}: {e}); the "
+                    "storage may have dropped a write it acknowledged. Nothing was committed, "
+                    "and what this save wrote is removed. Save again, and check the storage path",
+                    str(final),
+                ) from e
+        checksums = fmt.Checksums.compute(tmp)  # every file but array chunks (they carry theirs)
     checksums.write()
     workspace.check()
     fmt.write_file(tmp / fmt.COMMIT_MARKER, f"Checkpoint commit was successful to {final}")

@@ -178,8 +178,14 @@ class Checksums:
 
         # A few files per host (its databases' manifests, its array_metadatas file): read them
         # concurrently, or a thousand hosts cost thousands of round trips one after another.
+        # (in this call's context: what it already read of the store is not asked again)
+        context = contextvars.copy_context()
         with workers.RUNTIME.scoped("checksums", min(32, max(1, len(wanted)))) as pool:
-            sums = dict(zip(wanted, pool.map(checksum, wanted), strict=True))
+            sums = dict(
+                zip(
+                    wanted, pool.map(lambda k: context.copy().run(checksum, k), wanted), strict=True
+                )
+            )
         return Checksums(
             root,
             {k: (n, c) for k, (n, c, _) in sums.items()},

@@ -360,24 +360,31 @@ class ObjectWorkspace:
             # Another writer may have committed while we waited. What is there now is a committed
             # checkpoint being overwritten, or what a save that is gone left (it left its expired
             # lease, which we took over); anything else is not ours to remove.
-            if fmt.is_committed(self.final):
+            with workers.reading_once():  # one listing answers both
+                committed = fmt.is_committed(self.final)
+                present = not committed and self.final.exists()
+            if committed:
                 check_final(self.final, self.overwrite)
-            elif not self.took_over and self.final.exists():
+            elif not self.took_over and present:
                 raise CheckpointExistsError(
                     f"{self.final} holds objects but is not a committed "
                     "checkpoint, and no save left a lease there; milepost will not "
                     "overwrite it. Remove it or choose another path"
                 )
-            # Hide it first (no commit marker, no load), then remove it.
-            (self.final / fmt.COMMIT_MARKER).unlink(missing_ok=True)
-            self.final.delete_tree().result()
+            if committed or present:  # hide it first (no commit marker, no load), then remove it
+                (self.final / fmt.COMMIT_MARKER).unlink(missing_ok=True)
+                self.final.delete_tree().result()
         except BaseException:
             self.release()
             raise
 
     def check(self) -> None:
-        """The lease must still be this save's, with at least half its time left: renewed now."""
-        self._renew()
+        """The lease must still be this save's, with at least half its time left: renewed now,
+        unless three quarters of it are left (written or renewed a moment ago: nobody may take
+        it over before it expires)."""
+        lease = self.lease
+        if lease is None or lease.expires - time.time() < 0.75 * self.lease_secs:
+            self._renew()
         with self._lock:
             if self._lost is not None:
                 raise OSError(

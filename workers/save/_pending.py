@@ -14,7 +14,7 @@ import numpy as np
 
 from milepost.workers import _checksum, _requests
 from milepost.workers._boxes import Box
-from milepost.workers._errors import from_tensorstore
+from milepost.workers._errors import StillWritingError, from_tensorstore
 from milepost.workers._memory import on_copy_pool
 from milepost.workers._messages import ArraySpec, SaveAck, SavePlan, WrittenArray
 from milepost.workers.save import _staging
@@ -68,9 +68,12 @@ class PendingSave:
         """Seconds left for the staging's waits (None: no limit)."""
         return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
 
-    def staging_timeout(self) -> TimeoutError:
-        """The error of a staging that waited past its ``timeout_secs``."""
-        return self._late(self._plan.timeout_secs)
+    def staging_timeout(self) -> StillWritingError:
+        """The error of a staging that waited past its ``timeout_secs`` (this save's writes
+        still to settle)."""
+        error = self._late(self._plan.timeout_secs)
+        error.unsettled.append(self)
+        return error
 
     def issued_by(self, job: Future[None]) -> None:
         """``job`` issues writes (adding to what is tracked): waited for before the writes."""
@@ -90,11 +93,11 @@ class PendingSave:
                     for f in self._inflight or []:
                         f.result(timeout=left())
                 except BaseException as e:
-                    late = isinstance(e, TimeoutError) and not str(e)  # the deadline, not storage
-                    error = self._late(timeout) if late else None
+                    if isinstance(e, TimeoutError) and not str(e):  # the deadline, not storage
+                        # At once: the caller settles the writes before it cleans up (they end
+                        # within the storage's request budget), on a thread of its choice.
+                        raise self._late(timeout) from None
                     self._settle()  # no write may land after the caller cleans up
-                    if error is not None:
-                        raise error from None
                     mapped = from_tensorstore(
                         e, "writing the checkpoint's arrays", self._plan.store.directory
                     )
@@ -145,7 +148,7 @@ class PendingSave:
             except Exception:
                 pass
 
-    def _late(self, timeout: float | None) -> TimeoutError:
+    def _late(self, timeout: float | None) -> StillWritingError:
         """The error of a wait that reached its deadline: what was still being written."""
         running = sorted(
             {
@@ -155,7 +158,7 @@ class PendingSave:
             }
         )
         shown = ", ".join(repr(n) for n in running[:5]) + (" ..." if len(running) > 5 else "")
-        return TimeoutError(
+        return StillWritingError(
             errno.ETIMEDOUT,
             f"writing the checkpoint's arrays to {self._plan.store.directory} did not finish "
             f"within {timeout if timeout is not None else 0:g} s"

@@ -53,10 +53,9 @@ def start_save(plan: SavePlan, sources: Sequence[Any]) -> PendingSave:
         _start_device_to_host(plan, sources)
         _issue_writes(plan, sources, parts, opens, pending)
     except BaseException as e:
-        late = pending.staging_timeout() if isinstance(e, TimeoutError) and not str(e) else None
+        if isinstance(e, TimeoutError) and not str(e):  # the deadline: settled by the caller
+            raise pending.staging_timeout() from None
         pending.settle()  # opens and writes already issued must land before the caller cleans up
-        if late is not None:
-            raise late from None
         mapped = from_tensorstore(e, "creating the checkpoint's arrays", plan.store.directory)
         if mapped is e:
             raise
