@@ -947,18 +947,40 @@ def test_deleted_milepost_info_is_noticed(
 
 
 def test_deleted_milepost_info_does_not_disable_chunk_checks(
-    saved: dict[str, tuple[Path, Any]], tmp_path: Path
+    saved: dict[str, tuple[Path, Any]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """``_milepost.json`` holds the chunk checksums, so deleting it must not let a damaged chunk
+    load unchecked: the file checksums list it, so the load refuses, naming it, before any host
+    reads a chunk. Put back, the same damage is caught by the chunk checks, naming the chunk
+    (the flipped byte is in data they read)."""
     base, state = saved["ocdbt"]
     ckpt = copy_of(base, tmp_path / "c")
-    (ckpt / "state" / "_milepost.json").unlink()
+    info = ckpt / "state" / "_milepost.json"
+    info.unlink()
     file, offset, length = chunk_value(ckpt, "host/c/0")
     flip(file, offset + length // 3)
-    try:
-        got = mp.load(ckpt, abstract_of(state))
-    except MILEPOST_ERRORS:
-        return
-    assert same_bits(got["host"], state["host"]), "wrong values returned without an error"
+    reads: list[Any] = []
+    real_load = mp.workers.load
+
+    def load(plan: Any, *args: Any, **kwargs: Any) -> Any:
+        reads.append(plan)
+        return real_load(plan, *args, **kwargs)
+
+    monkeypatch.setattr(mp.workers, "load", load)
+    with pytest.raises(mp.CheckpointNotFoundError) as missing:
+        mp.load(ckpt, abstract_of(state))
+    assert f"milepost info {info} was committed" in str(missing.value), missing.value
+    assert "but is missing now" in str(missing.value), missing.value
+    assert reads == [], "chunks were read although the chunk checksums are gone"
+
+    shutil.copyfile(base / "state" / "_milepost.json", info)
+    with pytest.raises(mp.CorruptCheckpointError) as damaged:
+        mp.load(ckpt, abstract_of(state))
+    error = damaged.value
+    assert reads, "the chunks were read"
+    assert error.array == "host" and error.chunk == (0,), error
+    assert error.path is not None and str(ckpt / "state") in error.path, error
+    assert "array 'host'" in str(error) and "chunk" in str(error), error
 
 
 @pytest.mark.parametrize(
