@@ -148,21 +148,43 @@ def test_two_overwriting_writers_leave_one_whole_checkpoint(tmp_path: Path) -> N
 def test_a_waiting_writer_goes_after_the_first(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """SaveOptions(wait_for_writer_secs=...) waits for the other writer instead of failing."""
+    """SaveOptions(wait_for_writer_secs=...) waits for the other writer instead of failing. The
+    other process says when it found this save's temporary directory locked (its lock attempt
+    failed), so the test knows it is waiting, not still starting, when this save commits."""
     gate = gate_merge(monkeypatch)
     handle = mp.save_async(tmp_path / "c", {"x": np.arange(3)})
     code = f"""
         import numpy as np, milepost as mp
+        from milepost._storage import _ownership
+
+        real_try_lock = _ownership.try_lock
+
+        def try_lock(directory):
+            got = real_try_lock(directory)
+            if got is None and directory.exists():
+                print("waiting", flush=True)
+            return got
+
+        _ownership.try_lock = try_lock
         with mp.Context(saving=mp.SaveOptions(wait_for_writer_secs=60)):
             mp.save({str(tmp_path / "c")!r}, {{"x": np.arange(5)}}, overwrite=True)
         print("saved", flush=True)
     """
     other = _subproc.popen(code)
-    time.sleep(1.5)
-    assert other.poll() is None  # it waits for us
-    gate.set()
-    handle.result(60)
-    out, err = other.communicate(timeout=120)
+    try:
+        assert other.stdout is not None
+        line = other.stdout.readline()
+        if line.strip() != "waiting":
+            other.kill()
+            pytest.fail(f"the other writer is not waiting: {line!r}\n{other.communicate(60)[1]}")
+        assert not handle.done() and not (tmp_path / "c").exists()  # this save holds the path
+        assert other.poll() is None  # it waits for us
+        gate.set()
+        handle.result(60)
+        out, err = other.communicate(timeout=120)
+    finally:
+        gate.set()
+        other.kill()
     assert other.returncode == 0 and "saved" in out, err
     assert same_bits(mp.load(tmp_path / "c")["x"], np.arange(5))
 
