@@ -84,12 +84,19 @@ def chunk_value(ckpt: Path, key: str) -> tuple[Path, int, int]:
         file = state / key
         return file, 0, file.stat().st_size
     kv = ts.KvStore.open({"driver": "file", "path": f"{state}/"}).result()
+    file, offset, length = ocdbt_value(kv, key)
+    return state / file, offset, length
+
+
+def ocdbt_value(kv: Any, key: str) -> tuple[str, int, int]:
+    """(data file relative to the database's folder, offset, length) of the stored value of
+    ``key`` in the OCDBT database ``kv`` (any kvstore: a folder, a bucket's prefix)."""
     manifest = ts.ocdbt.dump(kv).result()
     reference = _find_value(kv, manifest["versions"][-1]["root"]["location"], b"", key.encode())
-    assert reference is not None, f"{key} is not stored in a data file of {state}"
+    assert reference is not None, f"{key} is not stored in a data file of {kv.spec()}"
     head, offset, length = reference.rsplit(":", 2)
     _, base, relative = head.split(":", 2)
-    return state / (base + relative), int(offset), int(length)
+    return base + relative, int(offset), int(length)
 
 
 def _find_value(kv: Any, location: str, prefix: bytes, key: bytes) -> str | None:
