@@ -224,7 +224,13 @@ class MultiControllerHostGroup(JaxDevices):
             error = e
         directory = plan.store.directory if plan is not None else _directory(plans)
         acks = self.sync(
-            f"loaded:{directory}", timeout, error, doing="reading its shards", value=ack
+            f"loaded:{directory}",
+            timeout,
+            error,
+            doing="reading its shards",
+            value=ack,
+            # what a process found wrong with the checkpoint is every process's error
+            passthrough=(workers.CorruptCheckpointError, workers.CheckpointNotFoundError),
         )
         return HostLoad(
             results, [a for a in (acks if acks is not None else [ack]) if a is not None]
@@ -262,17 +268,42 @@ class MultiControllerHostGroup(JaxDevices):
         doing: str = "",
         consequence: str = "",
         value: Any = None,
+        passthrough: tuple[type[BaseException], ...] = (),
     ) -> list[Any] | None:
         """Arrive at the barrier ``name`` with this process's outcome (``error``: its part failed)
         and, optionally, a small picklable ``value`` for the primary.
 
         Raises :class:`HostError` in every process if any process failed, and names the
-        processes that did not arrive within ``timeout``. Returns, on the primary, every
-        process's ``value`` in process order when a value was posted; None elsewhere.
+        processes that did not arrive within ``timeout``; when every failed process's error is
+        of a ``passthrough`` type, every process raises the lowest process's error itself (from
+        that HostError). Returns, on the primary, every process's ``value`` in process order
+        when a value was posted; None elsewhere.
         """
-        failed, values = self._arrive(self._op(name), timeout, error, consequence, value)
+        op = self._op(name)
+        if isinstance(error, passthrough):
+            try:
+                self._client.key_value_set_bytes(
+                    f"{op.keys}/error/{self._index}", pickle.dumps(error), allow_overwrite=True
+                )
+            except Exception:  # not picklable: the HostError says what it was
+                pass
+        failed, values = self._arrive(op, timeout, error, consequence, value)
         if failed:
-            raise self._failed(failed, doing, consequence) from error
+            host_error = self._failed(failed, doing, consequence)
+            if passthrough:
+                try:
+                    posted = {
+                        int(k.rsplit("/", 1)[-1]): v
+                        for k, v in self._client.key_value_dir_get_bytes(f"{op.keys}/error/")
+                    }
+                except Exception:
+                    posted = {}
+                first = failed[0][0]
+                if all(p in posted for p, _ in failed):
+                    own = error if first == self._index else None
+                    chosen: BaseException = own or pickle.loads(posted[first])
+                    raise chosen from host_error
+            raise host_error from error
         return values
 
     def _arrive(

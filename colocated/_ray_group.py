@@ -183,15 +183,24 @@ class RayHostGroup:
             remote = remote.options(concurrency_group=concurrency_group)
         return remote.remote(*args)
 
-    def gather(self, calls: Mapping[int, Any], timeout: float, doing: str) -> dict[int, Any]:
+    def gather(
+        self,
+        calls: Mapping[int, Any],
+        timeout: float,
+        doing: str,
+        passthrough: tuple[type[BaseException], ...] = (),
+    ) -> dict[int, Any]:
         """The answers of ``calls`` (host -> ref), or a HostError naming every host that died,
         failed or did not answer within ``timeout`` seconds. Returns at the first failure:
-        the other hosts may be blocked in a collective with the failed one."""
+        the other hosts may be blocked in a collective with the failed one. When every failure
+        is a live host's error of a ``passthrough`` type, the first is raised itself (from the
+        HostError naming the hosts)."""
         import ray
 
         pending = {ref: i for i, ref in calls.items()}
         results: dict[int, Any] = {}
         failures: list[str] = []
+        causes: list[BaseException] = []
         dead = False
         deadline = time.monotonic() + timeout
         while pending and not failures:
@@ -211,6 +220,7 @@ class RayHostGroup:
                     )
                 except ray.exceptions.RayTaskError as e:
                     cause = getattr(e, "cause", None) or e
+                    causes.append(cause)
                     failures.append(
                         f"{self.describe_host(i)} failed while "
                         f"{doing}: {type(cause).__name__}: {cause}"
@@ -240,7 +250,15 @@ class RayHostGroup:
             if dead:
                 self._healthy = False
             hint = " The slice is now unhealthy; shut it down and start a new one." if dead else ""
-            raise HostError("; ".join(failures) + "." + hint)
+            error = HostError("; ".join(failures) + "." + hint)
+            if (
+                not dead
+                and passthrough
+                and len(causes) == len(failures)
+                and all(isinstance(c, passthrough) for c in causes)
+            ):
+                raise causes[0] from error
+            raise error
         return results
 
     def settle(self, calls: Mapping[int, Any], timeout: float) -> None:
@@ -365,6 +383,8 @@ class RayHostGroup:
             {i: self.call(i, "load", p, prefix) for i, p in plans.items()},
             timeout,
             "reading its shards",
+            # what a host found wrong with the checkpoint is the caller's error, as embedded
+            passthrough=(workers.CorruptCheckpointError, workers.CheckpointNotFoundError),
         )
         (plan, *_) = plans.values()
         out = []

@@ -349,10 +349,39 @@ def object_store(url: str) -> dict:
     return out
 
 
+def damaged(path: str) -> dict:
+    """Load a checkpoint whose chunk w/c/1/2 has a flipped byte (one process reads that chunk):
+    what each process raised, as data."""
+    abstract = {
+        "w": jax.ShapeDtypeStruct(
+            (64, 128), np.float32, sharding=NamedSharding(mesh_a(), P("data", "model"))
+        )
+    }
+    try:
+        mp.load(path, abstract, partial=True)
+    except Exception as e:
+        chunk = getattr(e, "chunk", None)
+        return {
+            "damaged": {
+                "type": type(e).__name__,
+                "corrupt": isinstance(e, mp.CorruptCheckpointError),
+                "array": getattr(e, "array", None),
+                "chunk": list(chunk) if chunk is not None else None,
+                "path": getattr(e, "path", None),
+                "message": str(e),
+            }
+        }
+    return {"damaged": None}
+
+
 SCENARIOS: dict[str, Callable[..., dict]] = {
     "two_save": two_save,
     "four": four,
     "load": lambda root, *paths: _load(paths),
+    "load_and_damaged": lambda root, damaged_path, *paths: {
+        **_load(paths),
+        **damaged(damaged_path),
+    },
     "die": die,
     "absent": absent,
     "object_store": object_store,

@@ -353,10 +353,12 @@ def test_consecutive_saves_reuse_staging_memory_and_keep_every_checkpoint_exact(
         assert_tree_equal(mp.load(tmp_path / str(k)), s)
 
 
-def test_a_buffer_still_referenced_is_not_reused_and_idle_buffers_are_freed() -> None:
+def test_a_buffer_still_referenced_is_not_reused_and_idle_buffers_are_freed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from milepost.workers.save._staging import StagingPool
 
-    pool = StagingPool(idle_secs=0.2)
+    pool = StagingPool(idle_secs=600)  # nothing is freed for idleness while this part runs
     view, raw = pool.take((256, 256), np.dtype(np.float32))
     assert view.ctypes.data % 64 == 0 and view.shape == (256, 256)
     nbytes = raw.nbytes
@@ -384,5 +386,28 @@ def test_a_buffer_still_referenced_is_not_reused_and_idle_buffers_are_freed() ->
     raws = [raw]
     del raw, reused
     pool.give_back(raws, keep_bytes=nbytes)
-    time.sleep(0.5)
-    assert pool.pooled_bytes == 0, "freed after the idle time"
+    assert pool.pooled_bytes == nbytes
+    pool.clear()
+
+    # Freed once idle for idle_secs: the idle timer's clear is watched, not slept past.
+    idle = StagingPool(idle_secs=0.2)
+    cleared = threading.Event()
+    when: list[tuple[float, int]] = []
+    real_clear = idle.clear
+
+    def clear() -> None:
+        when.append((time.monotonic(), idle.pooled_bytes))
+        real_clear()
+        cleared.set()
+
+    monkeypatch.setattr(idle, "clear", clear)
+    view, raw = idle.take((256, 256), np.dtype(np.float32))
+    raws = [raw]
+    del raw, view
+    given = time.monotonic()
+    idle.give_back(raws, keep_bytes=1 << 30)
+    assert cleared.wait(30), "the idle buffers were never freed"
+    (fired, pooled), *_ = when
+    assert pooled == nbytes, "the buffer was kept until the timer fired"
+    assert fired - given >= 0.2, f"freed {fired - given:.3f}s after it went idle, before 0.2s"
+    assert idle.pooled_bytes == 0, "freed after the idle time"

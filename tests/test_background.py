@@ -67,13 +67,31 @@ def test_done_callback_sees_a_failure(tmp_path: Path, monkeypatch: pytest.Monkey
 def test_wait_for_saves_waits_for_every_save_in_flight(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from concurrent import futures
+    from types import SimpleNamespace
+
+    from milepost._checkpoint import _background
+
     gate = gate_merge(monkeypatch)
     handles = [mp.save_async(tmp_path / str(i), {"x": np.full(4, i)}) for i in range(3)]
     with pytest.raises(TimeoutError, match="3 milepost save"):
         mp.wait_for_saves(timeout=0.2)
     assert not any(h.done() for h in handles)
-    threading.Timer(0.3, gate.set).start()
+    waited: list[int] = []
+
+    def wait(running: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+        # The saves are let go once wait_for_saves waits for them, not at a guessed time.
+        waited.append(sum(not f.done() for f in running))
+        gate.set()
+        return futures.wait(running, timeout, **kwargs)
+
+    monkeypatch.setattr(
+        _background,
+        "futures",
+        SimpleNamespace(Future=futures.Future, TimeoutError=futures.TimeoutError, wait=wait),
+    )
     mp.wait_for_saves(timeout=60)
+    assert waited and waited[0] == 3, waited  # it waited while all three were held
     assert all(h.done() for h in handles)
     for i in range(3):
         assert same_bits(mp.load(tmp_path / str(i))["x"], np.full(4, i))

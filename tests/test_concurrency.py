@@ -148,21 +148,43 @@ def test_two_overwriting_writers_leave_one_whole_checkpoint(tmp_path: Path) -> N
 def test_a_waiting_writer_goes_after_the_first(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """SaveOptions(wait_for_writer_secs=...) waits for the other writer instead of failing."""
+    """SaveOptions(wait_for_writer_secs=...) waits for the other writer instead of failing. The
+    other process says when it found this save's temporary directory locked (its lock attempt
+    failed), so the test knows it is waiting, not still starting, when this save commits."""
     gate = gate_merge(monkeypatch)
     handle = mp.save_async(tmp_path / "c", {"x": np.arange(3)})
     code = f"""
         import numpy as np, milepost as mp
+        from milepost._storage import _ownership
+
+        real_try_lock = _ownership.try_lock
+
+        def try_lock(directory):
+            got = real_try_lock(directory)
+            if got is None and directory.exists():
+                print("waiting", flush=True)
+            return got
+
+        _ownership.try_lock = try_lock
         with mp.Context(saving=mp.SaveOptions(wait_for_writer_secs=60)):
             mp.save({str(tmp_path / "c")!r}, {{"x": np.arange(5)}}, overwrite=True)
         print("saved", flush=True)
     """
     other = _subproc.popen(code)
-    time.sleep(1.5)
-    assert other.poll() is None  # it waits for us
-    gate.set()
-    handle.result(60)
-    out, err = other.communicate(timeout=120)
+    try:
+        assert other.stdout is not None
+        line = other.stdout.readline()
+        if line.strip() != "waiting":
+            other.kill()
+            pytest.fail(f"the other writer is not waiting: {line!r}\n{other.communicate(60)[1]}")
+        assert not handle.done() and not (tmp_path / "c").exists()  # this save holds the path
+        assert other.poll() is None  # it waits for us
+        gate.set()
+        handle.result(60)
+        out, err = other.communicate(timeout=120)
+    finally:
+        gate.set()
+        other.kill()
     assert other.returncode == 0 and "saved" in out, err
     assert same_bits(mp.load(tmp_path / "c")["x"], np.arange(5))
 
@@ -385,37 +407,101 @@ def test_loads_racing_overwrites_get_one_checkpoint_whole(tmp_path: Path) -> Non
 # ------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path: Path) -> Any:
+# A save onto a 4 MiB tmpfs that this process mounts first (in the mount namespace it runs in).
+# It prints "started", then one JSON line: what the save raised, what it left, the space used
+# afterwards, and whether a small save fits again.
+FULL_DISK = r"""
+import json, os, shutil, subprocess, sys
+print("started", flush=True)
+mount, asynchronous = sys.argv[1], sys.argv[2] == "1"
+proc = subprocess.run(
+    ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", mount], capture_output=True, text=True
+)
+if proc.returncode != 0:
+    print(json.dumps({"mounted": False, "why": proc.stderr.strip()}), flush=True)
+    sys.exit(0)
+try:
+    import jax, numpy as np
+    import milepost as mp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    x = jax.device_put(np.ones((1024, 2048), np.float32), NamedSharding(mesh, P("data", "model")))
+    out = {"mounted": True, "size": shutil.disk_usage(mount).total, "error": None}
+    try:  # 8 MiB onto 4 MiB
+        if asynchronous:
+            mp.save_async(os.path.join(mount, "c"), {"x": x}).result(120)
+        else:
+            mp.save(os.path.join(mount, "c"), {"x": x})
+    except OSError as e:
+        out["error"] = {"type": type(e).__name__, "errno": e.errno, "message": str(e)}
+    out["left"] = sorted(
+        os.path.relpath(os.path.join(d, n), mount) for d, ds, fs in os.walk(mount) for n in ds + fs
+    )
+    out["used"] = shutil.disk_usage(mount).used
+    mp.save(os.path.join(mount, "small"), {"x": np.arange(10)})
+    out["small"] = mp.load(os.path.join(mount, "small"))["x"].tolist()
+    print(json.dumps(out), flush=True)
+finally:
+    subprocess.run(["umount", "-l", mount], capture_output=True)
+"""
+
+# How to get a mount of one's own, tried in order: a user and mount namespace (no privileges
+# needed), a mount namespace (root where user namespaces are off), mounting here (root).
+MOUNTERS: list[list[str]] = [
+    ["unshare", "--user", "--map-root-user", "--mount"],
+    ["unshare", "--mount"],
+    [],
+]
+
+
+def save_onto_a_full_tmpfs(tmp_path: Path, asynchronous: bool) -> dict[str, Any]:
+    """Run FULL_DISK with the first way of mounting that works here; skip (saying why) only if
+    none does."""
     mount = tmp_path / "tmpfs"
     mount.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    proc = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)],
-        capture_output=True,
-        text=True,
-    )
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
+    tried = []
+    for prefix in MOUNTERS:
+        if prefix and shutil.which(prefix[0]) is None:
+            tried.append(f"{' '.join(prefix)}: no {prefix[0]} command")
+            continue
+        if not prefix and os.geteuid() != 0:
+            tried.append("mount: not root")
+            continue
+        proc = subprocess.run(
+            [*prefix, sys.executable, "-c", FULL_DISK, str(mount), "1" if asynchronous else "0"],
+            env=_subproc.env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        lines = proc.stdout.splitlines()
+        how = " ".join(prefix) or "mount as root"
+        if "started" not in lines:  # the namespace could not be made
+            tried.append(f"{how}: {proc.stderr.strip()}")
+            continue
+        assert proc.returncode == 0 and lines[-1].startswith("{"), (how, proc.stdout, proc.stderr)
+        out: dict[str, Any] = json.loads(lines[-1])
+        if not out["mounted"]:
+            tried.append(f"{how}: {out['why']}")
+            continue
+        out["how"] = how
+        return out
+    pytest.skip("cannot mount a small tmpfs here in any way: " + "; ".join(tried))
 
 
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["save", "save_async"])
-def test_a_full_disk_is_enospc_and_leaves_nothing(
-    small_tmpfs: Path, mesh24: jax.sharding.Mesh, asynchronous: bool
-) -> None:
-    state = {
-        "x": put(np.ones((1024, 2048), np.float32), mesh24, P("data", "model"))
-    }  # 8 MiB > 4 MiB
-    with pytest.raises(OSError) as info:
-        if asynchronous:
-            mp.save_async(small_tmpfs / "c", state).result(120)
-        else:
-            mp.save(small_tmpfs / "c", state)
-    assert info.value.errno == errno.ENOSPC, info.value
-    assert str(small_tmpfs) in str(info.value)
-    assert listing(small_tmpfs) == []
-    mp.save(small_tmpfs / "small", {"x": np.arange(10)})  # the space is free again
-    assert same_bits(mp.load(small_tmpfs / "small")["x"], np.arange(10))
+def test_a_full_disk_is_enospc_and_leaves_nothing(tmp_path: Path, asynchronous: bool) -> None:
+    """A real full file system (a 4 MiB tmpfs, mounted without privileges in namespaces of the
+    saving process's own where it can be): the save is an ENOSPC naming the path, leaves nothing
+    and frees every byte it wrote."""
+    out = save_onto_a_full_tmpfs(tmp_path, asynchronous)
+    mount = str(tmp_path / "tmpfs")
+    assert out["size"] == 4 << 20, out
+    error = out["error"]
+    assert error is not None, f"8 MiB were saved onto 4 MiB ({out['how']})"
+    assert error["errno"] == errno.ENOSPC, error
+    assert mount in error["message"], error
+    assert out["left"] == [], out
+    assert out["used"] == 0, f"the failed save's files still hold space: {out}"
+    assert out["small"] == list(range(10)), out  # the space is free again

@@ -84,12 +84,19 @@ def chunk_value(ckpt: Path, key: str) -> tuple[Path, int, int]:
         file = state / key
         return file, 0, file.stat().st_size
     kv = ts.KvStore.open({"driver": "file", "path": f"{state}/"}).result()
+    file, offset, length = ocdbt_value(kv, key)
+    return state / file, offset, length
+
+
+def ocdbt_value(kv: Any, key: str) -> tuple[str, int, int]:
+    """(data file relative to the database's folder, offset, length) of the stored value of
+    ``key`` in the OCDBT database ``kv`` (any kvstore: a folder, a bucket's prefix)."""
     manifest = ts.ocdbt.dump(kv).result()
     reference = _find_value(kv, manifest["versions"][-1]["root"]["location"], b"", key.encode())
-    assert reference is not None, f"{key} is not stored in a data file of {state}"
+    assert reference is not None, f"{key} is not stored in a data file of {kv.spec()}"
     head, offset, length = reference.rsplit(":", 2)
     _, base, relative = head.split(":", 2)
-    return state / (base + relative), int(offset), int(length)
+    return base + relative, int(offset), int(length)
 
 
 def _find_value(kv: Any, location: str, prefix: bytes, key: bytes) -> str | None:
@@ -897,16 +904,23 @@ def test_the_direct_reader_opens_regular_files_only(tmp_path: Path) -> None:
 
 def test_a_different_ocdbt_file_of_the_same_size_fails_the_file_checksums(tmp_path: Path) -> None:
     """OCDBT files end with their own CRC32C, so the CRC32C of any whole such file is one
-    constant: the file checksums carry a second digest (CRC-32) that tells them apart."""
+    constant: the file checksums carry a second digest (CRC-32) that tells them apart. The
+    other manifest is this one with a byte changed and its trailing CRC32C redone (what another
+    commit of the same size, or damage that rewrote the checksum, looks like): always the same
+    size, unlike a second save's manifest (compressed, its size varies)."""
     from milepost import _format
 
-    trees = [{"w": np.arange(4096, dtype=np.float32) + k} for k in range(2)]
-    a, b = (save(tmp_path / name, tree) for name, tree in zip("ab", trees, strict=True))
+    a = save(tmp_path / "a", {"w": np.arange(4096, dtype=np.float32)})
     key = "state/manifest.ocdbt"
-    mine, other = (a / key).read_bytes(), (b / key).read_bytes()
-    if len(mine) != len(other):
-        pytest.skip("the two manifests differ in size here (commit times of other lengths)")
-    assert mine != other and mp.workers.crc32c(mine) == mp.workers.crc32c(other) == 0x48674BC7
+    mine = (a / key).read_bytes()
+    assert int.from_bytes(mine[-4:], "little") == mp.workers.crc32c(mine[:-4]), (
+        "an OCDBT file ends with the CRC32C of what precedes it"
+    )
+    body = bytearray(mine[:-4])
+    body[len(body) // 2] ^= 0x01
+    other = bytes(body) + mp.workers.crc32c(bytes(body)).to_bytes(4, "little")
+    assert len(mine) == len(other) and mine != other
+    assert mp.workers.crc32c(mine) == mp.workers.crc32c(other) == 0x48674BC7
     sums = _format.Checksums.read(a)
     assert sums is not None and sums.matches(key, mine) and not sums.matches(key, other)
     (a / key).write_bytes(other)
@@ -947,18 +961,40 @@ def test_deleted_milepost_info_is_noticed(
 
 
 def test_deleted_milepost_info_does_not_disable_chunk_checks(
-    saved: dict[str, tuple[Path, Any]], tmp_path: Path
+    saved: dict[str, tuple[Path, Any]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """``_milepost.json`` holds the chunk checksums, so deleting it must not let a damaged chunk
+    load unchecked: the file checksums list it, so the load refuses, naming it, before any host
+    reads a chunk. Put back, the same damage is caught by the chunk checks, naming the chunk
+    (the flipped byte is in data they read)."""
     base, state = saved["ocdbt"]
     ckpt = copy_of(base, tmp_path / "c")
-    (ckpt / "state" / "_milepost.json").unlink()
+    info = ckpt / "state" / "_milepost.json"
+    info.unlink()
     file, offset, length = chunk_value(ckpt, "host/c/0")
     flip(file, offset + length // 3)
-    try:
-        got = mp.load(ckpt, abstract_of(state))
-    except MILEPOST_ERRORS:
-        return
-    assert same_bits(got["host"], state["host"]), "wrong values returned without an error"
+    reads: list[Any] = []
+    real_load = mp.workers.load
+
+    def load(plan: Any, *args: Any, **kwargs: Any) -> Any:
+        reads.append(plan)
+        return real_load(plan, *args, **kwargs)
+
+    monkeypatch.setattr(mp.workers, "load", load)
+    with pytest.raises(mp.CheckpointNotFoundError) as missing:
+        mp.load(ckpt, abstract_of(state))
+    assert f"milepost info {info} was committed" in str(missing.value), missing.value
+    assert "but is missing now" in str(missing.value), missing.value
+    assert reads == [], "chunks were read although the chunk checksums are gone"
+
+    shutil.copyfile(base / "state" / "_milepost.json", info)
+    with pytest.raises(mp.CorruptCheckpointError) as damaged:
+        mp.load(ckpt, abstract_of(state))
+    error = damaged.value
+    assert reads, "the chunks were read"
+    assert error.array == "host" and error.chunk == (0,), error
+    assert error.path is not None and str(ckpt / "state") in error.path, error
+    assert "array 'host'" in str(error) and "chunk" in str(error), error
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -115,21 +116,41 @@ def test_a_copy_cut_short_leaves_nothing(
     assert names(tmp_path) == ["a"]
 
 
+def out_of_time_once_a_file_is_copied(monkeypatch: pytest.MonkeyPatch, timeout: float) -> list[str]:
+    """Make local copies hold, after each file, until the copy's ``timeout`` has passed (by its
+    own clock: copy_files takes its deadline just before it makes its copier), so the next
+    file's check finds the copy out of time after files were copied, however slow the machine.
+    Returns the files copied."""
+    copied: list[str] = []
+    real = copy_job._local_copier
+
+    def copier(source: Any, target: Any) -> Any:
+        made = time.monotonic()
+        copy = real(source, target)
+
+        def one(name: str) -> int:
+            size = int(copy(name))
+            copied.append(name)
+            while time.monotonic() <= made + timeout:  # a deadline, not a guess
+                time.sleep(0.01)
+            return size
+
+        return one
+
+    monkeypatch.setattr(copy_job, "_local_copier", copier)
+    return copied
+
+
 def test_a_copy_that_runs_out_of_time_stops(
     tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     mp.save(tmp_path / "a", state(mesh24))
     real = workers.JOBS["copy_files"]
-    slow_copier = copy_job._local_copier
-
-    def slow(source: Any, target: Any) -> Any:
-        copy = slow_copier(source, target)
-        return lambda name: (time.sleep(0.2), copy(name))[1]
-
-    monkeypatch.setattr(copy_job, "_local_copier", slow)
+    copied = out_of_time_once_a_file_is_copied(monkeypatch, 0.3)
     with pytest.raises(TimeoutError, match="did not finish copying"):
         mp.copy(tmp_path / "a", tmp_path / "b", timeout_secs=0.3)
-    assert names(tmp_path) == ["a"]
+    assert copied, "the copy ran out of time before it copied a file"
+    assert names(tmp_path) == ["a"]  # what it had copied is gone
     assert workers.JOBS["copy_files"] is real
 
 
@@ -180,18 +201,43 @@ def gate_mirrors(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, list
     return gate, started
 
 
+@dataclass
+class RetentionRuns:
+    cond: threading.Condition
+    seen: list[list[int]]
+    """The local steps each finished run started from."""
+
+
+def watch_retention(monkeypatch: pytest.MonkeyPatch) -> RetentionRuns:
+    """Record every retention run once it finished, with the local steps it started from."""
+    from milepost.training._retention import Retention
+
+    runs = RetentionRuns(threading.Condition(), [])
+    real = Retention._run
+
+    def run(self: Retention) -> None:
+        with self.state.cond:
+            local = sorted(self.state.local)
+        real(self)
+        with runs.cond:
+            runs.seen.append(local)
+            runs.cond.notify_all()
+
+    monkeypatch.setattr(Retention, "_run", run)
+    return runs
+
+
 def test_a_slow_mirror_holds_local_rotation_back(
     tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     root, local = tmp_path / "root", tmp_path / "local"
     gate, started = gate_mirrors(monkeypatch)
+    runs = watch_retention(monkeypatch)
     with Checkpointer(root, local=local, keep=KeepAll(), local_keep=KeepLatest(n=1)) as ckpt:
         for step in range(4):
             ckpt.save(step, state(mesh24, step))  # returns while the mirror is stuck
-        deadline = time.monotonic() + 30
-        while committed(local) != [0, 1, 2, 3] and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.3)  # retention had every chance to run
+        with runs.cond:  # a retention run that knew the last step has finished
+            assert runs.cond.wait_for(lambda: any(3 in seen for seen in runs.seen), 60), runs.seen
         assert committed(local) == [0, 1, 2, 3], "a step not yet mirrored was deleted locally"
         assert committed(root) == [] and ckpt.steps == [0, 1, 2, 3] and ckpt.durable_steps == []
         assert len(started) == 1  # one mirror at a time, oldest first
@@ -236,18 +282,12 @@ def test_a_mirror_out_of_time_fails_and_keeps_the_step(
     tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     root, local = tmp_path / "root", tmp_path / "local"
-    slow_copier = copy_job._local_copier
-    monkeypatch.setattr(
-        copy_job,
-        "_local_copier",
-        lambda s, t: (lambda copy: lambda name: (time.sleep(0.2), copy(name))[1])(
-            slow_copier(s, t)
-        ),
-    )
+    copied = out_of_time_once_a_file_is_copied(monkeypatch, 0.3)
     with Checkpointer(root, local=local, mirror_timeout_secs=0.3) as ckpt:
         ckpt.save(0, state(mesh24, 0))
         with pytest.raises(MirrorError, match="did not finish copying"):
             ckpt.wait()
+        assert copied, "the mirror ran out of time before it copied a file"
         assert ckpt.steps == [0] and ckpt.durable_steps == []
     assert names(root) == [] and committed(local) == [0]
 

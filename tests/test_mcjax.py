@@ -78,10 +78,31 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
             *(str(root / "two" / n) for n in ("c", "orbax", "plain")),
         )
     )
+    damaged_checkpoint(root / "damaged")
     back = ok(
-        _mc.launch("load", 2, 4, str(root), str(root / "four" / "a"), str(root / "four" / "b"))
+        _mc.launch(
+            "load_and_damaged",
+            2,
+            4,
+            str(root),
+            str(root / "damaged"),
+            str(root / "four" / "a"),
+            str(root / "four" / "b"),
+        )
     )
     return Runs(root, two, four, back)
+
+
+def damaged_checkpoint(path: Path) -> None:
+    """An embedded-mode checkpoint of w (64 x 128 float32, 8 shards of 4 KiB: in data files)
+    with a byte of shard w/c/1/2 flipped."""
+    from tests.test_integrity import chunk_value, flip
+
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    w = np.random.default_rng(5).standard_normal((64, 128), dtype=np.float32)
+    mp.save(path, {"w": jax.device_put(w, NamedSharding(mesh, P("data", "model")))})
+    file, offset, length = chunk_value(path, "w/c/1/2")
+    flip(file, offset + length // 2)
 
 
 def _writers(state: Path) -> set[str]:
@@ -186,6 +207,21 @@ def test_every_process_gets_the_same_error_and_nothing_is_committed(runs: Runs) 
     } & set(committed)
     assert not any(".orbax-checkpoint-tmp" in name for name in committed)
     assert all(o["after_failures"] == FOUR for o in runs.four)
+
+
+def test_a_flipped_byte_in_a_chunk_is_the_same_corrupt_checkpoint_error_everywhere(
+    runs: Runs,
+) -> None:
+    """The process whose device needs chunk w/c/1/2 finds it damaged; every process of the job
+    raises the CorruptCheckpointError naming the array, the chunk and the file, never values."""
+    for o in runs.back:
+        error = o["damaged"]
+        assert error is not None, f"process {o['process']} loaded the damaged chunk"
+        assert error["corrupt"] and error["type"] == "CorruptCheckpointError", error
+        assert error["array"] == "w" and error["chunk"] == [1, 2], error
+        assert str(runs.root / "damaged" / "state") in error["path"], error
+        assert "fails its checksum" in error["message"], error
+    assert runs.back[0]["damaged"] == runs.back[1]["damaged"]
 
 
 def test_the_primary_is_configurable(runs: Runs) -> None:

@@ -340,3 +340,42 @@ def test_a_load_asks_for_each_small_object_once(
                 name != "save" and key.endswith(("commit_success.txt", "_CHECKPOINT_METADATA"))
             )
             assert n <= (2 if twice else 1), (name, key, n, dict(asked))
+
+
+# ------------------------------------------------------------------------------------------
+# Damaged data read from a bucket
+# ------------------------------------------------------------------------------------------
+
+
+def test_a_flipped_byte_in_a_chunk_in_a_bucket_is_caught(
+    bucket_url: str, mesh24: jax.sharding.Mesh
+) -> None:
+    """A byte of one shard's data flipped in the store (read, changed, written back): a load is
+    a CorruptCheckpointError naming the array, the chunk and where it was read, never other
+    values; the rest still loads, and verify reports the chunk."""
+    import tensorstore as ts
+
+    from milepost import workers as _paths
+    from tests.test_integrity import ocdbt_value
+
+    want = state(mesh24)
+    url = f"{bucket_url}/1"
+    mp.save(url, want)
+    folder = _paths.as_path(url) / "state"
+    kv = ts.KvStore.open(_paths.kvstore(folder), context=_paths.context_for(folder)).result()
+    file, offset, length = ocdbt_value(kv, "params.w/c/1/2")
+    data = bytearray(kv.read(file).result().value)
+    data[offset + length // 2] ^= 0x01
+    kv.write(file, bytes(data)).result()
+    with pytest.raises(mp.CorruptCheckpointError) as info:
+        mp.load(url)
+    error = info.value
+    assert error.array == "params.w" and error.chunk == (1, 2), error
+    assert error.path is not None and str(folder) in error.path, error
+    assert "fails its checksum" in str(error), error
+    rest = mp.load(url, {"host": np.zeros(300, np.int64), "step": 0}, partial=True)
+    assert_tree_equal(rest, {"host": want["host"], "step": 10})
+    report = mp.verify(url)
+    assert not report.ok and any(
+        "'params.w'" in p and "(1, 2)" in p and "fails its checksum" in p for p in report.problems
+    ), report

@@ -442,6 +442,42 @@ def test_verify_spreads_the_chunks_over_the_hosts(slice42: mp.Slice, tmp_path: P
     ), damaged
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "tensorstore"])
+def test_a_flipped_byte_in_a_chunk_is_caught_on_the_host_that_reads_it(
+    slice42: mp.Slice,
+    saved_from_slice: tuple[Path, dict[str, np.ndarray]],
+    tmp_path: Path,
+    direct: bool,
+) -> None:
+    """A byte of one shard's data flipped on disk: the host that reads the chunk checks it, and
+    the load on the controller is a CorruptCheckpointError naming the array, the chunk and the
+    file, never other values."""
+    import shutil
+
+    from tests.test_integrity import chunk_value, flip
+
+    path, values = saved_from_slice
+    ckpt = Path(shutil.copytree(path, tmp_path / "c", symlinks=True))
+    file, offset, length = chunk_value(ckpt, "params.w1/c/1/2")
+    flip(file, offset + length // 2)
+    mesh = slice42.mesh({"data": 2, "model": 4})
+    abstract = abstract_on(
+        mesh, values, lambda sh, dt, m, spec: mp.AbstractArray(sh, dt, m.sharding(spec))
+    )
+    with (
+        mp.Context(loading=mp.LoadOptions(direct_reads=direct)),
+        pytest.raises(mp.CorruptCheckpointError) as info,
+    ):
+        mp.load(ckpt, abstract)
+    error = info.value
+    assert error.array == "params.w1" and error.chunk == (1, 2), error
+    assert error.path is not None and str(ckpt / "state") in error.path, error
+    assert "fails its checksum" in str(error), error
+    assert slice42.healthy  # a damaged checkpoint is not a failed host
+    rest = mp.load(ckpt, {"params": {"w0": abstract["params"]["w0"]}}, partial=True)
+    assert np.array_equal(slice42.fetch(rest["params"]["w0"]), values["w0"])
+
+
 def test_safetensors_export_and_load_on_a_slice(slice42: mp.Slice, tmp_path: Path) -> None:
     from safetensors.numpy import load_file
 

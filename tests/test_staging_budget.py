@@ -110,32 +110,64 @@ print(json.dumps(out))
 
 
 def test_checksums_of_unstaged_regions_are_computed_before_save_async_returns(
-    tmp_path: Path, mesh24: jax.sharding.Mesh
+    tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Regions beyond the budget are written from the caller's memory and so are their
-    checksums: both must be done when save_async returns, even while the copy pool (which
-    computes checksums) is busy with other work, or a caller overwriting its arrays makes the
-    checkpoint record checksums of the new values and fail every load."""
-    from milepost.workers import _memory as _engine
+    checksums: both must be done when save_async returns, or a caller overwriting its arrays
+    makes the checkpoint record checksums of the new values and fail every load. The checksums
+    of the caller's array (computed on the copy pool) are held until save_async returns or
+    something waits for them, whichever comes first; it must be the wait, on any machine."""
+    from milepost.workers.save import _pending
 
     host = np.arange(4 * MIB, dtype=np.float32)  # 16 MiB the controller writes
     device = put(
         np.arange(64 * 1024, dtype=np.float32).reshape(64, 1024), mesh24, P("data", "model")
     )
     want = {"host": host.copy(), "device": np.asarray(device).copy()}
-    for attempt in range(3):
-        busy = [_engine.copy_pool().submit(time.sleep, 0.3) for _ in range(_engine.copy_threads())]
-        with mp.Context(saving=mp.SaveOptions(host_staging_budget_bytes=0)):
-            handle = mp.save_async(tmp_path / str(attempt), {"host": host, "device": device})
-        host[:] = -1.0  # the caller's memory is its own again
-        handle.result(60)
-        for future in busy:
-            future.result()
-        restored = mp.load(tmp_path / str(attempt))
-        assert same_bits(restored["host"], want["host"]) and same_bits(
-            restored["device"], want["device"]
-        )
-        host[:] = want["host"]
+    happened: list[str] = []  # "awaited" (a checksum's result asked for), "returned"
+    cond = threading.Condition()
+    first: list[str] = []  # what each held checksum was let go by
+    real_on_copy_pool = _pending.on_copy_pool
+
+    def note(what: str) -> None:
+        with cond:
+            happened.append(what)
+            cond.notify_all()
+
+    class Awaited:
+        def __init__(self, future: Any) -> None:
+            self._future = future
+
+        def result(self, timeout: float | None = None) -> Any:
+            note("awaited")
+            return self._future.result(timeout)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._future, name)
+
+    def on_copy_pool(fn: Any, data: Any, *args: Any) -> Any:
+        if not np.may_share_memory(data, host):
+            return real_on_copy_pool(fn, data, *args)
+
+        def held() -> Any:
+            with cond:
+                assert cond.wait_for(lambda: happened, 60)
+                first.append(happened[0])
+            return fn(data, *args)
+
+        return Awaited(real_on_copy_pool(held))
+
+    monkeypatch.setattr(_pending, "on_copy_pool", on_copy_pool)
+    with mp.Context(saving=mp.SaveOptions(host_staging_budget_bytes=0)):
+        handle = mp.save_async(tmp_path / "c", {"host": host, "device": device})
+    note("returned")
+    host[:] = -1.0  # the caller's memory is its own again
+    handle.result(60)
+    assert first and set(first) == {"awaited"}, (first, happened)
+    restored = mp.load(tmp_path / "c")
+    assert same_bits(restored["host"], want["host"]) and same_bits(
+        restored["device"], want["device"]
+    )
 
 
 def test_peak_memory_of_a_budgeted_save_async_stays_within_the_budget(tmp_path: Path) -> None:
