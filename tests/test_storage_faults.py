@@ -177,6 +177,25 @@ def test_an_empty_path_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert os.listdir(tmp_path) == []
 
 
+def _outcome(proxy: FaultyProxy, script: str, *argv: str) -> dict[str, Any]:
+    """Run ``script`` in a fresh process (its own storage policy) that reaches S3 through
+    ``proxy``; the JSON object it prints last."""
+    import json
+    import subprocess
+    import sys
+
+    child = subprocess.run(
+        [sys.executable, "-c", script, *argv],
+        env={**_subproc.env(1), "AWS_ENDPOINT_URL": proxy.url},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert child.returncode == 0, child.stderr
+    out: dict[str, Any] = json.loads(child.stdout.strip().splitlines()[-1])
+    return out
+
+
 _STALLED_SAVE = """
 import json, sys, time
 import numpy as np
@@ -192,6 +211,7 @@ try:
     out = {"error": None}
 except Exception as e:
     out = {"error": "TimeoutError" if isinstance(e, TimeoutError) else repr(e), "message": str(e)}
+    out["notes"] = getattr(e, "__notes__", [])
 out["secs"] = time.monotonic() - start
 mp.wait_for_saves()  # the failed save's cleanup, once its writes stopped
 out["cleaned_secs"] = time.monotonic() - start
@@ -213,30 +233,21 @@ def test_a_stalled_write_fails_in_time_and_its_late_arrival_blocks_nothing(
     TensorStore's defaults take. The late writes land under the failed save's
     expired lease: the next save of the path takes it over, removes them and commits (before:
     every later save was refused, and the bucket had to be cleaned by hand)."""
-    import json
-    import subprocess
-    import sys
 
     bucket_url = f"s3://{new_s3_bucket(s3_endpoint[0])}"
     url = f"{bucket_url}/run/1"
     rule = proxy.fail("PUT", "/state/ocdbt.process_controller/d/", "stall", count=1000)
-    child = subprocess.run(
-        [sys.executable, "-c", _STALLED_SAVE, url, "4" if who == "deadline" else "600"],
-        env={**_subproc.env(1), "AWS_ENDPOINT_URL": proxy.url},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert child.returncode == 0, child.stderr
-    out = json.loads(child.stdout.strip().splitlines()[-1])
+    out = _outcome(proxy, _STALLED_SAVE, url, "4" if who == "deadline" else "600")
     assert out["error"] == "TimeoutError", out
     if who == "deadline":
         assert "did not finish within 4 s" in out["message"] and "'x'" in out["message"], out
         # reported when the deadline passed; the writes stop (the storage policy gives up on
         # them) and are removed afterwards, in the background
         assert out["secs"] < out["cleaned_secs"], out
+        assert "removed once its writes stop" in " ".join(out["notes"]), out
     else:
         assert "each of 2 attempts moved nothing for 2 s" in out["message"], out
+        assert "run/1.milepost-lease, expired" in " ".join(out["notes"]), out  # what is left
         assert rule.hits >= 2  # the first attempt, then the retry
     assert out["secs"] < 4 + out["budget"] + 30, out  # bounded (before: ~40 minutes)
     stalled = rule.hits
@@ -283,22 +294,11 @@ def test_a_stalled_read_fails_when_the_storage_policy_gives_up(
     """A load whose data-file GETs are never answered fails with a TimeoutError naming the
     object, after ``max_retries + 1`` silent attempts (before: a minute of silence per
     attempt, 33 attempts)."""
-    import json
-    import subprocess
-    import sys
 
     url = f"s3://{new_s3_bucket(s3_endpoint[0])}/run/1"
     mp.save(url, {"x": np.arange(1000.0)})
     rule = proxy.fail("GET", "/run/1/state/d/", "stall", count=1000)
-    child = subprocess.run(
-        [sys.executable, "-c", _STALLED_LOAD, url],
-        env={**_subproc.env(1), "AWS_ENDPOINT_URL": proxy.url},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert child.returncode == 0, child.stderr
-    out = json.loads(child.stdout.strip().splitlines()[-1])
+    out = _outcome(proxy, _STALLED_LOAD, url)
     assert out["error"] == "TimeoutError", out
     assert "each of 2 attempts moved nothing for 2 s" in out["message"], out
     assert "run/1/state/d/" in out["message"], out  # the object

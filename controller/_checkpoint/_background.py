@@ -112,7 +112,7 @@ class BackgroundSaves:
             if save.future.done():
                 continue
             log.warning(
-                "the interpreter is exiting; waiting (at most %gs) for the save to %s to commit",
+                "the interpreter is exiting; waiting (at most %gs) for the save to %s to end",
                 save.timeout,
                 save.name,
             )

@@ -13,6 +13,7 @@ import contextlib
 import errno
 import json
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -359,10 +360,19 @@ class _Save:
         if not self.prepared:
             return
         self.prepared = False
+        error = sys.exc_info()[1]
         if not self.unsettled:
-            self.workspace.abandon()
+            left = self.workspace.abandon()
+            if left is not None and error is not None:
+                error.add_note(left)
             return
         unsettled, workspace, final = self.unsettled, self.workspace, self.final
+        if error is not None:
+            error.add_note(
+                f"What the save wrote at {final} is removed once its writes stop (the storage "
+                f"gives them up within {workers.storage_budget_secs():g} s); a new save of the "
+                "path in this process waits for that."
+            )
 
         def clean_up() -> None:
             try:
@@ -374,7 +384,7 @@ class _Save:
 
         with _in_flight_lock:
             _cleaning[final] = SAVES.submit(
-                f"{final} (a failed save, removed once its writes stop)",
+                f"{final} (it failed; what it wrote is removed once its writes stop)",
                 clean_up,
                 workers.storage_budget_secs() + 30.0,
             )

@@ -422,24 +422,30 @@ class ObjectWorkspace:
     def publish(self) -> None:
         self.release()
 
-    def abandon(self) -> None:
+    def abandon(self) -> str | None:
         """A failed save: remove what it wrote, and leave its lease behind, expired. A write
         the storage applies after the save gave up on it (a request it answered too late)
         then lands under a lease of a save that is gone: the next save of the path takes the
-        lease over and removes it, instead of refusing objects no save owns."""
+        lease over and removes it, instead of refusing objects no save owns. Returns what was
+        left where, for the save's error."""
+        left = None
         if self.lease is not None and self._lost is None:
+            left = (
+                f"Left behind: the failed save's lease {self.lease_path}, expired; the next save "
+                f"of {self.final} takes it over (with anything that lands there late)."
+            )
             try:
                 self.final.delete_tree().result()
             except Exception as e:
-                log.warning(
-                    "could not remove what the failed save to %s wrote (%s); its lease %s is "
-                    "left, so the next save of the path removes it",
-                    self.final,
-                    e,
-                    self.lease_path,
+                left = (
+                    f"Left behind: what the failed save wrote under {self.final} (removing it "
+                    f"failed: {type(e).__name__}: {e}) and its lease {self.lease_path}, expired; "
+                    "the next save of the path takes it over and removes them."
                 )
+                log.warning("%s", left)
             self._expire()
         self.release()
+        return left
 
     def _expire(self) -> None:
         """Rewrite this save's lease as expired and keep it (``release`` then leaves it)."""
