@@ -34,7 +34,7 @@ from pathlib import Path
 from milepost import _format as fmt
 from milepost._errors import CheckpointExistsError
 
-OWNER_FILE = ".milepost-owner"
+OWNER_FILE = fmt.OWNER_FILE
 NEW_MARKER = ".milepost-new-"
 """Part of the name a temporary directory has while it is being made:
 ``.<path>.milepost-new-<host>-<pid>-<id>``."""
