@@ -357,7 +357,7 @@ class PendingTree:
         own: workers.PendingWrite[list[workers.SaveAck]] | None,
         timeout: float,
         finish: bool = True,
-        check: Callable[[str], None] | None = None,
+        check: Callable[[str, Any], None] | None = None,
     ) -> None:
         self.finish = finish
         self.check = check
@@ -401,8 +401,8 @@ class PendingTree:
             raise
         self.acks = list(acks)
         if self.finish:
-            if self.check is not None:
-                self.check("after the data writes")
+            if self.check is not None:  # this tree's writes landed (others may still run)
+                self.check("after the data writes", self.directory)
             finish_tree(self.directory, self.files, self.acks)
 
     def settle(self, timeout: float | None = None) -> None:

@@ -29,6 +29,7 @@ from milepost._checkpoint import _pytree_load
 from milepost._checkpoint._background import SAVES
 from milepost._checkpoint._calls import SaveCall, as_pending
 from milepost._checkpoint._handlers import PyTreeHandler, holds_no_tree, resolve_for_save
+from milepost._checkpoint._pytree_save import PendingTree
 from milepost._errors import InvalidKeyError, SaveInProgressError
 from milepost._storage import LEASE_SUFFIX, NEW_MARKER, LocalWorkspace, ObjectWorkspace, for_path
 from milepost.colocated import HostGroup
@@ -324,7 +325,8 @@ class _Save:
                 # on them) before the workspace is removed, or they would recreate it.
                 self._settle_after(e, self.pending[done:])
                 # A write that failed because the workspace was removed from outside says so.
-                failure = self.workspace.explain(e) if self.prepared else e
+                own = isinstance(self.pending[done], PendingTree)  # milepost's own tree
+                failure = self.workspace.explain(e, own) if self.prepared else e
             # The primary commits, or reports why not; every process gets the same outcome.
             agree(group, f"commit:{final}", failure, timeout, then=self.commit)
         except BaseException:
@@ -463,7 +465,7 @@ def _commit(
     metrics: Any,
     workspace: LocalWorkspace | ObjectWorkspace,
 ) -> None:
-    workspace.check("after the tree metadata", record=True)  # every write has landed
+    workspace.check("after the tree metadata", record=tmp)  # every write has landed
     fmt.write_file(tmp / fmt.ORBAX_MARKER, b"")
     fmt.write_json(
         tmp / fmt.CHECKPOINT_METADATA,
@@ -497,7 +499,7 @@ def _commit(
                 ) from e
         checksums = fmt.Checksums.compute(tmp)  # every file but array chunks (they carry theirs)
     checksums.write()
-    workspace.check("before the commit marker", record=True)
+    workspace.check("before the commit marker", record=tmp)
     fmt.write_file(tmp / fmt.COMMIT_MARKER, f"Checkpoint commit was successful to {final}")
     # Then the marker, the checksums and what they must list are read back, or the save fails
     # and is removed (the marker first).

@@ -12,9 +12,9 @@ directory the save made, at every stage of the commit:
   folder was replaced or removed.
 - The owner file is in the directory from its first moment until just before the rename: any
   ``rm -rf`` that walked the directory removed it, even one that failed to remove the folders.
-- From the start of the commit (every write landed) each file seen in the directory is recorded
-  and must stay, through the rename: a deletion under way when the owner file was checked, or
-  one of single files.
+- From when a tree's writes landed, and from the start of the commit, each file seen in the
+  directory is recorded and must stay, through the rename, with the files the commit writes:
+  a deletion under way when the owner file was checked, or one of single files.
 
 The rename itself cannot name the directory by its inode: right after it, the final path is
 checked to hold the directory the save made, with every file recorded.
@@ -63,10 +63,11 @@ class Intact:
             raise
         self._recorded: set[str] = set()
 
-    def problem(self, root: Path | None = None, record: bool = False) -> str | None:
+    def problem(self, root: Path | None = None, record: Path | None = None) -> str | None:
         """What shows that the directory at ``root`` (the temporary path, or the final one once
         renamed) is not, or no longer holds, what the save made; None if nothing does.
-        ``record``: every file there now must stay from here on (once no write is in flight)."""
+        ``record`` (the directory, or a folder in it whose writes all landed): every file below
+        it now must stay from here on."""
         root = self.tmp if root is None else root
         for name, fd in self._held.items():
             where = root / name
@@ -88,16 +89,20 @@ class Intact:
                 there = False
             if not there:
                 return f"its owner file {fmt.OWNER_FILE}, there since the save began, is gone"
-        if not (record or self._recorded):
-            return None
-        present = _files(root)
+        present = _files(root) if self._recorded or record == root else set()
         missing = self._recorded - present
         if missing:
             names = ", ".join(sorted(missing)[:5]) + (", ..." if len(missing) > 5 else "")
             return f"{len(missing)} of the files it wrote are gone ({names})"
-        if record:
-            self._recorded |= present
+        if record is not None:
+            found = present if record == root else _files(record)
+            below = record.relative_to(self.tmp)
+            self._recorded |= {(below / name).as_posix() for name in found}
         return None
+
+    def expect(self, names: Iterable[str]) -> None:
+        """The files ``names`` (relative to the directory) the save wrote must stay."""
+        self._recorded.update(names)
 
     def drop_owner(self) -> str | None:
         """Just before the rename: remove the owner file (not part of a checkpoint). Its removal
@@ -121,6 +126,22 @@ class Intact:
             return _ids(path) == (held.st_dev, held.st_ino)
         except FileNotFoundError:
             return False
+
+    def vanished(self, error: BaseException) -> str | None:
+        """What of the directory ``error`` (or an error it was raised from) found missing, for an
+        error of a step that reads only what the save wrote or listed: the save removes nothing
+        in it while it runs, so another program did (this tells it even while that program is
+        still at work, before the other checks can)."""
+        for _ in range(8):
+            if isinstance(error, FileNotFoundError) and error.filename:
+                path = Path(os.fsdecode(error.filename))
+                if path == self.tmp or self.tmp in path.parents:
+                    return f"{'something in ' if os.path.lexists(path) else ''}{path} is gone"
+            cause = error.__cause__ or error.__context__
+            if cause is None:
+                return None
+            error = cause
+        return None
 
     def close(self) -> None:
         while self._held:

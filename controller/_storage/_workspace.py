@@ -123,24 +123,31 @@ class LocalWorkspace:
             self.release()
             raise
 
-    def check(self, stage: str = "before the commit", record: bool = False) -> None:
+    def check(
+        self, stage: str = "before the commit", record: Path | ObjectPath | None = None
+    ) -> None:
         """Raise :class:`TemporaryDirectoryRemovedError` unless the temporary directory and its
         folders are the ones this save made, holding what it wrote: removed or replaced from
         outside, the checkpoint would be incomplete. ``stage`` says when (for the message);
-        ``record`` (once no write is in flight): every file there now must stay until the
-        rename."""
-        problem = self.intact.problem(record=record) if self.intact is not None else None
+        ``record`` (the directory, or a folder in it, once no write into it is in flight): every
+        file below it now must stay until the rename."""
+        if self.intact is None:
+            return
+        problem = self.intact.problem(record=record if isinstance(record, Path) else None)
         if problem is not None:
             raise self._removed(problem, stage)
 
-    def explain(self, error: Exception) -> Exception:
+    def explain(self, error: Exception, own: bool = True) -> Exception:
         """The error a save that failed with ``error`` raises: a
         :class:`TemporaryDirectoryRemovedError` (caused by ``error``) when the temporary
-        directory was removed or replaced from outside, which is then why it failed."""
+        directory was removed or replaced from outside, which is then why it failed. ``own``:
+        ``error`` comes from milepost's own steps, which read only what they wrote or listed,
+        so a file of the directory it found missing is itself the evidence (not so for a
+        custom handler's error)."""
         if self.intact is None or isinstance(error, TemporaryDirectoryRemovedError):
             return error
         try:
-            problem = self.intact.problem()
+            problem = self.intact.problem() or (self.intact.vanished(error) if own else None)
         except OSError:
             return error
         if problem is None:
@@ -163,12 +170,16 @@ class LocalWorkspace:
         )
 
     def confirm(self, checksums: Any, needed: Iterable[str]) -> None:
-        """Local folders: written and fsynced files are kept (POSIX); nothing to read back."""
+        """Local folders: written and fsynced files are kept (POSIX), nothing to read back; but
+        every file the checksums list, the format files ``needed`` and the marker must still be
+        there at the rename (one removed from outside since it was written is missing)."""
+        if self.intact is not None:
+            self.intact.expect([*checksums.files, *needed, fmt.CHECKSUMS, fmt.COMMIT_MARKER])
 
     def publish(self) -> None:
         tmp, final = self.dir, self.final
         fmt.fsync_tree(tmp)
-        self.check("at the rename", record=True)
+        self.check("at the rename", record=tmp)
         problem = self.intact.drop_owner() if self.intact is not None else None
         if problem is not None:
             raise self._removed(problem, "at the rename")
@@ -427,7 +438,7 @@ class ObjectWorkspace:
             self.release()
             raise
 
-    def check(self, stage: str = "", record: bool = False) -> None:
+    def check(self, stage: str = "", record: Path | ObjectPath | None = None) -> None:
         """The lease must still be this save's, with at least half its time left: renewed now,
         unless three quarters of it are left (written or renewed a moment ago: nobody may take
         it over before it expires)."""
@@ -442,7 +453,7 @@ class ObjectWorkspace:
                     f"{self._lost}; nothing was committed. Save again",
                 )
 
-    def explain(self, error: Exception) -> Exception:
+    def explain(self, error: Exception, own: bool = True) -> Exception:
         """``error`` itself (a lost lease is found by :meth:`check`)."""
         return error
 
