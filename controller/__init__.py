@@ -38,6 +38,7 @@ from milepost._errors import (
     InvalidKeyError,
     SaveInProgressError,
     StructureMismatchError,
+    TemporaryDirectoryRemovedError,
     UnsupportedLeafError,
 )
 from milepost._iostats import HostIoStats, IoStats, io_stats
@@ -81,6 +82,7 @@ __all__ = [
     "StatefulCheckpointable",
     "StorageOptions",
     "StructureMismatchError",
+    "TemporaryDirectoryRemovedError",
     "UnsupportedLeafError",
     "VerifyReport",
     "configure_storage",

@@ -19,6 +19,7 @@ __all__ = [
     "InvalidKeyError",
     "SaveInProgressError",
     "StructureMismatchError",
+    "TemporaryDirectoryRemovedError",
     "UnsupportedLeafError",
 ]
 
@@ -33,6 +34,12 @@ class CheckpointReplacedError(CheckpointNotFoundError):
 
 class SaveInProgressError(CheckpointExistsError):
     """Another save to the same path is still in flight in this process."""
+
+
+class TemporaryDirectoryRemovedError(FileNotFoundError):
+    """A save's temporary directory (``<path>.orbax-checkpoint-tmp``) was removed or replaced by
+    another program while the save ran, so nothing was committed; stop what deletes it while
+    saves run, then save again."""
 
 
 class StructureMismatchError(ValueError):

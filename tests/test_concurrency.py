@@ -1,7 +1,7 @@
 """Two writers, one path: real processes racing. Exactly one writer's checkpoint is ever
-committed (never a mix), a reader never deletes a live save, a save notices its directory
-deleted under it, and a load racing an overwrite returns the old or the new checkpoint whole, or
-says it was replaced."""
+committed (never a mix), a reader never deletes a live save, and a load racing an overwrite
+returns the old or the new checkpoint whole, or says it was replaced. (A save's directory
+deleted under it: tests/test_tmp_removed.py.)"""
 
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import milepost as mp
-from milepost import _format
 from tests import _subproc
 from tests._helpers import assert_tree_equal, gate_merge, listing, put, same_bits
 
@@ -273,76 +272,6 @@ def test_a_read_only_checkpointer_writes_and_deletes_nothing(
     ) as writer:  # a writer removes what a dead save left, once it holds its lock
         assert writer.steps == [1]
     assert not leftover.exists()
-
-
-# ------------------------------------------------------------------------------------------
-# The temporary directory deleted from outside
-# ------------------------------------------------------------------------------------------
-
-
-def _delete_tmp_when(monkeypatch: pytest.MonkeyPatch, stage: str, tmp: Path) -> None:
-    """Remove ``tmp`` from outside at ``stage`` of a save."""
-    from milepost import _format as _pytree_format
-
-    def remove() -> None:
-        while tmp.exists():  # writers may be creating files meanwhile
-            shutil.rmtree(tmp, ignore_errors=True)
-
-    if stage == "writing":
-        real_start = mp.workers.start_save
-
-        def start_save(*a: Any, **k: Any) -> Any:
-            pending = real_start(*a, **k)
-            remove()  # the writes are issued and in flight
-            return pending
-
-        monkeypatch.setattr(mp.workers, "start_save", start_save)
-    elif stage == "metadata":
-        real_write = _pytree_format.write_tree
-
-        def write(*a: Any, **k: Any) -> None:
-            remove()
-            real_write(*a, **k)
-
-        monkeypatch.setattr(_pytree_format, "write_tree", write)
-    elif stage == "merged":
-        real_merge = mp.workers.merge_ocdbt
-
-        def merge(directory: Any) -> None:
-            real_merge(directory)
-            remove()
-
-        monkeypatch.setattr(mp.workers, "merge_ocdbt", merge)
-    elif stage == "checksums":
-        real_compute = _format.Checksums.compute
-
-        def compute(root: Path) -> Any:
-            remove()
-            return real_compute(root)
-
-        monkeypatch.setattr(_format.Checksums, "compute", staticmethod(compute))
-
-
-@pytest.mark.parametrize("stage", ["writing", "metadata", "merged", "checksums"])
-def test_a_save_notices_its_directory_deleted_from_outside(
-    tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch, stage: str
-) -> None:
-    state = {
-        "x": put(np.arange(4096, dtype=np.float32).reshape(64, 64), mesh24, P("data", "model")),
-        "n": np.arange(300),
-    }
-    _delete_tmp_when(monkeypatch, stage, tmp_path / "c.orbax-checkpoint-tmp")
-    handle = mp.save_async(tmp_path / "c", state)
-    with pytest.raises(OSError) as info:
-        handle.result(timeout=120)
-    assert not (tmp_path / "c").exists(), "nothing may be committed"
-    assert info.value.errno in (errno.ESTALE, errno.ENOENT) or "removed" in str(info.value), (
-        info.value
-    )
-    monkeypatch.undo()
-    mp.save(tmp_path / "c", state)  # the path is usable again
-    assert_tree_equal(mp.load(tmp_path / "c"), state)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
 
 
 # ------------------------------------------------------------------------------------------

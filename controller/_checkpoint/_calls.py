@@ -22,6 +22,11 @@ class SaveCall:
     copy: bool
     """Stage a copy of the data before returning (``save_async``); False: a blocking save, the
     caller's buffers stay untouched until the commit."""
+    check: Callable[[str, Any], None] | None = None
+    """On the process that commits, on local disks: raises if the save's workspace is no longer
+    its own (removed or replaced from outside), saying at which stage. A handler calls it once
+    its data landed, before it writes what describes them, with its folder, whose files must
+    then stay until the commit: ``check("after the data writes", directory)``."""
 
 
 @dataclass(frozen=True)

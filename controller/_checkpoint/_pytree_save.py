@@ -333,7 +333,7 @@ def stage_tree(
         workers.settle_all([hosts])
         raise
     planned.controller_sources = []
-    return PendingTree(directory, planned.files, group, hosts, own, timeout, finish)
+    return PendingTree(directory, planned.files, group, hosts, own, timeout, finish, call.check)
 
 
 def _task_bytes(tasks: list[workers.SaveTask]) -> int:
@@ -357,8 +357,11 @@ class PendingTree:
         own: workers.PendingWrite[list[workers.SaveAck]] | None,
         timeout: float,
         finish: bool = True,
+        check: Callable[[str, Any], None] | None = None,
     ) -> None:
         self.finish = finish
+        self.check = check
+        """The save's workspace check, run once the data landed (``SaveCall.check``)."""
         self.acks: list[workers.SaveAck] = []
         """Every host's ack (on the primary), once waited for."""
         self.directory = directory
@@ -398,6 +401,8 @@ class PendingTree:
             raise
         self.acks = list(acks)
         if self.finish:
+            if self.check is not None:  # this tree's writes landed (others may still run)
+                self.check("after the data writes", self.directory)
             finish_tree(self.directory, self.files, self.acks)
 
     def settle(self, timeout: float | None = None) -> None:

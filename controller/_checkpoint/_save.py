@@ -29,6 +29,7 @@ from milepost._checkpoint import _pytree_load
 from milepost._checkpoint._background import SAVES
 from milepost._checkpoint._calls import SaveCall, as_pending
 from milepost._checkpoint._handlers import PyTreeHandler, holds_no_tree, resolve_for_save
+from milepost._checkpoint._pytree_save import PendingTree
 from milepost._errors import InvalidKeyError, SaveInProgressError
 from milepost._storage import LEASE_SUFFIX, NEW_MARKER, LocalWorkspace, ObjectWorkspace, for_path
 from milepost.colocated import HostGroup
@@ -247,6 +248,11 @@ class _Save:
         self.init_ns = 0
 
     @property
+    def local(self) -> bool:
+        """A local folder's save (an object store's lease is checked at the commit only)."""
+        return isinstance(self.workspace, LocalWorkspace)
+
+    @property
     def tmp(self) -> Path | ObjectPath:
         """Where the checkpointables are written until the commit."""
         return self.workspace.dir
@@ -267,7 +273,12 @@ class _Save:
             _hosts.shared(group, f"prepare:{final}", self.prepare, timeout)
             prepared = True
             self.init_ns = time.time_ns()
-            call = SaveCall(options=self.options, group=group, copy=copy)
+            call = SaveCall(
+                options=self.options,
+                group=group,
+                copy=copy,
+                check=self.workspace.check if self.prepared and self.local else None,
+            )
             failure: Exception | None = None
             try:
                 for name, obj in objs.items():
@@ -310,10 +321,12 @@ class _Save:
                     part.wait(max(0.0, deadline - time.monotonic()))
                     done += 1
             except Exception as e:
-                failure = e
                 # The parts not finished may still write: let them land (or the storage give up
                 # on them) before the workspace is removed, or they would recreate it.
                 self._settle_after(e, self.pending[done:])
+                # A write that failed because the workspace was removed from outside says so.
+                own = isinstance(self.pending[done], PendingTree)  # milepost's own tree
+                failure = self.workspace.explain(e, own) if self.prepared else e
             # The primary commits, or reports why not; every process gets the same outcome.
             agree(group, f"commit:{final}", failure, timeout, then=self.commit)
         except BaseException:
@@ -431,8 +444,28 @@ def commit(
     workspace: LocalWorkspace | ObjectWorkspace,
 ) -> None:
     """Write the checkpoint's own files into the workspace, the commit marker last, and make it
-    visible (``workspace.publish``: the rename into place, or nothing more on object stores)."""
-    workspace.check()
+    visible (``workspace.publish``: the rename into place, or nothing more on object stores).
+    The workspace is checked to be still this save's after the tree metadata, before the marker
+    and at the rename; a write that fails because it was removed says so."""
+    try:
+        _commit(tmp, final, handlers, init_ns, custom_json, metrics, workspace)
+    except Exception as e:
+        explained = workspace.explain(e)
+        if explained is e:
+            raise
+        raise explained from e
+
+
+def _commit(
+    tmp: Path | ObjectPath,
+    final: Path | ObjectPath,
+    handlers: Mapping[str, Any],
+    init_ns: int,
+    custom_json: str,
+    metrics: Any,
+    workspace: LocalWorkspace | ObjectWorkspace,
+) -> None:
+    workspace.check("after the tree metadata", record=tmp)  # every write has landed
     fmt.write_file(tmp / fmt.ORBAX_MARKER, b"")
     fmt.write_json(
         tmp / fmt.CHECKPOINT_METADATA,
@@ -466,7 +499,7 @@ def commit(
                 ) from e
         checksums = fmt.Checksums.compute(tmp)  # every file but array chunks (they carry theirs)
     checksums.write()
-    workspace.check()
+    workspace.check("before the commit marker", record=tmp)
     fmt.write_file(tmp / fmt.COMMIT_MARKER, f"Checkpoint commit was successful to {final}")
     # Then the marker, the checksums and what they must list are read back, or the save fails
     # and is removed (the marker first).

@@ -23,7 +23,7 @@ from typing import Any
 
 from milepost import workers
 from milepost._errors import CheckpointNotFoundError, CorruptCheckpointError
-from milepost._format._files import CHECKSUMS, OCDBT_MANIFEST, write_file
+from milepost._format._files import CHECKSUMS, OCDBT_MANIFEST, OWNER_FILE, write_file
 from milepost.workers import ObjectPath
 
 
@@ -147,7 +147,7 @@ class Checksums:
             dirnames[:] = [d for d in dirnames if not _is_array_data(here / d)]
             for name in filenames:
                 path = here / name
-                if path.is_symlink():
+                if path.is_symlink() or (here == root and name == OWNER_FILE):
                     continue
                 raw = path.read_bytes()
                 key = path.relative_to(root).as_posix()

@@ -24,6 +24,9 @@ MILEPOST_INFO = "_milepost.json"
 """Types Orbax's metadata has no word for (NumPy vs Python scalars). Orbax ignores the file."""
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
 """milepost's temporary directories end with it; Orbax's end with it or with it and ``-<time>``."""
+OWNER_FILE = ".milepost-owner"
+"""Who is writing a local save's temporary directory; there from its first moment until just
+before the rename, never part of a checkpoint."""
 CHECKSUMS = "_milepost_checksums.json"
 """Size and CRC32C of every file but array chunks, written at commit. Orbax ignores the file."""
 

@@ -17,7 +17,6 @@ id, start time). The directory is made under another name, locked, then renamed 
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
 import fcntl
@@ -34,7 +33,7 @@ from pathlib import Path
 from milepost import _format as fmt
 from milepost._errors import CheckpointExistsError
 
-OWNER_FILE = ".milepost-owner"
+OWNER_FILE = fmt.OWNER_FILE
 NEW_MARKER = ".milepost-new-"
 """Part of the name a temporary directory has while it is being made:
 ``.<path>.milepost-new-<host>-<pid>-<id>``."""
@@ -222,10 +221,3 @@ def remove_if_abandoned(path: Path) -> bool:
     with locked:
         remove_tree(path)
     return True
-
-
-def drop_owner_file(tmp: Path) -> None:
-    """Before the commit's rename: the owner file must not end up in the checkpoint (the lock,
-    on the directory itself, stays held)."""
-    with contextlib.suppress(FileNotFoundError):
-        (tmp / OWNER_FILE).unlink()

@@ -34,15 +34,16 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from milepost import _format as fmt
 from milepost import workers
-from milepost._errors import CheckpointExistsError
+from milepost._errors import CheckpointExistsError, TemporaryDirectoryRemovedError
 from milepost._storage import _ownership
+from milepost._storage._intact import Intact
 from milepost.workers import NO_VALUE, ObjectPath
 
 LEASE_SUFFIX = ".milepost-lease"
@@ -88,11 +89,6 @@ def check_final(final: Any, overwrite: bool) -> None:
 # ------------------------------------------------------------------------------------------
 
 
-def _inode(path: Path) -> tuple[int, int]:
-    st = os.stat(path, follow_symlinks=False)
-    return st.st_dev, st.st_ino
-
-
 class LocalWorkspace:
     def __init__(self, final: Path, overwrite: bool, wait_secs: float) -> None:
         self.final = final
@@ -102,9 +98,9 @@ class LocalWorkspace:
         self.lock: _ownership.Locked | None = None
         """The temporary directory's lock, held from the moment it exists until it is committed
         or removed."""
-        self.identity: dict[str, tuple[int, int]] = {}
-        """(device, inode) of the temporary directory and its checkpointable folders as made: the
-        commit publishes only a directory that is still the one this save made."""
+        self.intact: Intact | None = None
+        """The checks that the temporary directory is still the one this save made, holding what
+        it wrote (from ``prepare`` until it is committed or removed)."""
 
     def prepare(self, names: Iterable[str]) -> None:
         final, tmp = self.final, self.dir
@@ -121,41 +117,76 @@ class LocalWorkspace:
             names = list(names)
             for name in names:
                 (tmp / name).mkdir()
-            self.identity = {"": _inode(tmp), **{name: _inode(tmp / name) for name in names}}
+            self.intact = Intact(tmp, names)
         except BaseException:
             _ownership.remove_tree(tmp)
             self.release()
             raise
 
-    def check(self) -> None:
-        """The temporary directory and its folders must be the ones this save made: removed or
-        replaced from outside, the checkpoint would be incomplete."""
-        for name, expected in self.identity.items():
-            where = self.dir / name if name else self.dir
-            try:
-                same = _inode(where) == expected
-            except FileNotFoundError:
-                same = False
-            if not same:
-                raise OSError(
-                    errno.ESTALE,
-                    f"{where} was removed or replaced by someone else while this "
-                    "save ran, so its contents cannot be trusted; nothing was "
-                    f"committed to {self.final}. Save again",
-                    str(where),
-                )
-        _ownership.drop_owner_file(self.dir)
+    def check(
+        self, stage: str = "before the commit", record: Path | ObjectPath | None = None
+    ) -> None:
+        """Raise :class:`TemporaryDirectoryRemovedError` unless the temporary directory and its
+        folders are the ones this save made, holding what it wrote: removed or replaced from
+        outside, the checkpoint would be incomplete. ``stage`` says when (for the message);
+        ``record`` (the directory, or a folder in it, once no write into it is in flight): every
+        file below it now must stay until the rename."""
+        if self.intact is None:
+            return
+        problem = self.intact.problem(record=record if isinstance(record, Path) else None)
+        if problem is not None:
+            raise self._removed(problem, stage)
+
+    def explain(self, error: Exception, own: bool = True) -> Exception:
+        """The error a save that failed with ``error`` raises: a
+        :class:`TemporaryDirectoryRemovedError` (caused by ``error``) when the temporary
+        directory was removed or replaced from outside, which is then why it failed. ``own``:
+        ``error`` comes from milepost's own steps, which read only what they wrote or listed,
+        so a file of the directory it found missing is itself the evidence (not so for a
+        custom handler's error)."""
+        if self.intact is None or isinstance(error, TemporaryDirectoryRemovedError):
+            return error
+        try:
+            problem = self.intact.problem() or (self.intact.vanished(error) if own else None)
+        except OSError:
+            return error
+        if problem is None:
+            return error
+        removed = self._removed(problem, "after a write into it failed")
+        removed.__cause__ = error
+        return removed
+
+    def _removed(
+        self, problem: str, stage: str, outcome: str | None = None
+    ) -> TemporaryDirectoryRemovedError:
+        outcome = outcome or f"nothing was committed to {self.final}"
+        return TemporaryDirectoryRemovedError(
+            errno.ENOENT,
+            f"the temporary directory {self.dir} was removed or replaced by another program "
+            f"while this save ran ({problem}; seen {stage}), so it does not hold the whole "
+            f"checkpoint; {outcome}. Stop whatever deletes it (a cleanup job, an rm -rf of "
+            f"names ending in {fmt.TMP_SUFFIX}) while saves run, then save again",
+            str(self.dir),
+        )
 
     def confirm(self, checksums: Any, needed: Iterable[str]) -> None:
-        """Local folders: written and fsynced files are kept (POSIX); nothing to read back."""
+        """Local folders: written and fsynced files are kept (POSIX), nothing to read back; but
+        every file the checksums list, the format files ``needed`` and the marker must still be
+        there at the rename (one removed from outside since it was written is missing)."""
+        if self.intact is not None:
+            self.intact.expect([*checksums.files, *needed, fmt.CHECKSUMS, fmt.COMMIT_MARKER])
 
     def publish(self) -> None:
         tmp, final = self.dir, self.final
         fmt.fsync_tree(tmp)
-        self.check()
+        self.check("at the rename", record=tmp)
+        problem = self.intact.drop_owner() if self.intact is not None else None
+        if problem is not None:
+            raise self._removed(problem, "at the rename")
         if self.overwrite and final.exists() and exchange(tmp, final):
             # One atomic step: the final path holds the old checkpoint or the new one, never
             # nothing; the old one, now at the temporary path, is never loaded and is removed.
+            self._confirm_renamed(undo=lambda: exchange(tmp, final))
             fmt.fsync_dir(final.parent)
             shutil.rmtree(tmp, ignore_errors=True)
             self.release()
@@ -166,6 +197,7 @@ class LocalWorkspace:
             os.rename(final, old)
         try:
             rename_new(tmp, final)
+            self._confirm_renamed(undo=lambda: os.rename(final, tmp))
         except BaseException:
             if old is not None:
                 os.rename(old, final)  # put the previous checkpoint back
@@ -175,12 +207,40 @@ class LocalWorkspace:
             shutil.rmtree(old, ignore_errors=True)
         self.release()
 
+    def _confirm_renamed(self, undo: Callable[[], object]) -> None:
+        """Right after the rename (which names the directory by its path, not its inode): the
+        final path must hold the directory this save made, with every file recorded. If it
+        does not (replaced or emptied from outside after the last check), ``undo`` the rename
+        and raise."""
+        problem = self.intact.problem(self.final) if self.intact is not None else None
+        if problem is None:  # published: nothing more to check
+            if self.intact is not None:
+                self.intact.close()
+                self.intact = None
+            return
+        try:
+            undo()
+        except OSError as e:
+            raise self._removed(
+                problem,
+                "right after the rename",
+                f"the rename could not be undone ({e}): {self.final} is not a whole checkpoint, "
+                "remove it",
+            ) from e
+        raise self._removed(problem, "right after the rename, which was undone")
+
     def abandon(self) -> None:
         if self.lock is not None:
-            _ownership.remove_tree(self.dir)
+            if self.intact is None or self.intact.holds(self.dir):
+                _ownership.remove_tree(self.dir)
+            else:  # what writes made there again after a removal, unless another save owns it
+                _ownership.remove_if_abandoned(self.dir)
         self.release()
 
     def release(self) -> None:
+        if self.intact is not None:
+            self.intact.close()
+            self.intact = None
         if self.lock is not None:
             self.lock.release()
             self.lock = None
@@ -378,7 +438,7 @@ class ObjectWorkspace:
             self.release()
             raise
 
-    def check(self) -> None:
+    def check(self, stage: str = "", record: Path | ObjectPath | None = None) -> None:
         """The lease must still be this save's, with at least half its time left: renewed now,
         unless three quarters of it are left (written or renewed a moment ago: nobody may take
         it over before it expires)."""
@@ -392,6 +452,10 @@ class ObjectWorkspace:
                     f"the save to {self.final} lost its ownership: "
                     f"{self._lost}; nothing was committed. Save again",
                 )
+
+    def explain(self, error: Exception, own: bool = True) -> Exception:
+        """``error`` itself (a lost lease is found by :meth:`check`)."""
+        return error
 
     def confirm(self, checksums: Any, needed: Iterable[str]) -> None:
         """Read back what makes the checkpoint committed: the marker, the file checksums (whose
