@@ -63,7 +63,14 @@ class SaveOptions:
     A surgery relinks stored leaves only under ``"auto"`` (they keep how they were stored); any
     other value rewrites every array in that chunking."""
     replica_parallel: bool = True
-    """Split a replicated shard among its replicas so that every replica writes a part."""
+    """Split a replicated shard among its replicas so that every replica writes a part (a shard
+    written whole goes to one of its replicas in turn, array by array)."""
+    min_write_bytes: int = 1 << 20
+    """Replica-parallel writing cuts a shard into parts of at least this many bytes: a shard
+    under twice this is written whole by one replica, one of 64 MiB over 128 replicas in 64
+    parts of 1 MiB. Below about a MiB a write costs the same whatever its size (a chunk, a
+    checksum entry, a request on an object store), so smaller parts only add cost. 0: a part per
+    replica whenever the shard divides evenly."""
     ocdbt_writers_per_host: int | Literal["auto"] = "auto"
     """With OCDBT, each host spreads its arrays over up to this many databases
     (``ocdbt.process_<i>``, ``ocdbt.process_<i>.1``, ...) written in parallel; one database
@@ -102,6 +109,7 @@ class SaveOptions:
         check.seconds(self.lease_secs, "SaveOptions.lease_secs")
         check.seconds(self.wait_for_writer_secs, "SaveOptions.wait_for_writer_secs", zero=True)
         check.flag(self.replica_parallel, "SaveOptions.replica_parallel")
+        check.integer(self.min_write_bytes, "SaveOptions.min_write_bytes", minimum=0)
         if self.ocdbt_writers_per_host != "auto":
             check.integer(
                 self.ocdbt_writers_per_host,

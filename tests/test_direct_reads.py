@@ -60,7 +60,8 @@ def test_saved_layout_is_read_directly_and_exactly(
     tmp_path: Path, mesh24: jax.sharding.Mesh, direct_spy: list[str], use_ocdbt: bool
 ) -> None:
     state = _state(mesh24)
-    with mp.Context(saving=mp.SaveOptions(use_ocdbt=use_ocdbt)):
+    # (replicated shards split among their replicas, however small: the layouts read here)
+    with mp.Context(saving=mp.SaveOptions(use_ocdbt=use_ocdbt, min_write_bytes=0)):
         mp.save(tmp_path / "c", state)
     direct = _load(tmp_path / "c", abstract_of(state), direct=True)
     assert_tree_equal(direct, state)
@@ -91,9 +92,10 @@ def test_resharded_boxes_read_the_chunks_they_touch_directly(
     tmp_path: Path, mesh24: jax.sharding.Mesh, direct_spy: list[str]
 ) -> None:
     x = np.arange(64 * 48, dtype=np.float32).reshape(64, 48)
-    mp.save(
-        tmp_path / "c", {"x": put(x, mesh24, P("data", None))}
-    )  # replica-parallel: shards of 8 full rows
+    with mp.Context(saving=mp.SaveOptions(min_write_bytes=0)):
+        mp.save(
+            tmp_path / "c", {"x": put(x, mesh24, P("data", None))}
+        )  # replica-parallel: shards of 8 full rows
     mesh81 = jax.make_mesh((8, 1), ("rows", "cols"))
     mesh18 = jax.make_mesh((1, 8), ("rows", "cols"))
     # 8 rows x 48 columns: one shard each -> one range each
@@ -320,7 +322,8 @@ def test_shards_side_by_side_are_read_directly_into_place(
         (5, 1024), dtype=np.float32
     )  # 5 rows: cut along columns
     state = {"r": put(x, mesh24, P())}
-    mp.save(tmp_path / "c", state)
+    with mp.Context(saving=mp.SaveOptions(min_write_bytes=0)):  # 8 parts of 2.5 KiB
+        mp.save(tmp_path / "c", state)
     assert mp.metadata(tmp_path / "c").tree["r"].write_shape == (5, 128)
     assert_tree_equal(mp.load(tmp_path / "c", abstract_of(state)), state)
     assert sorted(direct_spy) == [f"r/c/0/{k}" for k in range(8)]
@@ -344,7 +347,8 @@ def test_many_small_arrays_are_read_in_batches_and_errors_stay_with_their_array(
         f"a{i:02d}": put(rng.standard_normal((16, 256), dtype=np.float32), mesh24, specs[i % 3])
         for i in range(30)
     }
-    mp.save(tmp_path / "c", state)
+    with mp.Context(saving=mp.SaveOptions(min_write_bytes=0)):  # many small parts
+        mp.save(tmp_path / "c", state)
     calls: list[int] = []
     real = os.preadv
 

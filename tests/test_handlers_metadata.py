@@ -64,7 +64,9 @@ def test_metadata_reports_everything_without_reading_array_data(
         "none": None,
     }
     before = time.time_ns()
-    with mp.Context(saving=mp.SaveOptions(use_ocdbt=use_ocdbt, chunk_byte_size=2048)):
+    with mp.Context(
+        saving=mp.SaveOptions(use_ocdbt=use_ocdbt, chunk_byte_size=2048, min_write_bytes=0)
+    ):
         ckpt = mp.save(tmp_path / "c", state, custom_metadata=custom)
     after = time.time_ns()
 

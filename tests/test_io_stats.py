@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 import milepost as mp
 from milepost.workers import _iostats
 from tests import _mc
+from tests._helpers import assert_tree_equal
 
 BROADCAST = mp.LoadOptions(load_and_broadcast=True, replica_axis="data")
 META = 64 << 10
@@ -169,10 +170,10 @@ def test_replica_parallel_saving_balances_the_bytes_written(
 ) -> None:
     mesh = slice42.mesh({"data": 2, "model": 4})
     rng = np.random.default_rng(0)
-    values = {f"w{i}": rng.standard_normal((256, 512)).astype(np.float32) for i in range(4)}
-    values["full"] = rng.standard_normal((512, 256)).astype(
-        np.float32
-    )  # replicated on all 8 devices
+    # shards of 2 MiB (2 replicas each) and an 8 MiB array on all 8 devices: cut into pieces
+    # of 1 MiB, the write floor
+    values = {f"w{i}": rng.standard_normal((1024, 2048)).astype(np.float32) for i in range(4)}
+    values["full"] = rng.standard_normal((2048, 1024)).astype(np.float32)
     shardings = {k: mesh.sharding(P(None, "model")) for k in values}
     shardings["full"] = mesh.sharding(P())
     tree = slice42.put(values, shardings)
@@ -190,6 +191,28 @@ def test_replica_parallel_saving_balances_the_bytes_written(
     assert max(written[False][2:]) <= META, written[
         False
     ]  # without: replica 0's hosts (0 and 1) write it all
+
+
+def test_small_replicated_arrays_are_one_write_each_spread_over_the_hosts(
+    slice42: mp.Slice, tmp_path: Path
+) -> None:
+    """Below the write floor a replicated array is not cut into a write per replica (before: a
+    16 KiB array on 8 devices became 8 writes of 2 KiB, 8 chunks and 8 checksum entries): it is
+    one write, by one of its replicas in turn, so the arrays of a tree spread over the hosts."""
+    mesh = slice42.mesh({"data": 2, "model": 4})
+    values = {f"a{i}": np.full((64, 64), i, np.float32) for i in range(16)}
+    tree = slice42.put(values, {k: mesh.sharding(P()) for k in values})
+    before = mp.io_stats(slice=slice42)
+    mp.save(tmp_path / "c", tree)
+    written = per_host(mp.io_stats(slice=slice42) - before, "bytes_written")
+    assert all(w >= 16 * 1024 for w in written), written  # every host wrote whole arrays
+    meta = mp.metadata(tmp_path / "c")
+    for name, value in values.items():
+        assert meta.tree[name].write_shape == value.shape, meta.tree[name]  # one write
+    abstract = {
+        k: mp.AbstractArray(v.shape, v.dtype, mesh.sharding(P())) for k, v in values.items()
+    }
+    assert_tree_equal(slice42.fetch(mp.load(tmp_path / "c", abstract)), values)
 
 
 def test_load_and_broadcast_reads_the_checkpoint_once_on_a_slice(

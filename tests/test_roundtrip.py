@@ -561,7 +561,8 @@ def test_save_options(tmp_path: Path, mesh24: jax.sharding.Mesh, saving: mp.Save
         "t": "text",
     }
     ckpt = tmp_path / "c"
-    with mp.Context(saving=saving):
+    # (replicated shards split among their replicas however small: the layouts checked here)
+    with mp.Context(saving=dataclasses.replace(saving, min_write_bytes=0)):
         mp.save(ckpt, state)
     assert_tree_equal(mp.load(ckpt), state)
     meta = mp.metadata(ckpt).tree
@@ -764,3 +765,29 @@ def test_auto_chunk_shape(
     got = _planning.inner_chunk_shape(write_shape, itemsize, "auto")
     assert got == chunk_shape
     assert all(w % c == 0 for w, c in zip(write_shape, got, strict=True))
+
+
+def test_replica_parallel_writes_are_never_cut_below_the_floor(
+    tmp_path: Path, mesh24: jax.sharding.Mesh
+) -> None:
+    """A replicated shard is cut into parts of at least ``min_write_bytes`` (1 MiB): a small one
+    is one write (before: a 384-byte array on 8 devices was 8 writes of 48 bytes, 8 chunks and 8
+    checksums), 3 MiB is 3 parts, 8 MiB one part per replica."""
+    rng = np.random.default_rng(11)
+    values = {
+        "small": rng.standard_normal((16, 6), dtype=np.float32),
+        "three": rng.standard_normal((768, 1024), dtype=np.float32),
+        "eight": rng.standard_normal((2048, 1024), dtype=np.float32),
+    }
+    state = {k: put(v, mesh24, P()) for k, v in values.items()}
+    mp.save(tmp_path / "c", state)
+    meta = mp.metadata(tmp_path / "c").tree
+    assert meta["small"].write_shape == (16, 6)
+    assert meta["three"].write_shape == (256, 1024)
+    assert meta["eight"].write_shape == (256, 1024)
+    assert_tree_equal(mp.load(tmp_path / "c"), state)
+    with mp.Context(saving=mp.SaveOptions(min_write_bytes=0)):  # a part per replica
+        mp.save(tmp_path / "d", state)
+    assert mp.metadata(tmp_path / "d").tree["small"].write_shape == (2, 6)
+    with pytest.raises(ValueError, match="min_write_bytes"):
+        mp.SaveOptions(min_write_bytes=-1)

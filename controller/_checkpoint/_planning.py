@@ -42,10 +42,17 @@ def device_boxes(sharding: Any, shape: tuple[int, ...]) -> dict[int, Box]:
 
 
 def write_regions(
-    boxes: dict[int, Box], replica_parallel: bool
+    boxes: dict[int, Box],
+    replica_parallel: bool,
+    itemsize: int = 1,
+    turn: int = 0,
+    min_write_bytes: int = 0,
 ) -> tuple[tuple[int, ...], list[Region]]:
-    """Choose who writes what: one replica per distinct box, or the box split among replicas.
+    """Choose who writes what: one replica per distinct box, or the box split among up to as
+    many replicas as hold it, into parts of at least ``min_write_bytes``.
 
+    A box written whole goes to one of its replicas in turn (``turn``: the array's number), so
+    the small arrays of a tree spread over the hosts instead of all landing on the first.
     Returns the write shape (zarr chunk shape, identical for every region) and the regions.
     """
     replicas: dict[Box, list[int]] = defaultdict(list)
@@ -54,21 +61,31 @@ def write_regions(
     first = next(iter(replicas))
     shard_shape = tuple(b - a for a, b in first)
     count = min(len(d) for d in replicas.values())
-    axis = None
+    pieces, axis = 1, 0
     if replica_parallel and count > 1:
-        axis = next((i for i, n in enumerate(shard_shape) if n >= count and n % count == 0), None)
+        nbytes = math.prod(shard_shape) * itemsize
+        most = min(count, nbytes // min_write_bytes) if min_write_bytes else count
+        for i, n in enumerate(shard_shape):  # the most pieces along one axis, outermost first
+            fits = [d for d in _divisors(n) if d <= most and (min_write_bytes or d == count)]
+            k = max(fits, default=1)
+            if k > pieces:
+                pieces, axis = k, i
     regions: list[Region] = []
-    if axis is None:
-        for box, devices in replicas.items():
-            regions.append(Region(device_id=min(devices), index=box))
-        return tuple(max(1, n) for n in shard_shape), regions
-    step = shard_shape[axis] // count
-    for box, devices in replicas.items():
-        for k, device_id in enumerate(sorted(devices)[:count]):
+    for j, (box, devices) in enumerate(replicas.items()):
+        ordered = sorted(devices)
+        shift = (turn + j) % len(ordered) if replica_parallel else 0
+        ordered = ordered[shift:] + ordered[:shift]
+        if pieces == 1:
+            regions.append(Region(device_id=ordered[0], index=box))
+            continue
+        step = shard_shape[axis] // pieces
+        for k, device_id in enumerate(ordered[:pieces]):
             start = box[axis][0] + k * step
             sub = (*box[:axis], (start, start + step), *box[axis + 1 :])
             regions.append(Region(device_id=device_id, index=sub))
-    write_shape = (*shard_shape[:axis], step, *shard_shape[axis + 1 :])
+    if pieces == 1:
+        return tuple(max(1, n) for n in shard_shape), regions
+    write_shape = (*shard_shape[:axis], shard_shape[axis] // pieces, *shard_shape[axis + 1 :])
     return tuple(max(1, n) for n in write_shape), regions
 
 

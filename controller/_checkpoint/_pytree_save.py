@@ -220,7 +220,13 @@ def _plan_device_array(out: TreeSavePlan, leaf: Leaf, group: HostGroup) -> tuple
     if spec is not None:
         out.shardings[leaf.name] = spec
     boxes = _planning.device_boxes(spec if spec is not None else value.sharding, shape)
-    write_shape, regions = _planning.write_regions(boxes, out.options.replica_parallel)
+    write_shape, regions = _planning.write_regions(
+        boxes,
+        out.options.replica_parallel,
+        dtype.itemsize,
+        turn=len(out.host_sources),
+        min_write_bytes=out.options.min_write_bytes,
+    )
     if not all(shape):
         regions = []
     array_spec = workers.ArraySpec(
