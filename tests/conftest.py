@@ -30,4 +30,16 @@ def ray_runtime():  # type: ignore[no-untyped-def]
     ray.shutdown()
 
 
+@pytest.fixture(scope="module")
+def ray_cluster():  # type: ignore[no-untyped-def]
+    """A 4-node Ray cluster on this machine, in a process of its own (the session's Ray runtime
+    is untouched), started at a module's first use: ``ray_cluster.run(body, *args)`` runs a test
+    body there (``tests/_cluster.py``)."""
+    pytest.importorskip("ray")
+    from tests._cluster import ClusterProcess
+
+    with ClusterProcess(nodes=4) as cluster:
+        yield cluster
+
+
 from tests._object_stores import bucket_url, gcs_endpoint, s3_endpoint  # noqa: E402, F401  (fixtures)

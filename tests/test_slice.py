@@ -693,39 +693,6 @@ def test_controller_memory_two_gib(slice42: mp.Slice, tmp_path: Path) -> None:
     )
 
 
-@pytest.mark.slow
-def test_multi_node_cluster_one_host_per_node(tmp_path: Path) -> None:
-    import ray
-    from ray.cluster_utils import Cluster
-
-    ray.shutdown()
-    cluster = Cluster(
-        initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
-    )
-    try:
-        for _ in range(2):
-            cluster.add_node(num_cpus=1)
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address, log_to_driver=False)
-        with mp.Slice.connect(hosts=3, devices_per_host=2) as s:
-            nodes = {ident["node"] for ident in s.host_identities()}
-            assert len(nodes) == 3, "one host actor per node"
-            mesh = s.mesh({"x": 3, "y": 2})
-            x = np.arange(6 * 8, dtype=np.float32).reshape(6, 8)
-            t = s.put({"x": x}, {"x": mesh.sharding(P("x", "y"))})
-            mp.save(tmp_path / "c", t)
-            out = mp.load(
-                tmp_path / "c", {"x": mp.AbstractArray((6, 8), np.float32, mesh.sharding(P("y")))}
-            )
-            assert np.array_equal(s.fetch(out["x"]), x)
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-        ray.init(
-            num_cpus=16, include_dashboard=False, log_to_driver=False, object_store_memory=1 << 30
-        )
-
-
 def test_a_flax_msgpack_file_loads_on_a_slice(slice42: mp.Slice, tmp_path: Path) -> None:
     serialization = pytest.importorskip("flax.serialization")
     mesh = slice42.mesh({"data": 2, "model": 4})
