@@ -73,24 +73,40 @@ def view_of(checkout: Path) -> Path:
 
 
 def child(
-    view: Path | None, endpoint: str, op: str, url: str, timeout: float, mib: float
-) -> tuple[dict, float]:
+    view: Path | None,
+    endpoint: str,
+    op: str,
+    url: str,
+    timeout: float,
+    mib: float,
+    exit_cap: float = 3600.0,
+) -> tuple[dict, float | None]:
+    """The operation's outcome (the JSON line the child prints when it is done) and when the
+    child process exited (None: still running ``exit_cap`` seconds after it started; killed)."""
     env = {**os.environ, "AWS_ENDPOINT_URL": endpoint, "JAX_PLATFORMS": "cpu"}
     if view is not None:
         env["PYTHONPATH"] = str(view)
     start = time.monotonic()
-    proc = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, "-c", CHILD, op, url, str(timeout), str(mib)],
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
         text=True,
-        timeout=3600,
     )
-    exited = time.monotonic() - start
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if not lines:
-        return {"error": f"crashed: {proc.stderr[-300:]}"}, exited
-    return json.loads(lines[-1]), exited
+    assert proc.stdout is not None
+    out: dict = {"error": "crashed"}
+    for line in proc.stdout:  # the outcome as soon as it is printed
+        if line.startswith("{"):
+            out = json.loads(line)
+            break
+    try:
+        proc.wait(max(1.0, exit_cap - (time.monotonic() - start)))
+        return out, time.monotonic() - start
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return out, None
 
 
 def main() -> None:
@@ -100,6 +116,10 @@ def main() -> None:
     parser.add_argument("--throttle-every", type=int, default=5)
     parser.add_argument("--mib", type=float, default=4.0)
     parser.add_argument("--only", default="stall,throttle,requests")
+    parser.add_argument("--versions", default="this,reference")
+    parser.add_argument(
+        "--exit-cap", type=float, default=900.0, help="stop waiting for a stalled child's exit"
+    )
     args = parser.parse_args()
 
     import boto3
@@ -128,7 +148,10 @@ def main() -> None:
         AWS_EC2_METADATA_DISABLED="true",
     )
     s3 = boto3.client("s3", endpoint_url=upstream, region_name="us-east-1")
-    versions = {"this": None, "reference": view_of(args.reference.resolve())}
+    versions = {
+        name: None if name == "this" else view_of(args.reference.resolve())
+        for name in args.versions.split(",")
+    }
     only = set(args.only.split(","))
     try:
         for name, view in versions.items():
@@ -140,7 +163,9 @@ def main() -> None:
                 rule = proxy.fail(
                     "PUT", "/stall/state/ocdbt.process_controller/d/", "stall", count=10**6
                 )
-                out, exited = child(view, proxy.url, "save", url, args.timeout, 0.1)
+                out, exited = child(
+                    view, proxy.url, "save", url, args.timeout, 0.1, exit_cap=args.exit_cap
+                )
                 held = rule.hits
                 proxy.release()
                 deadline = time.monotonic() + 120
@@ -150,7 +175,9 @@ def main() -> None:
                 again, _ = child(view, upstream, "save", url, 600, 0.1)
                 print(
                     f"{name:9s} stall   timeout {args.timeout:g}s: failed after {out['secs']}s "
-                    f"({out['error']}); process exited after {exited:.1f}s; {held} PUTs held, "
+                    f"({out['error']}); process exited after "
+                    + (f"{exited:.1f}s" if exited is not None else f"> {args.exit_cap:g}s (killed)")
+                    + f"; {held} PUTs held, "
                     f"landed late; next save of the path: {again['error'] or 'committed'}"
                 )
             if "throttle" in only or "requests" in only:
