@@ -10,6 +10,11 @@ storage behind a bad gateway does. Rules are (method, a part of the key, fault, 
   closes), then forward it and answer if the client still listens: a request the storage
   takes forever to answer, and a write that lands after the client gave up on it.
 - ``"throttle"``: answer ``503 SlowDown`` without forwarding (the server is throttling).
+- ``"error-500"``: answer ``500 InternalError`` without forwarding.
+- ``"reset"``: close the connection without forwarding or answering.
+- ``"truncate"``: forward, then send the answer's headers and only half its body, and close.
+
+``away(secs)`` resets every request for that long (the server unreachable).
 
 A test points milepost at the proxy (``AWS_ENDPOINT_URL``) and sets rules with ``fail``."""
 
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import http.client
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -48,6 +54,10 @@ class FaultyProxy:
         self.lock = threading.Lock()
         self.released = threading.Event()
         """Set by ``release``: stalled requests go on."""
+        self.away_until = 0.0
+        """Until this ``time.monotonic()``, every request is reset (``away``)."""
+        self.refused = 0
+        """Requests reset so far."""
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -61,6 +71,19 @@ class FaultyProxy:
                 body = self.rfile.read(length) if length else b""
                 rule = proxy._take(self.command, self.path)
                 fault = rule.fault if rule is not None else None
+                if fault == "reset" or time.monotonic() < proxy.away_until:
+                    with proxy.lock:
+                        proxy.refused += 1
+                    self.close_connection = True
+                    return
+                if fault == "error-500":
+                    reply = b"<Error><Code>InternalError</Code><Message>oops</Message></Error>"
+                    self.send_response(500, "Internal Server Error")
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(reply)))
+                    self.end_headers()
+                    self.wfile.write(reply)
+                    return
                 if fault == "throttle":
                     reply = b"<Error><Code>SlowDown</Code><Message>Slow down</Message></Error>"
                     self.send_response(503, "Slow Down")
@@ -95,7 +118,10 @@ class FaultyProxy:
                         self.send_header(k, v)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
-                if self.command != "HEAD":
+                if fault == "truncate":
+                    self.wfile.write(data[: len(data) // 2])
+                    self.close_connection = True
+                elif self.command != "HEAD":
                     self.wfile.write(data)
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
@@ -118,6 +144,10 @@ class FaultyProxy:
                     rule.hits += 1
                     return rule
         return None
+
+    def away(self, secs: float) -> None:
+        """Reset every request for the next ``secs`` seconds."""
+        self.away_until = time.monotonic() + secs
 
     def release(self) -> None:
         """Let every stalled request go on to the server (and those stalled later pass at once)."""

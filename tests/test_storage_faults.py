@@ -402,3 +402,33 @@ def test_a_checkpointer_loop_survives_a_stalled_step(
     keys = set(bucket.keys())
     assert not any(k.startswith("run/2") for k in keys), sorted(keys)  # debris and lease removed
     assert_tree_equal(mp.load(f"{url}/3"), {"x": np.arange(1000.0) + 3})
+
+
+@pytest.mark.parametrize("fault", ["error-500", "reset", "truncate", "away"])
+def test_transient_failures_are_retried_and_every_value_is_exact(
+    s3_endpoint: Any,  # noqa: F811
+    proxy: FaultyProxy,
+    fault: str,
+) -> None:
+    """500s, connections reset, GET bodies cut short, and the server away for 2 s: a
+    Checkpointer loop with retention and the loads after it retry with the storage policy and
+    give exact values, and nothing is left that blocks a later save."""
+    from milepost.training import Checkpointer, KeepLatest
+
+    url = f"s3://{new_s3_bucket(s3_endpoint[0])}/run"
+    rules = []
+    if fault == "away":
+        proxy.away(2.0)
+    else:
+        methods = ("GET",) if fault == "truncate" else ("PUT", "GET", "HEAD", "DELETE")
+        rules = [proxy.fail(m, "/run", fault, count=3, every=3) for m in methods]
+    with Checkpointer(url, keep=KeepLatest(n=2), asynchronous=False) as ckpt:
+        for step in range(3):
+            ckpt.save(step, {"x": np.arange(1000.0) + step, "step": step}, force=True)
+        assert ckpt.steps == [1, 2]
+        assert_tree_equal(ckpt.load(2), {"x": np.arange(1000.0) + 2, "step": 2})
+    assert_tree_equal(mp.load(f"{url}/1"), {"x": np.arange(1000.0) + 1, "step": 1})
+    assert all(r.hits == 3 for r in rules), [(r.method, r.hits) for r in rules]
+    assert fault != "away" or proxy.refused >= 1  # the loop met the server away
+    mp.save(f"{url}/9", {"x": 9})
+    assert_tree_equal(mp.load(f"{url}/9"), {"x": 9})
