@@ -216,7 +216,7 @@ class _Memo:
     def listed_below(self, where: tuple[str, str, str]) -> list[str] | None:
         """The keys below folder ``where``, from a listing of a folder above it (None: none)."""
         scheme, bucket, key = where
-        for (s, b, above), keys in self.listings.items():
+        for (s, b, above), keys in list(self.listings.items()):
             if (s, b) == (scheme, bucket) and (not above or key.startswith(above + "/")):
                 inner = key[len(above) + 1 :] if above else key
                 return [k[len(inner) + 1 :] for k in keys if k.startswith(inner + "/")]
@@ -225,7 +225,7 @@ class _Memo:
     def listed(self, where: tuple[str, str, str]) -> bool | None:
         """Whether a listing of a folder above ``where`` shows it (None: no such listing)."""
         scheme, bucket, key = where
-        for (s, b, above), keys in self.listings.items():
+        for (s, b, above), keys in list(self.listings.items()):
             if (s, b) == (scheme, bucket) and (not above or key.startswith(above + "/")):
                 inner = key[len(above) + 1 :] if above else key
                 return inner in keys
