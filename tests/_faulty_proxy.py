@@ -29,6 +29,12 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
+_ERRORS = {
+    "throttle": (503, "Slow Down", "SlowDown"),
+    "error-500": (500, "Internal Server Error", "InternalError"),
+}
+"""Faults answered with an S3 error instead of forwarding: (status, reason, error code)."""
+
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "upgrade"}
 
 
@@ -76,21 +82,14 @@ class FaultyProxy:
                         proxy.refused += 1
                     self.close_connection = True
                     return
-                if fault == "error-500":
-                    reply = b"<Error><Code>InternalError</Code><Message>oops</Message></Error>"
-                    self.send_response(500, "Internal Server Error")
+                if fault in _ERRORS:
+                    status, reason, code = _ERRORS[fault]
+                    reply = f"<Error><Code>{code}</Code><Message>{reason}</Message></Error>"
+                    self.send_response(status, reason)
                     self.send_header("Content-Type", "application/xml")
                     self.send_header("Content-Length", str(len(reply)))
                     self.end_headers()
-                    self.wfile.write(reply)
-                    return
-                if fault == "throttle":
-                    reply = b"<Error><Code>SlowDown</Code><Message>Slow down</Message></Error>"
-                    self.send_response(503, "Slow Down")
-                    self.send_header("Content-Type", "application/xml")
-                    self.send_header("Content-Length", str(len(reply)))
-                    self.end_headers()
-                    self.wfile.write(reply)
+                    self.wfile.write(reply.encode())
                     return
                 if fault == "stall":
                     proxy.released.wait()

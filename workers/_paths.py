@@ -213,23 +213,26 @@ class _Memo:
         self.objects.clear()
         self.generations.clear()
 
+    def _above(self, where: tuple[str, str, str]) -> tuple[list[str], str] | None:
+        """A listing of a folder above ``where``, and ``where``'s key relative to it."""
+        scheme, bucket, key = where
+        for (s, b, above), keys in list(self.listings.items()):  # (threads of a call add)
+            if (s, b) == (scheme, bucket) and (not above or key.startswith(above + "/")):
+                return keys, key[len(above) + 1 :] if above else key
+        return None
+
     def listed_below(self, where: tuple[str, str, str]) -> list[str] | None:
         """The keys below folder ``where``, from a listing of a folder above it (None: none)."""
-        scheme, bucket, key = where
-        for (s, b, above), keys in list(self.listings.items()):
-            if (s, b) == (scheme, bucket) and (not above or key.startswith(above + "/")):
-                inner = key[len(above) + 1 :] if above else key
-                return [k[len(inner) + 1 :] for k in keys if k.startswith(inner + "/")]
-        return None
+        found = self._above(where)
+        if found is None:
+            return None
+        keys, inner = found
+        return [k[len(inner) + 1 :] for k in keys if k.startswith(inner + "/")]
 
     def listed(self, where: tuple[str, str, str]) -> bool | None:
         """Whether a listing of a folder above ``where`` shows it (None: no such listing)."""
-        scheme, bucket, key = where
-        for (s, b, above), keys in list(self.listings.items()):
-            if (s, b) == (scheme, bucket) and (not above or key.startswith(above + "/")):
-                inner = key[len(above) + 1 :] if above else key
-                return inner in keys
-        return None
+        found = self._above(where)
+        return None if found is None else found[1] in found[0]
 
     def absent(self, where: tuple[str, str, str]) -> bool:
         """Whether a listing of a folder above ``where`` shows it is not there."""

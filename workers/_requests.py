@@ -25,11 +25,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 import os
 import threading
 from dataclasses import dataclass
 from typing import Any
+
+from milepost.workers import _check as check
 
 ENV = "MILEPOST_STORAGE"
 SILENCE_ENV = "TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS"
@@ -57,27 +58,10 @@ class StorageOptions:
     """The longest wait between two attempts."""
 
     def __post_init__(self) -> None:
-        for name in ("silence_secs", "max_retries"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(
-                    f"StorageOptions.{name} must be an int, got {type(value).__name__} {value!r}"
-                )
-        if self.silence_secs < 1:
-            raise ValueError(
-                f"StorageOptions.silence_secs must be at least 1 (seconds), got {self.silence_secs}"
-            )
-        if self.max_retries < 0:
-            raise ValueError(f"StorageOptions.max_retries must be >= 0, got {self.max_retries}")
+        check.integer(self.silence_secs, "StorageOptions.silence_secs (seconds)", minimum=1)
+        check.integer(self.max_retries, "StorageOptions.max_retries", minimum=0)
         for name in ("retry_delay_secs", "retry_max_delay_secs"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise TypeError(
-                    f"StorageOptions.{name} must be a number of seconds, got "
-                    f"{type(value).__name__} {value!r}"
-                )
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"StorageOptions.{name} must be > 0 seconds, got {value!r}")
+            check.number(getattr(self, name), f"StorageOptions.{name}", positive=True)
         if self.retry_max_delay_secs < self.retry_delay_secs:
             raise ValueError(
                 "StorageOptions.retry_max_delay_secs must be at least retry_delay_secs, got "

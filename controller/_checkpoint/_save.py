@@ -337,16 +337,21 @@ class _Save:
                 _in_flight.discard(final)
 
     def commit(self) -> None:
-        commit(
-            self.tmp,
-            self.final,
-            self.handlers,
-            self.init_ns,
-            self.custom_json,
-            self.metrics_json,
-            self.overwrite,
-            self.workspace,
-        )
+        try:
+            commit(
+                self.tmp,
+                self.final,
+                self.handlers,
+                self.init_ns,
+                self.custom_json,
+                self.metrics_json,
+                self.workspace,
+            )
+        except Exception as e:  # a write that failed because the workspace was removed says so
+            explained = self.workspace.explain(e)
+            if explained is e:
+                raise
+            raise explained from e
         self.prepared = False
 
     def _settle_after(self, error: BaseException, pending: list[workers.PendingWrite[Any]]) -> None:
@@ -440,31 +445,12 @@ def commit(
     init_ns: int,
     custom_json: str,
     metrics: Any,
-    overwrite: bool,
     workspace: LocalWorkspace | ObjectWorkspace,
 ) -> None:
     """Write the checkpoint's own files into the workspace, the commit marker last, and make it
     visible (``workspace.publish``: the rename into place, or nothing more on object stores).
     The workspace is checked to be still this save's after the tree metadata, before the marker
-    and at the rename; a write that fails because it was removed says so."""
-    try:
-        _commit(tmp, final, handlers, init_ns, custom_json, metrics, workspace)
-    except Exception as e:
-        explained = workspace.explain(e)
-        if explained is e:
-            raise
-        raise explained from e
-
-
-def _commit(
-    tmp: Path | ObjectPath,
-    final: Path | ObjectPath,
-    handlers: Mapping[str, Any],
-    init_ns: int,
-    custom_json: str,
-    metrics: Any,
-    workspace: LocalWorkspace | ObjectWorkspace,
-) -> None:
+    and at the rename."""
     workspace.check("after the tree metadata", record=tmp)  # every write has landed
     fmt.write_file(tmp / fmt.ORBAX_MARKER, b"")
     fmt.write_json(
