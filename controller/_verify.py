@@ -204,7 +204,8 @@ def _plan_tree(
             grid = []
         recorded = files.chunk_crc32c.get(name)
         if recorded is None:
-            unchecked.append(name)
+            if not files.chunk_tables:  # (else the hosts check each against its writer's table)
+                unchecked.append(name)
         else:
             missing = [g for g in grid if g not in recorded]
             if missing:
@@ -235,6 +236,7 @@ def _plan_tree(
                 if files.chunk_crc32c.get(name) is None
                 else tuple((g, c) for g, c in chunks if c is not None),
                 fill_missing=files.fill_missing,
+                chunk_tables=files.chunk_tables and name not in files.chunk_crc32c,
             )
             for name, chunks in by_array.items()
         )

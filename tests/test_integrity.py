@@ -647,11 +647,14 @@ def test_truncated_or_deleted_data_is_an_error_not_zeros(
 
 
 def strip_checksums(ckpt: Path) -> None:
-    """What an older milepost wrote: no file checksums, no chunk checksums."""
+    """What an older milepost wrote: no file checksums, no chunk checksums (neither recorded
+    in ``_milepost.json`` nor said to be in the writers' tables, which are then never read)."""
     (ckpt / "_milepost_checksums.json").unlink()
     info_file = ckpt / "state" / "_milepost.json"
     info = json.loads(info_file.read_text())
-    del info["chunk_crc32c"]
+    assert "chunk_crc32c" in info or "chunk_crc32c_tables" in info
+    info.pop("chunk_crc32c", None)
+    info.pop("chunk_crc32c_tables", None)
     info_file.write_text(json.dumps(info))
 
 
@@ -762,7 +765,8 @@ def test_hostile_tree_keys(
     info_file = ckpt / "state" / "_milepost.json"
     info = json.loads(info_file.read_text())
     decoy_info = json.loads((decoy / "state" / "_milepost.json").read_text())
-    info["chunk_crc32c"][key] = decoy_info["chunk_crc32c"]["host"]  # the decoy's own checksums
+    if "chunk_crc32c" in decoy_info:  # (OCDBT: the checksums are in the writers' tables)
+        info["chunk_crc32c"][key] = decoy_info["chunk_crc32c"]["host"]  # the decoy's own
     info_file.write_text(json.dumps(info))
     reseal(ckpt)
     for call in (
@@ -1184,18 +1188,19 @@ def test_each_host_is_sent_only_the_checksums_of_the_chunks_its_boxes_touch() ->
 def test_a_chunk_read_without_its_recorded_checksum_fails(
     saved: dict[str, tuple[Path, Any]], monkeypatch: pytest.MonkeyPatch, layout: str, direct: bool
 ) -> None:
-    """If a host's plan lacked a checksum it needs (a trimming mistake), the load fails loudly:
-    it never reads the chunk unchecked."""
-    from milepost._checkpoint import _pytree_load
+    """If a writer's checksum table lacked a chunk it holds (a writer's mistake, or a table
+    trimmed by hand), the load fails loudly: it never reads the chunk unchecked."""
+    from milepost.workers import _chunk_tables
 
     ckpt, _ = saved[layout]
-    real = _pytree_load.recorded_checksums
+    real = _chunk_tables.ChunkTables.table
 
-    def drop_one(files: Any, name: str) -> Any:
-        found = real(files, name)
-        return found[1:] if found else found
+    def drop_one(self: Any, database: str) -> Any:
+        return {
+            name: dict(list(chunks.items())[1:]) for name, chunks in real(self, database).items()
+        }
 
-    monkeypatch.setattr(_pytree_load, "recorded_checksums", drop_one)
+    monkeypatch.setattr(_chunk_tables.ChunkTables, "table", drop_one)
     with (
         reading(direct),
         pytest.raises(

@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import milepost as mp
+from milepost import workers
 
 pytestmark = pytest.mark.usefixtures("ray_runtime")
 
@@ -271,6 +272,7 @@ def test_each_array_header_is_written_by_one_host(slice42: mp.Slice, tmp_path: P
     mp.save(tmp_path / "c", tree)
     headers: dict[str, int] = {}
     chunks = 0
+    tables: list[str] = []
     dbs = sorted((tmp_path / "c" / "state").glob("ocdbt.process_*"))
     assert len({db.name.split(".")[1] for db in dbs}) == slice42.hosts
     for db in dbs:
@@ -278,9 +280,13 @@ def test_each_array_header_is_written_by_one_host(slice42: mp.Slice, tmp_path: P
         for key in (k.decode() for k in kv.list().result()):
             if key.endswith("/zarr.json"):
                 headers[key] = headers.get(key, 0) + 1
+            elif key.startswith(workers.CHUNK_TABLE_PREFIX):
+                tables.append(key)
             else:
                 chunks += 1
     assert headers == {f"w{i}/zarr.json": 1 for i in range(6)}, headers
+    # and one chunk checksum table per database that holds chunks
+    assert sorted(tables) == [workers.CHUNK_TABLE_PREFIX + db.name for db in dbs], tables
     # 8 shards each; the replicated w5 (1 KiB, under the write floor) is one write by a replica
     assert chunks == 5 * 8 + 1
     loaded = mp.load(

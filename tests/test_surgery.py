@@ -5,6 +5,7 @@ they need."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -364,6 +365,23 @@ def test_a_rename_only_surgery_moves_no_array_bytes(
     assert mp.verify(out).ok and mp.verify(path).ok  # the source is untouched
     assert same_bits(mp.load(path)["params"]["layer0"]["w"], want["params"]["layer0"]["w"])
     assert same_bits(ocp.load_pytree(out)["model"]["q"], want["params"]["q"])
+    # Every relinked chunk is still checked, against its writer's table under the new names.
+    info = json.loads((out / "state" / "_milepost.json").read_text())
+    assert info.get("chunk_crc32c_tables") == 1 and "chunk_crc32c" not in info, info
+    from milepost.workers import _chunk_tables
+
+    checked: list[str] = []
+    real = _chunk_tables.ChunkTables.expected
+
+    def spy(self: Any, name: str, grid: Any, value: Any) -> Any:
+        found = real(self, name, grid, value)
+        assert found is None or found >= 0, (name, grid)  # (None: inline, OCDBT checks it)
+        checked.append(name)
+        return found
+
+    monkeypatch.setattr(_chunk_tables.ChunkTables, "expected", spy)
+    mp.load(out)
+    assert {f"model.layer{i}.w" for i in range(LAYERS)} <= set(checked), checked
 
 
 def test_dropped_arrays_leave_no_bytes_in_the_output(

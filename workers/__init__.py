@@ -11,6 +11,10 @@ This package imports neither ``milepost`` (the controller) nor ``milepost.coloca
 from milepost.workers import _check as check
 from milepost.workers import _progress as progress
 from milepost.workers._checksum import crc32c, grid_key, parse_grid_key
+from milepost.workers._chunk_tables import FORMAT as CHUNK_TABLES_FORMAT
+from milepost.workers._chunk_tables import TABLE_PREFIX as CHUNK_TABLE_PREFIX
+from milepost.workers._chunk_tables import decode as decode_chunk_table
+from milepost.workers._chunk_tables import encode as encode_chunk_table
 from milepost.workers._errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -103,6 +107,8 @@ from milepost.workers.load import load
 from milepost.workers.save import PendingSave, start_save
 
 __all__ = [
+    "CHUNK_TABLES_FORMAT",
+    "CHUNK_TABLE_PREFIX",
     "JOBS",
     "MAX_HTML_ROWS",
     "NO_VALUE",
@@ -152,8 +158,10 @@ __all__ = [
     "configure_storage",
     "context_for",
     "crc32c",
+    "decode_chunk_table",
     "dtype_name",
     "dtype_of",
+    "encode_chunk_table",
     "fresh_reads",
     "from_tensorstore",
     "grid_key",

@@ -113,7 +113,12 @@ class SaveAck:
     process_index: int | str
     bytes_written: int
     arrays: tuple[WrittenArray, ...]
-    """Every array this host wrote (or created), in plan order."""
+    """The arrays whose header this host wrote, and those whose chunk checksums it reports
+    (``chunk_crc32c``: plain zarr3 folders), in plan order: each array is reported once over
+    all hosts, so the acks of a save grow with its arrays, not with arrays x hosts."""
+    chunk_tables: tuple[str, ...] = ()
+    """The databases this host wrote a chunk checksum table into (:mod:`._chunk_tables`); the
+    chunks of those carry no ``chunk_crc32c`` here."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,6 +132,9 @@ class LoadTask:
     checksums: tuple[tuple[tuple[int, ...], int], ...] | None = None
     """The recorded ``(chunk grid index, CRC32C)`` of every chunk; None for checkpoints written
     without them (then nothing can be verified)."""
+    chunk_tables: bool = False
+    """The chunks' checksums are in their writers' tables (:mod:`._chunk_tables`), which the
+    host reads: every chunk in a data file is checked against its writer's table."""
     random_key_impl: str | None = None
     """Read the stored key data (``shape``/``dtype`` are the data's) and return typed PRNG keys of
     this implementation."""
@@ -186,6 +194,8 @@ class VerifyTask:
     expected: tuple[tuple[tuple[int, ...], int], ...] | None = None
     """Their recorded checksums; None: none recorded (the chunks are only read)."""
     fill_missing: bool = False
+    chunk_tables: bool = False
+    """The checksums are in the writers' tables (:mod:`._chunk_tables`), read by the host."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -67,12 +67,16 @@ class OutsideError(ValueError):
         self.inside = inside
 
 
-def ocdbt_values(directory: str, wanted: KeyFilter) -> Iterator[tuple[bytes, FileRange]]:
+def ocdbt_values(
+    directory: str, wanted: KeyFilter, base: Any = None
+) -> Iterator[tuple[bytes, FileRange]]:
     """Every wanted key of the newest version of the OCDBT database in ``directory`` (a local
-    folder) whose value lies in a data file, with that file range; keys whose values are
-    inline in the B-tree are skipped. One walk, visiting only the nodes that may hold wanted
-    keys. A reference to a file outside ``directory`` is an :class:`OutsideError`."""
-    base = ts.KvStore.open({"driver": "file", "path": directory.rstrip("/") + "/"}).result()
+    folder, or ``base``: an opened kvstore of the folder, e.g. in an object store) whose value
+    lies in a data file, with that file range (paths under ``directory``); keys whose values
+    are inline in the B-tree are skipped. One walk, visiting only the nodes that may hold
+    wanted keys. A reference to a file outside ``directory`` is an :class:`OutsideError`."""
+    if base is None:
+        base = ts.KvStore.open({"driver": "file", "path": directory.rstrip("/") + "/"}).result()
     manifest = ts.ocdbt.dump(base).result()
     versions = manifest.get("versions") or []
     root = versions[-1]["root"].get("location") if versions else None

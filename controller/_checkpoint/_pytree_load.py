@@ -271,12 +271,13 @@ def _task(
         dtype=np.dtype(dtype).name,
         sharding=concrete_sharding(sharding, group, name),
         checksums=recorded_checksums(files, name),
+        chunk_tables=files.chunk_tables and name not in files.chunk_crc32c,
     )
 
 
 def read_tree_files(directory: Path | ObjectPath) -> fmt.TreeFiles:
     files = fmt.read_tree(directory)
-    if files.chunk_crc32c and not fmt.verified():
+    if (files.chunk_crc32c or files.chunk_tables) and not fmt.verified():
         raise CorruptCheckpointError(
             f"{directory / fmt.MILEPOST_INFO} records chunk checksums, so this checkpoint was "
             f"written with file checksums too, but its {fmt.CHECKSUMS} is missing: the "
@@ -349,6 +350,7 @@ def _key_task(
         dtype="uint32",
         sharding=concrete_sharding(sharding, group, name),
         checksums=recorded_checksums(files, name),
+        chunk_tables=files.chunk_tables and name not in files.chunk_crc32c,
         random_key_impl=impl,
     )
 

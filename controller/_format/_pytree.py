@@ -86,7 +86,11 @@ class TreeFiles:
     """Typed PRNG key leaves: their implementation ('threefry2x32'...). Stored as key data."""
     chunk_crc32c: dict[str, dict[tuple[int, ...], int]] = field(default_factory=dict)
     """Per array, the CRC32C of each chunk's values by chunk-grid index, as the hosts that wrote
-    them computed it (``_milepost.json``); arrays written without them are absent."""
+    them computed it (``_milepost.json``): arrays of plain zarr3 folders, and of checkpoints
+    written before the chunk checksum tables."""
+    chunk_tables: bool = False
+    """The other arrays' chunk checksums are in the tables their writers put in their OCDBT
+    databases (``milepost.workers._chunk_tables``), which the hosts read; every chunk is stored."""
     aggregated: dict[str, Any] = field(default_factory=dict)
     """Leaves whose values Orbax's PyTree handler kept in its msgpack ``checkpoint`` file
     (``SaveArgs(aggregate=True)``, and older defaults), by name; the others are placeholders
@@ -149,6 +153,8 @@ def write_tree(
     grid_keys: dict[tuple[int, ...], str] = {}
     for ack in acks:
         for written in ack.arrays:
+            if not written.chunk_crc32c:
+                continue  # (in its writer's chunk checksum table, or an array without chunks)
             mine = checksums.setdefault(written.name, {})
             for grid, crc in written.chunk_crc32c:
                 key = grid_keys.get(grid)
@@ -162,6 +168,8 @@ def write_tree(
         info["random_key_impl"] = files.key_impls
     if checksums:
         info["chunk_crc32c"] = checksums
+    if any(ack.chunk_tables for ack in acks) or files.chunk_tables:
+        info["chunk_crc32c_tables"] = workers.CHUNK_TABLES_FORMAT
     if info:
         write_json(directory / MILEPOST_INFO, info)
     _write_array_metadatas(directory / ARRAY_METADATAS, acks)
@@ -311,6 +319,13 @@ def _read(directory: Path | ObjectPath) -> TreeFiles:
         name: {grid(key): int(crc) for key, crc in chunks.items()}
         for name, chunks in info.get("chunk_crc32c", {}).items()
     }
+    tables = info.get("chunk_crc32c_tables")
+    if tables is not None and tables != workers.CHUNK_TABLES_FORMAT:
+        raise ValueError(
+            f"chunk_crc32c_tables is {tables!r}: a format this milepost does not know (it reads "
+            f"{workers.CHUNK_TABLES_FORMAT}); upgrade milepost to load this checkpoint"
+        )
+    tables = tables is not None
     if "random_key_impl" in info:
         key_impls = {str(k): str(v) for k, v in info["random_key_impl"].items()}
     else:  # written by Orbax: the implementations are only in array_metadatas/
@@ -329,8 +344,10 @@ def _read(directory: Path | ObjectPath) -> TreeFiles:
         python_types=info.get("python_types", {}),
         key_impls=key_impls,
         chunk_crc32c=checksums,
+        chunk_tables=tables,
         aggregated=_aggregated(directory, leaves),
-        fill_missing=not meta.get("store_array_data_equal_to_fill_value", False),
+        # Checkpoints with chunk checksum tables store every chunk, whatever _METADATA says.
+        fill_missing=not meta.get("store_array_data_equal_to_fill_value", False) and not tables,
     )
 
 

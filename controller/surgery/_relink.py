@@ -98,6 +98,10 @@ def link_databases(ck: Any, renames: dict[str, str], directory: Path) -> None:
             {"driver": "ocdbt", "base": workers.kvstore(target)}, context=context
         ).result()
         present = {k.decode().split("/", 1)[0] for k in kv.list().result()}
+        tables = workers.CHUNK_TABLE_PREFIX.split("/", 1)[0]
+        if tables in present:  # the chunk checksum table, its arrays renamed
+            present.discard(tables)
+            _rename_table(kv, db.name, renames)
         for old in sorted(present):
             new = renames.get(old)
             if new == old:
@@ -105,6 +109,22 @@ def link_databases(ck: Any, renames: dict[str, str], directory: Path) -> None:
             if new is not None:
                 (kv / f"{old}/").experimental_copy_range_to(kv / f"{new}/").result()
             kv.delete_range(ts.KvStore.KeyRange(f"{old}/", f"{old}0")).result()  # '0' follows '/'
+
+
+def _rename_table(kv: Any, database: str, renames: dict[str, str]) -> None:
+    """Rewrite a linked database's chunk checksum table under the arrays' new names."""
+    key = workers.CHUNK_TABLE_PREFIX + database
+    read = kv.read(key).result()
+    if read.state != "value":
+        raise CorruptCheckpointError(
+            f"the database {database} of the source has no chunk checksum table ({key!r}); the "
+            "source checkpoint is damaged. Load an earlier checkpoint."
+        )
+    table = workers.decode_chunk_table(database, bytes(read.value), f"{database}, key {key!r}")
+    renamed = {
+        renames[name]: sorted(chunks.items()) for name, chunks in table.items() if name in renames
+    }
+    kv.write(key, workers.encode_chunk_table(database, renamed)).result()
 
 
 def _check_plain(path: Path) -> None:
@@ -146,7 +166,16 @@ def finish(
                 chunk_crc32c=tuple(sorted(src.chunk_crc32c.get(old, {}).items())),
             )
         )
-    acks = [*acks, workers.SaveAck(process_index=0, bytes_written=0, arrays=tuple(written))]
+    acks = [
+        *acks,
+        workers.SaveAck(
+            process_index=0,
+            bytes_written=0,
+            arrays=tuple(written),
+            # (the linked databases' tables, renamed: link_databases)
+            chunk_tables=("linked",) if src.chunk_tables else (),
+        ),
+    ]
     files.leaves = {n: files.leaves[n] for n in order if n in files.leaves}
     _checkpoint.finish_tree(directory, files.files, acks)
     log.info(

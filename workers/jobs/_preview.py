@@ -14,6 +14,7 @@ import tensorstore as ts
 from milepost.workers import _checksum
 from milepost.workers import _tensorstore as tsu
 from milepost.workers._boxes import box_to_slices
+from milepost.workers._chunk_tables import ArrayChecks
 from milepost.workers._errors import CorruptCheckpointError, from_tensorstore
 from milepost.workers._messages import Index, StoreSpec
 
@@ -25,6 +26,8 @@ class BoxPlan:
     box: Index
     checksums: tuple[tuple[tuple[int, ...], int], ...] | None = None
     """Recorded (chunk grid index, CRC32C) of the array's chunks; None: not recorded."""
+    chunk_tables: bool = False
+    """The checksums are in the chunks' writers' tables (read here)."""
 
 
 def read_box(plan: BoxPlan, process_index: int | str = 0) -> np.ndarray:
@@ -32,9 +35,9 @@ def read_box(plan: BoxPlan, process_index: int | str = 0) -> np.ndarray:
     spec = tsu.open_spec(tsu.read_kvstore(plan.store), plan.name, False, plan.store.zarr_format)
     try:
         store = ts.open(spec, open=True, read=True, context=context).result()
-        if plan.checksums is None:
+        if plan.checksums is None and not plan.chunk_tables:
             return np.asarray(store[box_to_slices(plan.box)].read().result())
-        inner = tsu.header_chunks(store.spec().to_json().get("metadata", {}))[0]
+        inner, shard = tsu.header_chunks(store.spec().to_json().get("metadata", {}))
         whole = _checksum.aligned_box(plan.box, inner, tuple(store.shape))
         data = np.asarray(store[box_to_slices(whole)].read().result())
     except Exception as e:
@@ -48,10 +51,16 @@ def read_box(plan: BoxPlan, process_index: int | str = 0) -> np.ndarray:
             array=plan.name,
             path=plan.store.directory,
         ) from e
-    expected = dict(plan.checksums)
-    for grid, crc in _checksum.region_crc32c(data, whole, inner):
-        _checksum.check(
-            plan.name, grid, crc, expected, f"{plan.store.directory}, array {plan.name!r}"
-        )
+    where = f"{plan.store.directory}, array {plan.name!r}"
+    if plan.checksums is not None:
+        expected = dict(plan.checksums)
+        for grid, crc in _checksum.region_crc32c(data, whole, inner):
+            _checksum.check(plan.name, grid, crc, expected, where)
+    else:
+        tables = ArrayChecks(plan.store, [plan.name], context)
+        for grid, crc in _checksum.region_crc32c(data, whole, inner):
+            want = tables.expected(plan.name, grid, inner, shard)
+            if want is not None:  # (None: inline in the B-tree, which OCDBT checks)
+                _checksum.check(plan.name, grid, crc, {grid: want} if want >= 0 else {}, where)
     local = tuple(slice(a - w, b - w) for (a, b), (w, _) in zip(plan.box, whole, strict=True))
     return np.ascontiguousarray(data[local])

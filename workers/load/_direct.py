@@ -33,11 +33,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
+import tensorstore as ts
 
 from milepost.workers import _checksum
 from milepost.workers._errors import CorruptCheckpointError
 from milepost.workers._iostats import count_read
 from milepost.workers._messages import StoreSpec
+from milepost.workers._paths import context_for, is_local, kvstore
 from milepost.workers._runtime import RUNTIME
 from milepost.workers._ts_internals import (
     FileRange,
@@ -119,8 +121,13 @@ class Locator:
         if not prefixes or not self.use_ocdbt:
             return
         wanted = _Prefixes(p.encode() for p in prefixes)
+        base = None
+        if not is_local(self.directory):  # (the chunks' writers only: no direct reads there)
+            base = ts.KvStore.open(
+                kvstore(self.directory), context=context_for(self.directory)
+            ).result()
         with _contained(self.directory):
-            for key, value in ocdbt_values(self.directory, wanted):
+            for key, value in ocdbt_values(self.directory, wanted, base):
                 name = key.decode()
                 self._values[name] = value
                 array = name.rsplit("/c", 1)[0]

@@ -19,6 +19,7 @@ import tensorstore as ts
 from milepost.workers import _keys
 from milepost.workers import _tensorstore as tsu
 from milepost.workers._boxes import addressable_boxes
+from milepost.workers._chunk_tables import ChunkTables
 from milepost.workers._errors import CorruptCheckpointError, from_tensorstore
 from milepost.workers._messages import LoadAck, LoadPlan, LoadTask
 from milepost.workers._paths import is_local
@@ -54,18 +55,40 @@ def _load(
     _check_device_dtypes(plan.tasks)
     opens = _start_opens(plan)
     direct = plan.direct_reads and is_local(plan.store.directory)  # straight from local files only
-    locator = _direct.Locator(plan.store) if direct else None
+    # The chunks' writers (for their checksum tables) are found by the same walk.
+    tabled = any(t.chunk_tables for t in plan.tasks)
+    locator = _direct.Locator(plan.store) if direct or tabled else None
+    walk_failed: Exception | None = None
     if locator is not None:
         # Walk the B-tree while TensorStore opens the arrays (every array's chunks: which of
         # them can be read directly is known once they are open).
         try:
             locator.index([t.name for t in plan.tasks if t.tensor is None])
-        except Exception:  # (a damaged database: the opens below report it, or the walk again)
+        except Exception as e:  # (a damaged database: the opens below report it, or the walk again)
+            walk_failed = e
             locator = _direct.Locator(plan.store)
     stores = _finish_opens(plan, opens)
+    if walk_failed is not None and tabled:  # (no check may be skipped for want of the walk)
+        if isinstance(walk_failed, CorruptCheckpointError):
+            raise walk_failed
+        raise CorruptCheckpointError(
+            f"the OCDBT database in {plan.store.directory} could not be walked to find the "
+            f"writers of its chunks ({walk_failed}); the checkpoint is damaged. Load an earlier "
+            "checkpoint.",
+            path=plan.store.directory,
+        ) from walk_failed
+    tables = (
+        ChunkTables(
+            tsu.read_kvstore(plan.store),
+            plan.store.directory,
+            tsu.new_context(plan.store.directory),
+        )
+        if tabled
+        else None
+    )
     metadatas = [tsu.zarr_metadata(s) if s is not None else None for s in stores]
     layouts: list[ShardLayout | None] = [None] * len(stores)
-    if locator is not None:
+    if locator is not None and direct:
         layouts = [
             shard_layout(t.name, s, m) if s is not None else None
             for t, s, m in zip(plan.tasks, stores, metadatas, strict=True)
@@ -73,7 +96,7 @@ def _load(
         if any(layouts):
             locator.index([layout.name for layout in layouts if layout is not None])
         else:
-            locator = None
+            direct = False
     results: list[Any] = [None] * len(plan.tasks)
     assemblers: list[Assembler] = []
     waiting: list[
@@ -119,7 +142,12 @@ def _load(
         for _, box in asm.pieces
     ]
     reader = BudgetedReader(
-        plan.memory_budget_bytes, plan.store.directory, locator, sum(boxes), len(boxes)
+        plan.memory_budget_bytes,
+        plan.store.directory,
+        locator,
+        sum(boxes),
+        len(boxes),
+        direct=direct,
     )
     try:
         for i, asm in zip(order, assemblers, strict=True):
@@ -131,6 +159,9 @@ def _load(
                 if task.checksums is not None:
                     inner, shard = tsu.chunk_shapes(store, metadatas[i])
                     checked = Checked(task.name, task.shape, inner, dict(task.checksums), shard)
+                elif task.chunk_tables and tables is not None:
+                    inner, shard = tsu.chunk_shapes(store, metadatas[i])
+                    checked = Checked(task.name, task.shape, inner, {}, shard, tables, locator)
                 for devices, box in asm.pieces:
                     reader.read(store, layout, box, asm, devices, checked)
             # The collectives of the arrays before this one run while its reads are in flight.

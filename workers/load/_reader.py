@@ -21,6 +21,7 @@ import tensorstore as ts
 
 from milepost.workers import _checksum, _memory, _progress, _safetensors
 from milepost.workers._boxes import box_to_slices
+from milepost.workers._chunk_tables import ChunkTables, shard_key
 from milepost.workers._errors import CorruptCheckpointError, from_tensorstore
 from milepost.workers._memory import parallel_copy
 from milepost.workers._ts_internals import FileRange
@@ -39,13 +40,21 @@ class Checked:
     expected: dict[tuple[int, ...], int]
     shard_shape: tuple[int, ...] = ()
     """The stored shards' shape (its chunk grid), which may hold several chunks."""
+    tables: ChunkTables | None = None
+    """With ``locator``: the checksums are in the chunks' writers' tables, not ``expected``."""
+    locator: _direct.Locator | None = None
+
+    def want(self, grid: tuple[int, ...]) -> int | None:
+        """The checksum chunk ``grid`` must have; -1 when none is recorded for it (which fails
+        the check); None when it is not checked here (a chunk inline in the OCDBT B-tree,
+        which the node's own CRC32C covers, or missing, which the read reports)."""
+        if self.tables is None or self.locator is None:
+            return self.expected.get(grid, -1)
+        return self.tables.expected(self.name, grid, self.locator.locate(self.key(grid)))
 
     def key(self, grid: tuple[int, ...]) -> str:
         """The storage key of the shard holding chunk ``grid``."""
-        shard = self.shard_shape or self.chunk_shape
-        return f"{self.name}/c" + "".join(
-            f"/{g * c // s}" for g, c, s in zip(grid, self.chunk_shape, shard, strict=True)
-        )
+        return shard_key(self.name, grid, self.chunk_shape, self.shard_shape)
 
 
 class _DirectRead:
@@ -147,13 +156,15 @@ class BudgetedReader:
         locator: _direct.Locator | None = None,
         total_bytes: int = 0,
         boxes: int = 0,
+        *,
+        direct: bool = True,
     ) -> None:
         """``total_bytes`` in ``boxes`` boxes: about what the load will read."""
         self.budget = budget
         self.directory = directory
         self.locator = locator
         self.direct = (
-            _direct.DirectReader(total_bytes, boxes) if locator is not None else None
+            _direct.DirectReader(total_bytes, boxes) if locator is not None and direct else None
         )  # with the locator
         self.inflight: collections.deque[_Read | _TensorRead] = collections.deque()
         self.inflight_bytes = 0
@@ -173,7 +184,7 @@ class BudgetedReader:
         nbytes = math.prod(b - a for a, b in box) * dtype.itemsize
         direct: tuple[list[BoxRead], list[FileRange]] | None = None
         scratch = 0
-        if layout is not None and self.locator is not None:
+        if layout is not None and self.locator is not None and self.direct is not None:
             # (with checksums, every chunk the box touches is read whole, and the box's part placed)
             pieces = box_reads(layout, box, whole_chunks=checked is not None) or []
             if checked is not None and not all(p.whole for p in pieces):
@@ -195,9 +206,7 @@ class BudgetedReader:
         read = _Read(None, out, asm, devices, nbytes, checked, whole, box, scratch=scratch)
         if direct is not None:
             pieces, values = direct
-            expected = [
-                checked.expected.get(p.grid, -1) if checked is not None else None for p in pieces
-            ]
+            expected = [checked.want(p.grid) if checked is not None else None for p in pieces]
             assert self.direct is not None  # made with the locator, which ``direct`` needs
             handle = self.direct.read_box(values, pieces, out, expected, asm.task.name)
             read.future = _DirectRead(
@@ -275,7 +284,11 @@ class BudgetedReader:
         assert checked is not None
         buffer = read.staged if read.staged is not None else read.out
         for grid, crc in _checksum.region_crc32c(buffer, read.whole, checked.chunk_shape):
-            _checksum.check(checked.name, grid, crc, checked.expected, self._where(checked, grid))
+            want = checked.want(grid)
+            if want is None:
+                continue  # inline in the B-tree: covered by the node's CRC32C
+            recorded = {grid: want} if want >= 0 else {}
+            _checksum.check(checked.name, grid, crc, recorded, self._where(checked, grid))
         if read.staged is not None:
             local = tuple(
                 slice(a - w, b - w) for (a, b), (w, _) in zip(read.box, read.whole, strict=True)
@@ -287,7 +300,7 @@ class BudgetedReader:
         key = checked.key(grid)
         value = self.locator.locate(key) if self.locator is not None else None
         return (
-            f"{value.path} at byte {value.offset}"
+            f"{value.path} at byte {value.offset}, key {key!r}"
             if value is not None
             else f"{self.directory}, key {key!r}"
         )

@@ -11,8 +11,10 @@ from concurrent.futures import wait as futures_wait
 from typing import Any
 
 import numpy as np
+import tensorstore as ts
 
-from milepost.workers import _checksum, _requests
+from milepost.workers import _checksum, _chunk_tables, _requests
+from milepost.workers import _tensorstore as tsu
 from milepost.workers._boxes import Box
 from milepost.workers._errors import StillWritingError, from_tensorstore
 from milepost.workers._memory import on_copy_pool
@@ -24,8 +26,11 @@ class PendingSave:
     """The TensorStore writes (and array creations) of one :func:`start_save`: a
     :class:`~milepost.workers.PendingWrite` whose ``wait`` returns this host's :class:`SaveAck`."""
 
-    def __init__(self, plan: SavePlan) -> None:
+    def __init__(self, plan: SavePlan, context: Any = None) -> None:
         self._plan = plan
+        self._context = context
+        """The TensorStore context the arrays were written with (the chunk checksum tables are
+        written into the same databases through it)."""
         self._deadline = None if plan.timeout_secs is None else time.monotonic() + plan.timeout_secs
         """When the staging's own waits (``staging_left``) run out."""
         self._inflight: list[Any] | None = []
@@ -34,8 +39,9 @@ class PendingSave:
         self._names: list[str] = []
         """The array each of ``_inflight`` writes to."""
         self._nbytes = 0
-        self._checksums: list[tuple[str, Any]] = []
-        """(array name, future of its chunks' checksums), computed while the writes run."""
+        self._checksums: list[tuple[str | None, str, Any]] = []
+        """(database, array name, future of its chunks' checksums), computed while the writes
+        run."""
         self._lock = threading.Lock()
         self._ack: SaveAck | None = None
         self._staged: list[np.ndarray] = []
@@ -53,10 +59,13 @@ class PendingSave:
         self._names.append(name)
         self._nbytes += nbytes
 
-    def checksum(self, spec: ArraySpec, box: Box, data: np.ndarray) -> Future[Any]:
-        """Compute the checksums of the chunks of ``data`` (the region ``box``) on the copy pool."""
+    def checksum(
+        self, spec: ArraySpec, box: Box, data: np.ndarray, database: str | None = None
+    ) -> Future[Any]:
+        """Compute the checksums of the chunks of ``data`` (the region ``box``, written into
+        ``database``) on the copy pool."""
         future = on_copy_pool(_checksum.region_crc32c, data, box, spec.chunk_shape)
-        self._checksums.append((spec.name, future))
+        self._checksums.append((database, spec.name, future))
         return future
 
     def hold(self, raw: np.ndarray) -> None:
@@ -87,30 +96,26 @@ class PendingSave:
                 def left() -> float | None:
                     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
-                try:
-                    if self._issuing is not None:
-                        self._issuing.result(timeout=left())
-                    for f in self._inflight or []:
-                        f.result(timeout=left())
-                except BaseException as e:
-                    if isinstance(e, TimeoutError) and not str(e):  # the deadline, not storage
-                        # At once: the caller settles the writes before it cleans up (they end
-                        # within the storage's request budget), on a thread of its choice.
-                        raise self._late(timeout) from None
-                    self._settle()  # no write may land after the caller cleans up
-                    mapped = from_tensorstore(
-                        e, "writing the checkpoint's arrays", self._plan.store.directory
-                    )
-                    if mapped is e:
-                        raise
-                    raise mapped from e
-                self._inflight = None
+                self._wait_inflight(left, timeout)
+                # Each database's chunk checksums go into a table of its own, written last (a
+                # plain zarr3 folder has no database: the commit records those).
                 checksums: dict[str, list[tuple[tuple[int, ...], int]]] = collections.defaultdict(
                     list
                 )
-                for name, future in self._checksums:
-                    checksums[name].extend(future.result())
+                tables: dict[str, dict[str, list[tuple[tuple[int, ...], int]]]] = {}
+                for database, name, future in self._checksums:
+                    if database is None:
+                        checksums[name].extend(future.result())
+                    else:
+                        tables.setdefault(database, {}).setdefault(name, []).extend(future.result())
                 self._checksums = []
+                if tables:
+                    self._inflight = []
+                    self._names = []
+                    for database, table in tables.items():
+                        self._write_table(database, table)
+                    self._wait_inflight(left, timeout)
+                self._inflight = None
                 _staging.POOL.give_back(self._staged, keep_bytes=self._staged_bytes)
                 arrays = tuple(
                     WrittenArray(
@@ -121,14 +126,50 @@ class PendingSave:
                         random_key_impl=t.spec.random_key_impl,
                     )
                     for t in self._plan.tasks
-                    if t.regions or t.create
+                    # One host per array reports it (the one writing its header), and hosts
+                    # whose checksums the commit records: acks stay O(arrays) over all hosts.
+                    if (t.regions or t.create) and (t.write_metadata or t.spec.name in checksums)
                 )
                 self._ack = SaveAck(
                     process_index=self._plan.process_index,
                     bytes_written=self._nbytes,
                     arrays=arrays,
+                    chunk_tables=tuple(sorted(tables)),
                 )
             return self._ack
+
+    def _wait_inflight(self, left: Any, timeout: float | None) -> None:
+        """Wait for every write in flight (``left()``: the seconds left); a failure settles the
+        others first."""
+        try:
+            if self._issuing is not None:
+                self._issuing.result(timeout=left())
+            for f in self._inflight or []:
+                f.result(timeout=left())
+        except BaseException as e:
+            if isinstance(e, TimeoutError) and not str(e):  # the deadline, not storage
+                # At once: the caller settles the writes before it cleans up (they end
+                # within the storage's request budget), on a thread of its choice.
+                raise self._late(timeout) from None
+            self._settle()  # no write may land after the caller cleans up
+            mapped = from_tensorstore(
+                e, "writing the checkpoint's arrays", self._plan.store.directory
+            )
+            if mapped is e:
+                raise
+            raise mapped from e
+
+    def _write_table(
+        self, database: str, table: dict[str, list[tuple[tuple[int, ...], int]]]
+    ) -> None:
+        """Write one database's chunk checksum table into it (tracked like the array writes)."""
+        store = self._plan.store
+        kv = ts.KvStore.open(
+            tsu.ocdbt_kvstore(tsu.as_path(store.directory) / database, writable=True),
+            context=self._context,
+        ).result()
+        key = _chunk_tables.table_key(database)
+        self.track(kv.write(key, _chunk_tables.encode(database, table)), name=key)
 
     def settle(self, timeout: float | None = None) -> None:
         with self._lock:

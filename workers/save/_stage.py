@@ -36,7 +36,7 @@ def start_save(plan: SavePlan, sources: Sequence[Any]) -> PendingSave:
     context = tsu.new_context(plan.store.directory)
     tasks = [t for t in plan.tasks if t.regions or t.create]
     parts = _split_among_writers(tasks, plan.writers if plan.store.use_ocdbt else 1)
-    pending = PendingSave(plan)
+    pending = PendingSave(plan, context)
     sources = _key_data(plan, sources)
     opens = []
     headers: set[str] = set()  # arrays whose zarr.json one of our writers writes
@@ -48,7 +48,12 @@ def start_save(plan: SavePlan, sources: Sequence[Any]) -> PendingSave:
         if create:
             headers.add(task.spec.name)
         # else chunks only: the array's header is written by another writer or host
-        opens.append(_Opening(spec, create, context, pending))
+        database = (
+            tsu.process_dir_name(plan.process_index, plan.first_writer + writer)
+            if plan.store.use_ocdbt
+            else None
+        )
+        opens.append(_Opening(spec, create, context, pending, database))
     try:
         _start_device_to_host(plan, sources)
         _issue_writes(plan, sources, parts, opens, pending)
@@ -72,8 +77,15 @@ class _Opening:
     the caller's thread with their writes (each ``ts.open`` costs CPU)."""
 
     def __init__(
-        self, spec: dict[str, Any], create: bool, context: Any, pending: PendingSave
+        self,
+        spec: dict[str, Any],
+        create: bool,
+        context: Any,
+        pending: PendingSave,
+        database: str | None = None,
     ) -> None:
+        self.database = database
+        """The OCDBT database written into (None: a plain zarr3 folder)."""
         self._spec = spec
         self._create = create
         self._context = context
@@ -184,7 +196,7 @@ def _issue_writes(
             written.commit.add_done_callback(
                 lambda f, n=data.nbytes: f.exception() is None and progress(n)
             )
-        return written.commit, pending.checksum(spec, box, data)
+        return written.commit, pending.checksum(spec, box, data, opening.database)
 
     if writes or blocking or not copies:
         # Writes issued here: every open first, so they run together (and the writes reach

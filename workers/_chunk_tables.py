@@ -1,0 +1,194 @@
+"""Chunk checksum tables: each writer's CRC32Cs in its own database, read by the hosts that read
+its chunks (never by the controller).
+
+Every OCDBT database a host writes (``ocdbt.process_<i>[.<k>]``) ends with one more key,
+``.milepost/chunk_crc32c/<database>``: the CRC32C of the values of every chunk the writer wrote,
+by array and chunk-grid index (JSON, then the little-endian CRC32C of the JSON). The merge
+carries it into the root view like any other key: one key per database, whatever the number of
+chunks. ``_milepost.json`` says only that the tables exist (``chunk_crc32c_tables``).
+
+A host reading a chunk finds which data file holds it (the walk of the OCDBT B-tree that direct
+reads make, :class:`~milepost.workers.load._direct.Locator`): the database that file belongs to
+is the chunk's writer, whose table gives the checksum the values must have. The table names its
+database, so a data file put in another one's place (holding another writer's values and table)
+fails, and a chunk read from another place fails its checksum.
+
+Chunks small enough to live inline in the B-tree (shard values up to OCDBT's
+``max_inline_value_bytes``, 1 KiB) have no data file; the CRC32C of the OCDBT node that holds
+them covers them (TensorStore checks it on every read).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import tensorstore as ts
+
+from milepost.workers import _checksum
+from milepost.workers._errors import CorruptCheckpointError, from_tensorstore
+from milepost.workers._messages import StoreSpec
+from milepost.workers._tensorstore import read_kvstore
+from milepost.workers._ts_internals import FileRange
+
+TABLE_PREFIX = ".milepost/chunk_crc32c/"
+"""The tables' keys: this, then the database's folder name. (A leaf's storage name never starts
+with a dot, so no array's keys can be taken for a table's.)"""
+
+FORMAT = 1
+
+
+def table_key(database: str) -> str:
+    return TABLE_PREFIX + database
+
+
+def encode(database: str, checksums: dict[str, list[tuple[tuple[int, ...], int]]]) -> bytes:
+    """A database's table: ``checksums`` (by array, (grid index, CRC32C) per chunk)."""
+    body = json.dumps(
+        {
+            "format": FORMAT,
+            "database": database,
+            "chunks": {
+                name: {_checksum.grid_key(grid): crc for grid, crc in sorted(chunks)}
+                for name, chunks in sorted(checksums.items())
+            },
+        },
+        separators=(",", ":"),
+    ).encode()
+    return body + _checksum.crc32c(body).to_bytes(4, "little")
+
+
+def decode(database: str, data: bytes, where: str) -> dict[str, dict[tuple[int, ...], int]]:
+    """The table of ``database`` from its stored bytes; anything else (damaged, another
+    database's, malformed) is a :class:`CorruptCheckpointError` naming ``where``."""
+    body, stored = data[:-4], data[-4:]
+    if len(data) < 4 or _checksum.crc32c(body) != int.from_bytes(stored, "little"):
+        raise CorruptCheckpointError(
+            f"the chunk checksum table of {database} in {where} is damaged (its CRC32C does not "
+            "match); the checkpoint is damaged. Load an earlier checkpoint.",
+            path=where,
+        )
+    try:
+        table = json.loads(body)
+        if table.get("format") != FORMAT:
+            raise ValueError(f"format {table.get('format')!r}, not {FORMAT}")
+        if table.get("database") != database:
+            raise CorruptCheckpointError(
+                f"the chunk checksum table stored for {database} in {where} is the table of "
+                f"{table.get('database')!r}: that database's files are in its place, so its "
+                "chunks are not the ones the checkpoint names. The checkpoint is damaged; load "
+                "an earlier checkpoint.",
+                path=where,
+            )
+        return {
+            str(name): {_checksum.parse_grid_key(k): int(crc) for k, crc in chunks.items()}
+            for name, chunks in table["chunks"].items()
+        }
+    except CorruptCheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CorruptCheckpointError(
+            f"the chunk checksum table of {database} in {where} does not have the expected "
+            f"form ({type(e).__name__}: {e}); the checkpoint is damaged. Load an earlier "
+            "checkpoint.",
+            path=where,
+        ) from e
+
+
+def database_of(directory: str, value: FileRange) -> str | None:
+    """The per-process database whose data file holds ``value`` (None: a file of the root view
+    itself, or outside every database)."""
+    inside = (
+        value.path[len(directory.rstrip("/")) + 1 :] if value.path.startswith(directory) else ""
+    )
+    head = inside.split("/", 1)[0]
+    return head if head.startswith("ocdbt.process_") and "/" in inside else None
+
+
+class ChunkTables:
+    """The tables one load (or verify) reads, each read once, when first needed."""
+
+    def __init__(self, kvstore: dict[str, Any], directory: str, context: Any) -> None:
+        self._kvstore = kvstore
+        self._directory = directory
+        self._context = context
+        self._opened: Any = None
+        self._tables: dict[str, dict[str, dict[tuple[int, ...], int]]] = {}
+        self._lock = threading.Lock()
+
+    def expected(self, name: str, grid: tuple[int, ...], value: FileRange | None) -> int | None:
+        """The checksum chunk ``grid`` of array ``name`` must have, its shard value being
+        ``value`` (None: inline in the B-tree, or missing: not checked here); -1 when its
+        writer's table has none for it (which fails the check)."""
+        if value is None:
+            return None
+        database = database_of(self._directory, value)
+        if database is None:
+            raise CorruptCheckpointError(
+                f"chunk {grid} of array {name!r} lies in {value.path}, outside every per-process "
+                f"database of {self._directory}, so no writer's checksum covers it; the "
+                "checkpoint is damaged or crafted. Load an earlier checkpoint.",
+                array=name,
+                chunk=grid,
+                path=value.path,
+            )
+        return self.table(database).get(name, {}).get(grid, -1)
+
+    def table(self, database: str) -> dict[str, dict[tuple[int, ...], int]]:
+        with self._lock:
+            found = self._tables.get(database)
+            if found is not None:
+                return found
+            if self._opened is None:
+                self._opened = ts.KvStore.open(self._kvstore, context=self._context).result()
+            kv = self._opened
+        where = f"{self._directory}, key {table_key(database)!r}"
+        try:
+            read = kv.read(table_key(database)).result()
+        except Exception as e:
+            mapped = from_tensorstore(e, "reading a chunk checksum table", where, reading=True)
+            raise mapped from e
+        if read.state != "value":
+            raise CorruptCheckpointError(
+                f"the database {database} of {self._directory} holds chunks but no checksum "
+                f"table ({table_key(database)!r} is missing); the checkpoint is damaged. Load an "
+                "earlier checkpoint.",
+                path=self._directory,
+            )
+        table = decode(database, bytes(read.value), where)
+        with self._lock:
+            return self._tables.setdefault(database, table)
+
+
+def shard_key(
+    name: str, grid: tuple[int, ...], chunk_shape: tuple[int, ...], shard_shape: tuple[int, ...]
+) -> str:
+    """The storage key of the shard holding chunk ``grid`` (an index in the inner chunk grid)."""
+    shard = shard_shape or chunk_shape
+    return f"{name}/c" + "".join(
+        f"/{g * c // s}" for g, c, s in zip(grid, chunk_shape, shard, strict=True)
+    )
+
+
+class ArrayChecks:
+    """For jobs that read chunks of a few arrays through TensorStore (verify, a preview): the
+    checksum each chunk must have, from its writer's table (one B-tree walk for the arrays)."""
+
+    def __init__(self, store: StoreSpec, names: list[str], context: Any) -> None:
+        from milepost.workers.load._direct import Locator  # (the load package imports us)
+
+        self._locator = Locator(store)
+        self._locator.index(names)
+        self._tables = ChunkTables(read_kvstore(store), store.directory, context)
+
+    def expected(
+        self,
+        name: str,
+        grid: tuple[int, ...],
+        chunk_shape: tuple[int, ...],
+        shard_shape: tuple[int, ...],
+    ) -> int | None:
+        """As :meth:`ChunkTables.expected`, for chunk ``grid`` of ``name``."""
+        key = shard_key(name, grid, chunk_shape, shard_shape)
+        return self._tables.expected(name, grid, self._locator.locate(key))
