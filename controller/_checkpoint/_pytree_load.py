@@ -296,8 +296,8 @@ def confirm_written(directory: Path | ObjectPath) -> list[str]:
     needed = [fmt.TREE_METADATA]
     if arrays:
         needed += [fmt.MILEPOST_INFO] + ([fmt.OCDBT_MANIFEST] if files.use_ocdbt else [])
-    if ValueType.JAX_ARRAY in vts:  # the file the shardings come from; _sharding is optional
-        needed.append(files.shardings_file or fmt.MILEPOST_INFO)
+    if ValueType.JAX_ARRAY in vts:  # _sharding only if it was written (it may be left out)
+        needed += [f for f in files.sharding_files or (fmt.SHARDING,) if f not in needed]
     if ValueType.STRING in vts:
         needed.append(fmt.STRINGS)
     if arrays:

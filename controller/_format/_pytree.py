@@ -98,9 +98,10 @@ class TreeFiles:
     orbax_sharding_max_bytes: int = 256 * 1024
     """Writing: ``_sharding`` (Orbax's form, every device id of the mesh per array) is written
     when it comes to at most this many bytes (``SaveOptions.orbax_sharding_max_bytes``)."""
-    shardings_file: str | None = None
-    """Reading: the file the shardings were read from (``_milepost.json`` or, for checkpoints
-    without milepost's compact form, ``_sharding``); None: neither records any."""
+    sharding_files: tuple[str, ...] = ()
+    """Reading: the files that record the shardings: ``_milepost.json`` (read), and
+    ``_sharding`` when the compact form says it was written too; for checkpoints without the
+    compact form (Orbax's, older milepost's), ``_sharding`` if it is there."""
     fill_missing: bool = False
     """True for checkpoints written without every chunk (``store_array_data_equal_to_fill_value``
     false): a missing chunk then means zeros. Milepost and Orbax 0.12 write every chunk, so a
@@ -371,12 +372,19 @@ def _read(directory: Path | ObjectPath) -> TreeFiles:
         else {}
     )
     shardings: dict[str, ShardingSpec] = {}
-    shardings_file: str | None = None
+    sharding_files: tuple[str, ...] = ()
     if "shardings" in info:  # milepost's compact form: Orbax's _sharding is not read
         shardings = read_compact_shardings(info["shardings"], directory / MILEPOST_INFO)
-        shardings_file = MILEPOST_INFO
+        orbax_file = info["shardings"].get("orbax_file", False)
+        if not isinstance(orbax_file, bool):
+            raise CorruptCheckpointError(
+                f"{directory / MILEPOST_INFO} records shardings whose 'orbax_file' is "
+                f"{_shown(orbax_file)}, not true or false; the checkpoint is damaged or crafted. "
+                "Load an earlier checkpoint."
+            )
+        sharding_files = (MILEPOST_INFO, SHARDING) if orbax_file else (MILEPOST_INFO,)
     elif present(directory / SHARDING):
-        shardings_file = SHARDING
+        sharding_files = (SHARDING,)
         # The leaves of a model share a few shardings, each listing every device id: parse each
         # distinct text once (with thousands of devices, parsing it per leaf took seconds).
         parsed: dict[str, ShardingSpec | None] = {}
@@ -426,7 +434,7 @@ def _read(directory: Path | ObjectPath) -> TreeFiles:
         else present(directory / OCDBT_MANIFEST),
         zarr_format=3 if meta.get("use_zarr3", False) else 2,
         shardings=shardings,
-        shardings_file=shardings_file,
+        sharding_files=sharding_files,
         strings=strings,
         python_types=info.get("python_types", {}),
         key_impls=key_impls,
