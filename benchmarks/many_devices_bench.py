@@ -11,7 +11,8 @@ times). Reported per device count:
 
 - save, load (into the saved shardings; exact values checked), seconds, one of each;
 - metadata: the bytes of every file of the checkpoint that is not array data (``d/`` data
-  files excluded), and the two largest, ``_sharding`` and ``_milepost.json``;
+  files excluded), ``_sharding`` and ``_milepost.json`` (and the bytes of each of the latter's
+  parts: the compact shardings, chunk checksums...), and the six largest files;
 - the floor (JAX alone, warm, same process): a host view of every addressable shard (what a
   save must read), and building every array with ``jax.make_array_from_callback`` (what a load
   must build);
@@ -83,6 +84,10 @@ for dirpath, _, names in os.walk(path):
 out["metadata_bytes"] = sum(sizes.values())
 out["sharding_bytes"] = sizes.get("state/_sharding", sizes.get("_sharding", 0))
 out["milepost_json_bytes"] = sizes.get("state/_milepost.json", 0)
+if out["milepost_json_bytes"]:  # its parts: the compact shardings, chunk checksums, types
+    with open(os.path.join(path, "state", "_milepost.json")) as f:
+        out["milepost_json_parts"] = {k: len(json.dumps(v)) for k, v in json.load(f).items()}
+out["largest_files"] = dict(sorted(sizes.items(), key=lambda kv: -kv[1])[:6])
 shutil.rmtree(root)
 print(json.dumps(out), flush=True)
 """

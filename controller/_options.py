@@ -71,6 +71,15 @@ class SaveOptions:
     parts of 1 MiB. Below about a MiB a write costs the same whatever its size (a chunk, a
     checksum entry, a request on an object store), so smaller parts only add cost. 0: a part per
     replica whenever the shard divides evenly."""
+    orbax_sharding_max_bytes: int = 256 * 1024
+    """Milepost records each array's sharding in ``_milepost.json`` compactly (each device mesh
+    once, then per array its PartitionSpec). Orbax's own ``_sharding`` file repeats the whole
+    mesh, every device id, for every array: it is written too as long as it comes to at most
+    this many bytes. The default keeps it for a few hundred arrays on a few devices (100 arrays
+    on 8 devices: about 30 KB) and leaves it out at scale (100 arrays on 512 devices: about
+    800 KB; 2000 arrays on 4096 devices: about 125 MB). Without it, milepost loads as before,
+    and Orbax restores only with an abstract tree that gives every array's sharding. 0: never
+    write it; a very large number: always."""
     ocdbt_writers_per_host: int | Literal["auto"] = "auto"
     """With OCDBT, each host spreads its arrays over up to this many databases
     (``ocdbt.process_<i>``, ``ocdbt.process_<i>.1``, ...) written in parallel; one database
@@ -110,6 +119,9 @@ class SaveOptions:
         check.seconds(self.wait_for_writer_secs, "SaveOptions.wait_for_writer_secs", zero=True)
         check.flag(self.replica_parallel, "SaveOptions.replica_parallel")
         check.integer(self.min_write_bytes, "SaveOptions.min_write_bytes", minimum=0)
+        check.integer(
+            self.orbax_sharding_max_bytes, "SaveOptions.orbax_sharding_max_bytes", minimum=0
+        )
         if self.ocdbt_writers_per_host != "auto":
             check.integer(
                 self.ocdbt_writers_per_host,

@@ -85,6 +85,20 @@ def reseal(ckpt: Path) -> None:
     _format.Checksums.compute(ckpt).write()
 
 
+def without_compact_shardings(ckpt: Path) -> Path:
+    """Leave out milepost's compact shardings (``"shardings"`` in each tree's
+    ``_milepost.json``) and reseal: the checkpoint's shardings are then read from ``_sharding``,
+    as for one written by Orbax or an older milepost."""
+    import json
+
+    for info in ckpt.glob("*/_milepost.json"):
+        data = json.loads(info.read_text())
+        data.pop("shardings", None)
+        info.write_text(json.dumps(data))
+    reseal(ckpt)
+    return ckpt
+
+
 def gate_merge(monkeypatch: Any) -> Any:
     """Hold every save's background part (the OCDBT merge) until the returned event is set."""
     import threading

@@ -24,7 +24,15 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import milepost as mp
-from tests._helpers import abstract_of, assert_tree_equal, listing, put, reseal, same_bits
+from tests._helpers import (
+    abstract_of,
+    assert_tree_equal,
+    listing,
+    put,
+    reseal,
+    same_bits,
+    without_compact_shardings,
+)
 
 PYTREE_TYPESTR = "orbax.checkpoint.experimental.v1._src.handlers.pytree_handler.PyTreeHandler"
 MILEPOST_ERRORS = (mp.CorruptCheckpointError, mp.CheckpointNotFoundError)
@@ -471,6 +479,8 @@ NOT_READ_BY_LOAD = {
     "state/array_metadatas/process_0",
     # a writer's database: loads go through the merged root view
     "state/ocdbt.process_0/manifest.ocdbt",
+    # Orbax's record of the shardings; milepost reads its compact form in _milepost.json
+    "state/_sharding",
 }
 
 
@@ -553,6 +563,22 @@ def test_flipped_json_metadata_is_a_corrupt_checkpoint_error(
         if file != "state/_strings.json":  # metadata() does not read string values
             with pytest.raises(mp.CorruptCheckpointError, match=Path(file).name):
                 mp.metadata(ckpt)
+
+
+def test_flipped_orbax_sharding_is_a_corrupt_checkpoint_error_where_it_is_read(
+    saved: dict[str, tuple[Path, Any]], tmp_path: Path
+) -> None:
+    """Without milepost's compact form (Orbax's checkpoints, older milepost ones) ``_sharding`` is
+    what the shardings are read from: a flip there is the typed error naming it."""
+    base, _ = saved["ocdbt"]
+    file = "state/_sharding"
+    for k, pos in enumerate(flip_positions((base / file).read_bytes(), "model")):
+        ckpt = without_compact_shardings(copy_of(base, tmp_path / f"c{k}"))
+        flip(ckpt / file, pos, 0x20)
+        for call in (mp.load, mp.metadata):
+            with pytest.raises(mp.CorruptCheckpointError) as info:
+                call(ckpt)
+            assert str(ckpt / file) in str(info.value), info.value
 
 
 @pytest.mark.parametrize("at", ["zstd-frame", "third", "middle", "end"])
@@ -800,6 +826,8 @@ def test_metadata_that_is_not_utf8(
 ) -> None:
     base, _ = saved[layout]
     ckpt = copy_of(base, tmp_path / "c")
+    if file.endswith("_sharding"):  # read only without the compact form
+        without_compact_shardings(ckpt)
     (ckpt / file).write_bytes(NOT_UTF8 + (ckpt / file).read_bytes())
     reseal(ckpt)
     calls = [mp.load] if file.endswith("_strings.json") else [mp.load, mp.metadata]
@@ -1009,6 +1037,10 @@ def test_deleted_metadata_files_are_errors(
 ) -> None:
     base, _ = saved["ocdbt"]
     ckpt = copy_of(base, tmp_path / "c")
+    if file.endswith("_sharding"):
+        # with the compact form it is not read (test_orbax_sharding_may_be_missing); without
+        # it, it is what the shardings come from
+        without_compact_shardings(ckpt)
     (ckpt / file).unlink()
     with pytest.raises(
         (mp.CorruptCheckpointError, mp.CheckpointNotFoundError, mp.StructureMismatchError)

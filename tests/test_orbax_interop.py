@@ -81,6 +81,38 @@ def test_orbax_reads_milepost(tmp_path: Path, mesh24: jax.sharding.Mesh, use_ocd
     assert restored["params"]["w"].sharding == abstract["params"]["w"].sharding
 
 
+def test_orbax_reads_milepost_without_its_sharding_file(
+    tmp_path: Path, mesh24: jax.sharding.Mesh
+) -> None:
+    """Over ``SaveOptions.orbax_sharding_max_bytes`` milepost leaves out ``_sharding``: Orbax
+    then restores with an abstract tree that gives every array's sharding (exact values),
+    reports no sharding in its metadata, and without an abstract tree refuses (no sharding for
+    the jax.Arrays)."""
+    state = make_state(mesh24)
+    with mp.Context(saving=mp.SaveOptions(orbax_sharding_max_bytes=0)):
+        mp.save(tmp_path / "c", state)
+    assert not (tmp_path / "c" / "state" / "_sharding").exists()
+    abstract, _ = resharded_abstract(state)
+    restored = ocp.load(tmp_path / "c", abstract)
+    check(restored, state)
+    assert restored["params"]["w"].sharding == abstract["params"]["w"].sharding
+    same = jax.tree.map(
+        lambda x: (
+            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+            if isinstance(x, jax.Array)
+            else x
+        ),
+        state,
+    )
+    restored = ocp.load(tmp_path / "c", same)
+    check(restored, state)
+    assert restored["params"]["w"].sharding == state["params"]["w"].sharding
+    meta = ocp.metadata(tmp_path / "c").metadata
+    assert meta["params"]["w"].shape == (16, 8) and meta["params"]["w"].sharding_metadata is None
+    with pytest.raises(ValueError, match="Sharding of jax.Array cannot be None"):
+        ocp.load(tmp_path / "c")
+
+
 def test_orbax_reads_host_offloaded_arrays(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
     """The 'memory_kind' milepost records for pinned_host arrays does not disturb Orbax's reader."""
     state = make_state(mesh24)

@@ -52,32 +52,22 @@ class ShardingSpec:
             )
         if len(set(device_ids)) != len(device_ids):
             raise ValueError(f"mesh device ids must be distinct, got {device_ids}")
-        norm: list[AxisEntry] = []
-        for entry in spec:
-            names = _axes(entry)
-            for n in names:
-                if n not in axis_names:
-                    raise ValueError(
-                        f"PartitionSpec names mesh axis {n!r}, but the mesh has axes {axis_names}"
-                    )
-            norm.append(
-                None
-                if not names
-                else names[0]
-                if len(names) == 1 and isinstance(entry, str)
-                else tuple(names)
-            )
         return ShardingSpec(
             kind="named",
             mesh_shape=tuple(mesh_shape),
             axis_names=tuple(axis_names),
             device_ids=tuple(int(d) for d in device_ids),
-            spec=tuple(norm),
+            spec=_normalized(spec, tuple(axis_names)),
             # JAX's Mesh default is Auto for every axis; spell it out so equal shardings compare
             # equal.
             axis_types=tuple(str(t).rsplit(".", 1)[-1] for t in axis_types)
             or ("Auto",) * len(axis_names),
         )
+
+    def with_spec(self, spec: tuple[AxisEntry, ...] | list[Any]) -> ShardingSpec:
+        """This 'named' sharding's mesh with another PartitionSpec (checked against the mesh's
+        axes as in ``named``); the mesh's tuples are shared, not copied or checked again."""
+        return dataclasses.replace(self, spec=_normalized(spec, self.axis_names))
 
     @staticmethod
     def single(device_id: int) -> ShardingSpec:
@@ -232,6 +222,27 @@ def device_id_of(text: str) -> int:
     if match is None:
         raise ValueError(f"cannot tell the device id of the saved device {text!r}")
     return int(match.group(1))
+
+
+def _normalized(spec: Any, axis_names: tuple[str, ...]) -> tuple[AxisEntry, ...]:
+    """A PartitionSpec's entries as ShardingSpec keeps them (None, an axis name, or a tuple of
+    names), every name one of ``axis_names``."""
+    norm: list[AxisEntry] = []
+    for entry in spec:
+        names = _axes(entry)
+        for n in names:
+            if n not in axis_names:
+                raise ValueError(
+                    f"PartitionSpec names mesh axis {n!r}, but the mesh has axes {axis_names}"
+                )
+        norm.append(
+            None
+            if not names
+            else names[0]
+            if len(names) == 1 and isinstance(entry, str)
+            else tuple(names)
+        )
+    return tuple(norm)
 
 
 def _axes(entry: AxisEntry | Any) -> tuple[str, ...]:

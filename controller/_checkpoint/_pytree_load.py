@@ -288,7 +288,7 @@ def read_tree_files(directory: Path | ObjectPath) -> fmt.TreeFiles:
 
 def confirm_written(directory: Path | ObjectPath) -> list[str]:
     """After a save, before its commit: the files (relative to ``directory``) its tree must
-    have to load (``_METADATA``, and by what it records ``_milepost.json``, ``_sharding``,
+    have to load (``_METADATA``, and by what it records ``_milepost.json``,
     ``_strings.json``, the OCDBT manifest); and every array's header read through the root view,
     so the manifest and B-tree the merge wrote are there. For stores that may drop a write."""
     files = fmt.read_tree(directory)
@@ -297,8 +297,8 @@ def confirm_written(directory: Path | ObjectPath) -> list[str]:
     needed = [fmt.TREE_METADATA]
     if arrays:
         needed += [fmt.MILEPOST_INFO] + ([fmt.OCDBT_MANIFEST] if files.use_ocdbt else [])
-    if ValueType.JAX_ARRAY in vts:
-        needed.append(fmt.SHARDING)
+    if ValueType.JAX_ARRAY in vts:  # _sharding only if it was written (it may be left out)
+        needed += [f for f in files.sharding_files or (fmt.SHARDING,) if f not in needed]
     if ValueType.STRING in vts:
         needed.append(fmt.STRINGS)
     if arrays:

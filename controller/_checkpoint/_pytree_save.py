@@ -144,6 +144,7 @@ class TreeSavePlan:
             strings=self.strings,
             python_types=self.python_types,
             key_impls=self.key_impls,
+            orbax_sharding_max_bytes=self.options.orbax_sharding_max_bytes,
         )
 
 
