@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import json
 import threading
 import time
 from pathlib import Path
@@ -530,6 +531,24 @@ def test_typed_prng_keys_on_a_slice(slice42: mp.Slice, tmp_path: Path) -> None:
     assert keys["batch"].dtype == jax.random.key(0).dtype and keys["batch"].shape == (16,)
     mp.save(tmp_path / "c", keys)
     want = {"batch": jax.random.split(jax.random.key(3), 16), "rbg": jax.random.key(1, impl="rbg")}
+    # Four hosts wrote each array: one array_metadatas file lists each once, with its key impl
+    folder = tmp_path / "c" / "state" / "array_metadatas"
+    assert [p.name for p in folder.iterdir()] == ["process_0"]
+    listed = json.loads((folder / "process_0").read_text())["array_metadatas"]
+    assert sorted(
+        (e["array_metadata"]["param_name"], e["array_metadata"]["ext_metadata"]["random_key_impl"])
+        for e in listed
+    ) == [("batch", "threefry2x32"), ("rbg", "rbg")]
+    ocp = pytest.importorskip("orbax.checkpoint.experimental.v1")
+    here = NamedSharding(jax.make_mesh((8,), ("x",)), P())
+    restored = ocp.load(  # Orbax gives keys back from that one file
+        tmp_path / "c",
+        {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=here) for k, v in want.items()},
+    )
+    for k, v in want.items():
+        assert restored[k].dtype == v.dtype and np.array_equal(
+            jax.random.key_data(restored[k]), jax.random.key_data(v)
+        ), k
     local = mp.load(
         tmp_path / "c",
         {
