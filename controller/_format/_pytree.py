@@ -15,7 +15,6 @@ Array data lives beside them, in the per-process OCDBT stores and the merged roo
 from __future__ import annotations
 
 import base64
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +33,6 @@ from milepost._format._files import (
     SHARDING,
     STRINGS,
     TREE_METADATA,
-    write_file,
     write_json,
 )
 from milepost._tree import Leaf, ValueType, unsafe_part
