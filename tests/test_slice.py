@@ -519,6 +519,33 @@ def test_safetensors_export_and_load_on_a_slice(slice42: mp.Slice, tmp_path: Pat
     assert np.array_equal(slice42.fetch(back["w3"]), values["w3"])
 
 
+def test_a_checkpoint_without_chunk_checksums_loads_onto_a_slice(
+    slice42: mp.Slice, tmp_path: Path
+) -> None:
+    """Orbax's checkpoints record no chunk checksums: every host gets the same plan, pickled
+    once into the object store and sent to each host by reference."""
+    ocp = pytest.importorskip("orbax.checkpoint.experimental.v1")
+    values = host_values(3, 16)
+    local = jax.make_mesh((2, 4), ("data", "model"))
+    ocp.save(
+        tmp_path / "o",
+        {k: jax.device_put(v, NamedSharding(local, P("data"))) for k, v in values.items()},
+    )
+    mesh = slice42.mesh({"data": 2, "model": 4})
+    before = slice42.traffic()
+    got = mp.load(
+        tmp_path / "o",
+        {
+            k: mp.AbstractArray(v.shape, v.dtype, mesh.sharding(P("model")))
+            for k, v in values.items()
+        },
+    )
+    moved = slice42.traffic() - before
+    for k, v in values.items():
+        assert np.array_equal(slice42.fetch(got[k]), v), k
+    assert moved.messages >= slice42.hosts and moved.bytes_to_hosts > 0
+
+
 def test_typed_prng_keys_on_a_slice(slice42: mp.Slice, tmp_path: Path) -> None:
     mesh = slice42.mesh({"data": 2, "model": 4})
     keys = slice42.run(
