@@ -112,6 +112,8 @@ class RayHostGroup:
         self._identities = identities
         self._device_ids = device_ids
         self._owner = {d: i for i, ids in enumerate(device_ids) for d in ids}
+        self._checked_ids: tuple[int, ...] | None = None
+        """The device ids :meth:`check_devices` last found in the slice."""
         self._healthy = True
         self._closed = False
         self._failed: set[int] = set()
@@ -312,6 +314,10 @@ class RayHostGroup:
         return True
 
     def check_devices(self, spec: workers.ShardingSpec, name: str) -> None:
+        # The arrays of a model share a few shardings (one object each, as read): check each
+        # once, not its device ids (all of the slice's) once per array.
+        if spec.device_ids is self._checked_ids:
+            return
         missing = [d for d in spec.device_ids if d not in self._owner]
         if missing:
             raise ValueError(
@@ -320,6 +326,7 @@ class RayHostGroup:
                 "leaves carry shardings over slice.mesh(...), e.g. milepost.AbstractArray(shape, "
                 "dtype, mesh.sharding(PartitionSpec(...)))"
             )
+        self._checked_ids = spec.device_ids  # held: the same tuple, never another at its id
 
     def mesh_device_ids(
         self, axis_names: tuple[str, ...], axis_sizes: tuple[int, ...]
@@ -380,7 +387,10 @@ class RayHostGroup:
         self.check_usable()
         prefix = uuid.uuid4().hex
         acks = self.gather(
-            {i: self.call(i, "load", p, prefix) for i, p in plans.items()},
+            {
+                i: self.call(i, "load", *args, size=n)
+                for i, (args, n) in self._shared(plans, prefix)
+            },
             timeout,
             "reading its shards",
             # what a host found wrong with the checkpoint is the caller's error, as embedded
@@ -400,6 +410,27 @@ class RayHostGroup:
                 RemoteArray(self, f"{prefix}.{k}", task.result_shape, task.result_dtype, spec)
             )
         return HostLoad(out, [acks[i] for i in sorted(acks)])
+
+    def _shared(self, plans: Mapping[int, Any], *rest: Any) -> list[tuple[int, Any]]:
+        """Each host's call arguments ``(plan, *rest)`` and their size: a plan object that several
+        hosts share (a load without per-host checksums) is pickled once, into the object store,
+        and each host is sent its reference (each still receives its bytes, and is counted so);
+        a plan of one host goes in its call."""
+        import ray
+
+        hosts: dict[int, list[int]] = {}
+        for i, plan in plans.items():
+            hosts.setdefault(id(plan), []).append(i)
+        out = []
+        for mine in hosts.values():
+            plan = plans[mine[0]]
+            if len(mine) == 1:
+                out.append((mine[0], ((plan, *rest), None)))
+                continue
+            size = pickled_size((plan, *rest))
+            ref = ray.put(plan)
+            out.extend((i, ((ref, *rest), size)) for i in mine)
+        return out
 
     def run(self, job: str, plans: Mapping[int, Any], timeout: float) -> list[Any]:
         """Every host runs its part of the host job ``job``; their acks, in host order."""

@@ -1215,6 +1215,27 @@ def test_each_host_is_sent_only_the_checksums_of_the_chunks_its_boxes_touch() ->
         assert unchecked is plain, "an array without checksums is sent as it is"
 
 
+def test_without_chunk_checksums_every_host_gets_one_plan_built_once() -> None:
+    """Nothing to trim per host: the controller builds one plan (O(arrays)) and hands every
+    host the same object, not a copy per host of every array."""
+    from milepost._checkpoint import _pytree_load
+    from milepost.workers import LoadTask, ShardingSpec
+
+    spec = ShardingSpec.named((2, 4), ("data", "model"), tuple(range(8)), ("model",))
+    tasks = [
+        LoadTask(name=f"v{i}", shape=(60, 16), dtype="float32", sharding=spec) for i in range(3)
+    ]
+    built = []
+
+    def plan_of(mine: list[LoadTask]) -> tuple[LoadTask, ...]:
+        built.append(mine)
+        return tuple(mine)
+
+    plans = _pytree_load._plans_per_process(tasks, {}, _FourHosts(), plan_of)
+    assert list(plans) == [0, 1, 2, 3] and len(built) == 1
+    assert all(plan is plans[0] for plan in plans.values()) and plans[0] == tuple(tasks)
+
+
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "tensorstore"])
 @pytest.mark.parametrize("layout", ["ocdbt", "subchunked"])
 def test_a_chunk_read_without_its_recorded_checksum_fails(

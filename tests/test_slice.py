@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import json
 import threading
 import time
 from pathlib import Path
@@ -524,6 +525,33 @@ def test_safetensors_export_and_load_on_a_slice(slice42: mp.Slice, tmp_path: Pat
     assert np.array_equal(slice42.fetch(back["w3"]), values["w3"])
 
 
+def test_a_checkpoint_without_chunk_checksums_loads_onto_a_slice(
+    slice42: mp.Slice, tmp_path: Path
+) -> None:
+    """Orbax's checkpoints record no chunk checksums: every host gets the same plan, pickled
+    once into the object store and sent to each host by reference."""
+    ocp = pytest.importorskip("orbax.checkpoint.experimental.v1")
+    values = host_values(3, 16)
+    local = jax.make_mesh((2, 4), ("data", "model"))
+    ocp.save(
+        tmp_path / "o",
+        {k: jax.device_put(v, NamedSharding(local, P("data"))) for k, v in values.items()},
+    )
+    mesh = slice42.mesh({"data": 2, "model": 4})
+    before = slice42.traffic()
+    got = mp.load(
+        tmp_path / "o",
+        {
+            k: mp.AbstractArray(v.shape, v.dtype, mesh.sharding(P("model")))
+            for k, v in values.items()
+        },
+    )
+    moved = slice42.traffic() - before
+    for k, v in values.items():
+        assert np.array_equal(slice42.fetch(got[k]), v), k
+    assert moved.messages >= slice42.hosts and moved.bytes_to_hosts > 0
+
+
 def test_typed_prng_keys_on_a_slice(slice42: mp.Slice, tmp_path: Path) -> None:
     mesh = slice42.mesh({"data": 2, "model": 4})
     keys = slice42.run(
@@ -536,6 +564,24 @@ def test_typed_prng_keys_on_a_slice(slice42: mp.Slice, tmp_path: Path) -> None:
     assert keys["batch"].dtype == jax.random.key(0).dtype and keys["batch"].shape == (16,)
     mp.save(tmp_path / "c", keys)
     want = {"batch": jax.random.split(jax.random.key(3), 16), "rbg": jax.random.key(1, impl="rbg")}
+    # Four hosts wrote each array: one array_metadatas file lists each once, with its key impl
+    folder = tmp_path / "c" / "state" / "array_metadatas"
+    assert [p.name for p in folder.iterdir()] == ["process_0"]
+    listed = json.loads((folder / "process_0").read_text())["array_metadatas"]
+    assert sorted(
+        (e["array_metadata"]["param_name"], e["array_metadata"]["ext_metadata"]["random_key_impl"])
+        for e in listed
+    ) == [("batch", "threefry2x32"), ("rbg", "rbg")]
+    ocp = pytest.importorskip("orbax.checkpoint.experimental.v1")
+    here = NamedSharding(jax.make_mesh((8,), ("x",)), P())
+    restored = ocp.load(  # Orbax gives keys back from that one file
+        tmp_path / "c",
+        {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=here) for k, v in want.items()},
+    )
+    for k, v in want.items():
+        assert restored[k].dtype == v.dtype and np.array_equal(
+            jax.random.key_data(restored[k]), jax.random.key_data(v)
+        ), k
     local = mp.load(
         tmp_path / "c",
         {

@@ -449,14 +449,27 @@ def load(directory: Path | ObjectPath, abstract: Any, call: LoadCall) -> Any:
             else None
         )
         if device_tasks:
-            by_process = _checksums_per_process(device_tasks, headers, group)
-            loaded = group.load({p: plan_of(tasks) for p, tasks in by_process.items()}, timeout)
+            loaded = group.load(_plans_per_process(device_tasks, headers, group, plan_of), timeout)
             values.update(zip((t.name for t in device_tasks), loaded.arrays, strict=True))
         if own is not None:
             values.update(
                 zip((t.name for t in host_tasks), own.result(timeout).arrays, strict=True)
             )
     return _assemble(files, directory, targets, treedef, values)
+
+
+def _plans_per_process(
+    tasks: list[workers.LoadTask], headers: dict[str, dict[str, Any]], group: Any, plan_of: Any
+) -> dict[Any, workers.LoadPlan]:
+    """Every process's load plan. Each host picks the boxes of its own devices from the tasks'
+    shardings, so without recorded chunk checksums to trim per host every process gets the same
+    plan, built once: the controller's work is O(arrays) plus a dict entry per host (a group
+    sends one plan object shared by many hosts once, ``RayHostGroup.load``)."""
+    if not any(t.checksums for t in tasks):
+        plan = plan_of(tasks)
+        return dict.fromkeys(group.processes(), plan)
+    by_process = _checksums_per_process(tasks, headers, group)
+    return {p: plan_of(mine) for p, mine in by_process.items()}
 
 
 def _checksums_per_process(

@@ -7,8 +7,10 @@
                                                   (Orbax's form; left out when it would be large)
                      _strings.json                the string leaves
                      _milepost.json               each mesh once and each array's PartitionSpec;
-                                                  Python/NumPy types of scalars (Orbax ignores it)
-                     array_metadatas/process_<i>  what host i wrote: write and chunk shape per array
+                                                  Python/NumPy types of scalars; that the chunks'
+                                                  checksums are in their writers' tables (Orbax
+                                                  ignores it)
+                     array_metadatas/process_0    write and chunk shape per array (each listed once)
 
 Array data lives beside them, in the per-process OCDBT stores and the merged root view
 (``milepost.workers`` owns those).
@@ -273,20 +275,28 @@ def _orbax_sharding_text(
 
 
 def _write_array_metadatas(folder: Path | ObjectPath, acks: Sequence[workers.SaveAck]) -> None:
-    """``array_metadatas/process_<i>``: every array host i wrote (Orbax's per-process files).
+    """``array_metadatas/process_0``: every array the hosts wrote, each listed once.
 
-    With H hosts sharing every array these are H files listing the same entries, so each
-    array's entry is encoded once and the files (``json.dumps``'s exact output) are joined from
-    those and written on a few threads (each file is synced).
+    Orbax writes one file per process, each listing every array (all of its processes write a
+    shard of every array, and its save checks that the files agree). Its readers use one file:
+    a restore reads the folder and takes the first file it finds
+    (``jax_array_handlers._wrap_random_key_data``), Pathways and Orbax's own commit read
+    ``process_0``. Milepost's commit runs in one process, as Orbax's does on Pathways: one file,
+    ``process_0``, whatever hosts wrote the arrays, so the file is O(arrays), not O(arrays x
+    hosts). (Checkpoints from before list every array once per host; readers take either.)
     """
+    arrays: dict[str, workers.WrittenArray] = {}
+    for ack in acks:
+        if isinstance(ack.process_index, int):  # not the controller's own leaves (NumPy arrays)
+            for a in ack.arrays:
+                arrays.setdefault(a.name, a)
     folder.mkdir(exist_ok=True)
-    encoded: dict[Any, str] = {}
-
-    def entry(a: workers.WrittenArray) -> str:
-        key = (a.name, a.write_shape, a.chunk_shape, a.random_key_impl)
-        text = encoded.get(key)
-        if text is None:
-            text = encoded[key] = json.dumps(
+    if not arrays:
+        return
+    write_json(
+        folder / "process_0",
+        {
+            "array_metadatas": [
                 {
                     "array_metadata": {
                         "param_name": a.name,
@@ -297,30 +307,10 @@ def _write_array_metadatas(folder: Path | ObjectPath, acks: Sequence[workers.Sav
                         else None,
                     }
                 }
-            )
-        return text
-
-    # One file per host, listing every array it wrote: a tree written in parts (a surgery's
-    # groups) has several acks from each host.
-    by_host: dict[int, dict[str, workers.WrittenArray]] = {}
-    for ack in acks:
-        if isinstance(ack.process_index, int):
-            arrays = by_host.setdefault(ack.process_index, {})
-            for a in ack.arrays:
-                arrays.setdefault(a.name, a)
-    contents = [
-        (
-            folder / f"process_{index}",
-            '{"array_metadatas": [' + ", ".join(map(entry, arrays.values())) + "]}",
-        )
-        for index, arrays in sorted(by_host.items())
-    ]
-    if len(contents) <= 2:
-        for path, text in contents:
-            write_file(path, text)
-        return
-    with workers.RUNTIME.scoped("commit", min(16, len(contents))) as pool:
-        list(pool.map(lambda item: write_file(*item), contents))
+                for a in arrays.values()
+            ]
+        },
+    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -631,7 +621,8 @@ def _key_impls_of_array_metadatas(
     directory: Path | ObjectPath, arrays: list[str]
 ) -> dict[str, str]:
     """Typed-key implementations recorded in ``array_metadatas/process_<i>`` (``ext_metadata``),
-    reading process files only until every array was seen (Orbax lists every array in each)."""
+    reading process files only until every array was seen (Orbax lists every array in each,
+    milepost every array once in ``process_0``)."""
     folder = directory / ARRAY_METADATAS
     if not arrays or not folder.is_dir():
         return {}
