@@ -421,7 +421,7 @@ class RayHostGroup:
         hosts: dict[int, list[int]] = {}
         for i, plan in plans.items():
             hosts.setdefault(id(plan), []).append(i)
-        out = []
+        out: list[tuple[int, Any]] = []
         for mine in hosts.values():
             plan = plans[mine[0]]
             if len(mine) == 1:

@@ -10,6 +10,7 @@ plain zarr3 folder named after its leaf.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -249,9 +250,20 @@ def process_stores(directory: Any) -> list[Path] | list[ObjectPath]:
     return sorted({where / k.decode().split("/", 1)[0] for k in keys})
 
 
+MERGE_BATCH_KEYS = 1 << 19
+"""About this many keys are merged per transaction: the merge holds the B-tree nodes of one
+batch in memory, not the whole root view's (at 4,096 hosts x 2,000 arrays, 8 M keys)."""
+
+
 def merge_ocdbt(directory: Any) -> None:
     """Make the root OCDBT view in ``directory`` reference every per-process database
-    (``ocdbt.process_*``) in one atomic transaction; no data is copied."""
+    (``ocdbt.process_*``); no data is copied, only B-tree entries.
+
+    With many databases the key space is cut into ranges of about :data:`MERGE_BATCH_KEYS` keys
+    (estimated from the first database's keys: hosts write about the same arrays), each merged
+    in a transaction of its own; the ranges cover every key, whatever the estimate. The root
+    view is not a checkpoint until the commit (the rename, or the commit marker), so it need not
+    appear at once."""
     children = process_stores(directory)
     if not children:
         return
@@ -261,13 +273,24 @@ def merge_ocdbt(directory: Any) -> None:
     ).result()
     opened = [ts.KvStore.open(ocdbt_kvstore(child), context=context) for child in children]
     try:
-        txn = ts.Transaction(atomic=True)
-        copies = [
-            o.result().experimental_copy_range_to(parent.with_transaction(txn)) for o in opened
-        ]
-        for c in copies:
-            c.result()
-        txn.commit_async().result()
+        stores = [o.result() for o in opened]
+        bounds = [b"", b""]  # one range: every key (b"" as the end: no upper bound)
+        if len(stores) * 1024 > MERGE_BATCH_KEYS:  # (a database may hold 1,024 keys or more)
+            keys = sorted(stores[0].list().result())
+            batches = min(len(keys), -(-len(keys) * len(stores) // MERGE_BATCH_KEYS))
+            if batches > 1:
+                cuts = (keys[i * len(keys) // batches] for i in range(1, batches))
+                bounds = [b"", *cuts, b""]
+        for low, high in itertools.pairwise(bounds):
+            part = ts.KvStore.KeyRange(low, high)
+            txn = ts.Transaction(atomic=True)
+            copies = [
+                s.experimental_copy_range_to(parent.with_transaction(txn), source_range=part)
+                for s in stores
+            ]
+            for c in copies:
+                c.result()
+            txn.commit_async().result()
     except ValueError as e:
         mapped = from_tensorstore(e, "merging the per-process OCDBT stores", str(directory))
         if mapped is e:
