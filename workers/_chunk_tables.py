@@ -28,8 +28,6 @@ import tensorstore as ts
 
 from milepost.workers import _checksum
 from milepost.workers._errors import CorruptCheckpointError, from_tensorstore
-from milepost.workers._messages import StoreSpec
-from milepost.workers._tensorstore import read_kvstore
 from milepost.workers._ts_internals import FileRange
 
 TABLE_PREFIX = ".milepost/chunk_crc32c/"
@@ -169,26 +167,3 @@ def shard_key(
     return f"{name}/c" + "".join(
         f"/{g * c // s}" for g, c, s in zip(grid, chunk_shape, shard, strict=True)
     )
-
-
-class ArrayChecks:
-    """For jobs that read chunks of a few arrays through TensorStore (verify, a preview): the
-    checksum each chunk must have, from its writer's table (one B-tree walk for the arrays)."""
-
-    def __init__(self, store: StoreSpec, names: list[str], context: Any) -> None:
-        from milepost.workers.load._direct import Locator  # (the load package imports us)
-
-        self._locator = Locator(store)
-        self._locator.index(names)
-        self._tables = ChunkTables(read_kvstore(store), store.directory, context)
-
-    def expected(
-        self,
-        name: str,
-        grid: tuple[int, ...],
-        chunk_shape: tuple[int, ...],
-        shard_shape: tuple[int, ...],
-    ) -> int | None:
-        """As :meth:`ChunkTables.expected`, for chunk ``grid`` of ``name``."""
-        key = shard_key(name, grid, chunk_shape, shard_shape)
-        return self._tables.expected(name, grid, self._locator.locate(key))

@@ -14,9 +14,9 @@ import tensorstore as ts
 from milepost.workers import _checksum
 from milepost.workers import _tensorstore as tsu
 from milepost.workers._boxes import box_to_slices
-from milepost.workers._chunk_tables import ArrayChecks
 from milepost.workers._errors import CorruptCheckpointError, from_tensorstore
 from milepost.workers._messages import Index, StoreSpec
+from milepost.workers.load import ArrayChecks
 
 
 @dataclass(frozen=True, kw_only=True)

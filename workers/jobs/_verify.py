@@ -12,9 +12,9 @@ import tensorstore as ts
 from milepost.workers import _checksum, _progress
 from milepost.workers import _tensorstore as tsu
 from milepost.workers._boxes import box_to_slices
-from milepost.workers._chunk_tables import ArrayChecks
 from milepost.workers._errors import CorruptCheckpointError
 from milepost.workers._messages import VerifyAck, VerifyPlan, VerifyTask
+from milepost.workers.load import ArrayChecks
 
 _INLINE: Any = object()
 """A chunk inline in the OCDBT B-tree: read (TensorStore checks the node's CRC32C), not ours."""
