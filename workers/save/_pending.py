@@ -96,9 +96,10 @@ class PendingSave:
                 def left() -> float | None:
                     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
-                self._wait_inflight(left, timeout)
-                # Each database's chunk checksums go into a table of its own, written last (a
-                # plain zarr3 folder has no database: the commit records those).
+                self._wait_inflight(left, timeout, issued_only=True)
+                # Each database's chunk checksums go into a table of its own, written as soon as
+                # they are known, with the last chunks (a plain zarr3 folder has no database: the
+                # commit records those).
                 checksums: dict[str, list[tuple[tuple[int, ...], int]]] = collections.defaultdict(
                     list
                 )
@@ -109,12 +110,9 @@ class PendingSave:
                     else:
                         tables.setdefault(database, {}).setdefault(name, []).extend(future.result())
                 self._checksums = []
-                if tables:
-                    self._inflight = []
-                    self._names = []
-                    for database, table in tables.items():
-                        self._write_table(database, table)
-                    self._wait_inflight(left, timeout)
+                for database, table in tables.items():
+                    self._write_table(database, table)
+                self._wait_inflight(left, timeout)
                 self._inflight = None
                 _staging.POOL.give_back(self._staged, keep_bytes=self._staged_bytes)
                 arrays = tuple(
@@ -138,12 +136,17 @@ class PendingSave:
                 )
             return self._ack
 
-    def _wait_inflight(self, left: Any, timeout: float | None) -> None:
-        """Wait for every write in flight (``left()``: the seconds left); a failure settles the
+    def _wait_inflight(self, left: Any, timeout: float | None, issued_only: bool = False) -> None:
+        """Wait for every write in flight (``left()``: the seconds left), or (``issued_only``)
+        only until every write is issued and its checksums computed; a failure settles the
         others first."""
         try:
             if self._issuing is not None:
                 self._issuing.result(timeout=left())
+            if issued_only:
+                for _, _, future in self._checksums:
+                    future.result(timeout=left())
+                return
             for f in self._inflight or []:
                 f.result(timeout=left())
         except BaseException as e:
