@@ -407,7 +407,7 @@ def _plan(
             dtype=dtype.name,
             sharding=None,
             checksums=_checkpoint.recorded_checksums(files, name),
-            chunk_tables=files.chunk_tables and name not in files.chunk_crc32c,
+            chunk_tables=files.chunk_tables,
         )
         tensors.append((name[len(prefix) :], task))
     groups: list[list[tuple[str, workers.LoadTask]]] = []

@@ -206,7 +206,7 @@ def _plan_tree(
         if recorded is None:
             if not files.chunk_tables:  # (else the hosts check each against its writer's table)
                 unchecked.append(name)
-        else:
+        elif not files.chunk_tables:  # (with the tables it records only inline chunks)
             missing = [g for g in grid if g not in recorded]
             if missing:
                 out.problems.append(
@@ -236,7 +236,7 @@ def _plan_tree(
                 if files.chunk_crc32c.get(name) is None
                 else tuple((g, c) for g, c in chunks if c is not None),
                 fill_missing=files.fill_missing,
-                chunk_tables=files.chunk_tables and name not in files.chunk_crc32c,
+                chunk_tables=files.chunk_tables,
             )
             for name, chunks in by_array.items()
         )

@@ -179,16 +179,10 @@ def test_undamaged_reads_are_exact_on_every_path(
 
 
 # ------------------------------------------------------------------------------------------
-# 2. The controller's flag for the tables removed (resealed): the tables are not read
+# 2. The controller's flag for the tables removed (resealed): the tables are read all the same
 # ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="without 'chunk_crc32c_tables' in _milepost.json (resealed) the tables present in the "
-    "databases are ignored: a flipped chunk byte loads silently (as for a checkpoint without "
-    "checksums)",
-)
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "tensorstore"])
 def test_removing_the_tables_flag_does_not_switch_the_checks_off(
     saved: dict[str, tuple[Path, Any]], tmp_path: Path, direct: bool
@@ -202,11 +196,6 @@ def test_removing_the_tables_flag_does_not_switch_the_checks_off(
         mp.load(ckpt, abstract_of(state))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="mp.verify reports nothing for a flipped chunk byte once 'chunk_crc32c_tables' is "
-    "removed from _milepost.json (resealed)",
-)
 def test_removing_the_tables_flag_does_not_hide_damage_from_verify(
     saved: dict[str, tuple[Path, Any]], tmp_path: Path
 ) -> None:
@@ -355,11 +344,6 @@ def test_a_table_that_is_not_a_table_is_refused(
         mp.load(ckpt, abstract_of(state))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a table whose JSON nests deeply (valid CRC32C) makes json.loads raise RecursionError, "
-    "which decode() does not catch: not a CorruptCheckpointError",
-)
 def test_a_deeply_nested_table_is_refused(
     saved: dict[str, tuple[Path, Any]], tmp_path: Path
 ) -> None:
@@ -548,12 +532,6 @@ def test_a_chunk_in_the_root_views_own_data_file_is_refused(
                 mp.load(ckpt, abstract_of(state))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a compressed shard small enough to be stored inline in the B-tree (<= 1 KiB), written "
-    "over a chunk through the root OCDBT view, is never checked against any table: other values "
-    "load silently (the old per-chunk checksums in _milepost.json did catch it)",
-)
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "tensorstore"])
 def test_an_inline_chunk_in_a_tabled_chunks_place_is_refused(
     tmp_path: Path, mesh24: jax.sharding.Mesh, direct: bool
@@ -576,11 +554,6 @@ def test_an_inline_chunk_in_a_tabled_chunks_place_is_refused(
     assert_tree_equal(got, state)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="mp.verify reports no problem for a compressed shard stored inline in the B-tree "
-    "(written through the root OCDBT view) in place of a chunk its writer's table records",
-)
 def test_an_inline_chunk_in_a_tabled_chunks_place_fails_verify(
     tmp_path: Path, mesh24: jax.sharding.Mesh
 ) -> None:

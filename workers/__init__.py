@@ -15,6 +15,7 @@ from milepost.workers._chunk_tables import FORMAT as CHUNK_TABLES_FORMAT
 from milepost.workers._chunk_tables import TABLE_PREFIX as CHUNK_TABLE_PREFIX
 from milepost.workers._chunk_tables import decode as decode_chunk_table
 from milepost.workers._chunk_tables import encode as encode_chunk_table
+from milepost.workers._chunk_tables import present as has_chunk_tables
 from milepost.workers._errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -165,6 +166,7 @@ __all__ = [
     "fresh_reads",
     "from_tensorstore",
     "grid_key",
+    "has_chunk_tables",
     "header_chunks",
     "header_dtype_name",
     "header_key",

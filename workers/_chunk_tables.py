@@ -14,8 +14,11 @@ database, so a data file put in another one's place (holding another writer's va
 fails, and a chunk read from another place fails its checksum.
 
 Chunks small enough to live inline in the B-tree (shard values up to OCDBT's
-``max_inline_value_bytes``, 1 KiB) have no data file; the CRC32C of the OCDBT node that holds
-them covers them (TensorStore checks it on every read).
+``max_inline_value_bytes``, 1 KiB) have no data file to find their writer by: the writer finds
+them in its own database after its writes (for arrays whose shards may be that small:
+compressed, or small) and reports their checksums in its ack, which the commit records in
+``_milepost.json`` as before the tables (``chunk_crc32c``). A chunk inline in the B-tree that the
+commit did not record fails the check (a value put in a chunk's place by hand).
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ import tensorstore as ts
 
 from milepost.workers import _checksum
 from milepost.workers._errors import CorruptCheckpointError, from_tensorstore
-from milepost.workers._ts_internals import FileRange
+from milepost.workers._paths import context_for, is_local, kvstore
+from milepost.workers._ts_internals import FileRange, ocdbt_values
 
 TABLE_PREFIX = ".milepost/chunk_crc32c/"
 """The tables' keys: this, then the database's folder name. (A leaf's storage name never starts
@@ -85,7 +89,7 @@ def decode(database: str, data: bytes, where: str) -> dict[str, dict[tuple[int, 
         }
     except CorruptCheckpointError:
         raise
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as e:
         raise CorruptCheckpointError(
             f"the chunk checksum table of {database} in {where} does not have the expected "
             f"form ({type(e).__name__}: {e}); the checkpoint is damaged. Load an earlier "
@@ -115,12 +119,10 @@ class ChunkTables:
         self._tables: dict[str, dict[str, dict[tuple[int, ...], int]]] = {}
         self._lock = threading.Lock()
 
-    def expected(self, name: str, grid: tuple[int, ...], value: FileRange | None) -> int | None:
+    def expected(self, name: str, grid: tuple[int, ...], value: FileRange) -> int:
         """The checksum chunk ``grid`` of array ``name`` must have, its shard value being
-        ``value`` (None: inline in the B-tree, or missing: not checked here); -1 when its
-        writer's table has none for it (which fails the check)."""
-        if value is None:
-            return None
+        ``value`` (in a data file); -1 when its writer's table has none for it (which fails
+        the check)."""
         database = database_of(self._directory, value)
         if database is None:
             raise CorruptCheckpointError(
@@ -167,3 +169,28 @@ def shard_key(
     return f"{name}/c" + "".join(
         f"/{g * c // s}" for g, c, s in zip(grid, chunk_shape, shard, strict=True)
     )
+
+
+def present(kvstore: dict[str, Any], context: Any) -> bool:
+    """Whether the store holds any chunk checksum table (one listing of their key range)."""
+    kv = ts.KvStore.open(kvstore, context=context).result()
+    end = TABLE_PREFIX[:-1] + chr(ord(TABLE_PREFIX[-1]) + 1)
+    return bool(kv.list(ts.KvStore.KeyRange(TABLE_PREFIX, end)).result())
+
+
+class _AllKeys:
+    def match(self, key: bytes) -> bool:
+        return True
+
+    def overlaps(self, low: bytes, high: bytes | None) -> bool:
+        return True
+
+
+def keys_in_data_files(database: Any) -> set[bytes]:
+    """The keys of the OCDBT database in folder ``database`` (a local path or an object store
+    prefix) whose values lie in data files; the others are inline in its B-tree."""
+    where = str(database)
+    base = None
+    if not is_local(where):
+        base = ts.KvStore.open(kvstore(where), context=context_for(where)).result()
+    return {key for key, _ in ocdbt_values(where, _AllKeys(), base)}

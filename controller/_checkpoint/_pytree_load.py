@@ -271,7 +271,7 @@ def _task(
         dtype=np.dtype(dtype).name,
         sharding=concrete_sharding(sharding, group, name),
         checksums=recorded_checksums(files, name),
-        chunk_tables=files.chunk_tables and name not in files.chunk_crc32c,
+        chunk_tables=files.chunk_tables,
     )
 
 
@@ -350,7 +350,7 @@ def _key_task(
         dtype="uint32",
         sharding=concrete_sharding(sharding, group, name),
         checksums=recorded_checksums(files, name),
-        chunk_tables=files.chunk_tables and name not in files.chunk_crc32c,
+        chunk_tables=files.chunk_tables,
         random_key_impl=impl,
     )
 

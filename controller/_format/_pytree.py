@@ -425,6 +425,16 @@ def _read(directory: Path | ObjectPath) -> TreeFiles:
             f"{workers.CHUNK_TABLES_FORMAT}); upgrade milepost to load this checkpoint"
         )
     tables = tables is not None
+    use_ocdbt = (
+        bool(meta["use_ocdbt"]) if "use_ocdbt" in meta else present(directory / OCDBT_MANIFEST)
+    )
+    if not tables and use_ocdbt and present(directory / OCDBT_MANIFEST):
+        # A milepost checkpoint's databases hold checksum tables that _milepost.json does not
+        # mention (edited, or crafted): its chunks are checked against them all the same.
+        store = workers.StoreSpec(directory=str(directory), use_ocdbt=True)
+        tables = workers.has_chunk_tables(
+            workers.read_kvstore(store), workers.new_context(directory)
+        )
     if "random_key_impl" in info:
         key_impls = {str(k): str(v) for k, v in info["random_key_impl"].items()}
     else:  # written by Orbax: the implementations are only in array_metadatas/
@@ -434,9 +444,7 @@ def _read(directory: Path | ObjectPath) -> TreeFiles:
     return TreeFiles(
         leaves=leaves,
         # Orbax before 0.6 did not record it: an OCDBT tree has its manifest at the top
-        use_ocdbt=bool(meta["use_ocdbt"])
-        if "use_ocdbt" in meta
-        else present(directory / OCDBT_MANIFEST),
+        use_ocdbt=use_ocdbt,
         zarr_format=3 if meta.get("use_zarr3", False) else 2,
         shardings=shardings,
         sharding_files=sharding_files,

@@ -606,7 +606,7 @@ def to_numpy(x: LazyArray) -> np.ndarray:
         name=source.name,
         box=box,
         checksums=_checkpoint.recorded_checksums(ck.files, source.name),
-        chunk_tables=ck.files.chunk_tables and source.name not in ck.files.chunk_crc32c,
+        chunk_tables=ck.files.chunk_tables,
     )
     group = ck.placement.group
     timeout = _options.current().async_.timeout_secs

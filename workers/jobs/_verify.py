@@ -16,9 +16,6 @@ from milepost.workers._errors import CorruptCheckpointError
 from milepost.workers._messages import VerifyAck, VerifyPlan, VerifyTask
 from milepost.workers.load import ArrayChecks
 
-_INLINE: Any = object()
-"""A chunk inline in the OCDBT B-tree: read (TensorStore checks the node's CRC32C), not ours."""
-
 
 def verify(plan: VerifyPlan, process_index: int | str = 0) -> VerifyAck:
     """Read every chunk of the plan and check it against its recorded checksum; report what is
@@ -59,13 +56,12 @@ class _Verifier:
             try:
                 inner, shard = tsu.chunk_shapes(store)
                 tables = ArrayChecks(task.store, [task.name], self.context)
-                expected = {}
+                expected = dict(expected or {})  # (the chunks inline in the B-tree, recorded)
                 for grid in task.chunks:
-                    want = tables.expected(task.name, grid, inner, shard)
-                    if want is not None and want >= 0:  # (-1: reported as unrecorded below)
-                        expected[grid] = want
-                    elif want is None:  # inline in the B-tree: TensorStore checks its node
-                        expected[grid] = _INLINE
+                    if grid not in expected:
+                        want = tables.expected(task.name, grid, inner, shard)
+                        if want >= 0:  # (-1: reported as unrecorded below)
+                            expected[grid] = want
             except Exception as e:
                 self.problems.append(
                     f"array {task.name!r}: its chunks' checksum tables cannot be read ({e})"
@@ -106,7 +102,7 @@ class _Verifier:
         self.nbytes += out.nbytes
         if self.progress is not None:
             self.progress(out.nbytes)
-        if expected is not None and expected.get(grid) is not _INLINE:
+        if expected is not None:
             try:
                 _checksum.check(
                     name, grid, _checksum.values_crc32c(out), expected, task.store.directory

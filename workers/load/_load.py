@@ -156,12 +156,11 @@ def _load(
                 reader.read_tensor(task.tensor, asm)
             else:
                 checked = None
-                if task.checksums is not None:
+                mine = tables if task.chunk_tables else None
+                if task.checksums is not None or mine is not None:
                     inner, shard = tsu.chunk_shapes(store, metadatas[i])
-                    checked = Checked(task.name, task.shape, inner, dict(task.checksums), shard)
-                elif task.chunk_tables and tables is not None:
-                    inner, shard = tsu.chunk_shapes(store, metadatas[i])
-                    checked = Checked(task.name, task.shape, inner, {}, shard, tables, locator)
+                    recorded = dict(task.checksums or ())
+                    checked = Checked(task.name, task.shape, inner, recorded, shard, mine, locator)
                 for devices, box in asm.pieces:
                     reader.read(store, layout, box, asm, devices, checked)
             # The collectives of the arrays before this one run while its reads are in flight.

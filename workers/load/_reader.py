@@ -44,13 +44,18 @@ class Checked:
     """With ``locator``: the checksums are in the chunks' writers' tables, not ``expected``."""
     locator: _direct.Locator | None = None
 
-    def want(self, grid: tuple[int, ...]) -> int | None:
-        """The checksum chunk ``grid`` must have; -1 when none is recorded for it (which fails
-        the check); None when it is not checked here (a chunk inline in the OCDBT B-tree,
-        which the node's own CRC32C covers, or missing, which the read reports)."""
-        if self.tables is None or self.locator is None:
-            return self.expected.get(grid, -1)
-        return self.tables.expected(self.name, grid, self.locator.locate(self.key(grid)))
+    def want(self, grid: tuple[int, ...]) -> int:
+        """The checksum chunk ``grid`` must have: recorded by the commit (checkpoints before the
+        tables; chunks stored inline in the B-tree), else its writer's table; -1 when neither
+        has one (which fails the check: a chunk inline in the B-tree that the commit did not
+        record was not written there by its writer)."""
+        found = self.expected.get(grid)
+        if found is not None or self.tables is None or self.locator is None:
+            return -1 if found is None else found
+        value = self.locator.locate(self.key(grid))
+        if value is None:
+            return -1
+        return self.tables.expected(self.name, grid, value)
 
     def key(self, grid: tuple[int, ...]) -> str:
         """The storage key of the shard holding chunk ``grid``."""
@@ -285,8 +290,6 @@ class BudgetedReader:
         buffer = read.staged if read.staged is not None else read.out
         for grid, crc in _checksum.region_crc32c(buffer, read.whole, checked.chunk_shape):
             want = checked.want(grid)
-            if want is None:
-                continue  # inline in the B-tree: covered by the node's CRC32C
             recorded = {grid: want} if want >= 0 else {}
             _checksum.check(checked.name, grid, crc, recorded, self._where(checked, grid))
         if read.staged is not None:

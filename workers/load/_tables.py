@@ -26,7 +26,9 @@ class ArrayChecks:
         grid: tuple[int, ...],
         chunk_shape: tuple[int, ...],
         shard_shape: tuple[int, ...],
-    ) -> int | None:
-        """As :meth:`ChunkTables.expected`, for chunk ``grid`` of ``name``."""
+    ) -> int:
+        """As :meth:`ChunkTables.expected`, for chunk ``grid`` of ``name``; -1 for a chunk
+        not in a data file (inline in the B-tree, which the commit records, or missing)."""
         key = shard_key(name, grid, chunk_shape, shard_shape)
-        return self._tables.expected(name, grid, self._locator.locate(key))
+        value = self._locator.locate(key)
+        return -1 if value is None else self._tables.expected(name, grid, value)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import math
 import threading
 import time
 from concurrent.futures import Future
@@ -17,6 +18,7 @@ from milepost.workers import _checksum, _chunk_tables, _requests
 from milepost.workers import _tensorstore as tsu
 from milepost.workers._boxes import Box
 from milepost.workers._errors import StillWritingError, from_tensorstore
+from milepost.workers._keys import dtype_of
 from milepost.workers._memory import on_copy_pool
 from milepost.workers._messages import ArraySpec, SaveAck, SavePlan, WrittenArray
 from milepost.workers.save import _staging
@@ -114,6 +116,10 @@ class PendingSave:
                     self._write_table(database, table)
                 self._wait_inflight(left, timeout)
                 self._inflight = None
+                # Chunks stored inline in the B-tree have no data file to find their writer
+                # by: the commit records their checksums (small arrays, or compressed ones).
+                for name, crcs in self._inline_chunks(tables).items():
+                    checksums[name].extend(crcs)
                 _staging.POOL.give_back(self._staged, keep_bytes=self._staged_bytes)
                 arrays = tuple(
                     WrittenArray(
@@ -161,6 +167,29 @@ class PendingSave:
             if mapped is e:
                 raise
             raise mapped from e
+
+    def _inline_chunks(
+        self, tables: dict[str, dict[str, list[tuple[tuple[int, ...], int]]]]
+    ) -> dict[str, list[tuple[tuple[int, ...], int]]]:
+        """The checksums of the chunks written into ``tables``' databases whose shard value
+        ended up inline in the B-tree (found in the database itself, for the arrays whose shards
+        may be small enough: compressed, or of at most twice the inline limit)."""
+        specs = {t.spec.name: t.spec for t in self._plan.tasks}
+        out: dict[str, list[tuple[tuple[int, ...], int]]] = {}
+        for database, arrays in tables.items():
+            small = [n for n in arrays if _may_be_inline(specs[n])]
+            if not small:
+                continue
+            stored = _chunk_tables.keys_in_data_files(
+                tsu.as_path(self._plan.store.directory) / database
+            )
+            for name in small:
+                spec = specs[name]
+                for grid, crc in arrays[name]:
+                    key = _chunk_tables.shard_key(name, grid, spec.chunk_shape, spec.write_shape)
+                    if key.encode() not in stored:
+                        out.setdefault(name, []).append((grid, crc))
+        return out
 
     def _write_table(
         self, database: str, table: dict[str, list[tuple[tuple[int, ...], int]]]
@@ -210,3 +239,17 @@ class PendingSave:
             + ". The storage is stalled or slower than the timeout allows: check it, or raise "
             "AsyncOptions(timeout_secs=...)",
         )
+
+
+def _may_be_inline(spec: ArraySpec) -> bool:
+    """Whether an array's shard values may be small enough to be stored inline in the OCDBT
+    B-tree (compressed, or of at most twice the inline limit uncompressed: a margin for the
+    element types stored packed)."""
+    if spec.compression is not None:
+        return True
+    try:
+        itemsize = int(np.dtype(dtype_of(spec.dtype)).itemsize)
+    except TypeError:
+        return True
+    limit = int(tsu.OCDBT_CONFIG["max_inline_value_bytes"])  # type: ignore[call-overload]
+    return math.prod(spec.write_shape) * itemsize <= 2 * limit
