@@ -76,6 +76,14 @@ def database_of_key(ckpt: Path, key: str) -> str:
     return file.relative_to(ckpt / "state").parts[0]
 
 
+def tabled_copy(saved: dict[str, tuple[Path, Any]], tmp_path: Path) -> tuple[Path, Any, str]:
+    """A copy of the default layout's checkpoint to attack, its state, and the database that
+    holds ``w``'s first chunk (whose table the attacks forge)."""
+    base, state = saved["ocdbt"]
+    ckpt = copy_of(base, tmp_path / "c")
+    return ckpt, state, database_of_key(ckpt, "w/c/0/0")
+
+
 def read_table(ckpt: Path, database: str) -> dict[str, dict[tuple[int, ...], int]]:
     return workers.decode_chunk_table(database, root_kv(ckpt)[table_key(database)], "")
 
@@ -227,9 +235,7 @@ def test_an_unknown_tables_flag_is_refused(
 def test_a_table_without_an_array_is_refused(
     saved: dict[str, tuple[Path, Any]], tmp_path: Path, direct: bool
 ) -> None:
-    base, state = saved["ocdbt"]
-    ckpt = copy_of(base, tmp_path / "c")
-    database = database_of_key(ckpt, "w/c/0/0")
+    ckpt, state, database = tabled_copy(saved, tmp_path)
     table = read_table(ckpt, database)
     assert "w" in table
     del table["w"]
@@ -260,9 +266,7 @@ def test_extra_arrays_and_odd_grid_keys_in_a_table_change_nothing(
 ) -> None:
     """Entries no chunk is looked up by (another array, negative or huge grid indices) are
     harmless: the real chunks are still checked against their own entries."""
-    base, state = saved["ocdbt"]
-    ckpt = copy_of(base, tmp_path / "c")
-    database = database_of_key(ckpt, "w/c/0/0")
+    ckpt, state, database = tabled_copy(saved, tmp_path)
     table = read_table(ckpt, database)
     table["zzz"] = {(0, 0): 1}
     table["w"][(-1, 0)] = 7
@@ -281,9 +285,7 @@ def test_extra_arrays_and_odd_grid_keys_in_a_table_change_nothing(
 def test_a_wrong_checksum_in_the_table_is_refused(
     saved: dict[str, tuple[Path, Any]], tmp_path: Path
 ) -> None:
-    base, state = saved["ocdbt"]
-    ckpt = copy_of(base, tmp_path / "c")
-    database = database_of_key(ckpt, "w/c/0/0")
+    ckpt, state, database = tabled_copy(saved, tmp_path)
     table = read_table(ckpt, database)
     table["w"][(0, 0)] ^= 1
     write_table(ckpt, database, table)
@@ -309,9 +311,7 @@ MALFORMED = {
 def test_a_malformed_table_is_refused(
     saved: dict[str, tuple[Path, Any]], tmp_path: Path, chunks: str
 ) -> None:
-    base, state = saved["ocdbt"]
-    ckpt = copy_of(base, tmp_path / "c")
-    database = database_of_key(ckpt, "w/c/0/0")
+    ckpt, state, database = tabled_copy(saved, tmp_path)
     body = f'{{"format":1,"database":"{database}","chunks":{chunks}}}'.encode()
     write_raw_table(ckpt, database, body)
     for direct in (True, False):
@@ -336,9 +336,7 @@ def test_a_malformed_table_is_refused(
 def test_a_table_that_is_not_a_table_is_refused(
     saved: dict[str, tuple[Path, Any]], tmp_path: Path, body: bytes
 ) -> None:
-    base, state = saved["ocdbt"]
-    ckpt = copy_of(base, tmp_path / "c")
-    database = database_of_key(ckpt, "w/c/0/0")
+    ckpt, state, database = tabled_copy(saved, tmp_path)
     write_raw_table(ckpt, database, body.replace(b"ocdbt.process_0", database.encode()))
     with pytest.raises(mp.CorruptCheckpointError, match="checksum table"):
         mp.load(ckpt, abstract_of(state))
@@ -347,9 +345,7 @@ def test_a_table_that_is_not_a_table_is_refused(
 def test_a_deeply_nested_table_is_refused(
     saved: dict[str, tuple[Path, Any]], tmp_path: Path
 ) -> None:
-    base, state = saved["ocdbt"]
-    ckpt = copy_of(base, tmp_path / "c")
-    database = database_of_key(ckpt, "w/c/0/0")
+    ckpt, state, database = tabled_copy(saved, tmp_path)
     depth = 200_000
     body = (
         f'{{"format":1,"database":"{database}","chunks":'.encode()
@@ -363,9 +359,7 @@ def test_a_deeply_nested_table_is_refused(
 
 
 def test_a_truncated_table_is_refused(saved: dict[str, tuple[Path, Any]], tmp_path: Path) -> None:
-    base, state = saved["ocdbt"]
-    ckpt = copy_of(base, tmp_path / "c")
-    database = database_of_key(ckpt, "w/c/0/0")
+    ckpt, state, database = tabled_copy(saved, tmp_path)
     stored = bytes(root_kv(ckpt)[table_key(database)])
     for data in (b"", b"ab", stored[:-1]):
         root_write(ckpt, table_key(database), data)
