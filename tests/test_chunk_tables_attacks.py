@@ -402,7 +402,7 @@ def test_a_database_name_with_dots_reads_only_a_key(tmp_path: Path) -> None:
     ckpt = tmp_path / "state"
     kv = ts.KvStore.open(workers.ocdbt_kvstore(str(ckpt))).result()
     kv["a"] = b"1"
-    tables = _chunk_tables.ChunkTables(workers.ocdbt_kvstore(str(ckpt)), str(ckpt), None)
+    tables = _chunk_tables.ChunkTables(workers.StoreSpec(directory=str(ckpt), use_ocdbt=True))
     for name in ("../x", "ocdbt.process_0/../../etc", "/etc/passwd"):
         with pytest.raises(mp.CorruptCheckpointError, match="no checksum table"):
             tables.table(name)
@@ -676,7 +676,7 @@ def test_one_chunk_tables_read_by_many_threads(
 ) -> None:
     ckpt, _ = saved["ocdbt"]
     directory = str(ckpt / "state")
-    tables = _chunk_tables.ChunkTables(workers.ocdbt_kvstore(directory), directory, None)
+    tables = _chunk_tables.ChunkTables(workers.StoreSpec(directory=directory, use_ocdbt=True))
     database = database_of_key(ckpt, "w/c/0/0")
     got: list[Any] = []
     barrier = threading.Barrier(8)

@@ -31,7 +31,9 @@ import tensorstore as ts
 
 from milepost.workers import _checksum
 from milepost.workers._errors import CorruptCheckpointError, from_tensorstore
+from milepost.workers._messages import StoreSpec
 from milepost.workers._paths import context_for, is_local, kvstore
+from milepost.workers._tensorstore import new_context, read_kvstore
 from milepost.workers._ts_internals import FileRange, ocdbt_values
 
 TABLE_PREFIX = ".milepost/chunk_crc32c/"
@@ -101,9 +103,8 @@ def decode(database: str, data: bytes, where: str) -> dict[str, dict[tuple[int, 
 def database_of(directory: str, value: FileRange) -> str | None:
     """The per-process database whose data file holds ``value`` (None: a file of the root view
     itself, or outside every database)."""
-    inside = (
-        value.path[len(directory.rstrip("/")) + 1 :] if value.path.startswith(directory) else ""
-    )
+    root = directory.rstrip("/") + "/"
+    inside = value.path[len(root) :] if value.path.startswith(root) else ""
     head = inside.split("/", 1)[0]
     return head if head.startswith("ocdbt.process_") and "/" in inside else None
 
@@ -111,10 +112,10 @@ def database_of(directory: str, value: FileRange) -> str | None:
 class ChunkTables:
     """The tables one load (or verify) reads, each read once, when first needed."""
 
-    def __init__(self, kvstore: dict[str, Any], directory: str, context: Any) -> None:
-        self._kvstore = kvstore
-        self._directory = directory
-        self._context = context
+    def __init__(self, store: StoreSpec, context: Any = None) -> None:
+        self._kvstore = read_kvstore(store)
+        self._directory = store.directory
+        self._context = new_context(store.directory) if context is None else context
         self._opened: Any = None
         self._tables: dict[str, dict[str, dict[tuple[int, ...], int]]] = {}
         self._lock = threading.Lock()
@@ -171,9 +172,9 @@ def shard_key(
     )
 
 
-def present(kvstore: dict[str, Any], context: Any) -> bool:
+def present(store: StoreSpec) -> bool:
     """Whether the store holds any chunk checksum table (one listing of their key range)."""
-    kv = ts.KvStore.open(kvstore, context=context).result()
+    kv = ts.KvStore.open(read_kvstore(store), context=new_context(store.directory)).result()
     end = TABLE_PREFIX[:-1] + chr(ord(TABLE_PREFIX[-1]) + 1)
     return bool(kv.list(ts.KvStore.KeyRange(TABLE_PREFIX, end)).result())
 

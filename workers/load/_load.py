@@ -77,15 +77,7 @@ def _load(
             "checkpoint.",
             path=plan.store.directory,
         ) from walk_failed
-    tables = (
-        ChunkTables(
-            tsu.read_kvstore(plan.store),
-            plan.store.directory,
-            tsu.new_context(plan.store.directory),
-        )
-        if tabled
-        else None
-    )
+    tables = ChunkTables(plan.store) if tabled else None
     metadatas = [tsu.zarr_metadata(s) if s is not None else None for s in stores]
     layouts: list[ShardLayout | None] = [None] * len(stores)
     if locator is not None and direct:

@@ -7,7 +7,6 @@ from typing import Any
 
 from milepost.workers._chunk_tables import ChunkTables, shard_key
 from milepost.workers._messages import StoreSpec
-from milepost.workers._tensorstore import read_kvstore
 from milepost.workers.load._direct import Locator
 
 
@@ -18,7 +17,7 @@ class ArrayChecks:
     def __init__(self, store: StoreSpec, names: list[str], context: Any) -> None:
         self._locator = Locator(store)
         self._locator.index(names)
-        self._tables = ChunkTables(read_kvstore(store), store.directory, context)
+        self._tables = ChunkTables(store, context)
 
     def expected(
         self,
