@@ -7,6 +7,7 @@ from milepost.colocated._jax_internals import preemption_service_running
 from milepost.colocated._mcjax import MultiControllerHostGroup, default_group, set_primary_process
 from milepost.colocated._ray_group import RayHostGroup, Traffic
 from milepost.colocated._slice import Slice, SliceOptions
+from milepost.colocated._slice_peers import SlicePeers
 
 __all__ = [
     "AbstractArray",
@@ -21,6 +22,7 @@ __all__ = [
     "Slice",
     "SliceMesh",
     "SliceOptions",
+    "SlicePeers",
     "SliceSharding",
     "Traffic",
     "default_group",

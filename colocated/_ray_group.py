@@ -142,6 +142,10 @@ class RayHostGroup:
     def healthy(self) -> bool:
         return self._healthy and not self._closed
 
+    def actor(self, i: int) -> Any:
+        """Host ``i``'s actor handle (for calls one host makes to another)."""
+        return self._actors[i]
+
     def describe_host(self, i: int) -> str:
         ident = self._identities[i]
         return f"host {i} (node {ident['node'][:12]}, ip {ident['ip']}, pid {ident['pid']})"

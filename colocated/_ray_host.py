@@ -16,6 +16,7 @@ import threading
 from typing import Any
 
 import milepost.workers as workers
+from milepost.colocated._ray_peers import PeerHost
 
 
 class Ref:
@@ -47,11 +48,11 @@ def _portable(error: Exception) -> Exception:
             return RuntimeError(f"{type(error).__name__}: {error}")
 
 
-class HostActor:
+class HostActor(PeerHost):
     """Runs in the worker host's process; imports JAX only after its environment is set."""
 
     def __init__(self, index: int, count: int, devices_per_host: int) -> None:
-        self.index = index
+        self.index: int = index
         self.count = count
         self.devices_per_host = devices_per_host
         self.arrays: dict[str, Any] = {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -23,6 +24,7 @@ from milepost.colocated._errors import HostError
 from milepost.colocated._handles import AbstractArray, RemoteArray, SliceMesh, SliceSharding
 from milepost.colocated._ray_group import WAIT_GROUP, RayHostGroup, Traffic, pickled_size
 from milepost.colocated._ray_host import HostActor, Ref
+from milepost.colocated._ray_peers import PEER_GROUP
 from milepost.workers import check
 
 log = logging.getLogger("milepost.slice")
@@ -72,6 +74,15 @@ class SliceOptions:
         check.integer(self.ray_object_store_bytes, "SliceOptions.ray_object_store_bytes", minimum=1)
 
 
+def _host_remote() -> Any:
+    """``HostActor`` as a Ray actor class, with its concurrency groups."""
+    import ray
+
+    groups = {WAIT_GROUP: 4, PEER_GROUP: 2}
+    # (ray's overloads of remote() omit its concurrency_groups option)
+    return ray.remote(concurrency_groups=groups)(HostActor)  # type: ignore[call-overload]
+
+
 def _actor_env(devices_per_host: int | None, options: SliceOptions) -> dict[str, str]:
     """The host actors' environment variables (set before the actor process imports JAX): fake
     CPU devices when asked, and the storage variables the controller has (the hosts open the
@@ -94,8 +105,15 @@ class Slice:
     ...     milepost.save(path, {"params": params, "step": 0})
     """
 
-    def __init__(self, group: RayHostGroup, placement_group: Any, options: SliceOptions) -> None:
+    def __init__(
+        self,
+        group: RayHostGroup,
+        placement_group: Any,
+        options: SliceOptions,
+        devices_per_host: int | None = None,
+    ) -> None:
         self.options = options
+        self._devices_per_host = devices_per_host
         self.group = group
         """The slice's host group: every controller<->host message goes through it."""
         self._pg = placement_group
@@ -168,21 +186,31 @@ class Slice:
                 + ("STRICT_SPREAD needs one node per host; " if strategy == "STRICT_SPREAD" else "")
                 + "lower SliceOptions.cpus_per_host or add resources"
             ) from None
-        env = _actor_env(devices_per_host, options)
-        # (ray's overloads of remote() omit its concurrency_groups option)
-        decorate = ray.remote(concurrency_groups={WAIT_GROUP: 4})  # type: ignore[call-overload]
-        remote = decorate(HostActor)
         actors = [
-            remote.options(
+            _host_remote()
+            .options(
                 num_cpus=options.cpus_per_host,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=i
                 ),
-                runtime_env={"env_vars": env},
+                runtime_env={"env_vars": _actor_env(devices_per_host, options)},
                 max_restarts=0,
-            ).remote(i, hosts, devices_per_host or 0)
+            )
+            .remote(i, hosts, devices_per_host or 0)
             for i in range(hosts)
         ]
+        return cls._form(actors, devices_per_host, options, pg)
+
+    @classmethod
+    def _form(
+        cls, actors: list[Any], devices_per_host: int | None, options: SliceOptions, pg: Any
+    ) -> Slice:
+        """Make the placed ``actors`` one ``jax.distributed`` cluster, checked; a HostError (and
+        every actor ended) if they do not."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        hosts = len(actors)
         try:
             identities = ray.get(
                 [a.identity.remote() for a in actors], timeout=options.start_timeout_secs
@@ -203,13 +231,94 @@ class Slice:
         except Exception as e:
             for a in actors:
                 ray.kill(a)
-            remove_placement_group(pg)
+            if pg is not None:
+                remove_placement_group(pg)
             raise HostError(
                 f"starting the slice's {hosts} hosts failed: {type(e).__name__}: {e}"
             ) from e
         group = RayHostGroup(actors, identities, device_ids, options.timeout_secs)
         log.info("slice started: %d hosts, devices %s", hosts, device_ids)
-        return cls(group, pg, options)
+        return cls(group, pg, options, devices_per_host)
+
+    def recover(self, *, options: SliceOptions | None = None) -> Slice:
+        """A new slice of this one's topology, after a host or node was lost: this slice is shut
+        down; each host whose node is alive starts again there, with its index (its node's
+        memory folders are found again); a host whose node is gone starts on a live node where
+        no host of this slice ran (a spare), one such node per lost host. The new slice has the
+        same global device ids, so this slice's meshes and shardings describe it too.
+
+        >>> s = s.recover()  # then restore the state: Checkpointer.recover does both
+        """
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        options = options or self.options
+        before = [ident["node"] for ident in self.group.identities()]
+        self.shutdown()
+        # A node whose raylet was just killed may still be listed alive (until its health
+        # checks fail): a host placed there dies at once, and the next attempt leaves it out.
+        gone: set[str] = set()
+        deadline = time.monotonic() + options.start_timeout_secs
+        while True:
+            nodes = self._recovery_nodes(before, gone)
+            actors = [
+                _host_remote()
+                .options(
+                    num_cpus=options.cpus_per_host,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
+                    runtime_env={"env_vars": _actor_env(self._devices_per_host, options)},
+                    max_restarts=0,
+                )
+                .remote(i, len(nodes), self._devices_per_host or 0)
+                for i, node in enumerate(nodes)
+            ]
+            calls = {a.identity.remote(): (a, node) for a, node in zip(actors, nodes, strict=True)}
+            ready, _ = ray.wait(
+                list(calls), num_returns=len(calls), timeout=deadline - time.monotonic()
+            )
+            dead = set()
+            for ref in ready:
+                try:
+                    ray.get(ref, timeout=0)
+                except ray.exceptions.RayActorError:
+                    dead.add(calls[ref][1])
+            if len(ready) == len(calls) and not dead:
+                return type(self)._form(actors, self._devices_per_host, options, None)
+            for a in actors:
+                ray.kill(a)
+            if not dead or time.monotonic() > deadline:
+                raise HostError(
+                    f"recovering the slice: its hosts could not start on nodes "
+                    f"{[n[:12] for n in nodes]} within {options.start_timeout_secs:g}s"
+                )
+            log.warning("recovering the slice: nodes %s are gone too", [n[:12] for n in dead])
+            gone |= dead
+
+    def _recovery_nodes(self, before: list[str], gone: set[str]) -> list[str]:
+        """Where each host of a recovered slice goes: its node if alive, else a spare."""
+        import ray
+
+        alive = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] not in gone]
+        spares = [n for n in alive if n not in before]
+        nodes: list[str] = []
+        for i, node in enumerate(before):
+            if node in alive:
+                nodes.append(node)
+                continue
+            if not spares:
+                raise HostError(
+                    f"cannot recover the slice: host {i}'s node {node[:12]} is gone and every "
+                    f"live node ({len(alive)}) already runs a host of it; add a node (a spare) "
+                    "to the Ray cluster, then call recover() again"
+                )
+            nodes.append(spares.pop(0))
+            log.warning(
+                "recovering the slice: host %d moves from lost node %s to node %s",
+                i,
+                node[:12],
+                nodes[-1][:12],
+            )
+        return nodes
 
     def __enter__(self) -> Slice:
         return self

@@ -16,6 +16,7 @@ from milepost.training._errors import (
 )
 from milepost.training._listing import list_steps
 from milepost.training._options import CheckpointerOptions
+from milepost.training._peers import PeerTier, Recovery
 from milepost.training._policies import (
     AnyOf,
     Continuous,
@@ -48,7 +49,9 @@ __all__ = [
     "KeepLatest",
     "KeepUnion",
     "MirrorError",
+    "PeerTier",
     "Preemption",
+    "Recovery",
     "RetentionPolicy",
     "SaveContext",
     "SavePolicy",

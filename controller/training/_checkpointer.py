@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from milepost import _api, _checkpoint, _hosts, _options, _views
-from milepost.colocated import HostGroup
+from milepost.colocated import HostGroup, Slice
 from milepost.training._errors import (
     BackgroundSaveError,
     StepBusyError,
@@ -39,6 +39,7 @@ from milepost.training._errors import (
 )
 from milepost.training._mirror import Mirror
 from milepost.training._options import CheckpointerOptions
+from milepost.training._peers import PeerTier, PeerTierRun, Recovery, run_name
 from milepost.training._policies import RetentionPolicy, SaveContext, SavePolicy
 from milepost.training._preemption import PreemptionWatch
 from milepost.training._retention import Retention
@@ -102,6 +103,7 @@ class Checkpointer:
         local: str | os.PathLike[str] | None = None,
         local_keep: RetentionPolicy | None = None,
         mirror_timeout_secs: float | None = None,
+        peers: PeerTier | None = None,
     ) -> None:
         given: dict[str, Any] = {"save_policy": save_policy, "keep": keep}
         self.options = CheckpointerOptions(
@@ -113,6 +115,7 @@ class Checkpointer:
             local=local,
             local_keep=local_keep,
             mirror_timeout_secs=mirror_timeout_secs,
+            peers=peers,
         )
         self.root = as_path(root)
         self.local: Path | None = self.options.local_path()
@@ -148,6 +151,11 @@ class Checkpointer:
                 self._state, self.local, self.root, self._retention, self._mirror_timeout, context
             )
             if self.local is not None
+            else None
+        )
+        self._peers = (
+            PeerTierRun(self.options.peers, run_name(str(self.root)), self._timeout)
+            if self.options.peers is not None
             else None
         )
         self._last_save_start: float | None = None
@@ -344,8 +352,12 @@ class Checkpointer:
         state = self._state
         state.raise_failure()
         metrics_ = plain_metrics(metrics)
+        kept = self._peers is not None and self._peers.due(step) and STATE in checkpointables
+        if kept:
+            assert self._peers is not None
+            self._peers.save(step, checkpointables[STATE])
         if not force and not self.should_save(step):
-            return False
+            return kept
         with state.cond:
             self._check_free(step)
             state.wait_while(
@@ -581,6 +593,47 @@ class Checkpointer:
                 self._timeout + (self._mirror_timeout if state.mirrors else 0.0),
             )
         state.raise_failure()
+        if self._peers is not None:
+            self._peers.finish()
+
+    # -- recovery -----------------------------------------------------------------------
+    def recover(self, lost: Slice) -> Recovery:
+        """After a host or node of ``lost`` died: a new slice of its topology
+        (:meth:`Slice.recover`) holding the newest step recoverable on every shard, from node
+        memory (the peer tier) when it holds one, else from the local tier or the root. Saves
+        in flight on the lost slice are abandoned (nothing of theirs is committed).
+
+        >>> try:
+        ...     state = s.run(train_step, state); ckpt.save(step, state)
+        ... except mp.HostError:
+        ...     r = ckpt.recover(s); s, state, step = r.slice, r.state, r.step
+        """
+        self._check_writable("recover")
+        if self._peers is None:
+            raise ValueError(
+                "this Checkpointer keeps no peer tier, so it knows no tree to recover; open it "
+                "with peers=PeerTier(...), or start a new slice and load(step, abstract_state)"
+            )
+        try:
+            self.wait()
+        except Exception as e:  # the lost slice's saves: abandoned
+            log.warning("recovery: a save on the lost slice failed: %s: %s", type(e).__name__, e)
+        return self._peers.recover(lost, self._from_storage, self.latest)
+
+    def _from_storage(self, new: Slice, abstract: Any) -> tuple[int, Any, str, int]:
+        """The newest committed step, loaded onto ``new`` (a recovery's fallback)."""
+        step = self.latest
+        if step is None or abstract is None:
+            raise FileNotFoundError(
+                f"nothing to recover: no step is complete in node memory, and {self.root} "
+                "holds no committed step; start training again from its initial state"
+            )
+        state = self.load(step, abstract)
+        tier = "local" if step in self._state.local else "durable"
+        nbytes = sum(
+            x.nbytes for x in _checkpoint.all_leaves({STATE: state}) if hasattr(x, "nbytes")
+        )
+        return step, state, tier, nbytes
 
     def _check_open(self) -> None:
         if self._closed:

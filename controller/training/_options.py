@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from milepost.training._peers import PeerTier
 from milepost.training._policies import (
     FixedInterval,
     KeepAll,
@@ -44,6 +45,8 @@ class CheckpointerOptions:
     """Which steps the local tier keeps (default ``KeepLatest(n=2)``); never one not mirrored."""
     mirror_timeout_secs: float | None = None
     """How long a mirror may take (None: ``timeout_secs``)."""
+    peers: PeerTier | None = None
+    """Keep steps in the slice's node memory and on peer hosts (see :class:`PeerTier`)."""
 
     def __post_init__(self) -> None:
         check.instance(
@@ -69,6 +72,12 @@ class CheckpointerOptions:
         check.number(self.timeout_secs, "timeout_secs", positive=True, optional=True, expect=None)
         check.flag(self.read_only, "read_only")
         check.number(self.mirror_timeout_secs, "mirror_timeout_secs", positive=True, optional=True)
+        if self.peers is not None:
+            check.instance(self.peers, "peers", PeerTier, "a PeerTier(every_n_steps=..., ...)")
+            if self.read_only:
+                raise ValueError(
+                    "a read-only Checkpointer keeps no peer tier; drop peers=, or read_only"
+                )
         if self.local is not None:
             if not isinstance(as_path(self.local), Path):
                 raise ValueError(

@@ -1,0 +1,230 @@
+"""The peer tier on a slice: each host keeps its shards of a step in its node's memory folder and
+sends a copy to peers on other nodes; a recovered slice rebuilds its arrays from those copies.
+
+Host side: :class:`PeerHost`, mixed into the host actor. Bytes move host to host (a Ray call
+from one host actor to another, its arguments and answers carried by Ray's object transfer
+between nodes), never through the controller, which sends plans and gets acks.
+
+Call order, for one peer save (``RayHostGroup.peer_save``):
+
+1. every host ``peer_start``: copy its boxes to host memory (the caller's step blocks on this);
+2. in the background on each host: CRC32C every box, write the part into its node's folder,
+   send it to each of its peers (``peer_receive``, in the peers' ``peer`` concurrency group),
+   which check and write it into theirs;
+3. every host ``peer_wait`` (sent with ``peer_start``, in the ``wait`` group): answers once its
+   own part and every copy of it are written, or with the error that stopped them.
+
+A recovery (``RayHostGroup.peer_restore``): each host of the new slice gets its part of the
+chosen step from its own node's folder, or from the host holding a copy (``peer_read``), checks
+it, keeps a copy in its own folder, and builds its arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+
+import milepost.workers as workers
+from milepost.workers import peers
+
+PEER_GROUP = "peer"
+"""The actors' concurrency group for what peers ask of a host (receive a copy, read one): served
+while the host runs the training step or a checkpoint call."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PeerSavePlan:
+    """One host's peer save: where its node's folder is, the step, and who keeps copies."""
+
+    folder: str
+    run: str
+    step: int
+    hosts: int
+    copies_to: tuple[tuple[int, Any], ...]
+    """``(host index, actor handle)`` of each peer that keeps a copy of this host's part."""
+    keep: tuple[int, ...]
+    """The steps the node folders keep (the newest recoverable one and this one): the others
+    are removed before this part is written."""
+    timeout_secs: float
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PeerRestorePlan:
+    """One host's part of a recovery: the step's part of this host, and where a copy is."""
+
+    folder: str
+    run: str
+    step: int
+    token: str
+    records: tuple[peers.ArrayRecord, ...]
+    sources: tuple[tuple[int, Any], ...]
+    """Hosts holding a copy of this host's part, in the order to try (``(index, None)``: this
+    host's own node folder)."""
+    timeout_secs: float
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PeerSaveAck:
+    host: int
+    step: int
+    token: str
+    nbytes: int
+    copies: tuple[int, ...]
+    """The hosts that wrote a copy."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PeerRestoreAck:
+    host: int
+    nbytes: int
+    source: int | None
+    """The host whose copy was used (None: this host's own node folder)."""
+    skipped: tuple[str, ...]
+    """Why each source tried before it was not used."""
+
+
+class PeerHost:
+    """The peer tier's calls on a host actor (mixed into ``HostActor``)."""
+
+    index: int
+    arrays: dict[str, Any]
+
+    def _peer_state(self) -> dict[str, Future[PeerSaveAck]]:
+        state: dict[str, Future[PeerSaveAck]] | None = getattr(self, "_peer_saves", None)
+        if state is None:
+            state = {}
+            self._peer_saves = state
+        return state
+
+    def _peer_root(self, folder: str, run: str) -> Any:
+        import ray
+
+        return peers.run_folder(folder, run, ray.get_runtime_context().get_node_id())
+
+    def peer_start(self, plan: PeerSavePlan, sources: list[Any], token: str) -> int:
+        """Copy this host's boxes of ``sources`` to host memory; the rest runs behind."""
+        arrays = self._resolve(sources)  # type: ignore[attr-defined]
+        staged = peers.stage(
+            arrays, step=plan.step, owner=self.index, token=token, hosts=plan.hosts
+        )
+        root = self._peer_root(plan.folder, plan.run)
+        future = workers.RUNTIME.pool("peer-tier", 1).submit(self._peer_write, plan, root, staged)
+        self._peer_state()[token] = future
+        return int(staged.data.nbytes)
+
+    def _peer_write(self, plan: PeerSavePlan, root: Any, staged: peers.Staged) -> PeerSaveAck:
+        import ray
+
+        peers.prune(root, set(plan.keep))
+        part = staged.part()
+        peers.write(root, part, staged.data)
+        encoded = part.encode()
+        calls = {
+            i: actor.peer_receive.options(concurrency_group=PEER_GROUP).remote(
+                plan.folder, plan.run, encoded, staged.data
+            )
+            for i, actor in plan.copies_to
+        }
+        deadline = time.monotonic() + plan.timeout_secs
+        for i, ref in calls.items():
+            try:
+                ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+            except ray.exceptions.GetTimeoutError:
+                raise TimeoutError(
+                    f"host {i} did not store host {self.index}'s peer copy of step {plan.step} "
+                    f"within {plan.timeout_secs:g}s"
+                ) from None
+            except ray.exceptions.RayActorError as e:
+                raise ConnectionError(
+                    f"host {i}, which keeps host {self.index}'s peer copy of step {plan.step}, "
+                    f"died ({type(e).__name__})"
+                ) from None
+        return PeerSaveAck(
+            host=self.index,
+            step=plan.step,
+            token=part.token,
+            nbytes=part.nbytes,
+            copies=tuple(calls),
+        )
+
+    def peer_wait(self, token: str, timeout: float) -> PeerSaveAck:
+        """Once this host's part and its copies are written (runs in the wait group)."""
+        deadline = time.monotonic() + timeout
+        while token not in self._peer_state():  # sent with peer_start: wait for it to run
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"host {self.index} was asked to wait for a peer save whose start did not "
+                    f"run here within {timeout:g}s"
+                )
+            time.sleep(0.005)
+        future = self._peer_state()[token]
+        try:
+            return future.result(max(0.0, deadline - time.monotonic()))
+        finally:
+            if future.done():
+                self._peer_state().pop(token, None)
+
+    def peer_receive(self, folder: str, run: str, encoded: bytes, data: np.ndarray) -> int:
+        """Keep a peer's part (checked first: a copy damaged on the way is refused)."""
+        root = self._peer_root(folder, run)
+        part = peers.Part.decode(encoded, f"sent to host {self.index}")
+        peers.check(part, data, f"sent to host {self.index}")
+        peers.write(root, part, data)
+        return part.nbytes
+
+    def peer_list(self, folder: str, run: str) -> list[peers.Held]:
+        """The complete parts in this host's node folder."""
+        return peers.listing(self._peer_root(folder, run))
+
+    def peer_read(self, folder: str, run: str, step: int, owner: int, token: str) -> Any:
+        """A part in this host's node folder, checked, for a host that lost its own."""
+        part, data = peers.read(self._peer_root(folder, run), step, owner, token)
+        return part.encode(), data
+
+    def peer_restore(self, plan: PeerRestorePlan, prefix: str) -> PeerRestoreAck:
+        """Rebuild this host's arrays of ``plan.step`` from the first good copy of its part;
+        register them as ``<prefix>.<k>``."""
+        import ray
+
+        root = self._peer_root(plan.folder, plan.run)
+        skipped: list[str] = []
+        for source, actor in plan.sources:
+            try:
+                if actor is None:
+                    part, data = peers.read(root, plan.step, self.index, plan.token)
+                else:
+                    ref = actor.peer_read.options(concurrency_group=PEER_GROUP).remote(
+                        plan.folder, plan.run, plan.step, self.index, plan.token
+                    )
+                    encoded, data = ray.get(ref, timeout=plan.timeout_secs)
+                    where = f"copy of host {self.index}'s part from host {source}"
+                    part = peers.Part.decode(encoded, where)
+                    peers.check(part, data, where)
+                    if (part.step, part.owner, part.token) != (plan.step, self.index, plan.token):
+                        raise workers.CorruptCheckpointError(f"the {where} is of another save")
+                    peers.write(root, part, data)  # this node holds its part again
+            except (
+                OSError,
+                workers.CorruptCheckpointError,
+                ray.exceptions.RayError,
+            ) as e:
+                where = "its own node folder" if actor is None else f"host {source}"
+                skipped.append(f"{where}: {type(e).__name__}: {e}")
+                continue
+            arrays = peers.restore(part, data, plan.records)
+            for k, array in enumerate(arrays):
+                self.arrays[f"{prefix}.{k}"] = array
+            return PeerRestoreAck(
+                host=self.index,
+                nbytes=part.nbytes,
+                source=None if actor is None else source,
+                skipped=tuple(skipped),
+            )
+        raise FileNotFoundError(
+            f"host {self.index} found no good copy of its part of step {plan.step}: "
+            + "; ".join(skipped)
+        )

@@ -1,0 +1,173 @@
+"""The controller's side of a slice's peer tier: choose each host's peers, send the plans,
+gather the acks. What to keep and what to restore is decided above (``milepost.training``);
+the hosts' side is ``_ray_peers.PeerHost``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import milepost.workers as workers
+from milepost.colocated._errors import HostError
+from milepost.colocated._handles import RemoteArray
+from milepost.colocated._ray_group import WAIT_GROUP, RayHostGroup
+from milepost.colocated._ray_host import Ref
+from milepost.colocated._ray_peers import (
+    PEER_GROUP,
+    PeerRestoreAck,
+    PeerRestorePlan,
+    PeerSaveAck,
+    PeerSavePlan,
+)
+from milepost.workers import peers
+
+
+def choose_peers(nodes: Sequence[str], copies: int) -> list[list[int]]:
+    """For each host, the ``copies`` hosts that keep a copy of its part: the next hosts in index
+    order whose nodes differ from its own and from each other, so that losing one node never
+    loses a part and all its copies."""
+    hosts = len(nodes)
+    distinct = len(set(nodes))
+    if copies >= distinct:
+        raise ValueError(
+            f"a peer tier with copies={copies} needs the slice's hosts on at least {copies + 1} "
+            f"nodes (a part and each copy on a node of its own); its {hosts} hosts are on "
+            f"{distinct}: lower copies, or start the slice across more nodes (Slice.connect)"
+        )
+    out = []
+    for i in range(hosts):
+        chosen: list[int] = []
+        used = {nodes[i]}
+        for step in range(1, hosts):
+            j = (i + step) % hosts
+            if nodes[j] not in used:
+                chosen.append(j)
+                used.add(nodes[j])
+                if len(chosen) == copies:
+                    break
+        out.append(chosen)
+    return out
+
+
+class PendingPeerSave:
+    """The hosts' background work of one peer save: their own parts and the copies."""
+
+    def __init__(self, group: RayHostGroup, step: int, token: str, waits: dict[int, Any]) -> None:
+        self.group = group
+        self.step = step
+        self.token = token
+        self._waits = waits
+        self._acks: list[PeerSaveAck] | None = None
+
+    def done(self) -> bool:
+        import ray
+
+        ready, _ = ray.wait(list(self._waits.values()), num_returns=len(self._waits), timeout=0)
+        return len(ready) == len(self._waits)
+
+    def wait(self, timeout: float) -> list[PeerSaveAck]:
+        """Every host's ack; a HostError naming the hosts that failed or did not answer."""
+        if self._acks is None:
+            acks = self.group.gather(self._waits, timeout, f"keeping step {self.step} in memory")
+            self._acks = [acks[i] for i in sorted(acks)]
+        return self._acks
+
+
+class SlicePeers:
+    """A slice's peer tier calls (node folders named by ``folder`` and ``run``)."""
+
+    def __init__(self, group: RayHostGroup, folder: str, run: str) -> None:
+        self.group = group
+        self.folder = folder
+        self.run = run
+
+    def nodes(self) -> list[str]:
+        return [ident["node"] for ident in self.group.identities()]
+
+    def save(
+        self,
+        step: int,
+        sources: Sequence[Any],
+        copies: int,
+        timeout: float,
+        keep: Sequence[int],
+    ) -> tuple[PendingPeerSave, int]:
+        """Every host copies its boxes of ``sources`` to host memory (this returns then, with
+        the bytes staged); each then removes from its node's folder every step but ``keep`` and
+        writes its part and its copies, in the background."""
+        group = self.group
+        group.check_usable()
+        refs = []
+        for k, s in enumerate(sources):
+            if getattr(s, "__milepost_host_group__", None) is not group:
+                raise TypeError(
+                    f"array {k} ({type(s).__name__}) is not an array of this slice; the peer "
+                    "tier keeps a slice's RemoteArrays"
+                )
+            refs.append(Ref(s.id))
+        chosen = choose_peers(self.nodes(), copies)
+        token = uuid.uuid4().hex
+        starts = {}
+        for i in range(group.hosts):
+            plan = PeerSavePlan(
+                folder=self.folder,
+                run=self.run,
+                step=step,
+                hosts=group.hosts,
+                copies_to=tuple((j, group.actor(j)) for j in chosen[i]),
+                keep=tuple(keep),
+                timeout_secs=timeout,
+            )
+            starts[i] = group.call(i, "peer_start", plan, refs, token)
+        waits = {
+            i: group.call(i, "peer_wait", token, timeout, concurrency_group=WAIT_GROUP)
+            for i in range(group.hosts)
+        }
+        staged = group.gather(starts, timeout, f"copying step {step} to host memory")
+        return PendingPeerSave(group, step, token, waits), sum(staged.values())
+
+    def held(self, timeout: float) -> list[list[peers.Held]]:
+        """What each host's node folder holds, host by host."""
+        return self.group.all("peer_list", self.folder, self.run, doing="listing its peer tier")
+
+    def restore(
+        self,
+        step: int,
+        token: str,
+        records: Sequence[peers.ArrayRecord],
+        sources: Sequence[Sequence[int | None]],
+        timeout: float,
+    ) -> tuple[list[RemoteArray], list[PeerRestoreAck]]:
+        """Every host rebuilds its arrays of ``step`` from the copies ``sources[i]`` names for
+        it (None: its own node folder), in order; handles to the arrays, and the acks."""
+        group = self.group
+        group.check_usable()
+        prefix = uuid.uuid4().hex
+        calls = {}
+        for i in range(group.hosts):
+            plan = PeerRestorePlan(
+                folder=self.folder,
+                run=self.run,
+                step=step,
+                token=token,
+                records=tuple(records),
+                sources=tuple((i, None) if s is None else (s, group.actor(s)) for s in sources[i]),
+                timeout_secs=timeout,
+            )
+            calls[i] = group.call(i, "peer_restore", plan, prefix)
+        try:
+            acks = group.gather(calls, timeout, f"restoring step {step} from the peer tier")
+        except HostError:
+            for k in range(len(records)):  # what some hosts built before others failed
+                group.release(f"{prefix}.{k}")
+            raise
+        arrays = [
+            RemoteArray(group, f"{prefix}.{k}", r.shape, workers.dtype_of(r.dtype), r.sharding)
+            for k, r in enumerate(records)
+        ]
+        return arrays, [acks[i] for i in sorted(acks)]
+
+
+__all__ = ["PEER_GROUP", "PendingPeerSave", "SlicePeers", "choose_peers"]

@@ -1,0 +1,225 @@
+"""The peer tier: a slice's steps kept in each node's memory folder and on peers, and a lost host
+recovered from there (``Checkpointer(peers=PeerTier(...))``, ``Checkpointer.recover``).
+
+The store's own tests run here; the recoveries run on a real multi-node Ray cluster
+(``tests/_cluster.py``): a node removed with SIGKILL and its memory folder deleted with it.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import milepost as mp
+from milepost.colocated._slice_peers import choose_peers
+from milepost.training import Checkpointer, FixedInterval, PeerTier
+from milepost.workers import CorruptCheckpointError, peers
+from tests._cluster import ClusterProcess, LocalCluster
+
+
+# -- the node folder ---------------------------------------------------------------------------
+def _part(step: int, owner: int, token: str = "t") -> tuple[peers.Part, np.ndarray]:
+    data = np.arange(64, dtype=np.uint8) + owner
+    boxes = (
+        peers.Box(array=0, index=((0, 4), (0, 4)), offset=0, nbytes=32, crc32c=0),
+        peers.Box(array=1, index=((0, 8),), offset=32, nbytes=32, crc32c=0),
+    )
+    staged = peers.Staged(
+        step=step,
+        owner=owner,
+        token=token,
+        hosts=2,
+        dtypes=("int16", "float32"),
+        boxes=[(b.array, b.index, b.offset, b.nbytes) for b in boxes],
+        data=data,
+    )
+    return staged.part(), data
+
+
+def test_a_part_is_written_whole_listed_and_read_back_checked(tmp_path: Path) -> None:
+    root = peers.run_folder(str(tmp_path / "{node}"), "run-a", "node1")
+    assert root == tmp_path / "node1" / "run-a"
+    part, data = _part(3, 1)
+    peers.write(root, part, data)
+    assert peers.listing(root) == [peers.Held(step=3, owner=1, token="t", nbytes=64)]
+    got, back = peers.read(root, 3, 1, "t")
+    assert got == part and np.array_equal(back, data)
+    with pytest.raises(CorruptCheckpointError, match="another save"):
+        peers.read(root, 3, 1, "other")
+
+
+@pytest.mark.parametrize("damage", ["flip data", "truncate data", "flip manifest", "drop data"])
+def test_a_damaged_part_is_refused(tmp_path: Path, damage: str) -> None:
+    root = tmp_path / "run"
+    part, data = _part(2, 0)
+    peers.write(root, part, data)
+    folder = peers.part_folder(root, 2, 0)
+    if damage == "flip data":
+        raw = bytearray((folder / "data").read_bytes())
+        raw[40] ^= 1
+        (folder / "data").write_bytes(bytes(raw))
+    elif damage == "truncate data":
+        (folder / "data").write_bytes((folder / "data").read_bytes()[:-1])
+    elif damage == "flip manifest":
+        raw = bytearray((folder / "manifest.json").read_bytes())
+        raw[10] ^= 1
+        (folder / "manifest.json").write_bytes(bytes(raw))
+    else:
+        (folder / "data").unlink()
+    with pytest.raises((CorruptCheckpointError, FileNotFoundError)):
+        peers.read(root, 2, 0, "t")
+    if damage == "flip manifest":
+        assert peers.listing(root) == []  # never offered to a recovery
+
+
+def test_a_killed_write_leaves_nothing_that_is_listed_and_prune_removes_it(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "run"
+    part, data = _part(5, 0)
+    peers.write(root, part, data)
+    leftover = root / "step_6" / ".tmp.owner_0.abc"  # what a SIGKILL mid-write leaves
+    leftover.mkdir(parents=True)
+    (leftover / "data").write_bytes(b"half")
+    assert [h.step for h in peers.listing(root)] == [5]
+    peers.prune(root, {5})
+    assert sorted(p.name for p in root.iterdir()) == ["step_5"]
+    peers.prune(root, set())
+    assert list(root.iterdir()) == []
+
+
+def test_a_part_of_a_step_saved_again_replaces_the_earlier_one(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    peers.write(root, *_part(4, 0, "first"))
+    peers.write(root, *_part(4, 0, "second"))
+    assert [h.token for h in peers.listing(root)] == ["second"]
+
+
+def test_peers_are_on_other_nodes_and_never_together() -> None:
+    assert choose_peers(["a", "b", "c", "d"], 1) == [[1], [2], [3], [0]]
+    assert choose_peers(["a", "a", "b", "b"], 1) == [[2], [2], [0], [0]]
+    two = choose_peers(["a", "b", "c"], 2)
+    assert two == [[1, 2], [2, 0], [0, 1]]
+    with pytest.raises(ValueError, match="at least 2 nodes"):
+        choose_peers(["a", "a"], 1)
+
+
+def test_peer_tier_options_are_checked() -> None:
+    with pytest.raises(ValueError, match="absolute"):
+        PeerTier(path="shm/x")
+    with pytest.raises(ValueError, match="copies"):
+        PeerTier(copies=0)
+    with pytest.raises(TypeError, match="every_n_steps"):
+        PeerTier(every_n_steps="2")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="read-only"):
+        Checkpointer("/tmp/x-never-written", read_only=True, peers=PeerTier())
+
+
+# -- recovery on a multi-node cluster ----------------------------------------------------------
+def _expected(step: int) -> dict[str, np.ndarray]:
+    w = np.arange(48 * 64, dtype=np.float32).reshape(48, 64)
+    b = np.arange(12 * 8, dtype=np.int32).reshape(12, 8)
+    r = np.arange(6, dtype=np.float32)
+    return {"w": w + step, "b": b + 2 * step, "r": r - step}
+
+
+def _update(state: dict[str, Any]) -> dict[str, Any]:
+    return {"w": state["w"] + 1, "b": state["b"] + 2, "r": state["r"] - 1}
+
+
+def _shardings(s: Any) -> dict[str, Any]:
+    mesh = s.mesh({"data": 3, "model": 2})
+    return {
+        "w": mesh.sharding(P("data", "model")),
+        "b": mesh.sharding(P("data")),  # replicated over 'model'
+        "r": mesh.sharding(P()),  # on every device
+    }
+
+
+def _lose(cluster: LocalCluster, s: Any, host: int, shm: Path) -> None:
+    """SIGKILL the node of ``host`` and delete its memory folder (its RAM disk is gone)."""
+    import shutil
+
+    node_id = s.host_identities()[host]["node"]
+    cluster.remove_node(cluster.node_of(node_id))
+    shutil.rmtree(shm / node_id, ignore_errors=True)
+    print(f"removed the node of host {host} ({node_id[:12]})", flush=True)
+
+
+def _until_lost(s: Any, params: Any) -> None:
+    """Train on until the slice reports the lost host (its processes take a moment to end)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            s.run(_update, params)
+        except mp.HostError as e:
+            print(f"the training step failed: {e}", flush=True)
+            return
+        time.sleep(0.2)
+    raise AssertionError("the slice did not report its lost host within 60s")
+
+
+def _check_state(s: Any, state: dict[str, Any], step: int) -> None:
+    got = s.fetch({k: state["params"][k] for k in ("w", "b", "r")})
+    for k, want in _expected(step).items():
+        assert got[k].dtype == want.dtype and np.array_equal(got[k], want), k
+    assert state["step"] == step
+
+
+def _lose_a_node_between_steps(cluster: LocalCluster, tmp: str) -> None:
+    shm = Path(tmp) / "shm"
+    root = Path(tmp) / "ckpt"
+    tier = PeerTier(every_n_steps=1, copies=1, path=str(shm / "{node}"))
+    s = cluster.slice(devices_per_host=2, hosts=3)  # 3 of the 4 nodes: one spare
+    try:
+        with Checkpointer(root, save_policy=FixedInterval(interval=2), peers=tier) as ckpt:
+            params = s.put(_expected(0), _shardings(s))
+            for step in range(1, 6):
+                params = s.run(_update, params)
+                ckpt.save(step, {"params": params, "step": step})
+            ckpt.wait()
+            assert ckpt.steps == [2, 4]
+            lost = 2
+            part_bytes = sum(
+                len(peers.read(peers.run_folder(str(shm / "{node}"), run, node), 5, lost, tok)[1])
+                for run, node, tok in _part_of(shm, s, lost, 5)
+            )
+            _lose(cluster, s, lost, shm)
+            _until_lost(s, params)
+            t0 = time.monotonic()
+            r = ckpt.recover(s)
+            s = r.slice
+            print(f"recovered {r} in {time.monotonic() - t0:.1f}s; notes {r.notes}", flush=True)
+            assert (r.step, r.tier) == (5, "peers"), r
+            assert r.bytes_by_source["peer"] == part_bytes, r.bytes_by_source
+            assert r.bytes_by_source["own node"] == 2 * part_bytes  # 3 hosts, equal parts
+            _check_state(s, r.state, 5)
+            params = r.state["params"]
+            for step in range(6, 8):  # training goes on, and so does the tier
+                params = s.run(_update, params)
+                ckpt.save(step, {"params": params, "step": step})
+            ckpt.wait()
+            assert ckpt.steps == [2, 4, 6]
+            _check_state(s, {"params": params, "step": 7}, 7)
+    finally:
+        s.shutdown()
+
+
+def _part_of(shm: Path, s: Any, owner: int, step: int) -> list[tuple[str, str, str]]:
+    """(run, node, token) of the part of ``owner`` at ``step`` in its own node's folder."""
+    node = s.host_identities()[owner]["node"]
+    (run_dir,) = (shm / node).iterdir()
+    held = [h for h in peers.listing(run_dir) if (h.step, h.owner) == (step, owner)]
+    assert len(held) == 1, held
+    return [(run_dir.name, node, held[0].token)]
+
+
+def test_a_node_lost_between_steps_is_recovered_from_peers(
+    ray_cluster: ClusterProcess, tmp_path: Path
+) -> None:
+    print(ray_cluster.run(_lose_a_node_between_steps, str(tmp_path)))
