@@ -212,8 +212,9 @@ class PeerHost:
                 workers.CorruptCheckpointError,
                 ray.exceptions.RayError,
             ) as e:
+                cause = getattr(e, "cause", None) or e  # a peer's own error, not Ray's wrapper
                 where = "its own node folder" if actor is None else f"host {source}"
-                skipped.append(f"{where}: {type(e).__name__}: {e}")
+                skipped.append(f"{where}: {type(cause).__name__}: {cause}")
                 continue
             arrays = peers.restore(part, data, plan.records)
             for k, array in enumerate(arrays):

@@ -223,3 +223,106 @@ def test_a_node_lost_between_steps_is_recovered_from_peers(
     ray_cluster: ClusterProcess, tmp_path: Path
 ) -> None:
     print(ray_cluster.run(_lose_a_node_between_steps, str(tmp_path)))
+
+
+# -- failures: during replication, a damaged copy, a process killed, every copy gone -------------
+def _train(s: Any, ckpt: Checkpointer, steps: range, params: Any = None) -> Any:
+    if params is None:
+        params = s.put(_expected(0), _shardings(s))
+    for step in steps:
+        params = s.run(_update, params)
+        ckpt.save(step, {"params": params, "step": step})
+    return params
+
+
+def _hold_copies(host: Any) -> None:
+    """On a host: copies sent to it wait at a gate (before they are checked and written)."""
+    import threading
+
+    from milepost.workers import peers as host_peers
+
+    gate, reached = threading.Event(), threading.Event()
+    real = host_peers.check
+
+    def held(*args: Any) -> Any:
+        reached.set()
+        gate.wait(120)
+        return real(*args)
+
+    host._test_copy_gate = (gate, reached)
+    host_peers.check = held
+
+
+def _copies_held(host: Any) -> bool:
+    return bool(host._test_copy_gate[1].wait(60))
+
+
+def _replication(cluster: LocalCluster, tmp: str, case: str) -> None:
+    import ray
+
+    shm = Path(tmp) / "shm"
+    tier = PeerTier(every_n_steps=1, copies=1, path=str(shm / "{node}"))
+    s = cluster.slice(devices_per_host=2, hosts=3)
+    try:
+        with Checkpointer(
+            Path(tmp) / "ckpt", save_policy=FixedInterval(interval=2), peers=tier
+        ) as ckpt:
+            params = _train(s, ckpt, range(1, 6))
+            ckpt.wait()  # step 5 is recoverable; step 4 is kept too
+            lost, want, tier_name = 2, 5, "peers"
+            if case == "during replication":
+                params = _train(s, ckpt, range(6, 7), params)
+                ckpt.wait()
+                actors = [s.group.actor(i) for i in range(3)]
+                ray.get([a.__ray_call__.remote(_hold_copies) for a in actors], timeout=60)
+                params = _train(s, ckpt, range(7, 8), params)  # step 7: copies held
+                assert ray.get(actors[0].__ray_call__.remote(_copies_held), timeout=90)
+                want = 6  # step 7's part of host 2 has no copy: its only one dies with it
+            elif case == "damaged copy":
+                node0 = s.host_identities()[0]["node"]  # host 2's copy is on host 0's node
+                (run_dir,) = (shm / node0).iterdir()
+                data = peers.part_folder(run_dir, 5, lost) / "data"
+                raw = bytearray(data.read_bytes())
+                raw[len(raw) // 2] ^= 0x10
+                data.write_bytes(bytes(raw))
+                want = 4  # step 5 cannot be rebuilt: step 4 still is, from memory
+            elif case == "every copy gone":
+                import shutil
+
+                node0 = s.host_identities()[0]["node"]
+                shutil.rmtree(shm / node0)  # host 0's node folder wiped: host 2's copy too
+                want, tier_name = 4, "durable"
+            if case == "process killed":
+                pid = s.host_identities()[lost]["pid"]
+                import os
+                import signal
+
+                os.kill(pid, signal.SIGKILL)  # the node and its memory folder stay
+            else:
+                _lose(cluster, s, lost, shm)
+            _until_lost(s, params)
+            r = ckpt.recover(s)
+            s = r.slice
+            print(f"{case}: {r}; notes {r.notes}", flush=True)
+            assert (r.step, r.tier) == (want, tier_name), (r, r.notes)
+            _check_state(s, r.state, want)
+            if case == "process killed":
+                assert r.bytes_by_source["peer"] == 0 and r.bytes_by_source["own node"] > 0
+            if case == "damaged copy":
+                assert any("CRC32C" in n for n in r.notes), r.notes
+            if case == "every copy gone":
+                assert any("no copy of the parts of hosts [2]" in n for n in r.notes), r.notes
+            params = _train(s, ckpt, range(want + 1, want + 3), r.state["params"])
+            ckpt.wait()
+            _check_state(s, {"params": params, "step": want + 2}, want + 2)
+    finally:
+        s.shutdown()
+
+
+@pytest.mark.parametrize(
+    "case", ["during replication", "damaged copy", "process killed", "every copy gone"]
+)
+def test_recovery_takes_the_newest_step_every_part_of_which_survives(
+    ray_cluster: ClusterProcess, tmp_path: Path, case: str
+) -> None:
+    print(ray_cluster.run(_replication, str(tmp_path), case))

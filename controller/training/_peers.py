@@ -146,6 +146,8 @@ class PeerTierRun:
                 slots.append(None)
                 kept[k] = np.array(x, copy=True) if isinstance(x, np.ndarray) else x
         keep = [s for s in (self._recoverable, step) if s is not None]
+        for old in [s for s in self._saved if s not in keep]:  # the hosts remove them now
+            del self._saved[old]
         pending, staged = SlicePeers(group, self.tier.path, self.run).save(
             step, arrays, self.tier.copies, self.timeout, keep
         )
@@ -161,8 +163,6 @@ class PeerTierRun:
             return
         pending.wait(self.timeout)
         self._recoverable = pending.step
-        for step in [s for s in self._saved if s < pending.step]:
-            del self._saved[step]
         log.debug("step %s is kept in node memory and on peers", pending.step)
 
     # -- recovery -------------------------------------------------------------------------
