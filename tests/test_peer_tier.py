@@ -102,6 +102,7 @@ def test_a_part_of_a_step_saved_again_replaces_the_earlier_one(tmp_path: Path) -
 
 def test_peers_are_on_other_nodes_and_never_together() -> None:
     assert choose_peers(["a", "b", "c", "d"], 1) == [[1], [2], [3], [0]]
+    assert choose_peers(["a", "a"], 0) == [[], []]  # parts on their own nodes only
     assert choose_peers(["a", "a", "b", "b"], 1) == [[2], [2], [0], [0]]
     two = choose_peers(["a", "b", "c"], 2)
     assert two == [[1, 2], [2, 0], [0, 1]]
@@ -113,11 +114,23 @@ def test_peer_tier_options_are_checked() -> None:
     with pytest.raises(ValueError, match="absolute"):
         PeerTier(path="shm/x")
     with pytest.raises(ValueError, match="copies"):
-        PeerTier(copies=0)
+        PeerTier(copies=-1)
     with pytest.raises(TypeError, match="every_n_steps"):
         PeerTier(every_n_steps="2")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="read-only"):
         Checkpointer("/tmp/x-never-written", read_only=True, peers=PeerTier())
+
+
+def test_the_peer_tier_refuses_a_state_that_is_not_on_a_slice(tmp_path: Path) -> None:
+    import jax.numpy as jnp
+
+    with Checkpointer(tmp_path / "ckpt", peers=PeerTier(path=str(tmp_path / "shm"))) as ckpt:
+        with pytest.raises(ValueError, match="arrays of a slice"):
+            ckpt.save(1, {"w": jnp.ones(4)})
+        assert ckpt.steps == []  # refused before the durable save too
+        with pytest.raises(TypeError, match="the Slice that lost a host"):
+            ckpt.recover(None)  # type: ignore[arg-type]
+    assert not (tmp_path / "shm").exists()
 
 
 # -- recovery on a multi-node cluster ----------------------------------------------------------

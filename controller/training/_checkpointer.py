@@ -45,7 +45,7 @@ from milepost.training._preemption import PreemptionWatch
 from milepost.training._retention import Retention
 from milepost.training._state import StepState, check_step, plain_metrics
 from milepost.training._tier import Tier
-from milepost.workers import ObjectPath, as_path
+from milepost.workers import ObjectPath, as_path, check
 
 log = logging.getLogger("milepost.training")
 
@@ -609,6 +609,7 @@ class Checkpointer:
         ...     r = ckpt.recover(s); s, state, step = r.slice, r.state, r.step
         """
         self._check_writable("recover")
+        check.instance(lost, "recover(lost)", Slice, "the Slice that lost a host")
         if self._peers is None:
             raise ValueError(
                 "this Checkpointer keeps no peer tier, so it knows no tree to recover; open it "

@@ -51,7 +51,8 @@ class PeerTier:
     every_n_steps: int = 1
     """Keep every n-th step (the steps ``save`` is called with, counted from 0)."""
     copies: int = 1
-    """Copies of each host's part on other nodes (the slice needs hosts on copies + 1 nodes)."""
+    """Copies of each host's part on other nodes (the slice needs hosts on copies + 1 nodes);
+    0 keeps each part on its own node only (it survives its host's process, not its node)."""
     path: str = "/dev/shm/milepost"
     """The folder on each node (node-local memory); ``{node}`` becomes the node's id."""
     timeout_secs: float | None = None
@@ -59,7 +60,7 @@ class PeerTier:
 
     def __post_init__(self) -> None:
         check.integer(self.every_n_steps, "PeerTier.every_n_steps", minimum=1)
-        check.integer(self.copies, "PeerTier.copies", minimum=1)
+        check.integer(self.copies, "PeerTier.copies", minimum=0)
         check.text(self.path, "PeerTier.path")
         check.number(self.timeout_secs, "PeerTier.timeout_secs", positive=True, optional=True)
         if not self.path.startswith("/"):
@@ -131,8 +132,10 @@ class PeerTierRun:
         arrays = [x for x in leaves if isinstance(x, RemoteArray)]
         if not arrays:
             raise ValueError(
-                "the peer tier keeps a slice's arrays, and this state holds none; save a tree "
-                "of RemoteArrays, or drop peers= from the Checkpointer"
+                "the peer tier keeps the arrays of a slice (Slice.start / Slice.connect), and "
+                "this state holds none: in one process or a multi-controller job it is not "
+                "supported yet; save a slice's RemoteArrays, or drop peers= (a local tier, "
+                "local=, keeps steps on a fast disk)"
             )
         group = arrays[0].__milepost_host_group__
         slots: list[int | None] = []
