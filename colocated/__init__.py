@@ -3,11 +3,11 @@
 from milepost.colocated._errors import HostError
 from milepost.colocated._handles import AbstractArray, RemoteArray, SliceMesh, SliceSharding
 from milepost.colocated._hostgroup import HostGroup, HostLoad, LocalHostGroup, PendingHostSave
-from milepost.colocated._jax_internals import preemption_service_running
+from milepost.colocated._jax_internals import preemption_service_running, reachable_address
 from milepost.colocated._mcjax import MultiControllerHostGroup, default_group, set_primary_process
 from milepost.colocated._ray_group import RayHostGroup, Traffic
 from milepost.colocated._slice import Slice, SliceOptions
-from milepost.colocated._slice_peers import SlicePeers
+from milepost.colocated._slice_peers import SlicePeers, choose_peers
 
 __all__ = [
     "AbstractArray",
@@ -25,7 +25,9 @@ __all__ = [
     "SlicePeers",
     "SliceSharding",
     "Traffic",
+    "choose_peers",
     "default_group",
     "preemption_service_running",
+    "reachable_address",
     "set_primary_process",
 ]

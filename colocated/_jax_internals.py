@@ -3,6 +3,8 @@
 - The coordination service's client of ``jax.distributed`` (``global_state.client``): barriers
   with timeouts and key-value reads and writes, which carry every multi-controller step. JAX
   exposes it only through ``jax._src.distributed``.
+- The coordinator's address (``global_state.coordinator_address``): the peer tier's processes
+  are reached at the address of their interface towards it.
 - Whether JAX's preemption sync service runs (``global_state.preemption_sync_manager``): then
   it owns SIGTERM and agrees on the step every process saves at.
 
@@ -30,6 +32,23 @@ def distributed_client() -> Any:
             "in every process before using milepost in a multi-process job"
         )
     return client
+
+
+def reachable_address() -> str:
+    """This process's IP address on the interface that reaches the ``jax.distributed``
+    coordinator (the job's other processes reach it there too); ``127.0.0.1`` without one."""
+    import socket
+
+    address = getattr(_state(), "coordinator_address", None)
+    if not address:
+        return "127.0.0.1"
+    host = address.rsplit(":", 1)[0].strip("[]")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))  # no packet is sent: this only picks the route
+            return str(probe.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
 
 
 def preemption_service_running() -> bool:
@@ -61,7 +80,7 @@ def check() -> list[str]:
         return [f"jax._src.distributed is gone ({e})"]
     problems = [
         f"jax._src.distributed.global_state has no {name!r}"
-        for name in ("client", "preemption_sync_manager")
+        for name in ("client", "preemption_sync_manager", "coordinator_address")
         if not hasattr(state, name)
     ]
     try:

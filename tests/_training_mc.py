@@ -155,6 +155,27 @@ def main(scenario: str, index: int, count: int, port: int, root: str) -> dict:
             out["resumed"] = [next(fresh).tolist() for _ in range(4)]
         out["expected"] = expected
         out["files"] = sorted(os.listdir(Path(root) / "2" / "data_iter"))
+    elif scenario in ("peers_save", "peers_recover"):
+        # a peer tier: two processes per node (n0, n1), each part copied to the other node
+        from milepost.training import PeerTier
+
+        tier = PeerTier(copies=1, path=f"{root}-shm/{{node}}", node=f"n{index // 2}")
+        with Checkpointer(root, save_policy=FixedInterval(interval=2), peers=tier) as ckpt:
+            if scenario == "peers_save":
+                for step in (1, 2, 3):
+                    ckpt.save(step, state(step))
+                ckpt.wait()
+                out["steps"] = ckpt.steps
+            else:  # the job restarted, node n1 replaced (its folder gone)
+                abstract = {
+                    "w": jax.ShapeDtypeStruct(SHAPE, np.float32, sharding=sharding),
+                    "step": 0,
+                }
+                r = ckpt.recover(abstract_state=abstract)
+                out.update(step=r.step, tier=r.tier, moved=r.bytes_by_source, notes=list(r.notes))
+                out["exact"] = exact(r.state, r.step)
+                ckpt.save(4, state(4))  # and the tier goes on
+                ckpt.wait()
     else:
         raise ValueError(f"unknown scenario {scenario}")
     return out

@@ -121,16 +121,48 @@ def test_peer_tier_options_are_checked() -> None:
         Checkpointer("/tmp/x-never-written", read_only=True, peers=PeerTier())
 
 
-def test_the_peer_tier_refuses_a_state_that_is_not_on_a_slice(tmp_path: Path) -> None:
+def test_one_process_recovers_its_state_from_its_node_folder_after_a_restart(
+    tmp_path: Path,
+) -> None:
+    """One process (embedded), copies=0: its part stays in its node folder, which a new
+    Checkpointer (a restarted process) finds again; copies=1 needs another node."""
+    import jax
     import jax.numpy as jnp
+    from jax.sharding import NamedSharding
 
-    with Checkpointer(tmp_path / "ckpt", peers=PeerTier(path=str(tmp_path / "shm"))) as ckpt:
-        with pytest.raises(ValueError, match="arrays of a slice"):
-            ckpt.save(1, {"w": jnp.ones(4)})
-        assert ckpt.steps == []  # refused before the durable save too
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    sharding = NamedSharding(mesh, P("data", "model"))
+    w = jax.device_put(np.arange(64 * 32, dtype=np.float32).reshape(64, 32), sharding)
+    key = jax.random.key(7)
+    tier = PeerTier(copies=0, path=str(tmp_path / "shm"), node="here")
+    with Checkpointer(tmp_path / "ckpt", save_policy=FixedInterval(interval=10), peers=tier) as c:
+        for step in (1, 2, 3):
+            c.save(step, {"w": w + step, "key": key, "step": step, "lr": 0.5})
+        assert c.steps == []  # nothing durable: only node memory holds them
+    abstract = {
+        "w": jax.ShapeDtypeStruct((64, 32), jnp.float32, sharding=sharding),
+        "key": jax.ShapeDtypeStruct((), key.dtype, sharding=key.sharding),
+        "step": 0,
+        "lr": 0.0,
+    }
+    with Checkpointer(tmp_path / "ckpt", peers=tier) as again:  # the restarted process
+        r = again.recover(abstract_state=abstract)
+    assert (r.step, r.tier, r.slice) == (3, "peers", None), r
+    assert r.bytes_by_source == {"own node": 64 * 32 * 4 + 8, "peer": 0}
+    assert np.array_equal(np.asarray(r.state["w"]), np.asarray(w + 3))
+    assert r.state["w"].sharding == sharding
+    assert np.array_equal(jax.random.key_data(r.state["key"]), jax.random.key_data(key))
+    assert (r.state["step"], r.state["lr"]) == (3, 0.5)
+    (run_dir,) = (tmp_path / "shm").iterdir()  # no {node} in the path: the run's folder
+    held = peers.listing(run_dir)
+    assert sorted(h.step for h in held) == [2, 3]  # the newest recoverable step and the last
+    with Checkpointer(tmp_path / "ckpt", peers=PeerTier(path=str(tmp_path / "shm"))) as one:
+        with pytest.raises(ValueError, match="at least 2 nodes"):
+            one.save(4, {"w": w})
         with pytest.raises(TypeError, match="the Slice that lost a host"):
-            ckpt.recover(None)  # type: ignore[arg-type]
-    assert not (tmp_path / "shm").exists()
+            one.recover(w)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="abstract_state"):
+            one.recover()
 
 
 # -- recovery on a multi-node cluster ----------------------------------------------------------

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from milepost import _api, _checkpoint, _hosts, _options, _views
-from milepost.colocated import HostGroup, Slice
+from milepost.colocated import HostGroup, RayHostGroup, Slice
 from milepost.training._errors import (
     BackgroundSaveError,
     StepBusyError,
@@ -40,6 +40,7 @@ from milepost.training._errors import (
 from milepost.training._mirror import Mirror
 from milepost.training._options import CheckpointerOptions
 from milepost.training._peers import PeerTier, PeerTierRun, Recovery, run_name
+from milepost.training._peers_mc import ProcessPeerTierRun
 from milepost.training._policies import RetentionPolicy, SaveContext, SavePolicy
 from milepost.training._preemption import PreemptionWatch
 from milepost.training._retention import Retention
@@ -153,11 +154,8 @@ class Checkpointer:
             if self.local is not None
             else None
         )
-        self._peers = (
-            PeerTierRun(self.options.peers, run_name(str(self.root)), self._timeout)
-            if self.options.peers is not None
-            else None
-        )
+        self._peers: PeerTierRun | ProcessPeerTierRun | None = None
+        """The peer tier's runner, made at its first use: a slice's, or this job's processes'."""
         self._last_save_start: float | None = None
         self._decision: tuple[int, bool, int] | None = None
         """(step, answer, requests seen) of the last should_save, reused by a save of that step."""
@@ -352,10 +350,11 @@ class Checkpointer:
         state = self._state
         state.raise_failure()
         metrics_ = plain_metrics(metrics)
-        kept = self._peers is not None and self._peers.due(step) and STATE in checkpointables
+        tier = self.options.peers
+        kept = tier is not None and step % tier.every_n_steps == 0 and STATE in checkpointables
         if kept:
-            assert self._peers is not None
-            self._peers.save(step, checkpointables[STATE])
+            leaves = _checkpoint.all_leaves({STATE: checkpointables[STATE]})
+            self._peer_runner(_hosts.host_group_for(leaves)).save(step, checkpointables[STATE])
         if not force and not self.should_save(step):
             return kept
         with state.cond:
@@ -597,11 +596,15 @@ class Checkpointer:
             self._peers.finish()
 
     # -- recovery -----------------------------------------------------------------------
-    def recover(self, lost: Slice) -> Recovery:
-        """After a host or node of ``lost`` died: a new slice of its topology
-        (:meth:`Slice.recover`) holding the newest step recoverable on every shard, from node
-        memory (the peer tier) when it holds one, else from the local tier or the root. Saves
-        in flight on the lost slice are abandoned (nothing of theirs is committed).
+    def recover(self, lost: Slice | None = None, *, abstract_state: Any = None) -> Recovery:
+        """The newest step recoverable on every shard, from node memory (the peer tier) when it
+        holds one, else from the local tier or the root (``Recovery.tier`` says which).
+
+        On a slice, after a host or node of ``lost`` died: a new slice of its topology
+        (:meth:`Slice.recover`) holding that step (``Recovery.slice``); saves in flight on the
+        lost slice are abandoned (nothing of theirs is committed). In a multi-controller job
+        restarted with a node replaced (or one process restarted), call it in every process
+        with the ``abstract_state`` to restore (as for :meth:`load`).
 
         >>> try:
         ...     state = s.run(train_step, state); ckpt.save(step, state)
@@ -609,20 +612,57 @@ class Checkpointer:
         ...     r = ckpt.recover(s); s, state, step = r.slice, r.state, r.step
         """
         self._check_writable("recover")
-        check.instance(lost, "recover(lost)", Slice, "the Slice that lost a host")
-        if self._peers is None:
+        if self.options.peers is None:
             raise ValueError(
-                "this Checkpointer keeps no peer tier, so it knows no tree to recover; open it "
-                "with peers=PeerTier(...), or start a new slice and load(step, abstract_state)"
+                "this Checkpointer keeps no peer tier to recover from; open it with "
+                "peers=PeerTier(...), or start a new slice and load(step, abstract_state)"
+            )
+        if lost is not None:
+            check.instance(lost, "recover(lost)", Slice, "the Slice that lost a host")
+            runner = self._peers
+            if not isinstance(runner, PeerTierRun):
+                raise ValueError(
+                    "this Checkpointer kept no step of a slice, so it knows no tree to recover; "
+                    "start a new slice (lost.recover()) and load(step, abstract_state)"
+                )
+        elif abstract_state is None:
+            raise ValueError(
+                "recover() without a lost slice restores this job's processes: pass "
+                "abstract_state=, the tree to restore (as for load)"
             )
         try:
             self.wait()
         except Exception as e:  # the lost slice's saves: abandoned
             log.warning("recovery: a save on the lost slice failed: %s: %s", type(e).__name__, e)
-        return self._peers.recover(lost, self._from_storage, self.latest)
+        if lost is not None:
+            assert isinstance(self._peers, PeerTierRun)
+            return self._peers.recover(lost, self._from_storage, self.latest)
+        group = _hosts.host_group_for_abstract(_checkpoint.all_leaves({STATE: abstract_state}))
+        runner = self._peer_runner(group)
+        assert isinstance(runner, ProcessPeerTierRun)
+        return runner.recover(abstract_state, self._from_storage, self.latest)
 
-    def _from_storage(self, new: Slice, abstract: Any) -> tuple[int, Any, str, int]:
-        """The newest committed step, loaded onto ``new`` (a recovery's fallback)."""
+    def _peer_runner(self, group: HostGroup) -> PeerTierRun | ProcessPeerTierRun:
+        tier = self.options.peers
+        assert tier is not None
+        on_slice = isinstance(group, RayHostGroup)
+        if self._peers is None:
+            run = run_name(str(self.root))
+            self._peers = (
+                PeerTierRun(tier, run, self._timeout)
+                if on_slice
+                else ProcessPeerTierRun(tier, run, self._timeout, group)
+            )
+        elif on_slice != isinstance(self._peers, PeerTierRun):
+            raise ValueError(
+                "this Checkpointer's peer tier keeps "
+                + ("a slice's arrays" if not on_slice else "this job's own arrays")
+                + "; a Checkpointer keeps the steps of one kind of state"
+            )
+        return self._peers
+
+    def _from_storage(self, abstract: Any) -> tuple[int, Any, str, int]:
+        """The newest committed step, loaded as ``abstract`` (a recovery's fallback)."""
         step = self.latest
         if step is None or abstract is None:
             raise FileNotFoundError(
@@ -663,6 +703,8 @@ class Checkpointer:
                 self._mirror.stop(self._timeout)
             self._retention.stop(self._timeout)
             self._preemption.close()
+            if self._peers is not None:
+                self._peers.close()
 
     def __enter__(self) -> Checkpointer:
         return self

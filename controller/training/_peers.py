@@ -57,12 +57,18 @@ class PeerTier:
     """The folder on each node (node-local memory); ``{node}`` becomes the node's id."""
     timeout_secs: float | None = None
     """Bounds each wait on the hosts (None: the Checkpointer's timeout)."""
+    node: str | None = None
+    """In a multi-controller job: this process's node name (None: its host name). Processes of
+    one node share its folder and never keep each other's copies. A slice's hosts use their Ray
+    node ids."""
 
     def __post_init__(self) -> None:
         check.integer(self.every_n_steps, "PeerTier.every_n_steps", minimum=1)
         check.integer(self.copies, "PeerTier.copies", minimum=0)
         check.text(self.path, "PeerTier.path")
         check.number(self.timeout_secs, "PeerTier.timeout_secs", positive=True, optional=True)
+        if self.node is not None:
+            check.text(self.node, "PeerTier.node")
         if not self.path.startswith("/"):
             raise ValueError(
                 f"PeerTier.path={self.path!r} is not an absolute local folder; give a folder on "
@@ -75,7 +81,8 @@ class Recovery:
     """What :meth:`Checkpointer.recover` did: the new slice, the restored state and its step,
     and where the bytes came from."""
 
-    slice: Slice
+    slice: Slice | None
+    """The new slice (None in a multi-controller job, whose processes are the job's own)."""
     state: Any
     step: int
     tier: str
@@ -119,8 +126,8 @@ class PeerTierRun:
         self._pending: Any = None
         self._recoverable: int | None = None
 
-    def due(self, step: int) -> bool:
-        return step % self.tier.every_n_steps == 0
+    def close(self) -> None:
+        """Nothing runs here between calls (the hosts own their background work)."""
 
     def save(self, step: int, tree: Any) -> int:
         """Copy ``tree``'s arrays to host memory on every host (returns then, with the bytes
@@ -172,11 +179,11 @@ class PeerTierRun:
     def recover(
         self,
         old: Slice,
-        fallback: Callable[[Slice, Any], tuple[int, Any, str, int]],
+        fallback: Callable[[Any], tuple[int, Any, str, int]],
         newest_stored: int | None,
     ) -> Recovery:
         """A new slice of ``old``'s topology, with the newest step every part of which has a
-        good copy; ``fallback(slice, abstract)`` loads the newest stored step instead (step,
+        good copy; ``fallback(abstract)`` loads the newest stored step instead (step,
         state, tier, bytes) when that is newer, or when no step can be rebuilt from memory. A
         host lost during the recovery starts it again on another new slice (a few times)."""
         self._pending = None  # the old slice's work is gone with it
@@ -195,7 +202,7 @@ class PeerTierRun:
                 continue
             if done is not None:
                 return done
-            step, state, tier, nbytes = fallback(new, self._abstract(new))
+            step, state, tier, nbytes = fallback(self._abstract(new))
             log.warning("recovered step %s from the %s tier (%s)", step, tier, "; ".join(notes))
             self._recoverable = None
             return Recovery(new, state, step, tier, {tier: nbytes}, tuple(notes))

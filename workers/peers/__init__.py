@@ -14,14 +14,17 @@ from milepost.workers.peers._store import (
     run_folder,
     write,
 )
+from milepost.workers.peers._wire import PeerServer, fetch_part, send_part
 
 __all__ = [
     "ArrayRecord",
     "Box",
     "Held",
     "Part",
+    "PeerServer",
     "Staged",
     "check",
+    "fetch_part",
     "listing",
     "part_folder",
     "prune",
@@ -29,6 +32,7 @@ __all__ = [
     "record_of",
     "restore",
     "run_folder",
+    "send_part",
     "stage",
     "write",
 ]

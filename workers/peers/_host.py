@@ -46,6 +46,7 @@ class Staged:
     boxes: list[tuple[int, Index, int, int]]
     """``(array, index, offset, nbytes)`` of every distinct box."""
     data: np.ndarray
+    leaves: tuple[tuple[int, Any], ...] = ()
 
     def part(self) -> Part:
         """The part's manifest, with every box's CRC32C (computed here, off the caller's
@@ -66,6 +67,7 @@ class Staged:
                 )
                 for a, index, offset, n in self.boxes
             ),
+            leaves=self.leaves,
         )
 
 
@@ -73,7 +75,15 @@ def _index(index: tuple[slice, ...], shape: tuple[int, ...]) -> Index:
     return tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
 
 
-def stage(arrays: Sequence[Any], *, step: int, owner: int, token: str, hosts: int) -> Staged:
+def stage(
+    arrays: Sequence[Any],
+    *,
+    step: int,
+    owner: int,
+    token: str,
+    hosts: int,
+    leaves: tuple[tuple[int, Any], ...] = (),
+) -> Staged:
     """Copy every distinct box this process's devices hold of ``arrays`` (global ``jax.Array``s)
     into one new buffer: the caller may change or donate its arrays once this returns."""
     pieces: list[tuple[int, Index, Any]] = []
@@ -107,6 +117,7 @@ def stage(arrays: Sequence[Any], *, step: int, owner: int, token: str, hosts: in
         dtypes=tuple(dtypes),
         boxes=boxes,
         data=buffer,
+        leaves=leaves,
     )
 
 

@@ -67,6 +67,10 @@ class Part:
     dtypes: tuple[str, ...]
     """Each array's dtype, by the array's place in the saved tree's arrays."""
     boxes: tuple[Box, ...]
+    leaves: tuple[tuple[int, Any], ...] = ()
+    """The saved tree's leaves that are not arrays (JSON values), by leaf index: a
+    multi-controller job's processes keep them in their parts (a slice's controller keeps them
+    itself)."""
 
     @property
     def nbytes(self) -> int:
@@ -85,6 +89,7 @@ class Part:
                     [b.array, [list(r) for r in b.index], b.offset, b.nbytes, b.crc32c]
                     for b in self.boxes
                 ],
+                "leaves": [[k, v] for k, v in self.leaves],
             },
             separators=(",", ":"),
         ).encode()
@@ -122,6 +127,7 @@ class Part:
                 hosts=int(doc["hosts"]),
                 dtypes=tuple(str(d) for d in doc["dtypes"]),
                 boxes=boxes,
+                leaves=tuple((int(k), v) for k, v in doc.get("leaves", [])),
             )
         except CorruptCheckpointError:
             raise
@@ -142,8 +148,12 @@ class Held:
 def run_folder(folder: str, run: str, node: str) -> Path:
     """This node's folder for ``run``: ``folder`` with ``{node}`` replaced by the node's name
     (a simulated cluster's nodes share one machine), then ``run``."""
-    if not _RUN.fullmatch(run):
-        raise ValueError(f"peer tier run name {run!r}: use letters, digits, '_', '.', '-'")
+    for what, name in (("run", run), ("node", node)):
+        if not _RUN.fullmatch(name) or name in (".", ".."):
+            raise ValueError(
+                f"peer tier {what} name {name!r}: use up to 64 letters, digits, '_', '.', '-' "
+                "(it names a folder)"
+            )
     return Path(folder.replace("{node}", node)) / run
 
 
