@@ -100,6 +100,33 @@ def test_a_part_of_a_step_saved_again_replaces_the_earlier_one(tmp_path: Path) -
     assert [h.token for h in peers.listing(root)] == ["second"]
 
 
+def test_a_process_server_keeps_and_serves_parts_only_for_its_job(tmp_path: Path) -> None:
+    """The multi-controller transport: a part put is checked and kept; a request without the
+    job's secret is dropped; a damaged part is refused and nothing is written."""
+    import dataclasses
+
+    secret = b"s" * 16
+    server = peers.PeerServer(tmp_path / "node", secret, host="127.0.0.1", timeout=10)
+    address = ("127.0.0.1", server.port)
+    try:
+        part, data = _part(3, 1)
+        peers.send_part(address, secret, part, data, 10, "process 1")
+        got, back = peers.fetch_part(address, secret, 3, 1, "t", 10, "process 1")
+        assert got == part and np.array_equal(back, data)
+        with pytest.raises(ConnectionError, match="refused: FileNotFoundError"):
+            peers.fetch_part(address, secret, 4, 1, "t", 10, "process 1")
+        with pytest.raises(ConnectionError):  # dropped unanswered
+            peers.send_part(address, b"x" * 16, *_part(5, 1), 10, "process 1")
+        bad = dataclasses.replace(part, step=6)
+        damaged = data.copy()
+        damaged[3] ^= 1
+        with pytest.raises(ConnectionError, match="CorruptCheckpointError"):
+            peers.send_part(address, secret, bad, damaged, 10, "process 1")
+        assert [h.step for h in peers.listing(tmp_path / "node")] == [3]
+    finally:
+        server.close()
+
+
 def test_peers_are_on_other_nodes_and_never_together() -> None:
     assert choose_peers(["a", "b", "c", "d"], 1) == [[1], [2], [3], [0]]
     assert choose_peers(["a", "a"], 0) == [[], []]  # parts on their own nodes only
