@@ -183,6 +183,7 @@ class Probe:
     def __init__(self) -> None:
         self.spans: list[tuple[str, float, float]] = []
         self.loads = 0
+        self.host_spans: list[list[tuple[str, float, float]]] = []
         self._undo: list[Callable[[], None]] = []
 
     def _wrap(self, owner: Any, name: str, label: str, classmethod_: bool = False) -> None:
@@ -206,6 +207,7 @@ class Probe:
         self._wrap(_slice.Slice, "_form", "jax.distributed form", classmethod_=True)
         self._wrap(_slice_peers.SlicePeers, "held", "list node folders")
         self._wrap(_slice_peers.SlicePeers, "restore", "restore from memory")
+        self._time_hosts()
         raw_load = Checkpointer.__dict__["load"]
 
         def counted(*a: Any, **k: Any) -> Any:
@@ -215,6 +217,26 @@ class Probe:
         Checkpointer.load = counted  # type: ignore[method-assign]
         self._undo.append(lambda: setattr(Checkpointer, "load", raw_load))
         return self
+
+    def _time_hosts(self) -> None:
+        """Around the restore: the hosts' own steps timed (their ``peers`` functions wrapped in
+        the host processes, as tests/test_peer_tier.py patches them), collected after."""
+        import ray
+
+        timed_restore = _slice_peers.SlicePeers.__dict__["restore"]  # the wrapper from _wrap
+        probe = self
+
+        def around(peers_: Any, *a: Any, **k: Any) -> Any:
+            actors = [peers_.group.actor(i) for i in range(peers_.group.hosts)]
+            ray.get([x.__ray_call__.remote(_time_on_host) for x in actors], timeout=60)
+            try:
+                return timed_restore(peers_, *a, **k)
+            finally:
+                probe.host_spans = ray.get(
+                    [x.__ray_call__.remote(_spans_on_host) for x in actors], timeout=60
+                )
+
+        _slice_peers.SlicePeers.restore = around  # type: ignore[method-assign]
 
     def __exit__(self, *exc: object) -> None:
         for undo in reversed(self._undo):
@@ -228,6 +250,32 @@ class Probe:
             if name == label:
                 return a, b
         return None
+
+
+def _time_on_host(host: Any) -> None:
+    """On a host: time its peer-tier steps (read a part and check it, check a copy received,
+    write it, build the arrays) from now on."""
+    from milepost.workers import peers as host_peers
+
+    host._bench_spans = []
+    if getattr(host_peers, "_bench_timed", False):
+        return
+    for name in ("read", "check", "write", "restore"):
+        real = getattr(host_peers, name)
+
+        def timed(*a: Any, _real: Any = real, _name: str = name, **k: Any) -> Any:
+            t0 = time.monotonic()
+            try:
+                return _real(*a, **k)
+            finally:
+                host._bench_spans.append((_name, t0, time.monotonic()))
+
+        setattr(host_peers, name, timed)
+    host_peers._bench_timed = True
+
+
+def _spans_on_host(host: Any) -> list[tuple[str, float, float]]:
+    return list(getattr(host, "_bench_spans", []))
 
 
 def watch_death(node_id: str, out: dict[str, float], stop: threading.Event) -> None:
@@ -464,6 +512,11 @@ def run(
         recover_durable_loads=probe.loads,
         recover_exact=got == want,
     )
+    r0, _ = probe.first("restore from memory") or (0.0, 0.0)
+    res["recover_hosts"] = [
+        " ".join(f"{name} {a - r0:.2f}-{b - r0:.2f}" for name, a, b in spans)
+        for spans in probe.host_spans
+    ]
     if slice_span is not None:
         res["recover_slice_place_s"] = (
             res["recover_slice_s"] - res["recover_shutdown_s"] - res["recover_form_s"]
@@ -543,6 +596,8 @@ def report(res: dict[str, Any]) -> None:
     print(f"      jax.distributed forming          {f(res['recover_form_s'])}")
     print(f"    hosts list their node folders      {f(res['recover_list_s'])}")
     print(f"    restore from memory                {f(res['recover_restore_s'])}")
+    for i, line in enumerate(res["recover_hosts"]):
+        print(f"      host {i} (s after the restore's start): {line}")
     print(f"  kill -> state restored               {f(res['kill_to_restored_s'])}")
     print(
         f"  step {res['recover_step']} from {res['recover_tier']}, bytes {res['recover_bytes']}, "

@@ -19,7 +19,7 @@ import milepost as mp
 from milepost.colocated._slice_peers import choose_peers
 from milepost.training import Checkpointer, FixedInterval, PeerTier
 from milepost.workers import CorruptCheckpointError, peers
-from tests._cluster import ClusterProcess, LocalCluster
+from tests._cluster import ClusterProcess, HeldWrites, LocalCluster
 
 
 # -- the node folder ---------------------------------------------------------------------------
@@ -223,6 +223,13 @@ def _lose(cluster: LocalCluster, s: Any, host: int, shm: Path) -> None:
     print(f"removed the node of host {host} ({node_id[:12]})", flush=True)
 
 
+def _victim(cluster: LocalCluster, s: Any) -> int:
+    """A host to lose: not host 0 (its process coordinates jax.distributed), and not on the
+    head node (which runs this driver)."""
+    nodes = [ident["node"] for ident in s.host_identities()]
+    return next(i for i in (2, 1) if nodes[i] != cluster.head.node_id)
+
+
 def _until_lost(s: Any, params: Any) -> None:
     """Train on until the slice reports the lost host (its processes take a moment to end)."""
     deadline = time.monotonic() + 60
@@ -256,7 +263,7 @@ def _lose_a_node_between_steps(cluster: LocalCluster, tmp: str) -> None:
                 ckpt.save(step, {"params": params, "step": step})
             ckpt.wait()
             assert ckpt.steps == [2, 4]
-            lost = 2
+            lost = _victim(cluster, s)
             part_bytes = sum(
                 len(peers.read(peers.run_folder(str(shm / "{node}"), run, node), 5, lost, tok)[1])
                 for run, node, tok in _part_of(shm, s, lost, 5)
@@ -334,6 +341,8 @@ def _replication(cluster: LocalCluster, tmp: str, case: str) -> None:
 
     shm = Path(tmp) / "shm"
     tier = PeerTier(every_n_steps=1, copies=1, path=str(shm / "{node}"))
+    if case == "during recovery":
+        cluster.add_node()  # two spares: one for the lost host, one for the next
     s = cluster.slice(devices_per_host=2, hosts=3)
     try:
         with Checkpointer(
@@ -341,7 +350,8 @@ def _replication(cluster: LocalCluster, tmp: str, case: str) -> None:
         ) as ckpt:
             params = _train(s, ckpt, range(1, 6))
             ckpt.wait()  # step 5 is recoverable; step 4 is kept too
-            lost, want, tier_name = 2, 5, "peers"
+            lost, want, tier_name = _victim(cluster, s), 5, "peers"
+            keeper = (lost + 1) % 3  # the host whose node keeps the copy of the lost one's part
             if case == "during replication":
                 params = _train(s, ckpt, range(6, 7), params)
                 ckpt.wait()
@@ -349,10 +359,9 @@ def _replication(cluster: LocalCluster, tmp: str, case: str) -> None:
                 ray.get([a.__ray_call__.remote(_hold_copies) for a in actors], timeout=60)
                 params = _train(s, ckpt, range(7, 8), params)  # step 7: copies held
                 assert ray.get(actors[0].__ray_call__.remote(_copies_held), timeout=90)
-                want = 6  # step 7's part of host 2 has no copy: its only one dies with it
+                want = 6  # step 7's part of the lost host has no copy: its only one dies with it
             elif case == "damaged copy":
-                node0 = s.host_identities()[0]["node"]  # host 2's copy is on host 0's node
-                (run_dir,) = (shm / node0).iterdir()
+                (run_dir,) = (shm / s.host_identities()[keeper]["node"]).iterdir()
                 data = peers.part_folder(run_dir, 5, lost) / "data"
                 raw = bytearray(data.read_bytes())
                 raw[len(raw) // 2] ^= 0x10
@@ -361,9 +370,16 @@ def _replication(cluster: LocalCluster, tmp: str, case: str) -> None:
             elif case == "every copy gone":
                 import shutil
 
-                node0 = s.host_identities()[0]["node"]
-                shutil.rmtree(shm / node0)  # host 0's node folder wiped: host 2's copy too
+                shutil.rmtree(shm / s.host_identities()[keeper]["node"])  # the copy too
                 want, tier_name = 4, "durable"
+            elif case == "during a durable save":
+                held = HeldWrites(s)
+                params = _train(s, ckpt, range(6, 7), params)  # step 6: durable writes held
+                held.wait_held()
+                _until_kept(shm, s, 6)
+                want = 6  # in memory on every node; never committed to the root
+            elif case == "during recovery":
+                _lose_once_more_during_the_restore(cluster, shm, lost)
             if case == "process killed":
                 pid = s.host_identities()[lost]["pid"]
                 import os
@@ -372,6 +388,8 @@ def _replication(cluster: LocalCluster, tmp: str, case: str) -> None:
                 os.kill(pid, signal.SIGKILL)  # the node and its memory folder stay
             else:
                 _lose(cluster, s, lost, shm)
+            if case == "during a durable save":
+                held.release([i for i in range(3) if i != lost])  # they land; the save fails
             _until_lost(s, params)
             r = ckpt.recover(s)
             s = r.slice
@@ -383,7 +401,11 @@ def _replication(cluster: LocalCluster, tmp: str, case: str) -> None:
             if case == "damaged copy":
                 assert any("CRC32C" in n for n in r.notes), r.notes
             if case == "every copy gone":
-                assert any("no copy of the parts of hosts [2]" in n for n in r.notes), r.notes
+                assert any(f"no copy of the parts of hosts [{lost}]" in n for n in r.notes), r.notes
+            if case == "during a durable save":
+                assert ckpt.steps == [2, 4] and not (Path(tmp) / "ckpt" / "6").exists()
+            if case == "during recovery":
+                assert any("lost during the recovery" in n for n in r.notes), r.notes
             params = _train(s, ckpt, range(want + 1, want + 3), r.state["params"])
             ckpt.wait()
             _check_state(s, {"params": params, "step": want + 2}, want + 2)
@@ -391,8 +413,65 @@ def _replication(cluster: LocalCluster, tmp: str, case: str) -> None:
         s.shutdown()
 
 
+def _until_kept(shm: Path, s: Any, step: int) -> None:
+    """Until every host's part of ``step`` and its copy are in the node folders."""
+    deadline = time.monotonic() + 60
+    nodes = [ident["node"] for ident in s.host_identities()]
+    while time.monotonic() < deadline:
+        found = [
+            (h.owner, node)
+            for node in nodes
+            for run_dir in (shm / node).iterdir()
+            for h in peers.listing(run_dir)
+            if h.step == step
+        ]
+        if len(found) == 2 * len(nodes):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"step {step} was not kept on every node within 60s")
+
+
+def _lose_once_more_during_the_restore(cluster: LocalCluster, shm: Path, lost: int) -> None:
+    """The next recovery's first restore loses the node its replacement host was placed on."""
+    import ray
+
+    from milepost.colocated import SlicePeers
+
+    real = SlicePeers.restore
+
+    def restore(self: Any, *args: Any, **kwargs: Any) -> Any:
+        SlicePeers.restore = real  # once
+        victim = self.group.actor(lost)
+        node_id = self.group.identities()[lost]["node"]
+        cluster.remove_node(cluster.node_of(node_id))
+        import shutil
+
+        shutil.rmtree(shm / node_id, ignore_errors=True)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # until Ray reports the host gone
+            try:
+                ray.get(victim.identity.remote(), timeout=2)
+            except ray.exceptions.RayActorError:
+                break
+            except ray.exceptions.GetTimeoutError:
+                pass
+            time.sleep(0.2)
+        print(f"lost the replacement host's node {node_id[:12]} during the recovery", flush=True)
+        return real(self, *args, **kwargs)
+
+    SlicePeers.restore = restore  # type: ignore[method-assign]
+
+
 @pytest.mark.parametrize(
-    "case", ["during replication", "damaged copy", "process killed", "every copy gone"]
+    "case",
+    [
+        "during replication",
+        "damaged copy",
+        "process killed",
+        pytest.param("every copy gone", marks=pytest.mark.slow),
+        pytest.param("during a durable save", marks=pytest.mark.slow),
+        pytest.param("during recovery", marks=pytest.mark.slow),
+    ],
 )
 def test_recovery_takes_the_newest_step_every_part_of_which_survives(
     ray_cluster: ClusterProcess, tmp_path: Path, case: str
