@@ -108,12 +108,19 @@ class PeerHost:
     def peer_start(self, plan: PeerSavePlan, sources: list[Any], token: str) -> int:
         """Copy this host's boxes of ``sources`` to host memory; the rest runs behind."""
         arrays = self._resolve(sources)  # type: ignore[attr-defined]
+        last: tuple[peers.Staged, Future[PeerSaveAck]] | None = getattr(self, "_peer_last", None)
         staged = peers.stage(
-            arrays, step=plan.step, owner=self.index, token=token, hosts=plan.hosts
+            arrays,
+            step=plan.step,
+            owner=self.index,
+            token=token,
+            hosts=plan.hosts,
+            reuse=last[0].data if last is not None and last[1].done() else None,
         )
         root = self._peer_root(plan.folder, plan.run)
         future = workers.RUNTIME.pool("peer-tier", 1).submit(self._peer_write, plan, root, staged)
         self._peer_state()[token] = future
+        self._peer_last = (staged, future)  # its buffer serves the next save, once written
         return int(staged.data.nbytes)
 
     def _peer_write(self, plan: PeerSavePlan, root: Any, staged: peers.Staged) -> PeerSaveAck:

@@ -93,6 +93,41 @@ def test_a_killed_write_leaves_nothing_that_is_listed_and_prune_removes_it(
     assert list(root.iterdir()) == []
 
 
+def test_a_crafted_node_folder_is_never_followed_out_of_it(tmp_path: Path) -> None:
+    """Symlinked steps or parts are neither listed nor pruned through; names that are not a
+    folder's are refused before any path is built."""
+    root = tmp_path / "run"
+    outside = tmp_path / "outside"
+    peers.write(outside, *_part(1, 0))
+    root.mkdir()
+    (root / "step_1").symlink_to(outside / "step_1")
+    (root / "step_2").mkdir()
+    (root / "step_2" / "owner_0").symlink_to(outside / "step_1" / "owner_0")
+    assert peers.listing(root) == []
+    peers.prune(root, set())
+    assert peers.listing(outside) == [peers.Held(step=1, owner=0, token="t", nbytes=64)]
+    for node in ("../up", "a/b", "..", ""):
+        with pytest.raises(ValueError, match="names a folder"):
+            peers.run_folder(str(tmp_path / "{node}"), "run", node)
+
+
+def test_a_manifest_that_lies_about_its_data_is_refused(tmp_path: Path) -> None:
+    import dataclasses
+
+    root = tmp_path / "run"
+    part, data = _part(1, 0)
+    far = dataclasses.replace(
+        part, boxes=(dataclasses.replace(part.boxes[0], offset=1 << 40), *part.boxes[1:])
+    )
+    peers.write(root, far, data)  # a well-formed manifest, with a box beyond the data
+    with pytest.raises(CorruptCheckpointError):
+        peers.read(root, 1, 0, "t")
+    longer = dataclasses.replace(part, boxes=(*part.boxes, part.boxes[0]))
+    peers.write(root, longer, data)  # more bytes claimed than the data holds
+    with pytest.raises(CorruptCheckpointError, match="holds 64 bytes"):
+        peers.read(root, 1, 0, "t")
+
+
 def test_a_part_of_a_step_saved_again_replaces_the_earlier_one(tmp_path: Path) -> None:
     root = tmp_path / "run"
     peers.write(root, *_part(4, 0, "first"))

@@ -70,6 +70,7 @@ class ProcessPeerTierRun:
         self._addresses: list[tuple[str, int]] = []
         self._nodes: list[str] = []
         self._pending: tuple[int, Future[None]] | None = None
+        self._last: tuple[peers.Staged, Future[None]] | None = None
         self._recoverable: int | None = None
 
     # -- agreement ------------------------------------------------------------------------
@@ -126,11 +127,19 @@ class ProcessPeerTierRun:
         chosen = choose_peers(self._nodes, self.tier.copies)[self.index]
         token = self.group.broadcast("peer-tier:token", uuid.uuid4().hex, self.timeout)
         keep = {s for s in (self._recoverable, step) if s is not None}
+        last = self._last
         staged = peers.stage(
-            arrays, step=step, owner=self.index, token=token, hosts=self.count, leaves=kept
+            arrays,
+            step=step,
+            owner=self.index,
+            token=token,
+            hosts=self.count,
+            leaves=kept,
+            reuse=last[0].data if last is not None and last[1].done() else None,
         )
         future = RUNTIME.pool("peer-tier", 1).submit(self._write, staged, keep, chosen)
         self._pending = (step, future)
+        self._last = (staged, future)  # its buffer serves the next save, once written
         return int(staged.data.nbytes)
 
     def _write(self, staged: peers.Staged, keep: set[int], chosen: list[int]) -> None:
@@ -207,7 +216,7 @@ class ProcessPeerTierRun:
                 notes.append(f"step {step}: rebuilding it from node memory failed: {e}")
                 log.warning("recovery: %s", notes[-1])
                 continue
-            part, source, arrays = result[0], result[1], result[2]
+            part, (source, _), arrays = result
             own = sum(nbytes for src, nbytes in outcomes if src is None)
             moved = sum(nbytes for src, nbytes in outcomes if src is not None)
             self._recoverable = step

@@ -83,9 +83,12 @@ def stage(
     token: str,
     hosts: int,
     leaves: tuple[tuple[int, Any], ...] = (),
+    reuse: np.ndarray | None = None,
 ) -> Staged:
     """Copy every distinct box this process's devices hold of ``arrays`` (global ``jax.Array``s)
-    into one new buffer: the caller may change or donate its arrays once this returns."""
+    into one buffer: the caller may change or donate its arrays once this returns. ``reuse``:
+    the buffer of an earlier step whose part and copies are written, taken when its size fits
+    (a training loop keeps the same tree: its pages are already backed)."""
     pieces: list[tuple[int, Index, Any]] = []
     dtypes = []
     for k, array in enumerate(arrays):
@@ -103,7 +106,7 @@ def stage(
         n = math.prod(hi - lo for lo, hi in index) * shard.dtype.itemsize
         boxes.append((k, index, offset, n))
         offset += n
-    buffer = np.empty(offset, np.uint8)
+    buffer = reuse if reuse is not None and reuse.nbytes == offset else np.empty(offset, np.uint8)
     pairs = []
     for (_, _, shard), (_, _, start, n) in zip(pieces, boxes, strict=True):
         src = np.asarray(shard)
