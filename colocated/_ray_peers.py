@@ -189,8 +189,9 @@ class PeerHost:
 
     def peer_read(self, folder: str, run: str, step: int, owner: int, token: str) -> Any:
         """A part in this host's node folder, checked, for a host that lost its own."""
-        part, data = peers.read(self._peer_root(folder, run), step, owner, token)
-        return part.encode(), data
+        # The host it goes to checks every box; here only the manifest and the size.
+        part, data = peers.read(self._peer_root(folder, run), step, owner, token, checked=False)
+        return part.encode(), np.asarray(data)
 
     def peer_restore(self, plan: PeerRestorePlan, prefix: str) -> PeerRestoreAck:
         """Rebuild this host's arrays of ``plan.step`` from the first good copy of its part;
@@ -208,12 +209,13 @@ class PeerHost:
                         plan.folder, plan.run, plan.step, self.index, plan.token
                     )
                     encoded, data = ray.get(ref, timeout=plan.timeout_secs)
-                    where = f"copy of host {self.index}'s part from host {source}"
+                    where = f"of host {self.index} (a copy from host {source})"
                     part = peers.Part.decode(encoded, where)
                     peers.check(part, data, where)
                     if (part.step, part.owner, part.token) != (plan.step, self.index, plan.token):
                         raise workers.CorruptCheckpointError(f"the {where} is of another save")
-                    peers.write(root, part, data)  # this node holds its part again
+                    # this node holds its part again (behind, before this host's next save)
+                    workers.RUNTIME.pool("peer-tier", 1).submit(peers.write, root, part, data)
             except (
                 OSError,
                 workers.CorruptCheckpointError,

@@ -74,6 +74,23 @@ class SliceOptions:
         check.integer(self.ray_object_store_bytes, "SliceOptions.ray_object_store_bytes", minimum=1)
 
 
+def _raylet_answers(node: Mapping[str, Any], timeout: float = 2.0) -> bool:
+    """Whether ``node``'s raylet accepts a connection: a node whose raylet was killed stays
+    listed alive until its health checks fail (about 10 s later), and a host placed there waits
+    for that verdict."""
+    import socket
+
+    try:
+        address = (str(node["NodeManagerAddress"]), int(node["NodeManagerPort"]))
+    except (KeyError, TypeError, ValueError):
+        return True  # nothing to probe: trust Ray's listing
+    try:
+        with socket.create_connection(address, timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
 def _host_remote() -> Any:
     """``HostActor`` as a Ray actor class, with its concurrency groups."""
     import ray
@@ -298,7 +315,11 @@ class Slice:
         """Where each host of a recovered slice goes: its node if alive, else a spare."""
         import ray
 
-        alive = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] not in gone]
+        alive = [
+            n["NodeID"]
+            for n in ray.nodes()
+            if n["Alive"] and n["NodeID"] not in gone and _raylet_answers(n)
+        ]
         spares = [n for n in alive if n not in before]
         nodes: list[str] = []
         for i, node in enumerate(before):

@@ -130,7 +130,9 @@ class SlicePeers:
 
     def held(self, timeout: float) -> list[list[peers.Held]]:
         """What each host's node folder holds, host by host."""
-        return self.group.all("peer_list", self.folder, self.run, doing="listing its peer tier")
+        return self.group.all(
+            "peer_list", self.folder, self.run, doing="listing its peer tier", timeout=timeout
+        )
 
     def restore(
         self,

@@ -220,8 +220,13 @@ def read_manifest(root: Path, step: int, owner: int) -> Part:
     return part
 
 
-def read(root: Path, step: int, owner: int, token: str) -> tuple[Part, np.ndarray]:
-    """A part's manifest and data, checked whole (the manifest, the size, each box)."""
+def read(
+    root: Path, step: int, owner: int, token: str, *, checked: bool = True
+) -> tuple[Part, np.ndarray]:
+    """A part's manifest and data, checked whole (the manifest, the size, each box; only the
+    manifest when not ``checked``: for a copy sent to a host that checks it itself). The data
+    is the file mapped read-only (a part is never changed in place: a new one replaces it by a
+    rename, and a removed file stays readable while mapped)."""
     part = read_manifest(root, step, owner)
     where = str(part_folder(root, step, owner))
     if part.token != token:
@@ -230,8 +235,13 @@ def read(root: Path, step: int, owner: int, token: str) -> tuple[Part, np.ndarra
             f"{part.token[:8]}, wanted {token[:8]}); it is not used",
             path=where,
         )
-    data = np.fromfile(part_folder(root, step, owner) / DATA, dtype=np.uint8)
-    check(part, data, where)
+    path = part_folder(root, step, owner) / DATA
+    size = path.stat().st_size
+    data = np.memmap(path, np.uint8, mode="r") if size else np.empty(0, np.uint8)
+    if checked:
+        check(part, data, where)
+    elif data.size != part.nbytes:
+        check(part, data, where)  # (raises: the size is wrong)
     return part, data
 
 
