@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from milepost import _api, _checkpoint, _hosts, _options, _views
-from milepost.colocated import HostGroup, RayHostGroup, Slice
+from milepost.colocated import HostGroup, Slice
 from milepost.training._errors import (
     BackgroundSaveError,
     StepBusyError,
@@ -39,14 +39,14 @@ from milepost.training._errors import (
 )
 from milepost.training._mirror import Mirror
 from milepost.training._options import CheckpointerOptions
-from milepost.training._peers import PeerTier, PeerTierRun, Recovery, run_name
-from milepost.training._peers_mc import ProcessPeerTierRun
+from milepost.training._peers import PeerTier, Recovery
 from milepost.training._policies import RetentionPolicy, SaveContext, SavePolicy
 from milepost.training._preemption import PreemptionWatch
+from milepost.training._recovery import PeerTiers
 from milepost.training._retention import Retention
 from milepost.training._state import StepState, check_step, plain_metrics
 from milepost.training._tier import Tier
-from milepost.workers import ObjectPath, as_path, check
+from milepost.workers import ObjectPath, as_path
 
 log = logging.getLogger("milepost.training")
 
@@ -154,8 +154,11 @@ class Checkpointer:
             if self.local is not None
             else None
         )
-        self._peers: PeerTierRun | ProcessPeerTierRun | None = None
-        """The peer tier's runner, made at its first use: a slice's, or this job's processes'."""
+        self._peers = (
+            PeerTiers(self.options.peers, str(self.root), self._timeout)
+            if self.options.peers is not None
+            else None
+        )
         self._last_save_start: float | None = None
         self._decision: tuple[int, bool, int] | None = None
         """(step, answer, requests seen) of the last should_save, reused by a save of that step."""
@@ -350,11 +353,10 @@ class Checkpointer:
         state = self._state
         state.raise_failure()
         metrics_ = plain_metrics(metrics)
-        tier = self.options.peers
-        kept = tier is not None and step % tier.every_n_steps == 0 and STATE in checkpointables
+        kept = self._peers is not None and self._peers.due(step) and STATE in checkpointables
         if kept:
-            leaves = _checkpoint.all_leaves({STATE: checkpointables[STATE]})
-            self._peer_runner(_hosts.host_group_for(leaves)).save(step, checkpointables[STATE])
+            assert self._peers is not None
+            self._peers.save(step, checkpointables[STATE])
         if not force and not self.should_save(step):
             return kept
         with state.cond:
@@ -612,54 +614,17 @@ class Checkpointer:
         ...     r = ckpt.recover(s); s, state, step = r.slice, r.state, r.step
         """
         self._check_writable("recover")
-        if self.options.peers is None:
+        if self._peers is None:
             raise ValueError(
                 "this Checkpointer keeps no peer tier to recover from; open it with "
                 "peers=PeerTier(...), or start a new slice and load(step, abstract_state)"
             )
-        if lost is not None:
-            check.instance(lost, "recover(lost)", Slice, "the Slice that lost a host")
-            runner = self._peers
-            if not isinstance(runner, PeerTierRun):
-                raise ValueError(
-                    "this Checkpointer kept no step of a slice, so it knows no tree to recover; "
-                    "start a new slice (lost.recover()) and load(step, abstract_state)"
-                )
-        elif abstract_state is None:
-            raise ValueError(
-                "recover() without a lost slice restores this job's processes: pass "
-                "abstract_state=, the tree to restore (as for load)"
-            )
+        self._peers.check(lost, abstract_state)
         try:
             self.wait()
         except Exception as e:  # the lost slice's saves: abandoned
             log.warning("recovery: a save on the lost slice failed: %s: %s", type(e).__name__, e)
-        if lost is not None:
-            assert isinstance(self._peers, PeerTierRun)
-            return self._peers.recover(lost, self._from_storage, self.latest)
-        group = _hosts.host_group_for_abstract(_checkpoint.all_leaves({STATE: abstract_state}))
-        runner = self._peer_runner(group)
-        assert isinstance(runner, ProcessPeerTierRun)
-        return runner.recover(abstract_state, self._from_storage, self.latest)
-
-    def _peer_runner(self, group: HostGroup) -> PeerTierRun | ProcessPeerTierRun:
-        tier = self.options.peers
-        assert tier is not None
-        on_slice = isinstance(group, RayHostGroup)
-        if self._peers is None:
-            run = run_name(str(self.root))
-            self._peers = (
-                PeerTierRun(tier, run, self._timeout)
-                if on_slice
-                else ProcessPeerTierRun(tier, run, self._timeout, group)
-            )
-        elif on_slice != isinstance(self._peers, PeerTierRun):
-            raise ValueError(
-                "this Checkpointer's peer tier keeps "
-                + ("a slice's arrays" if not on_slice else "this job's own arrays")
-                + "; a Checkpointer keeps the steps of one kind of state"
-            )
-        return self._peers
+        return self._peers.recover(lost, abstract_state, self._from_storage, self.latest)
 
     def _from_storage(self, abstract: Any) -> tuple[int, Any, str, int]:
         """The newest committed step, loaded as ``abstract`` (a recovery's fallback)."""
