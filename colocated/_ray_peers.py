@@ -150,6 +150,7 @@ class PeerHost:
                     f"host {i}, which keeps host {self.index}'s peer copy of step {plan.step}, "
                     f"died ({type(e).__name__})"
                 ) from None
+        peers.count_between_hosts(sent=part.nbytes * len(calls))
         return PeerSaveAck(
             host=self.index,
             step=plan.step,
@@ -180,6 +181,7 @@ class PeerHost:
         root = self._peer_root(folder, run)
         part = peers.Part.decode(encoded, f"sent to host {self.index}")
         peers.check(part, data, f"sent to host {self.index}")
+        peers.count_between_hosts(received=part.nbytes)
         peers.write(root, part, data)
         return part.nbytes
 
@@ -191,6 +193,7 @@ class PeerHost:
         """A part in this host's node folder, checked, for a host that lost its own."""
         # The host it goes to checks every box; here only the manifest and the size.
         part, data = peers.read(self._peer_root(folder, run), step, owner, token, checked=False)
+        peers.count_between_hosts(sent=part.nbytes)
         return part.encode(), np.asarray(data)
 
     def peer_restore(self, plan: PeerRestorePlan, prefix: str) -> PeerRestoreAck:
@@ -211,6 +214,7 @@ class PeerHost:
                     encoded, data = ray.get(ref, timeout=plan.timeout_secs)
                     where = f"of host {self.index} (a copy from host {source})"
                     part = peers.Part.decode(encoded, where)
+                    peers.count_between_hosts(received=int(data.nbytes))
                     peers.check(part, data, where)
                     if (part.step, part.owner, part.token) != (plan.step, self.index, plan.token):
                         raise workers.CorruptCheckpointError(f"the {where} is of another save")

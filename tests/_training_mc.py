@@ -157,6 +157,7 @@ def main(scenario: str, index: int, count: int, port: int, root: str) -> dict:
         out["files"] = sorted(os.listdir(Path(root) / "2" / "data_iter"))
     elif scenario in ("peers_save", "peers_recover"):
         # a peer tier: two processes per node (n0, n1), each part copied to the other node
+        import milepost as mp
         from milepost.training import PeerTier
 
         tier = PeerTier(copies=1, path=f"{root}-shm/{{node}}", node=f"n{index // 2}")
@@ -174,6 +175,8 @@ def main(scenario: str, index: int, count: int, port: int, root: str) -> dict:
                 r = ckpt.recover(abstract_state=abstract)
                 out.update(step=r.step, tier=r.tier, moved=r.bytes_by_source, notes=list(r.notes))
                 out["exact"] = exact(r.state, r.step)
+                stats = mp.io_stats()  # this job's counters: the recovery's bytes only
+                out["io"] = [stats.bytes_read, [h.bytes_received for h in stats.hosts]]
                 ckpt.save(4, state(4))  # and the tier goes on
                 ckpt.wait()
     else:

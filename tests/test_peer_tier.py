@@ -312,6 +312,12 @@ def _lose_a_node_between_steps(cluster: LocalCluster, tmp: str) -> None:
             assert (r.step, r.tier) == (5, "peers"), r
             assert r.bytes_by_source["peer"] == part_bytes, r.bytes_by_source
             assert r.bytes_by_source["own node"] == 2 * part_bytes  # 3 hosts, equal parts
+            moved = mp.io_stats(slice=s)  # the new hosts' counters: the recovery's bytes only
+            assert moved.bytes_read == 0, moved  # nothing from storage
+            assert moved.bytes_between_hosts == part_bytes, moved  # the lost host's part only
+            assert [h.bytes_received for h in moved.hosts] == [
+                part_bytes if i == lost else 0 for i in range(3)
+            ], moved
             _check_state(s, r.state, 5)
             params = r.state["params"]
             for step in range(6, 8):  # training goes on, and so does the tier

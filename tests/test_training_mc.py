@@ -53,5 +53,6 @@ def test_a_job_restarted_with_a_node_replaced_recovers_from_peers(tmp_path: Path
         assert (o["step"], o["tier"]) == (3, "peers"), o
         assert o["moved"] == {"own node": 2 * part, "peer": 2 * part}, o
         assert o["exact"] == 2, o  # its two shards, bit for bit
+        assert o["io"] == [0, [0, 0, part, part]], o  # n1's processes got their parts
     (run_dir,) = (tmp_path / "run-shm" / "n1").iterdir()  # n1 holds its parts again
     assert sorted(p.name for p in run_dir.iterdir()) == ["step_3", "step_4"]

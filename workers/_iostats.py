@@ -18,10 +18,12 @@ Storage is counted at the lowest layer milepost can see:
 files the controller reads or writes with Python file calls on a local disk are not counted;
 on object stores they go through TensorStore and are.
 
-Between hosts: the bytes of the shards milepost itself moved from one host process to another
-(load-and-broadcast: each shard a receiving device got from a device of another process,
-counted once by the sender and once by the receiver). Collectives inside your own jitted
-functions are XLA's and are not counted.
+Between hosts: the bytes of the shards milepost itself moved from one host process to another,
+counted once by the sender and once by the receiver: load-and-broadcast (each shard a receiving
+device got from a device of another process), and the peer tier (each copy of a part sent to a
+peer, and each part a recovering host got from the host holding a copy). The peer tier's node
+folders are memory, not storage: what it writes and reads there is not counted. Collectives
+inside your own jitted functions are XLA's and are not counted.
 """
 
 from __future__ import annotations
@@ -53,9 +55,10 @@ class HostIoStats:
     """Bytes written to storage."""
     write_requests: int = 0
     bytes_sent: int = 0
-    """Bytes this host sent to other hosts (load-and-broadcast)."""
+    """Bytes this host sent to other hosts (load-and-broadcast, the peer tier's copies)."""
     bytes_received: int = 0
-    """Bytes this host received from other hosts (load-and-broadcast)."""
+    """Bytes this host received from other hosts (load-and-broadcast, the peer tier's
+    copies)."""
 
     def __sub__(self, other: HostIoStats) -> HostIoStats:
         if not isinstance(other, HostIoStats):

@@ -1,6 +1,7 @@
 """The peer tier's host side: a node's folder of parts (``_store``), and a host's staging and
 rebuilding of its arrays (``_host``). Transport between hosts is the host group's."""
 
+from milepost.workers._iostats import count_between_hosts
 from milepost.workers.peers._host import ArrayRecord, Staged, record_of, restore, stage
 from milepost.workers.peers._store import (
     Box,
@@ -24,6 +25,7 @@ __all__ = [
     "PeerServer",
     "Staged",
     "check",
+    "count_between_hosts",
     "fetch_part",
     "listing",
     "part_folder",

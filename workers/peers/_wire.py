@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from milepost.workers._errors import CorruptCheckpointError
+from milepost.workers._iostats import count_between_hosts
 from milepost.workers._runtime import RUNTIME
 from milepost.workers.peers._store import Part, check, read, write
 
@@ -117,6 +118,7 @@ class PeerServer:
                     return
                 if header.get("op") == "put":
                     part, data = _recv_part(conn, f"sent to {self.root}")
+                    count_between_hosts(received=part.nbytes)
                     write(self.root, part, data)
                     _answer(conn)
                 elif header.get("op") == "get":
@@ -124,6 +126,7 @@ class PeerServer:
                     part, data = read(self.root, step, owner, str(header["token"]))
                     _answer(conn)
                     _send_part(conn, part, data)
+                    count_between_hosts(sent=part.nbytes)
                 else:
                     log.warning("peer tier: dropped a request for %r", header.get("op"))
             except (OSError, ValueError, KeyError, CorruptCheckpointError) as e:
@@ -161,6 +164,7 @@ def send_part(
         with _request(address, secret, {"op": "put"}, timeout) as sock:
             _send_part(sock, part, data)
             _status(sock, who)
+        count_between_hosts(sent=part.nbytes)
     except TimeoutError:
         raise TimeoutError(f"{who} did not take a peer copy within {timeout:g}s") from None
     except OSError as e:
@@ -184,6 +188,7 @@ def fetch_part(
         with _request(address, secret, header, timeout) as sock:
             _status(sock, who)
             part, data = _recv_part(sock, f"copy of process {owner}'s part from {who}")
+        count_between_hosts(received=part.nbytes)
     except TimeoutError:
         raise TimeoutError(f"{who} did not send a peer copy within {timeout:g}s") from None
     except OSError as e:
