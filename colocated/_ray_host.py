@@ -68,6 +68,22 @@ class HostActor(PeerHost):
         shardings: the same function sent again reuses its compiled program."""
 
     # -- start-up -------------------------------------------------------------------------
+    def warm(self) -> bool:
+        """A standby's warm-up: import what a host runs (JAX is not initialized: the host joins
+        a ``jax.distributed`` cluster later)."""
+        import jax
+        import jax.numpy  # noqa: F401
+
+        import milepost.workers.load
+        import milepost.workers.save  # noqa: F401
+
+        return True
+
+    def assign(self, index: int, count: int) -> None:
+        """A standby becomes host ``index`` of ``count`` (before ``initialize``)."""
+        self.index = index
+        self.count = count
+
     def identity(self) -> dict[str, Any]:
         import ray
 

@@ -25,6 +25,7 @@ from milepost.colocated._handles import AbstractArray, RemoteArray, SliceMesh, S
 from milepost.colocated._ray_group import WAIT_GROUP, RayHostGroup, Traffic, pickled_size
 from milepost.colocated._ray_host import HostActor, Ref
 from milepost.colocated._ray_peers import PEER_GROUP
+from milepost.colocated._standby import Standby
 from milepost.workers import check
 
 log = logging.getLogger("milepost.slice")
@@ -59,6 +60,11 @@ class SliceOptions:
     ray_object_store_bytes: int = 1 << 30
     """Object store size for a Ray runtime that ``Slice.start`` initializes (only ``put`` and
     ``fetch`` use it)."""
+    standby_hosts: bool = False
+    """Keep idle host processes on the nodes (JAX imported; no CPU reserved): as many on each
+    node as the slice has hosts there, and one on each other live node. :meth:`Slice.recover`
+    then starts the new slice from them, without starting processes. Each costs an idle Python
+    process (a few hundred MB of memory)."""
     forward_storage_env: bool = True
     """Give the host actors this process's storage variables (``milepost.workers.
     STORAGE_ENV_VARS``: S3 endpoint, region and credentials, GCS emulator and credentials; only
@@ -68,6 +74,7 @@ class SliceOptions:
 
     def __post_init__(self) -> None:
         check.flag(self.forward_storage_env, "SliceOptions.forward_storage_env")
+        check.flag(self.standby_hosts, "SliceOptions.standby_hosts")
         for name in ("timeout_secs", "start_timeout_secs", "cpus_per_host"):
             check.number(getattr(self, name), f"SliceOptions.{name}", positive=True)
         check.integer(self.ray_num_cpus, "SliceOptions.ray_num_cpus", minimum=1, optional=True)
@@ -131,6 +138,7 @@ class Slice:
     ) -> None:
         self.options = options
         self._devices_per_host = devices_per_host
+        self._standby: Standby | None = None
         self.group = group
         """The slice's host group: every controller<->host message goes through it."""
         self._pg = placement_group
@@ -220,7 +228,12 @@ class Slice:
 
     @classmethod
     def _form(
-        cls, actors: list[Any], devices_per_host: int | None, options: SliceOptions, pg: Any
+        cls,
+        actors: list[Any],
+        devices_per_host: int | None,
+        options: SliceOptions,
+        pg: Any,
+        standby: Standby | None = None,
     ) -> Slice:
         """Make the placed ``actors`` one ``jax.distributed`` cluster, checked; a HostError (and
         every actor ended) if they do not."""
@@ -255,7 +268,45 @@ class Slice:
             ) from e
         group = RayHostGroup(actors, identities, device_ids, options.timeout_secs)
         log.info("slice started: %d hosts, devices %s", hosts, device_ids)
-        return cls(group, pg, options, devices_per_host)
+        made = cls(group, pg, options, devices_per_host)
+        if options.standby_hosts:
+            made._keep_standby(standby or made._new_standby())
+        elif standby is not None:
+            standby.close()
+        return made
+
+    def _new_standby(self) -> Standby:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        env = _actor_env(self._devices_per_host, self.options)
+        devices = self._devices_per_host or 0
+
+        def make(node: str) -> Any:
+            return (
+                _host_remote()
+                .options(
+                    num_cpus=0,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
+                    runtime_env={"env_vars": env},
+                    max_restarts=0,
+                )
+                .remote(-1, 0, devices)
+            )
+
+        return Standby(make)
+
+    def _keep_standby(self, standby: Standby) -> None:
+        """Keep ``standby`` topped up: a standby per host on each host's node, one per spare."""
+        import ray
+
+        wanted: dict[str, int] = {}
+        for ident in self.group.identities():
+            wanted[ident["node"]] = wanted.get(ident["node"], 0) + 1
+        for n in ray.nodes():
+            if n["Alive"] and n["NodeID"] not in wanted:
+                wanted[n["NodeID"]] = 1
+        standby.fill(wanted)
+        self._standby = standby
 
     def recover(self, *, options: SliceOptions | None = None) -> Slice:
         """A new slice of this one's topology, after a host or node was lost: this slice is shut
@@ -271,6 +322,7 @@ class Slice:
 
         options = options or self.options
         before = [ident["node"] for ident in self.group.identities()]
+        standby, self._standby = self._standby, None  # not shut down with this slice
         self.shutdown()
         # A node whose raylet was just killed may still be listed alive (until its health
         # checks fail): a host placed there dies at once, and the next attempt leaves it out.
@@ -278,17 +330,25 @@ class Slice:
         deadline = time.monotonic() + options.start_timeout_secs
         while True:
             nodes = self._recovery_nodes(before, gone)
-            actors = [
-                _host_remote()
-                .options(
-                    num_cpus=options.cpus_per_host,
-                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
-                    runtime_env={"env_vars": _actor_env(self._devices_per_host, options)},
-                    max_restarts=0,
-                )
-                .remote(i, len(nodes), self._devices_per_host or 0)
-                for i, node in enumerate(nodes)
-            ]
+            actors = []
+            for i, node in enumerate(nodes):
+                actor = standby.take(node) if standby is not None else None
+                if actor is not None:
+                    actor.assign.remote(i, len(nodes))  # runs before its identity call
+                else:
+                    actor = (
+                        _host_remote()
+                        .options(
+                            num_cpus=options.cpus_per_host,
+                            scheduling_strategy=NodeAffinitySchedulingStrategy(
+                                node_id=node, soft=False
+                            ),
+                            runtime_env={"env_vars": _actor_env(self._devices_per_host, options)},
+                            max_restarts=0,
+                        )
+                        .remote(i, len(nodes), self._devices_per_host or 0)
+                    )
+                actors.append(actor)
             calls = {a.identity.remote(): (a, node) for a, node in zip(actors, nodes, strict=True)}
             ready, _ = ray.wait(
                 list(calls), num_returns=len(calls), timeout=deadline - time.monotonic()
@@ -300,10 +360,12 @@ class Slice:
                 except ray.exceptions.RayActorError:
                     dead.add(calls[ref][1])
             if len(ready) == len(calls) and not dead:
-                return type(self)._form(actors, self._devices_per_host, options, None)
+                return type(self)._form(actors, self._devices_per_host, options, None, standby)
             for a in actors:
                 ray.kill(a)
             if not dead or time.monotonic() > deadline:
+                if standby is not None:
+                    standby.close()
                 raise HostError(
                     f"recovering the slice: its hosts could not start on nodes "
                     f"{[n[:12] for n in nodes]} within {options.start_timeout_secs:g}s"
@@ -350,6 +412,9 @@ class Slice:
     def shutdown(self) -> None:
         """End the host actors (and their distributed runtime) and free the placement group.
         Safe to call twice, on an unhealthy slice, or after ``ray.shutdown()``."""
+        if self._standby is not None:
+            self._standby.close()
+            self._standby = None
         self.group.close(self._pg)
 
     # -- introspection --------------------------------------------------------------------

@@ -345,6 +345,54 @@ def test_a_node_lost_between_steps_is_recovered_from_peers(
     print(ray_cluster.run(_lose_a_node_between_steps, str(tmp_path)))
 
 
+def _ready_standbys(s: Any, timeout: float = 120.0) -> set[int]:
+    """The pids of the slice's standby hosts, once every one is warm."""
+    import ray
+
+    deadline = time.monotonic() + timeout
+    actors = [a for have in s._standby._by_node.values() for a, _ in have]
+    refs = [ref for have in s._standby._by_node.values() for _, ref in have]
+    ray.get(refs, timeout=max(1.0, deadline - time.monotonic()))
+    return {ray.get(a.identity.remote(), timeout=60)["pid"] for a in actors}
+
+
+def _recover_from_standbys(cluster: LocalCluster, tmp: str) -> None:
+    shm = Path(tmp) / "shm"
+    tier = PeerTier(every_n_steps=1, copies=1, path=str(shm / "{node}"))
+    s = cluster.slice(devices_per_host=2, hosts=3, standby_hosts=True)
+    try:
+        with Checkpointer(
+            Path(tmp) / "ckpt", save_policy=FixedInterval(interval=2), peers=tier
+        ) as ckpt:
+            params = _train(s, ckpt, range(1, 4))
+            ckpt.wait()
+            standby = _ready_standbys(s)
+            assert len(standby) == 4, standby  # one per host's node, one on the spare
+            lost = _victim(cluster, s)
+            _lose(cluster, s, lost, shm)
+            _until_lost(s, params)
+            t0 = time.monotonic()
+            r = ckpt.recover(s)
+            s = r.slice
+            print(f"recovered from standbys: {r} in {time.monotonic() - t0:.1f}s", flush=True)
+            assert (r.step, r.tier) == (3, "peers"), r
+            pids = {ident["pid"] for ident in s.host_identities()}
+            assert pids <= standby, (pids, standby)  # no host process was started
+            _check_state(s, r.state, 3)
+            params = _train(s, ckpt, range(4, 5), r.state["params"])
+            ckpt.wait()
+            _check_state(s, {"params": params, "step": 4}, 4)
+            assert len(_ready_standbys(s)) == 3  # topped up again: 3 host nodes, no spare left
+    finally:
+        s.shutdown()
+
+
+def test_a_recovery_starts_the_new_slice_from_standby_hosts(
+    ray_cluster: ClusterProcess, tmp_path: Path
+) -> None:
+    print(ray_cluster.run(_recover_from_standbys, str(tmp_path)))
+
+
 # -- failures: during replication, a damaged copy, a process killed, every copy gone -------------
 def _train(s: Any, ckpt: Checkpointer, steps: range, params: Any = None) -> Any:
     if params is None:
