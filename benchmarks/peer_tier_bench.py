@@ -68,6 +68,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -322,6 +323,12 @@ def main() -> None:
     ap.add_argument("--dir", default="/tmp", help="the roots and the local tier (on disk)")
     ap.add_argument("--shm", default="/dev/shm", help="where the node memory folders go")
     ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument(
+        "--standby",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the peer tier's slice keeps standby hosts (the reference restarts without)",
+    )
     args = ap.parse_args()
     logging.basicConfig(
         level=logging.WARNING,
@@ -351,7 +358,9 @@ def main() -> None:
         t0 = time.monotonic()
         with cluster_of(NODES, store) as cluster:
             print(f"cluster: {NODES} nodes up in {time.monotonic() - t0:.1f}s", flush=True)
-            options = mp.SliceOptions(timeout_secs=args.timeout, start_timeout_secs=300.0)
+            options = mp.SliceOptions(
+                timeout_secs=args.timeout, start_timeout_secs=300.0, standby_hosts=args.standby
+            )
             dt, s = timed(
                 lambda: mp.Slice.connect(
                     address=cluster.address,
@@ -455,6 +464,10 @@ def run(
     assert len(part) == 1, part
     part_bytes = part[0].nbytes
     del state  # the slice's arrays die with it; the controller keeps its checksum
+    if s._standby is not None:  # (a benchmark's look inside) the standbys have warmed up
+        refs = [ref for have in s._standby._by_node.values() for _, ref in have]
+        ray.get(refs, timeout=args.timeout)
+        print(f"  {len(refs)} standby hosts ready", flush=True)
     node = next(n for n in cluster.worker_nodes if n.node_id == lost_node)
     spare = [
         n["NodeID"]
@@ -553,7 +566,8 @@ def run(
             step = c.latest
             with Probe() as ref_probe:
                 t0 = time.perf_counter()
-                new = current.recover()
+                # a fresh restart, as without the peer tier: no standby hosts
+                new = current.recover(options=replace(current.options, standby_hosts=False))
                 t1 = time.perf_counter()
             res["_slice"] = current = new
             state = c.load(step, abstract_state(new, args.gib))

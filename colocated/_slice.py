@@ -323,6 +323,9 @@ class Slice:
         options = options or self.options
         before = [ident["node"] for ident in self.group.identities()]
         standby, self._standby = self._standby, None  # not shut down with this slice
+        if standby is not None and not options.standby_hosts:
+            standby.close()
+            standby = None
         self.shutdown()
         # A node whose raylet was just killed may still be listed alive (until its health
         # checks fail): a host placed there dies at once, and the next attempt leaves it out.
