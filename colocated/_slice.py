@@ -299,13 +299,14 @@ class Slice:
         """Keep ``standby`` topped up: a standby per host on each host's node, one per spare."""
         import ray
 
+        live = {n["NodeID"] for n in ray.nodes() if n["Alive"] and _raylet_answers(n)}
         wanted: dict[str, int] = {}
         for ident in self.group.identities():
             wanted[ident["node"]] = wanted.get(ident["node"], 0) + 1
-        for n in ray.nodes():
-            if n["Alive"] and n["NodeID"] not in wanted:
-                wanted[n["NodeID"]] = 1
-        standby.fill(wanted)
+        for node in live - wanted.keys():
+            wanted[node] = 1
+        standby.keep_only(live)
+        standby.fill({node: n for node, n in wanted.items() if node in live})
         self._standby = standby
 
     def recover(self, *, options: SliceOptions | None = None) -> Slice:

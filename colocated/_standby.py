@@ -34,6 +34,17 @@ class Standby:
                 actor = self._make(node)
                 have.append((actor, actor.warm.remote()))
 
+    def keep_only(self, nodes: set[str]) -> None:
+        """End the standbys on nodes other than ``nodes`` (lost ones, say)."""
+        import ray
+
+        for node in [n for n in self._by_node if n not in nodes]:
+            for actor, _ in self._by_node.pop(node):
+                try:
+                    ray.kill(actor)
+                except Exception as e:
+                    log.info("could not end a standby host: %s", e)
+
     def take(self, node: str) -> Any | None:
         """A standby on ``node`` that is ready (warmed up, alive), or None."""
         import ray
