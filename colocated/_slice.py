@@ -234,6 +234,7 @@ class Slice:
         options: SliceOptions,
         pg: Any,
         standby: Standby | None = None,
+        refill: bool = True,
     ) -> Slice:
         """Make the placed ``actors`` one ``jax.distributed`` cluster, checked; a HostError (and
         every actor ended) if they do not."""
@@ -270,7 +271,9 @@ class Slice:
         log.info("slice started: %d hosts, devices %s", hosts, device_ids)
         made = cls(group, pg, options, devices_per_host)
         if options.standby_hosts:
-            made._keep_standby(standby or made._new_standby())
+            made._standby = standby or made._new_standby()
+            if refill:
+                made.start_standby()
         elif standby is not None:
             standby.close()
         return made
@@ -295,10 +298,16 @@ class Slice:
 
         return Standby(make)
 
-    def _keep_standby(self, standby: Standby) -> None:
-        """Keep ``standby`` topped up: a standby per host on each host's node, one per spare."""
+    def start_standby(self) -> None:
+        """Top the standby hosts up (``SliceOptions.standby_hosts``; not waited for): one per
+        host on each host's node, one on each other live node. A slice starts them itself; after
+        ``recover(refill=False)`` call this once the state is restored (the standbys' start
+        takes the CPU a restore wants)."""
         import ray
 
+        standby = self._standby
+        if standby is None:
+            return
         live = {n["NodeID"] for n in ray.nodes() if n["Alive"] and _raylet_answers(n)}
         wanted: dict[str, int] = {}
         for ident in self.group.identities():
@@ -307,14 +316,17 @@ class Slice:
             wanted[node] = 1
         standby.keep_only(live)
         standby.fill({node: n for node, n in wanted.items() if node in live})
-        self._standby = standby
 
-    def recover(self, *, options: SliceOptions | None = None) -> Slice:
+    def recover(self, *, options: SliceOptions | None = None, refill: bool = True) -> Slice:
         """A new slice of this one's topology, after a host or node was lost: this slice is shut
         down; each host whose node is alive starts again there, with its index (its node's
         memory folders are found again); a host whose node is gone starts on a live node where
         no host of this slice ran (a spare), one such node per lost host. The new slice has the
         same global device ids, so this slice's meshes and shardings describe it too.
+
+        With ``SliceOptions(standby_hosts=True)`` the new hosts are this slice's standby host
+        processes where there are some (no process is started), and the new slice starts
+        standbys again (``refill=False``: once you call :meth:`start_standby`).
 
         >>> s = s.recover()  # then restore the state: Checkpointer.recover does both
         """
@@ -364,7 +376,9 @@ class Slice:
                 except ray.exceptions.RayActorError:
                     dead.add(calls[ref][1])
             if len(ready) == len(calls) and not dead:
-                return type(self)._form(actors, self._devices_per_host, options, None, standby)
+                return type(self)._form(
+                    actors, self._devices_per_host, options, None, standby, refill
+                )
             for a in actors:
                 ray.kill(a)
             if not dead or time.monotonic() > deadline:

@@ -190,7 +190,7 @@ class PeerTierRun:
         t0 = time.monotonic()
         notes: list[str] = []
         for _attempt in range(3):
-            new = old.recover()
+            new = old.recover(refill=False)  # standby hosts start again after the restore
             try:
                 done = self._from_memory(new, newest_stored, notes, t0)
             except HostError as e:
@@ -201,8 +201,10 @@ class PeerTierRun:
                 old = new
                 continue
             if done is not None:
+                new.start_standby()
                 return done
             step, state, tier, nbytes = fallback(self._abstract(new))
+            new.start_standby()
             log.warning("recovered step %s from the %s tier (%s)", step, tier, "; ".join(notes))
             self._recoverable = None
             return Recovery(new, state, step, tier, {tier: nbytes}, tuple(notes))
