@@ -14,12 +14,14 @@ message, then (``put``) the manifest and the data; the answer is a JSON status m
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import logging
 import socket
 import struct
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -156,21 +158,27 @@ def _status(sock: socket.socket, who: str) -> None:
         raise ConnectionError(f"{who} refused: {status.get('error', 'no reason given')}")
 
 
+@contextlib.contextmanager
+def _talking(who: str, doing: str, timeout: float) -> Iterator[None]:
+    """A socket failure while ``who`` is ``doing`` (take/send a peer copy) as the error a caller
+    catches, naming the peer."""
+    try:
+        yield
+    except TimeoutError:
+        raise TimeoutError(f"{who} did not {doing} within {timeout:g}s") from None
+    except OSError as e:
+        raise ConnectionError(f"{who} could not {doing}: {type(e).__name__}: {e}") from None
+
+
 def send_part(
     address: tuple[str, int], secret: bytes, part: Part, data: np.ndarray, timeout: float, who: str
 ) -> None:
     """Give ``part`` to the process at ``address`` (named ``who`` in errors) to keep."""
-    try:
+    with _talking(who, "take a peer copy", timeout):
         with _request(address, secret, {"op": "put"}, timeout) as sock:
             _send_part(sock, part, data)
             _status(sock, who)
-        count_between_hosts(sent=part.nbytes)
-    except TimeoutError:
-        raise TimeoutError(f"{who} did not take a peer copy within {timeout:g}s") from None
-    except OSError as e:
-        raise ConnectionError(
-            f"{who} could not take a peer copy: {type(e).__name__}: {e}"
-        ) from None
+    count_between_hosts(sent=part.nbytes)
 
 
 def fetch_part(
@@ -184,17 +192,11 @@ def fetch_part(
 ) -> tuple[Part, np.ndarray]:
     """The part of ``owner`` at ``step`` that the process at ``address`` holds, checked."""
     header = {"op": "get", "step": step, "owner": owner, "token": token}
-    try:
+    with _talking(who, "send a peer copy", timeout):
         with _request(address, secret, header, timeout) as sock:
             _status(sock, who)
             part, data = _recv_part(sock, f"copy of process {owner}'s part from {who}")
-        count_between_hosts(received=part.nbytes)
-    except TimeoutError:
-        raise TimeoutError(f"{who} did not send a peer copy within {timeout:g}s") from None
-    except OSError as e:
-        raise ConnectionError(
-            f"{who} could not send a peer copy: {type(e).__name__}: {e}"
-        ) from None
+    count_between_hosts(received=part.nbytes)
     if (part.step, part.owner, part.token) != (step, owner, token):
         raise CorruptCheckpointError(f"the copy {who} sent is of another save or host")
     return part, data
