@@ -392,7 +392,8 @@ class Slice:
             gone |= dead
 
     def _recovery_nodes(self, before: list[str], gone: set[str]) -> list[str]:
-        """Where each host of a recovered slice goes: its node if alive, else a spare."""
+        """Where each host of a recovered slice goes: its node if alive, else a spare (the
+        controller's own node last)."""
         import ray
 
         alive = [
@@ -400,7 +401,9 @@ class Slice:
             for n in ray.nodes()
             if n["Alive"] and n["NodeID"] not in gone and _raylet_answers(n)
         ]
-        spares = [n for n in alive if n not in before]
+        here = ray.get_runtime_context().get_node_id()
+        # spares: the node running this controller last (it has work of its own)
+        spares = sorted((n for n in alive if n not in before), key=lambda n: n == here)
         nodes: list[str] = []
         for i, node in enumerate(before):
             if node in alive:
