@@ -95,8 +95,9 @@ class ProcessPeerTierRun:
         secret = os.urandom(16) if self.group.is_primary() else b""
         self._secret = self.group.broadcast("peer-tier:secret", secret, self.timeout)
         self.root.mkdir(parents=True, exist_ok=True)
-        self._server = peers.PeerServer(self.root, self._secret, timeout=self.timeout)
+        # listening only on the interface the job's processes reach each other through
         address = reachable_address() if self.count > 1 else "127.0.0.1"
+        self._server = peers.PeerServer(self.root, self._secret, host=address, timeout=self.timeout)
         found = self._gather("hello", (self.node, address, self._server.port))
         self._nodes = [node for node, _, _ in found]
         self._addresses = [(host, port) for _, host, port in found]
