@@ -15,7 +15,6 @@ from milepost.colocated._handles import RemoteArray
 from milepost.colocated._ray_group import WAIT_GROUP, RayHostGroup
 from milepost.colocated._ray_host import Ref
 from milepost.colocated._ray_peers import (
-    PEER_GROUP,
     PeerRestoreAck,
     PeerRestorePlan,
     PeerSaveAck,
@@ -60,12 +59,6 @@ class PendingPeerSave:
         self.token = token
         self._waits = waits
         self._acks: list[PeerSaveAck] | None = None
-
-    def done(self) -> bool:
-        import ray
-
-        ready, _ = ray.wait(list(self._waits.values()), num_returns=len(self._waits), timeout=0)
-        return len(ready) == len(self._waits)
 
     def wait(self, timeout: float) -> list[PeerSaveAck]:
         """Every host's ack; a HostError naming the hosts that failed or did not answer."""
@@ -172,4 +165,4 @@ class SlicePeers:
         return arrays, [acks[i] for i in sorted(acks)]
 
 
-__all__ = ["PEER_GROUP", "PendingPeerSave", "SlicePeers", "choose_peers"]
+__all__ = ["PendingPeerSave", "SlicePeers", "choose_peers"]

@@ -63,9 +63,6 @@ class Standby:
             return actor
         return None
 
-    def count(self) -> int:
-        return sum(len(v) for v in self._by_node.values())
-
     def close(self) -> None:
         """End every standby."""
         import ray
