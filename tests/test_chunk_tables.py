@@ -200,3 +200,56 @@ def test_checkpoints_recording_chunk_checksums_are_still_checked(
             pytest.raises(mp.CorruptCheckpointError, match=r"array 'w': chunk \(17, 2\)"),
         ):
             mp.load(ckpt, abstract_of(state))
+
+
+def test_a_load_asks_for_every_table_it_needs_at_once(
+    tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tables of every database holding the loaded chunks are asked for before the first
+    check needs one (so the first reads do not wait for them one after another), each read
+    once, and only databases of the checkpoint are named."""
+    state = state_of(mesh24)
+    ckpt = save(tmp_path / "c", state, mp.SaveOptions(ocdbt_writers_per_host=3))
+    events: list[tuple[str, str]] = []
+    reads: list[str] = []
+    real_prefetch = _chunk_tables.ChunkTables.prefetch
+    real_table = _chunk_tables.ChunkTables.table
+    real_open = _chunk_tables.ChunkTables._open
+
+    def prefetch(self: Any, files: Any) -> None:
+        files = list(files)
+        for f in files:
+            database = _chunk_tables.database_of(self._directory, f)
+            if database is not None:
+                events.append(("prefetch", database))
+        real_prefetch(self, files)
+
+    def table(self: Any, database: str) -> Any:
+        events.append(("table", database))
+        return real_table(self, database)
+
+    def counting_open(self: Any) -> Any:
+        kv = real_open(self)
+
+        class Counting:
+            def read(self, key: str) -> Any:
+                reads.append(key)
+                return kv.read(key)
+
+        return Counting()
+
+    monkeypatch.setattr(_chunk_tables.ChunkTables, "prefetch", prefetch)
+    monkeypatch.setattr(_chunk_tables.ChunkTables, "table", table)
+    monkeypatch.setattr(_chunk_tables.ChunkTables, "_open", counting_open)
+    for direct in (True, False):
+        events.clear()
+        reads.clear()
+        with reading(direct):
+            assert_tree_equal(mp.load(ckpt, abstract_of(state)), state)
+        asked = {d for kind, d in events if kind == "table"}
+        first_table = next(i for i, (kind, _) in enumerate(events) if kind == "table")
+        prefetched = {d for kind, d in events[:first_table] if kind == "prefetch"}
+        assert len(asked) > 1, events  # several databases' chunks were checked
+        assert asked <= prefetched, (asked, prefetched)
+        assert all(d.startswith("ocdbt.process_") for d in prefetched), prefetched
+        assert sorted(reads) == sorted({table_key(d) for d in prefetched}), reads

@@ -24,7 +24,6 @@ from jax.sharding import PartitionSpec as P
 import milepost as mp
 from milepost import workers
 from milepost.workers import _checksum, _chunk_tables
-from milepost.workers._ts_internals import FileRange
 from tests._helpers import abstract_of, assert_tree_equal, put, reseal
 from tests.test_integrity import MILEPOST_ERRORS, chunk_value, copy_of, flip, reading, save
 
@@ -384,16 +383,14 @@ def test_a_truncated_table_is_refused(saved: dict[str, tuple[Path, Any]], tmp_pa
 )
 def test_only_files_inside_a_per_process_database_name_one(relative: str) -> None:
     directory = "/ckpt/state"
-    found = _chunk_tables.database_of(directory, FileRange(f"{directory}/{relative}", 0, 1))
+    found = _chunk_tables.database_of(directory, f"{directory}/{relative}")
     assert found is None or (found.startswith("ocdbt.process_") and "/" not in found)
     assert found is None, found
 
 
 def test_a_sibling_folder_sharing_the_prefix_names_no_database() -> None:
     """``/ckpt/state-evil/...`` starts with ``/ckpt/state``: no database of ``/ckpt/state``."""
-    found = _chunk_tables.database_of(
-        "/ckpt/state", FileRange("/ckpt/state-evil/ocdbt.process_0/d/x", 0, 1)
-    )
+    found = _chunk_tables.database_of("/ckpt/state", "/ckpt/state-evil/ocdbt.process_0/d/x")
     assert found is None
 
 

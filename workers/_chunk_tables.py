@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 import tensorstore as ts
@@ -100,11 +101,11 @@ def decode(database: str, data: bytes, where: str) -> dict[str, dict[tuple[int, 
         ) from e
 
 
-def database_of(directory: str, value: FileRange) -> str | None:
-    """The per-process database whose data file holds ``value`` (None: a file of the root view
-    itself, or outside every database)."""
+def database_of(directory: str, path: str) -> str | None:
+    """The per-process database the data file ``path`` belongs to (None: a file of the root
+    view itself, or outside every database)."""
     root = directory.rstrip("/") + "/"
-    inside = value.path[len(root) :] if value.path.startswith(root) else ""
+    inside = path[len(root) :] if path.startswith(root) else ""
     head = inside.split("/", 1)[0]
     return head if head.startswith("ocdbt.process_") and "/" in inside else None
 
@@ -118,13 +119,30 @@ class ChunkTables:
         self._context = new_context(store.directory) if context is None else context
         self._opened: Any = None
         self._tables: dict[str, dict[str, dict[tuple[int, ...], int]]] = {}
+        self._reading: dict[str, Any] = {}
+        """Reads of tables asked for ahead (:meth:`prefetch`), by database."""
         self._lock = threading.Lock()
+
+    def prefetch(self, files: Iterable[str]) -> None:
+        """Start reading the tables of the databases these data files belong to, all at once:
+        a load's first reads then need not wait for them one after another."""
+        databases = {database_of(self._directory, f) for f in files}
+        with self._lock:
+            kv = self._open()
+            for database in sorted(d for d in databases if d is not None):
+                if database not in self._tables and database not in self._reading:
+                    self._reading[database] = kv.read(table_key(database))
+
+    def _open(self) -> Any:
+        if self._opened is None:
+            self._opened = ts.KvStore.open(self._kvstore, context=self._context).result()
+        return self._opened
 
     def expected(self, name: str, grid: tuple[int, ...], value: FileRange) -> int:
         """The checksum chunk ``grid`` of array ``name`` must have, its shard value being
         ``value`` (in a data file); -1 when its writer's table has none for it (which fails
         the check)."""
-        database = database_of(self._directory, value)
+        database = database_of(self._directory, value.path)
         if database is None:
             raise CorruptCheckpointError(
                 f"chunk {grid} of array {name!r} lies in {value.path}, outside every per-process "
@@ -141,12 +159,12 @@ class ChunkTables:
             found = self._tables.get(database)
             if found is not None:
                 return found
-            if self._opened is None:
-                self._opened = ts.KvStore.open(self._kvstore, context=self._context).result()
-            kv = self._opened
+            reading = self._reading.pop(database, None)
+            if reading is None:
+                reading = self._open().read(table_key(database))
         where = f"{self._directory}, key {table_key(database)!r}"
         try:
-            read = kv.read(table_key(database)).result()
+            read = reading.result()
         except Exception as e:
             mapped = from_tensorstore(e, "reading a chunk checksum table", where, reading=True)
             raise mapped from e

@@ -39,10 +39,10 @@ def read_buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 
     Buffers of a MiB or more are private anonymous mappings, from the read pool
     (:mod:`._readpool`): a mapping whose arrays are all gone serves the next load of the same
-    size instead of faulting in fresh memory. NumPy marks its large allocations MADV_HUGEPAGE,
-    and with that hint cold loads were markedly slower (docs/performance.md has the figures); a
-    mapping of our own follows the system's huge-page policy. In-memory copies
-    (staging, casts) keep NumPy's allocation: there the hint made save_async's copies faster.
+    size instead of faulting in fresh memory. Mappings of 2 MiB or more ask for huge pages
+    (MADV_HUGEPAGE, as NumPy does for its large allocations): fewer faults while the reads fill
+    them (docs/performance.md#read-buffers has the figures). In-memory copies (staging, casts)
+    keep NumPy's allocation.
     """
     dtype = np.dtype(dtype)
     nbytes = math.prod(shape) * dtype.itemsize

@@ -32,6 +32,8 @@ import numpy as np
 from milepost.workers._runtime import RUNTIME
 
 IDLE_SECS = 10.0
+_HUGE_PAGE_BYTES = 2 << 20
+_HUGEPAGE: int | None = getattr(mmap, "MADV_HUGEPAGE", None)
 
 
 class _Owner(np.ndarray):
@@ -77,6 +79,10 @@ class ReadPool:
             self._start_keeper()
         if mapping is None:
             mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            if nbytes >= _HUGE_PAGE_BYTES and _HUGEPAGE is not None:
+                # Huge pages: a 2 MiB page is one fault where 512 small pages are 512, and
+                # where the system only gives them on request (THP "madvise"), we ask.
+                mapping.madvise(_HUGEPAGE)
         # The owner is built on the mapping itself: NumPy collapses a view's base through
         # arrays of the view's own type that do not own their data, so an owner that were a
         # view of a plain array could be skipped (and finalized while its views live on).

@@ -114,6 +114,8 @@ class Locator:
         self._values: dict[str, FileRange] = {}
         self._indexed: set[str] = set()
         self._first: dict[str, tuple[str, int]] = {}
+        self.files: set[str] = set()
+        """Every data file an indexed value lies in."""
 
     def index(self, names: Iterable[str]) -> None:
         """Learn the value locations of every chunk of these arrays (one B-tree walk)."""
@@ -130,6 +132,7 @@ class Locator:
             for key, value in ocdbt_values(self.directory, wanted, base):
                 name = key.decode()
                 self._values[name] = value
+                self.files.add(value.path)
                 array = name.rsplit("/c", 1)[0]
                 first = self._first.get(array)
                 if first is None or (value.path, value.offset) < first:

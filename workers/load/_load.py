@@ -78,6 +78,8 @@ def _load(
             path=plan.store.directory,
         ) from walk_failed
     tables = ChunkTables(plan.store) if tabled else None
+    if tables is not None and locator is not None:
+        tables.prefetch(locator.files)  # (read while the arrays' reads are planned)
     metadatas = [tsu.zarr_metadata(s) if s is not None else None for s in stores]
     layouts: list[ShardLayout | None] = [None] * len(stores)
     if locator is not None and direct:
