@@ -10,6 +10,7 @@ plain zarr3 folder named after its leaf.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 from collections.abc import Sequence
@@ -282,23 +283,29 @@ def merge_ocdbt(directory: Any) -> None:
             if batches > 1:
                 cuts = (keys[i * len(keys) // batches] for i in range(1, batches))
                 bounds = [b"", *cuts, b""]
-        committing: ts.Future[None] | None = None
-        for low, high in itertools.pairwise(bounds):
-            part = ts.KvStore.KeyRange(low, high)
-            txn = ts.Transaction(atomic=True)
-            copies = [
-                s.experimental_copy_range_to(parent.with_transaction(txn), source_range=part)
-                for s in stores
-            ]
-            for c in copies:
-                c.result()
-            # The previous range's commit (writing B-tree nodes) ran while this range was
-            # copied in (reading the databases' leaves): about 30% off the merge.
-            if committing is not None:
-                committing.result()
-            committing = txn.commit_async()
-        if committing is not None:
-            committing.result()
+        commits: list[ts.Future[None]] = []  # in flight, oldest first
+        try:
+            for low, high in itertools.pairwise(bounds):
+                part = ts.KvStore.KeyRange(low, high)
+                txn = ts.Transaction(atomic=True)
+                copies = [
+                    s.experimental_copy_range_to(parent.with_transaction(txn), source_range=part)
+                    for s in stores
+                ]
+                for c in copies:
+                    c.result()
+                # A range's commit (writing B-tree nodes) runs while the next range is copied
+                # in (reading the databases' leaves) and beside the next one's commit: a third
+                # off the merge at 4,096 hosts (docs/performance.md#the-commit-at-many-hosts).
+                commits.append(txn.commit_async())
+                if len(commits) > 1:
+                    commits.pop(0).result()
+            while commits:
+                commits.pop(0).result()
+        finally:
+            for f in commits:  # (after a failure: no commit goes on writing into the folder)
+                with contextlib.suppress(Exception):
+                    f.result()
     except ValueError as e:
         mapped = from_tensorstore(e, "merging the per-process OCDBT stores", str(directory))
         if mapped is e:
