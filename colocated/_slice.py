@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import time
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -20,11 +19,12 @@ import cloudpickle
 import numpy as np
 
 import milepost.workers as workers
+from milepost.colocated._actors import actor_env, host_on, host_remote
 from milepost.colocated._errors import HostError
 from milepost.colocated._handles import AbstractArray, RemoteArray, SliceMesh, SliceSharding
-from milepost.colocated._ray_group import WAIT_GROUP, RayHostGroup, Traffic, pickled_size
-from milepost.colocated._ray_host import HostActor, Ref
-from milepost.colocated._ray_peers import PEER_GROUP
+from milepost.colocated._ray_group import RayHostGroup, Traffic, pickled_size
+from milepost.colocated._ray_host import Ref
+from milepost.colocated._slice_recovery import live_nodes, start_hosts
 from milepost.colocated._standby import Standby
 from milepost.workers import check
 
@@ -79,45 +79,6 @@ class SliceOptions:
             check.number(getattr(self, name), f"SliceOptions.{name}", positive=True)
         check.integer(self.ray_num_cpus, "SliceOptions.ray_num_cpus", minimum=1, optional=True)
         check.integer(self.ray_object_store_bytes, "SliceOptions.ray_object_store_bytes", minimum=1)
-
-
-def _raylet_answers(node: Mapping[str, Any], timeout: float = 2.0) -> bool:
-    """Whether ``node``'s raylet accepts a connection: a node whose raylet was killed stays
-    listed alive until its health checks fail (about 10 s later), and a host placed there waits
-    for that verdict."""
-    import socket
-
-    try:
-        address = (str(node["NodeManagerAddress"]), int(node["NodeManagerPort"]))
-    except (KeyError, TypeError, ValueError):
-        return True  # nothing to probe: trust Ray's listing
-    try:
-        with socket.create_connection(address, timeout=timeout):
-            return True
-    except OSError:
-        return False
-
-
-def _host_remote() -> Any:
-    """``HostActor`` as a Ray actor class, with its concurrency groups."""
-    import ray
-
-    groups = {WAIT_GROUP: 4, PEER_GROUP: 2}
-    # (ray's overloads of remote() omit its concurrency_groups option)
-    return ray.remote(concurrency_groups=groups)(HostActor)  # type: ignore[call-overload]
-
-
-def _actor_env(devices_per_host: int | None, options: SliceOptions) -> dict[str, str]:
-    """The host actors' environment variables (set before the actor process imports JAX): fake
-    CPU devices when asked, and the storage variables the controller has (the hosts open the
-    checkpoint paths themselves)."""
-    env = workers.storage_environment() if options.forward_storage_env else {}
-    if devices_per_host:
-        env.update(
-            JAX_PLATFORMS="cpu",
-            XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_host}",
-        )
-    return env
 
 
 class Slice:
@@ -212,13 +173,13 @@ class Slice:
                 + "lower SliceOptions.cpus_per_host or add resources"
             ) from None
         actors = [
-            _host_remote()
+            host_remote()
             .options(
                 num_cpus=options.cpus_per_host,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=i
                 ),
-                runtime_env={"env_vars": _actor_env(devices_per_host, options)},
+                runtime_env={"env_vars": actor_env(devices_per_host, options)},
                 max_restarts=0,
             )
             .remote(i, hosts, devices_per_host or 0)
@@ -279,21 +240,14 @@ class Slice:
         return made
 
     def _new_standby(self) -> Standby:
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        env = _actor_env(self._devices_per_host, self.options)
-        devices = self._devices_per_host or 0
-
         def make(node: str) -> Any:
-            return (
-                _host_remote()
-                .options(
-                    num_cpus=0,
-                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
-                    runtime_env={"env_vars": env},
-                    max_restarts=0,
-                )
-                .remote(-1, 0, devices)
+            return host_on(
+                node,
+                index=-1,
+                hosts=0,
+                devices_per_host=self._devices_per_host,
+                options=self.options,
+                cpus=0,
             )
 
         return Standby(make)
@@ -303,12 +257,10 @@ class Slice:
         host on each host's node, one on each other live node. A slice starts them itself; after
         ``recover(refill=False)`` call this once the state is restored (the standbys' start
         takes the CPU a restore wants)."""
-        import ray
-
         standby = self._standby
         if standby is None:
             return
-        live = {n["NodeID"] for n in ray.nodes() if n["Alive"] and _raylet_answers(n)}
+        live = set(live_nodes())
         wanted: dict[str, int] = {}
         for ident in self.group.identities():
             wanted[ident["node"]] = wanted.get(ident["node"], 0) + 1
@@ -330,9 +282,6 @@ class Slice:
 
         >>> s = s.recover()  # then restore the state: Checkpointer.recover does both
         """
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
         options = options or self.options
         before = [ident["node"] for ident in self.group.identities()]
         standby, self._standby = self._standby, None  # not shut down with this slice
@@ -340,89 +289,8 @@ class Slice:
             standby.close()
             standby = None
         self.shutdown()
-        # A node whose raylet was just killed may still be listed alive (until its health
-        # checks fail): a host placed there dies at once, and the next attempt leaves it out.
-        gone: set[str] = set()
-        deadline = time.monotonic() + options.start_timeout_secs
-        while True:
-            nodes = self._recovery_nodes(before, gone)
-            actors = []
-            for i, node in enumerate(nodes):
-                actor = standby.take(node) if standby is not None else None
-                if actor is not None:
-                    actor.assign.remote(i, len(nodes))  # runs before its identity call
-                else:
-                    actor = (
-                        _host_remote()
-                        .options(
-                            num_cpus=options.cpus_per_host,
-                            scheduling_strategy=NodeAffinitySchedulingStrategy(
-                                node_id=node, soft=False
-                            ),
-                            runtime_env={"env_vars": _actor_env(self._devices_per_host, options)},
-                            max_restarts=0,
-                        )
-                        .remote(i, len(nodes), self._devices_per_host or 0)
-                    )
-                actors.append(actor)
-            calls = {a.identity.remote(): (a, node) for a, node in zip(actors, nodes, strict=True)}
-            ready, _ = ray.wait(
-                list(calls), num_returns=len(calls), timeout=deadline - time.monotonic()
-            )
-            dead = set()
-            for ref in ready:
-                try:
-                    ray.get(ref, timeout=0)
-                except ray.exceptions.RayActorError:
-                    dead.add(calls[ref][1])
-            if len(ready) == len(calls) and not dead:
-                return type(self)._form(
-                    actors, self._devices_per_host, options, None, standby, refill
-                )
-            for a in actors:
-                ray.kill(a)
-            if not dead or time.monotonic() > deadline:
-                if standby is not None:
-                    standby.close()
-                raise HostError(
-                    f"recovering the slice: its hosts could not start on nodes "
-                    f"{[n[:12] for n in nodes]} within {options.start_timeout_secs:g}s"
-                )
-            log.warning("recovering the slice: nodes %s are gone too", [n[:12] for n in dead])
-            gone |= dead
-
-    def _recovery_nodes(self, before: list[str], gone: set[str]) -> list[str]:
-        """Where each host of a recovered slice goes: its node if alive, else a spare (the
-        controller's own node last)."""
-        import ray
-
-        alive = [
-            n["NodeID"]
-            for n in ray.nodes()
-            if n["Alive"] and n["NodeID"] not in gone and _raylet_answers(n)
-        ]
-        here = ray.get_runtime_context().get_node_id()
-        # spares: the node running this controller last (it has work of its own)
-        spares = sorted((n for n in alive if n not in before), key=lambda n: n == here)
-        nodes: list[str] = []
-        for i, node in enumerate(before):
-            if node in alive:
-                nodes.append(node)
-                continue
-            if not spares:
-                raise HostError(
-                    f"cannot recover the slice: host {i}'s node {node[:12]} is gone and every "
-                    f"live node ({len(alive)}) already runs a host of it; add a node (a spare) "
-                    "to the Ray cluster, then call recover() again"
-                )
-            nodes.append(spares.pop(0))
-            log.warning(
-                "recovering the slice: host %d moves from lost node %s to node %s",
-                i,
-                node[:12],
-                nodes[-1][:12],
-            )
-        return nodes
+        actors = start_hosts(before, standby, options, self._devices_per_host)
+        return type(self)._form(actors, self._devices_per_host, options, None, standby, refill)
 
     def __enter__(self) -> Slice:
         return self

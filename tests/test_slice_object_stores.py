@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import milepost as mp
 from milepost import workers as _storage
-from milepost.colocated import _slice
+from milepost.colocated import _actors
 from tests._helpers import same_bits
 from tests._object_stores import new_gcs_bucket, new_s3_bucket
 
@@ -117,13 +117,13 @@ def test_forwarding_is_an_option(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", "127.0.0.1:1")
     monkeypatch.setenv("UNRELATED_SECRET", "x")
     fake = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    assert _slice._actor_env(2, mp.SliceOptions()) == {
+    assert _actors.actor_env(2, mp.SliceOptions()) == {
         "AWS_REGION": "eu-test-1",
         "STORAGE_EMULATOR_HOST": "127.0.0.1:1",
         **fake,
     }
-    assert _slice._actor_env(2, mp.SliceOptions(forward_storage_env=False)) == fake
-    assert _slice._actor_env(None, mp.SliceOptions()) == {
+    assert _actors.actor_env(2, mp.SliceOptions(forward_storage_env=False)) == fake
+    assert _actors.actor_env(None, mp.SliceOptions()) == {
         "AWS_REGION": "eu-test-1",
         "STORAGE_EMULATOR_HOST": "127.0.0.1:1",
     }
