@@ -80,8 +80,9 @@ class ReadPool:
         if mapping is None:
             mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             if nbytes >= _HUGE_PAGE_BYTES and _HUGEPAGE is not None:
-                # Huge pages: a 2 MiB page is one fault where 512 small pages are 512, and
-                # where the system only gives them on request (THP "madvise"), we ask.
+                # Huge pages: a 2 MiB page is one fault where 512 small pages are 512. The
+                # hint gets them where the system gives them only on request (THP "madvise")
+                # and, with defrag "madvise", where it would otherwise fall back to small pages.
                 mapping.madvise(_HUGEPAGE)
         # The owner is built on the mapping itself: NumPy collapses a view's base through
         # arrays of the view's own type that do not own their data, so an owner that were a
