@@ -19,8 +19,10 @@ from typing import Any
 
 import tensorstore as ts
 
+from milepost.workers import _ocdbt_merge
 from milepost.workers._errors import CorruptCheckpointError, from_tensorstore
 from milepost.workers._messages import ArraySpec, StoreSpec
+from milepost.workers._ocdbt_format import FormatError
 from milepost.workers._paths import ObjectPath, as_path, context_for, kvstore
 
 PROCESS_PREFIX = "ocdbt.process_"
@@ -268,6 +270,11 @@ def merge_ocdbt(directory: Any) -> None:
     children = process_stores(directory)
     if not children:
         return
+    try:
+        _ocdbt_merge.write_root(directory, [c.name for c in children], ROOT_OCDBT_CONFIG)
+        return
+    except FormatError:
+        pass  # (a form the direct writer does not read: TensorStore merges, or says what's wrong)
     context = new_context(directory)
     parent = ts.KvStore.open(
         ocdbt_kvstore(directory, writable=True, config=ROOT_OCDBT_CONFIG), context=context

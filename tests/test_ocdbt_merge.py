@@ -1,0 +1,192 @@
+"""The commit's root OCDBT view, written directly (``workers._ocdbt_merge``, issue 26): what
+TensorStore reads of it is exactly what the per-process databases hold, whatever the shape of
+their B-trees and of the root's; what the writer does not read falls back to TensorStore's merge
+with nothing written; a database naming a file outside its folder is refused, never opened."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorstore as ts
+
+from milepost.workers import _ocdbt_format as fmt
+from milepost.workers import _ocdbt_merge
+from milepost.workers import _tensorstore as tsu
+from milepost.workers._errors import CorruptCheckpointError
+
+
+def database(folder: Path, batches: list[dict[bytes, bytes]], node_bytes: int = 0) -> None:
+    """An OCDBT database as a host writes one (each batch one commit: one version)."""
+    config = dict(tsu.OCDBT_CONFIG)
+    if node_bytes:
+        config["max_decoded_node_bytes"] = node_bytes
+    kv = ts.KvStore.open(
+        {"driver": "ocdbt", "base": f"file://{folder}/", "config": config}
+    ).result()
+    for batch in batches:
+        txn = ts.Transaction()
+        for key, value in batch.items():
+            kv.with_transaction(txn)[key] = value
+        txn.commit_async().result()
+
+
+def hosts(root: Path, n: int, arrays: int, seed: int, node_bytes: int = 0) -> dict[bytes, bytes]:
+    """``n`` hosts' databases under ``root``, each with a chunk of every array (values of 1 B to
+    3 KB: some inline in the B-tree, most in data files) in three commits; host 0 also every
+    array's header. Returns every key and value."""
+    rng = np.random.default_rng(seed)
+    every: dict[bytes, bytes] = {}
+    for h in range(n):
+        batches: list[dict[bytes, bytes]] = [{}, {}, {}]
+        for a in range(arrays):
+            key = f"params/layer_{a:03d}.kernel/c/{h}/{a % 3}".encode()
+            batches[a % 3][key] = rng.bytes(int(rng.integers(1, 3000)))
+            if h == 0:
+                batches[0][f"params/layer_{a:03d}.kernel/zarr.json".encode()] = b'{"a": %d}' % a
+        database(root / f"ocdbt.process_{h}", batches, node_bytes)
+        for batch in batches:
+            every.update(batch)
+    return every
+
+
+def root_files(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if not p.name.startswith("ocdbt.process_"))
+
+
+def read_root(root: Path) -> dict[bytes, bytes]:
+    kv = ts.KvStore.open(tsu.ocdbt_kvstore(str(root))).result()
+    return {key: kv[key] for key in kv.list().result()}
+
+
+@pytest.mark.parametrize(
+    ("host_node_bytes", "root_node_bytes", "arity"),
+    [
+        (0, 8_000_000, 4096),  # one leaf per host, one root leaf
+        (3_000, 8_000_000, 4096),  # hosts' trees with interior nodes
+        (3_000, 6_000, 3),  # a root of many leaves under interior levels
+    ],
+)
+def test_the_root_view_holds_every_key_and_value_of_every_database(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    host_node_bytes: int,
+    root_node_bytes: int,
+    arity: int,
+) -> None:
+    every = hosts(tmp_path, 6, 120, seed=host_node_bytes + arity, node_bytes=host_node_bytes)
+    monkeypatch.setattr(_ocdbt_merge, "_ARITY", arity)
+    config = {**tsu.ROOT_OCDBT_CONFIG, "max_decoded_node_bytes": root_node_bytes}
+    _ocdbt_merge.write_root(tmp_path, [f"ocdbt.process_{h}" for h in range(6)], config)
+    assert read_root(tmp_path) == every
+    dump = ts.ocdbt.dump(ts.KvStore.open(f"file://{tmp_path}/").result()).result()
+    (version,) = dump["versions"]
+    assert version["root"]["statistics"]["num_keys"] == len(every)
+    assert (version["root_height"] > 1) == (arity == 3)
+    # a range read walks the interior nodes to the right leaves
+    kv = ts.KvStore.open(tsu.ocdbt_kvstore(str(tmp_path))).result()
+    low, high = b"params/layer_050", b"params/layer_060"
+    assert sorted(kv.list(ts.KvStore.KeyRange(low, high)).result()) == sorted(
+        k for k in every if low <= k < high
+    )
+
+
+def test_uleb128_columns_round_trip() -> None:
+    values = np.array([0, 1, 127, 128, 300, 2**32 - 1, 2**32, 2**63 - 1, 2**64 - 1], np.uint64)
+    encoded = fmt.encode_varints(values)
+    assert encoded[:5].tolist() == [0, 1, 127, 0x80, 0x01]
+    padded = np.concatenate([np.array([9, 9], np.uint8), encoded, np.array([5], np.uint8)])
+    got, end = fmt.read_varints(padded, 2, len(values))
+    assert got.tolist() == values.tolist() and end == 2 + len(encoded)
+    with pytest.raises(fmt.FormatError, match="runs past the end"):
+        fmt.read_varints(encoded[:-1], 0, len(values))
+
+
+def test_a_key_in_two_databases_falls_back_to_tensorstore_with_nothing_written(
+    tmp_path: Path,
+) -> None:
+    database(tmp_path / "ocdbt.process_0", [{b"a/zarr.json": b"{}", b"a/c/0": b"x" * 2000}])
+    database(tmp_path / "ocdbt.process_1", [{b"a/zarr.json": b"{}", b"a/c/1": b"y" * 2000}])
+    with pytest.raises(fmt.FormatError, match="more than one database"):
+        _ocdbt_merge.write_root(
+            tmp_path, ["ocdbt.process_0", "ocdbt.process_1"], tsu.ROOT_OCDBT_CONFIG
+        )
+    assert root_files(tmp_path) == []
+    tsu.merge_ocdbt(tmp_path)  # TensorStore's merge: one of the two (equal) headers
+    assert read_root(tmp_path) == {
+        b"a/zarr.json": b"{}",
+        b"a/c/0": b"x" * 2000,
+        b"a/c/1": b"y" * 2000,
+    }
+
+
+def test_a_damaged_database_writes_nothing(tmp_path: Path) -> None:
+    hosts(tmp_path, 2, 40, seed=3)
+    manifest = tmp_path / "ocdbt.process_1" / "manifest.ocdbt"
+    node = fmt.decode_manifest(manifest.read_bytes(), "host 1").node
+    assert node is not None
+    with open(tmp_path / "ocdbt.process_1" / node.path, "r+b") as f:
+        f.seek(node.offset + node.length // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x40]))
+    with pytest.raises(fmt.FormatError, match="CRC32C"):
+        _ocdbt_merge.write_root(
+            tmp_path, ["ocdbt.process_0", "ocdbt.process_1"], tsu.ROOT_OCDBT_CONFIG
+        )
+    assert root_files(tmp_path) == []
+    with pytest.raises(ValueError):  # TensorStore finds it damaged too: no root view
+        tsu.merge_ocdbt(tmp_path)
+    assert "manifest.ocdbt" not in root_files(tmp_path)
+
+
+def crafted(folder: Path, node_path: str, value_path: str) -> None:
+    """A database whose manifest puts its root node at ``node_path`` and whose one value lies
+    in ``value_path`` (paths as its B-tree says them, from its folder)."""
+    (folder / "d").mkdir(parents=True)
+    leaf, _ = fmt.encode_leaf(
+        np.frombuffer(b"a/c/0", np.uint8)[None, :],
+        np.array([5]),
+        np.array([4], np.uint64),
+        np.array([0]),
+        np.array([0], np.uint64),
+        b"",
+        [value_path],
+        None,
+    )
+    (folder / "d" / "node").write_bytes(leaf)
+    manifest = fmt.encode_manifest(
+        uuid=bytes(16),
+        config={
+            "max_inline_value_bytes": 1024,
+            "max_decoded_node_bytes": 8_000_000,
+            "version_tree_arity_log2": 4,
+        },
+        generation=1,
+        height=0,
+        root=fmt.Ref(node_path, 0, len(leaf), ""),
+        stats=(1, len(leaf), 4),
+        commit_ns=1,
+        level=None,
+    )
+    (folder / "manifest.ocdbt").write_bytes(manifest)
+
+
+@pytest.mark.parametrize(
+    ("node_path", "value_path"),
+    [("d/node", "../../outside"), ("../../outside", "d/v"), ("d/node", "/etc/hostname")],
+)
+def test_a_database_naming_a_file_outside_its_folder_is_refused(
+    tmp_path: Path, node_path: str, value_path: str
+) -> None:
+    checkpoint = tmp_path / "ckpt"
+    (tmp_path / "outside").write_bytes(b"secret")
+    crafted(checkpoint / "ocdbt.process_0", node_path, value_path)
+    if node_path == "d/node":  # the crafted database is well-formed: TensorStore reads it
+        kv = ts.KvStore.open(tsu.ocdbt_kvstore(str(checkpoint / "ocdbt.process_0"))).result()
+        assert kv.list().result() == [b"a/c/0"]
+    with pytest.raises(CorruptCheckpointError, match="outside its folder"):
+        tsu.merge_ocdbt(checkpoint)  # (no fall back to TensorStore's merge)
+    assert root_files(checkpoint) == []
