@@ -7,15 +7,20 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
+import jax
 import numpy as np
 import pytest
 import tensorstore as ts
+from jax.sharding import PartitionSpec as P
 
+import milepost as mp
 from milepost.workers import _ocdbt_format as fmt
 from milepost.workers import _ocdbt_merge
 from milepost.workers import _tensorstore as tsu
 from milepost.workers._errors import CorruptCheckpointError
+from tests._helpers import abstract_of, assert_tree_equal, put
 
 
 def database(folder: Path, batches: list[dict[bytes, bytes]], node_bytes: int = 0) -> None:
@@ -190,3 +195,32 @@ def test_a_database_naming_a_file_outside_its_folder_is_refused(
     with pytest.raises(CorruptCheckpointError, match="outside its folder"):
         tsu.merge_ocdbt(checkpoint)  # (no fall back to TensorStore's merge)
     assert root_files(checkpoint) == []
+
+
+@pytest.mark.parametrize("where", ["disk", "memory"])
+def test_a_save_writes_its_root_view_directly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mesh24: jax.sharding.Mesh, where: str
+) -> None:
+    """A save's own databases are what the direct writer reads: no fall back, on a disk or in
+    an object store (memory://, through the store's shared context)."""
+    outcomes: list[str] = []
+    real = _ocdbt_merge.write_root
+
+    def spy(*args: Any) -> None:
+        try:
+            real(*args)
+        except fmt.FormatError as e:
+            outcomes.append(f"fell back: {e}")
+            raise
+        outcomes.append("direct")
+
+    monkeypatch.setattr(_ocdbt_merge, "write_root", spy)
+    rng = np.random.default_rng(5)
+    state = {
+        "w": put(rng.standard_normal((16, 64), dtype=np.float32), mesh24, P("data", "model")),
+        "b": put(rng.standard_normal((64,), dtype=np.float32), mesh24, P()),
+    }
+    path = str(tmp_path / "ckpt") if where == "disk" else f"memory://direct-{os.getpid()}/ckpt"
+    mp.save(path, state)
+    assert outcomes == ["direct"]
+    assert_tree_equal(mp.load(path, abstract_of(state)), state)

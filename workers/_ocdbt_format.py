@@ -348,20 +348,18 @@ def rebuild_keys(prefix: np.ndarray, suffix: np.ndarray, raw: np.ndarray) -> np.
     block = 1 << 16
     for lo in range(0, n, block):
         hi = min(n, lo + block)
-        p, s, ln = prefix[lo:hi], suffix[lo:hi], lengths[lo:hi]
+        p, s = prefix[lo:hi], suffix[lo:hi]
         total = int(s.sum())
         # each own byte's place: its row's start plus its column (prefix + index within)
         starts = np.arange(lo, hi, dtype=np.int64) * width + p
         at = np.repeat(starts - (np.cumsum(s) - s), s) + np.arange(total)
         flat[at] = raw[raw_at[lo] : raw_at[lo] + total]
         if np.any(p > 0):
-            own = (col >= p[:, None]) & (col < ln[:, None])
-            src = np.where(own, np.arange(lo, hi, dtype=np.int32)[:, None], np.int32(lo - 1))
+            # A row owns its columns from its shared prefix on (past its end: zeros).
+            src = np.where(col >= p[:, None], np.arange(lo, hi, dtype=np.int32)[:, None], lo - 1)
             np.maximum.accumulate(src, axis=0, out=src)
-            np.maximum(src, 0, out=src)  # (columns past a key's end: zeroed below)
-            rebuilt = np.take(flat, src.astype(np.int64) * width + col)
-            rebuilt[col >= ln[:, None]] = 0
-            keys[lo:hi] = rebuilt
+            np.maximum(src, 0, out=src)
+            keys[lo:hi] = keys[src, col]
     return keys
 
 

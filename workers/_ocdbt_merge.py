@@ -30,7 +30,7 @@ import tensorstore as ts
 
 from milepost.workers import _ocdbt_format as fmt
 from milepost.workers._errors import CorruptCheckpointError
-from milepost.workers._paths import kvstore
+from milepost.workers._paths import context_for, kvstore
 
 ZSTD_LEVEL = 9
 """The root's nodes compress at this zstd level: at 4,096 hosts x 2,000 arrays 18.64 MiB against
@@ -101,51 +101,63 @@ class _Merged:
 
 
 def _merge(sources: list[_Source]) -> _Merged:
-    """Every database's leaves in one set of columns, and the order of their keys."""
+    """Every database's leaves in one set of columns (each leaf dropped once copied in), and
+    the order of their keys."""
     leaves = [(s.name, prefix, e) for s in sources for prefix, e in s.entries]
     sources.clear()
     if not leaves:
         raise fmt.FormatError("no keys to merge")
+    n = sum(len(e.lengths) for _, _, e in leaves)
+    raw_bytes = sum(len(e.key_bytes) + len(prefix) for _, prefix, e in leaves)
+    inline_bytes = sum(len(e.inline) for _, _, e in leaves)
+    key_prefix = np.empty(n, np.int32)
+    key_suffix = np.empty(n, np.int32)
+    raw = np.empty(raw_bytes, np.uint8)
+    lengths = np.empty(n, np.uint64)
+    files = np.empty(n, np.int32)
+    offsets = np.empty(n, np.uint64)
+    inline = np.empty(inline_bytes, np.uint8)
+    inline_at = np.empty(n, np.int64)
     paths: dict[str, int] = {}
-    columns: dict[str, list[np.ndarray]] = {
-        k: [] for k in ("p", "s", "raw", "len", "f", "off", "at")
-    }
-    blobs: list[np.ndarray] = []
-    blob_at = 0
-    for name, prefix, e in leaves:
-        p, s, raw = e.key_prefix, e.key_suffix, e.key_bytes
+    at = raw_at = blob_at = 0
+    leaves.reverse()
+    while leaves:
+        name, prefix, e = leaves.pop()
+        m, rows = len(e.lengths), slice(at, at + len(e.lengths))
+        key_prefix[rows] = e.key_prefix
+        key_suffix[rows] = e.key_suffix
         if prefix:  # (keys below an interior node's subtree prefix: put it back in front)
-            p, s = p + len(prefix), s.copy()
-            p[0], s[0] = 0, s[0] + len(prefix)
-            raw = np.concatenate([np.frombuffer(prefix, np.uint8), raw])
-        ids = np.array([paths.setdefault(_under(name, q), len(paths)) for q in e.paths] + [-1])
-        columns["p"].append(p)
-        columns["s"].append(s)
-        columns["raw"].append(raw)
-        columns["len"].append(e.lengths)
-        columns["f"].append(ids[e.files].astype(np.int32))  # (-1 picks the -1 at the end)
-        columns["off"].append(e.offsets)
-        columns["at"].append(e.inline_at + blob_at)
-        blobs.append(e.inline)
+            key_prefix[at + 1 : at + m] += len(prefix)
+            key_suffix[at] += len(prefix)
+            raw[raw_at : raw_at + len(prefix)] = np.frombuffer(prefix, np.uint8)
+            raw_at += len(prefix)
+        raw[raw_at : raw_at + len(e.key_bytes)] = e.key_bytes
+        raw_at += len(e.key_bytes)
+        ids = [paths.setdefault(_under(name, q), len(paths)) for q in e.paths]
+        files[rows] = np.array([*ids, -1], np.int32)[e.files]  # (-1 picks the -1 at the end)
+        lengths[rows] = e.lengths
+        offsets[rows] = e.offsets
+        inline_at[rows] = e.inline_at + blob_at
+        inline[blob_at : blob_at + len(e.inline)] = e.inline
         blob_at += len(e.inline)
-    leaves.clear()
-    joined = {k: np.concatenate(v) for k, v in columns.items()}
-    columns.clear()
-    keys = fmt.rebuild_keys(joined["p"], joined["s"], joined.pop("raw"))
-    key_lengths = joined.pop("p") + joined.pop("s")
+        at += m
+        del e
+    keys = fmt.rebuild_keys(key_prefix, key_suffix, raw)
+    key_prefix += key_suffix  # (now each key's length)
+    del key_suffix, raw
     # Sort the data file table once: each leaf's table is then a sorted subset (prefix-coded).
     ordered = sorted(paths)
     renumber = np.array([paths[p] for p in ordered], np.int64).argsort().astype(np.int32)
-    files = np.append(renumber, np.int32(-1))[joined["f"]]  # (-1, inline, stays -1)
+    files = np.append(renumber, np.int32(-1))[files]  # (-1, inline, stays -1)
     order = np.argsort(keys.view(f"S{keys.shape[1]}").ravel(), kind="stable")
     return _Merged(
         keys=keys,
-        key_lengths=key_lengths,
-        lengths=joined["len"],
+        key_lengths=key_prefix,
+        lengths=lengths,
         files=files,
-        offsets=joined["off"],
-        inline=np.concatenate(blobs),
-        inline_at=joined["at"],
+        offsets=offsets,
+        inline=inline,
+        inline_at=inline_at,
         paths=ordered,
         order=order,
     )
@@ -230,7 +242,7 @@ def write_root(directory: Any, children: list[str], config: dict[str, Any]) -> N
     ``children`` (names), with the root configuration ``config``. Raises
     :class:`~._ocdbt_format.FormatError` before writing anything if a database is not in a
     form this writer reads."""
-    kv = ts.KvStore.open(kvstore(directory)).result()
+    kv = ts.KvStore.open(kvstore(directory), context=context_for(directory)).result()
     if kv.read("manifest.ocdbt").result().state == "value":
         raise fmt.FormatError("the folder already has a root view (merged with TensorStore)")
     merged = _merge(_load_sources(kv, children))
