@@ -98,6 +98,19 @@ def test_the_root_view_holds_every_key_and_value_of_every_database(
     )
 
 
+def test_a_leaf_larger_than_the_node_limit_is_split(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    every = hosts(tmp_path, 3, 60, seed=11)
+    monkeypatch.setattr(_ocdbt_merge, "_cuts", lambda m, node_bytes: [0, len(m.order)])
+    config = {**tsu.ROOT_OCDBT_CONFIG, "max_decoded_node_bytes": 4_000}
+    _ocdbt_merge.write_root(tmp_path, [f"ocdbt.process_{h}" for h in range(3)], config)
+    assert read_root(tmp_path) == every
+    dump = ts.ocdbt.dump(ts.KvStore.open(f"file://{tmp_path}/").result()).result()
+    (version,) = dump["versions"]
+    assert version["root_height"] >= 1  # (one leaf asked for, several written)
+
+
 def test_uleb128_columns_round_trip() -> None:
     values = np.array([0, 1, 127, 128, 300, 2**32 - 1, 2**32, 2**63 - 1, 2**64 - 1], np.uint64)
     encoded = fmt.encode_varints(values)

@@ -15,7 +15,9 @@ OCDBT keys are bytes, but the keys milepost's databases hold never contain NUL, 
 
 from __future__ import annotations
 
+import itertools
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import crc32c as _crc32c
@@ -332,22 +334,52 @@ class Children:
     common: list[int]
 
 
-def rebuild_keys(prefix: np.ndarray, suffix: np.ndarray, raw: np.ndarray) -> np.ndarray:
+def rebuild_keys(
+    prefix: np.ndarray, suffix: np.ndarray, raw: np.ndarray, threads: int = 1
+) -> np.ndarray:
     """The keys (NUL-padded rows) of the key columns of one or more leaves one after another:
     each key's own bytes go in place, then each byte it shares with the key before is taken
     from the row that wrote that column last (the nearest one above, as a shared prefix is
     never longer than the key before). In blocks of rows, each starting from the finished
-    last row of the block before."""
+    last row of the block before; with ``threads`` > 1, parts that start at a leaf's first key
+    (which shares nothing) are rebuilt side by side (NumPy lets go of the GIL)."""
     n = len(prefix)
     lengths = prefix + suffix
     width = int(lengths.max()) if n else 0
     keys = np.zeros((n, width), np.uint8)
-    flat = keys.reshape(-1)
     raw_at = np.cumsum(suffix) - suffix
+    firsts = np.flatnonzero(prefix == 0)
+    nearest = np.searchsorted(firsts, np.arange(1, threads) * n // threads)
+    cuts = sorted({0, n, *firsts[nearest[nearest < len(firsts)]].tolist()})
+    parts = list(itertools.pairwise(cuts))
+    if len(parts) == 1:
+        _rebuild(keys, prefix, suffix, raw, raw_at, 0, n)
+        return keys
+    with ThreadPoolExecutor(len(parts), thread_name_prefix="milepost-keys") as pool:
+        done = [
+            pool.submit(_rebuild, keys, prefix, suffix, raw, raw_at, lo, hi) for lo, hi in parts
+        ]
+        for f in done:
+            f.result()
+    return keys
+
+
+def _rebuild(
+    keys: np.ndarray,
+    prefix: np.ndarray,
+    suffix: np.ndarray,
+    raw: np.ndarray,
+    raw_at: np.ndarray,
+    start: int,
+    end: int,
+) -> None:
+    """Rows ``start`` to ``end`` of :func:`rebuild_keys` (``start``: a key that shares nothing)."""
+    width = keys.shape[1]
+    flat = keys.reshape(-1)
     col = np.arange(width, dtype=np.int32)[None, :]
     block = 1 << 16
-    for lo in range(0, n, block):
-        hi = min(n, lo + block)
+    for lo in range(start, end, block):
+        hi = min(end, lo + block)
         p, s = prefix[lo:hi], suffix[lo:hi]
         total = int(s.sum())
         # each own byte's place: its row's start plus its column (prefix + index within)
@@ -358,9 +390,8 @@ def rebuild_keys(prefix: np.ndarray, suffix: np.ndarray, raw: np.ndarray) -> np.
             # A row owns its columns from its shared prefix on (past its end: zeros).
             src = np.where(col >= p[:, None], np.arange(lo, hi, dtype=np.int32)[:, None], lo - 1)
             np.maximum.accumulate(src, axis=0, out=src)
-            np.maximum(src, 0, out=src)
+            np.maximum(src, start, out=src)
             keys[lo:hi] = keys[src, col]
-    return keys
 
 
 def _keys(
@@ -387,6 +418,15 @@ def _keys(
     if np.any(raw == 0):
         raise FormatError("a key holds a NUL byte")
     return prefix, suffix, raw, common, pos + total
+
+
+def peek_node(data: bytes, ref: Ref, where: str) -> tuple[int, int, int]:
+    """A B+tree node's height, number of entries and decoded size, without its entries."""
+    body = unframe(data, BTREE_MAGIC, f"{where} (B-tree node)")
+    cursor = _Cursor(body)
+    height = cursor.take(1)[0]
+    read_file_table(cursor, ref.transitive)
+    return height, cursor.varint(), len(body)
 
 
 def decode_node(data: bytes, ref: Ref, where: str) -> Entries | Children:

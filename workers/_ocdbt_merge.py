@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,12 +38,25 @@ ZSTD_LEVEL = 9
 18.90 at the default (3), in the same time (8.9 s either way)."""
 
 _ARITY = 4096  # children per interior node
+_THREADS = max(1, min(4, os.cpu_count() or 1))  # rebuilding keys, encoding leaves
+
+
+@dataclass
+class _Leaf:
+    """A database's leaf, read but not decoded: its keys' prefix (from the interior nodes above
+    it), where it lies and its bytes; its number of entries and decoded size."""
+
+    prefix: bytes
+    ref: fmt.Ref
+    data: bytes
+    entries: int
+    size: int
 
 
 @dataclass
 class _Source:
     name: str  # the folder under the root ("" for none)
-    entries: list[tuple[bytes, fmt.Entries]]  # (key prefix, leaf), in key order
+    leaves: list[_Leaf]  # in key order
 
 
 def _read(kv: Any, key: str, ref: fmt.Ref | None = None) -> ts.Future[Any]:
@@ -72,14 +86,17 @@ def _load_sources(kv: Any, names: list[str]) -> list[_Source]:
             where = f"{names[i]}/{ref.path}@{ref.offset}"
             if got.state != "value" or len(got.value) != ref.length:
                 raise fmt.FormatError(f"{where}: the node is missing or cut short")
-            node = fmt.decode_node(bytes(got.value), ref, where)
-            if isinstance(node, fmt.Entries) != (height == 0):
-                raise fmt.FormatError(f"{where}: not at the height its parent says")
-            if isinstance(node, fmt.Entries):
-                sources[i].entries.append((prefix, node))
-            else:
-                for key, child, common in zip(node.keys, node.refs, node.common, strict=True):
-                    below.append((i, prefix + key[:common], child, height - 1))
+            data = bytes(got.value)
+            found, entries, size = fmt.peek_node(data, ref, where)
+            if found != height:
+                raise fmt.FormatError(f"{where}: at height {found}, its parent says {height}")
+            if height == 0:  # (decoded when merged, one at a time: see _merge)
+                sources[i].leaves.append(_Leaf(prefix, ref, data, entries, size))
+                continue
+            node = fmt.decode_node(data, ref, where)
+            assert isinstance(node, fmt.Children)
+            for key, child, common in zip(node.keys, node.refs, node.common, strict=True):
+                below.append((i, prefix + key[:common], child, height - 1))
         # (children are appended in key order, so each source's leaves stay in order)
         level = below
     return sources
@@ -101,28 +118,32 @@ class _Merged:
 
 
 def _merge(sources: list[_Source]) -> _Merged:
-    """Every database's leaves in one set of columns (each leaf dropped once copied in), and
-    the order of their keys."""
-    leaves = [(s.name, prefix, e) for s in sources for prefix, e in s.entries]
+    """Every database's leaves in one set of columns, and the order of their keys. Each leaf
+    is decoded, copied in and dropped in turn: the memory is that of the columns, not of 4,096
+    databases' decoded leaves besides them."""
+    leaves = [(s.name, leaf) for s in sources for leaf in s.leaves]
     sources.clear()
     if not leaves:
         raise fmt.FormatError("no keys to merge")
-    n = sum(len(e.lengths) for _, _, e in leaves)
-    raw_bytes = sum(len(e.key_bytes) + len(prefix) for _, prefix, e in leaves)
-    inline_bytes = sum(len(e.inline) for _, _, e in leaves)
+    n = sum(leaf.entries for _, leaf in leaves)
+    room = sum(leaf.size + len(leaf.prefix) for _, leaf in leaves)  # (key and inline bytes)
     key_prefix = np.empty(n, np.int32)
     key_suffix = np.empty(n, np.int32)
-    raw = np.empty(raw_bytes, np.uint8)
+    raw = np.empty(room, np.uint8)  # (pages are touched only as far as they are filled)
     lengths = np.empty(n, np.uint64)
     files = np.empty(n, np.int32)
     offsets = np.empty(n, np.uint64)
-    inline = np.empty(inline_bytes, np.uint8)
+    inline = np.empty(room, np.uint8)
     inline_at = np.empty(n, np.int64)
     paths: dict[str, int] = {}
     at = raw_at = blob_at = 0
     leaves.reverse()
     while leaves:
-        name, prefix, e = leaves.pop()
+        name, leaf = leaves.pop()
+        where = f"{name}/{leaf.ref.path}@{leaf.ref.offset}"
+        e = fmt.decode_node(leaf.data, leaf.ref, where)
+        assert isinstance(e, fmt.Entries)
+        prefix = leaf.prefix
         m, rows = len(e.lengths), slice(at, at + len(e.lengths))
         key_prefix[rows] = e.key_prefix
         key_suffix[rows] = e.key_suffix
@@ -141,8 +162,11 @@ def _merge(sources: list[_Source]) -> _Merged:
         inline[blob_at : blob_at + len(e.inline)] = e.inline
         blob_at += len(e.inline)
         at += m
-        del e
-    keys = fmt.rebuild_keys(key_prefix, key_suffix, raw)
+        del e, leaf
+    if at != n:
+        raise fmt.FormatError(f"the leaves held {at} entries where their headers said {n}")
+    inline = inline[:blob_at]
+    keys = fmt.rebuild_keys(key_prefix, key_suffix, raw, threads=_THREADS)
     key_prefix += key_suffix  # (now each key's length)
     del key_suffix, raw
     # Sort the data file table once: each leaf's table is then a sorted subset (prefix-coded).
@@ -251,11 +275,17 @@ def write_root(directory: Any, children: list[str], config: dict[str, Any]) -> N
     level: list[tuple[bytes, fmt.Ref, tuple[int, int, int]]] = []
     cuts = _cuts(merged, int(config["max_decoded_node_bytes"]) * 3 // 4)
     spans = list(itertools.pairwise(cuts))
+    with ThreadPoolExecutor(_THREADS, thread_name_prefix="milepost-leaves") as pool:
+        encoded = list(pool.map(lambda span: _leaf(merged, span[0], span[1], ZSTD_LEVEL), spans))
     while spans:
         lo, hi = spans.pop(0)
-        node, first, decoded = _leaf(merged, lo, hi, ZSTD_LEVEL)
+        node, first, decoded = encoded.pop(0)
         if decoded > int(config["max_decoded_node_bytes"]) and hi - lo > 1:
             spans[:0] = [(lo, (lo + hi) // 2), ((lo + hi) // 2, hi)]
+            encoded[:0] = [
+                _leaf(merged, spans[0][0], spans[0][1], ZSTD_LEVEL),
+                _leaf(merged, spans[1][0], spans[1][1], ZSTD_LEVEL),
+            ]
             continue
         ref = fmt.Ref(data_file, len(out), len(node), "")
         take = merged.order[lo:hi]
