@@ -92,14 +92,21 @@ def read_varints(buf: np.ndarray, pos: int, count: int) -> tuple[np.ndarray, int
     return values, pos + int(ends[-1]) + 1
 
 
+def varint_sizes(values: np.ndarray) -> np.ndarray:
+    """How many bytes the uleb128 of each number in ``values`` takes."""
+    values = np.asarray(values, dtype=np.uint64)
+    sizes = np.ones(values.shape, np.int64)
+    for k in range(1, 10):
+        sizes += values >= np.uint64(1 << (7 * k))
+    return sizes
+
+
 def encode_varints(values: np.ndarray) -> np.ndarray:
     """The uleb128 bytes of every number in ``values``, one after another."""
     values = np.asarray(values, dtype=np.uint64)
     if values.size == 0:
         return np.zeros(0, np.uint8)
-    sizes = np.ones(values.shape, np.int64)
-    for k in range(1, 10):
-        sizes += values >= np.uint64(1 << (7 * k))
+    sizes = varint_sizes(values)
     ends = np.cumsum(sizes)
     starts = ends - sizes
     out = np.empty(int(ends[-1]), np.uint8)
