@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import itertools
 import struct
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import crc32c as _crc32c
 import numpy as np
 import zstandard
+
+from milepost.workers._runtime import Pool
 
 MANIFEST_MAGIC = 0x0CDB3A2A
 BTREE_MAGIC = 0x0CDB20DE
@@ -342,32 +343,30 @@ class Children:
 
 
 def rebuild_keys(
-    prefix: np.ndarray, suffix: np.ndarray, raw: np.ndarray, threads: int = 1
+    prefix: np.ndarray, suffix: np.ndarray, raw: np.ndarray, pool: Pool | None = None
 ) -> np.ndarray:
     """The keys (NUL-padded rows) of the key columns of one or more leaves one after another:
     each key's own bytes go in place, then each byte it shares with the key before is taken
     from the row that wrote that column last (the nearest one above, as a shared prefix is
     never longer than the key before). In blocks of rows, each starting from the finished
-    last row of the block before; with ``threads`` > 1, parts that start at a leaf's first key
-    (which shares nothing) are rebuilt side by side (NumPy lets go of the GIL)."""
+    last row of the block before; with a ``pool``, parts that start at a leaf's first key
+    (which shares nothing) are rebuilt side by side, one per thread (NumPy lets go of the
+    GIL)."""
     n = len(prefix)
     lengths = prefix + suffix
     width = int(lengths.max()) if n else 0
     keys = np.zeros((n, width), np.uint8)
     raw_at = np.cumsum(suffix) - suffix
+    threads = (pool.max_threads or 1) if pool is not None else 1
     firsts = np.flatnonzero(prefix == 0)
     nearest = np.searchsorted(firsts, np.arange(1, threads) * n // threads)
     cuts = sorted({0, n, *firsts[nearest[nearest < len(firsts)]].tolist()})
     parts = list(itertools.pairwise(cuts))
-    if len(parts) == 1:
-        _rebuild(keys, prefix, suffix, raw, raw_at, 0, n)
-        return keys
-    with ThreadPoolExecutor(len(parts), thread_name_prefix="milepost-keys") as pool:
-        done = [
-            pool.submit(_rebuild, keys, prefix, suffix, raw, raw_at, lo, hi) for lo, hi in parts
-        ]
-        for f in done:
-            f.result()
+    if pool is None or len(parts) == 1:
+        for lo, hi in parts:
+            _rebuild(keys, prefix, suffix, raw, raw_at, lo, hi)
+    else:
+        pool.map(lambda part: _rebuild(keys, prefix, suffix, raw, raw_at, *part), parts)
     return keys
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +31,7 @@ import tensorstore as ts
 from milepost.workers import _ocdbt_format as fmt
 from milepost.workers._errors import CorruptCheckpointError
 from milepost.workers._paths import context_for, kvstore
+from milepost.workers._runtime import RUNTIME, Pool
 
 ZSTD_LEVEL = 9
 """The root's nodes compress at this zstd level: at 4,096 hosts x 2,000 arrays 18.64 MiB against
@@ -117,7 +117,7 @@ class _Merged:
     order: np.ndarray
 
 
-def _merge(sources: list[_Source]) -> _Merged:
+def _merge(sources: list[_Source], pool: Pool | None = None) -> _Merged:
     """Every database's leaves in one set of columns, and the order of their keys. Each leaf
     is decoded, copied in and dropped in turn: the memory is that of the columns, not of 4,096
     databases' decoded leaves besides them."""
@@ -166,7 +166,7 @@ def _merge(sources: list[_Source]) -> _Merged:
     if at != n:
         raise fmt.FormatError(f"the leaves held {at} entries where their headers said {n}")
     inline = inline[:blob_at]
-    keys = fmt.rebuild_keys(key_prefix, key_suffix, raw, threads=_THREADS)
+    keys = fmt.rebuild_keys(key_prefix, key_suffix, raw, pool)
     key_prefix += key_suffix  # (now each key's length)
     del key_suffix, raw
     # Sort the data file table once: each leaf's table is then a sorted subset (prefix-coded).
@@ -274,53 +274,13 @@ def write_root(directory: Any, children: list[str], config: dict[str, Any]) -> N
     kv = ts.KvStore.open(kvstore(directory), context=context_for(directory)).result()
     if kv.read("manifest.ocdbt").result().state == "value":
         raise fmt.FormatError("the folder already has a root view (merged with TensorStore)")
-    merged = _merge(_load_sources(kv, children))
-    data_file = f"d/{os.urandom(16).hex()}"
-    out = bytearray()
-    level: list[tuple[bytes, fmt.Ref, tuple[int, int, int]]] = []
-    # Leaves of ~6 MB decoded (of the 8 MB the root's configuration allows): each leaf names
-    # every data file its values are in (at 4,096 hosts, 4,096 random names, 81 KB), so
-    # larger leaves mean a smaller root, but every header read through the root decodes its
-    # leaf. At 4,096 hosts x 2,000 arrays, 2 / 4 / 6 / 8 MB leaves: root 21.9 / 18.8 / 17.8 /
-    # 17.4 MB, 2,000 header reads 0.33 / 0.59 / 0.8 / 1.2 s (docs/performance.md).
-    cuts = _cuts(merged, int(config["max_decoded_node_bytes"]) * 3 // 4)
-    spans = list(itertools.pairwise(cuts))
-    with ThreadPoolExecutor(_THREADS, thread_name_prefix="milepost-leaves") as pool:
-        encoded = list(pool.map(lambda span: _leaf(merged, span[0], span[1], ZSTD_LEVEL), spans))
-    while spans:
-        lo, hi = spans.pop(0)
-        node, first, decoded = encoded.pop(0)
-        if decoded > int(config["max_decoded_node_bytes"]) and hi - lo > 1:
-            spans[:0] = [(lo, (lo + hi) // 2), ((lo + hi) // 2, hi)]
-            encoded[:0] = [
-                _leaf(merged, spans[0][0], spans[0][1], ZSTD_LEVEL),
-                _leaf(merged, spans[1][0], spans[1][1], ZSTD_LEVEL),
-            ]
-            continue
-        ref = fmt.Ref(data_file, len(out), len(node), "")
-        take = merged.order[lo:hi]
-        indirect = int(merged.lengths[take][merged.files[take] >= 0].sum())
-        level.append((first, ref, (hi - lo, len(node), indirect)))
-        out += node
-    height = 0
-    while len(level) > 1:
-        height += 1
-        above = []
-        for i in range(0, len(level), _ARITY):
-            group = level[i : i + _ARITY]
-            keys, refs, stats = zip(*group, strict=True)
-            node = fmt.encode_interior(height, list(keys), list(refs), list(stats), ZSTD_LEVEL)
-            ref = fmt.Ref(data_file, len(out), len(node), "")
-            total = (
-                sum(s[0] for s in stats),
-                sum(s[1] for s in stats) + len(node),
-                sum(s[2] for s in stats),
-            )
-            above.append((keys[0], ref, total))
-            out += node
-        level = above
-    _, root, stats = level[0]
-    kv.write(data_file, bytes(out)).result()
+    # (milepost's runtime pool, not concurrent.futures: a save the interpreter's exit waits
+    # for still commits, and concurrent.futures takes no work then)
+    with RUNTIME.scoped("merge", _THREADS) as pool:
+        merged = _merge(_load_sources(kv, children), pool)
+        data_file = f"d/{os.urandom(16).hex()}"
+        data, root, height, stats = _tree(merged, config, data_file, pool)
+    kv.write(data_file, data).result()
     manifest = fmt.encode_manifest(
         uuid=os.urandom(16),
         config={
@@ -336,3 +296,50 @@ def write_root(directory: Any, children: list[str], config: dict[str, Any]) -> N
         level=0,
     )
     kv.write("manifest.ocdbt", manifest).result()
+
+
+def _tree(
+    merged: _Merged, config: dict[str, Any], data_file: str, pool: Pool
+) -> tuple[bytes, fmt.Ref, int, tuple[int, int, int]]:
+    """The root's B-tree as one data file's bytes (leaves, then the interior nodes above
+    them), its root node's place and height, and its statistics."""
+    limit = int(config["max_decoded_node_bytes"])
+    # Leaves of ~6 MB decoded (of the 8 MB the root's configuration allows): each leaf names
+    # every data file its values are in (at 4,096 hosts, 4,096 random names, 81 KB), so
+    # larger leaves mean a smaller root, but every header read through the root decodes its
+    # leaf. At 4,096 hosts x 2,000 arrays, 2 / 4 / 6 / 8 MB leaves: root 21.9 / 18.8 / 17.8 /
+    # 17.4 MB, 2,000 header reads 0.33 / 0.59 / 0.8 / 1.2 s (docs/performance.md).
+    spans = list(itertools.pairwise(_cuts(merged, limit * 3 // 4)))
+    encoded = pool.map(lambda span: _leaf(merged, span[0], span[1], ZSTD_LEVEL), spans)
+    out = bytearray()
+    level: list[tuple[bytes, fmt.Ref, tuple[int, int, int]]] = []
+    while spans:
+        lo, hi = spans.pop(0)
+        node, first, decoded = encoded.pop(0)
+        if decoded > limit and hi - lo > 1:  # (the estimate fell short: split it)
+            spans[:0] = [(lo, (lo + hi) // 2), ((lo + hi) // 2, hi)]
+            encoded[:0] = [_leaf(merged, a, b, ZSTD_LEVEL) for a, b in spans[:2]]
+            continue
+        take = merged.order[lo:hi]
+        indirect = int(merged.lengths[take][merged.files[take] >= 0].sum())
+        level.append(
+            (first, fmt.Ref(data_file, len(out), len(node), ""), (hi - lo, len(node), indirect))
+        )
+        out += node
+    height = 0
+    while len(level) > 1:
+        height += 1
+        above = []
+        for i in range(0, len(level), _ARITY):
+            keys, refs, stats = zip(*level[i : i + _ARITY], strict=True)
+            node = fmt.encode_interior(height, list(keys), list(refs), list(stats), ZSTD_LEVEL)
+            total = (
+                sum(s[0] for s in stats),
+                sum(s[1] for s in stats) + len(node),
+                sum(s[2] for s in stats),
+            )
+            above.append((keys[0], fmt.Ref(data_file, len(out), len(node), ""), total))
+            out += node
+        level = above
+    _, root, stats = level[0]
+    return bytes(out), root, height, stats
