@@ -175,6 +175,11 @@ def crafted(folder: Path, node_path: str, value_path: str) -> None:
         None,
     )
     (folder / "d" / "node").write_bytes(leaf)
+    write_manifest(folder, node_path, len(leaf))
+
+
+def write_manifest(folder: Path, node_path: str, node_length: int) -> None:
+    """A one-version manifest whose B-tree root is the leaf at ``node_path``."""
     manifest = fmt.encode_manifest(
         uuid=bytes(16),
         config={
@@ -184,8 +189,8 @@ def crafted(folder: Path, node_path: str, value_path: str) -> None:
         },
         generation=1,
         height=0,
-        root=fmt.Ref(node_path, 0, len(leaf), ""),
-        stats=(1, len(leaf), 4),
+        root=fmt.Ref(node_path, 0, node_length, ""),
+        stats=(1, node_length, 4),
         commit_ns=1,
         level=None,
     )
@@ -237,3 +242,27 @@ def test_a_save_writes_its_root_view_directly(
     mp.save(path, state)
     assert outcomes == ["direct"]
     assert_tree_equal(mp.load(path, abstract_of(state)), state)
+
+
+def test_a_node_claiming_more_than_a_reader_takes_is_refused_not_allocated(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Crafted bytes never size what the merge allocates: a node that says it holds 2**30
+    entries, or decodes to more than the bound, stops the direct writer with nothing written."""
+    folder = tmp_path / "ocdbt.process_0"
+    crafted(folder, "d/node", "d/v")
+    claim = fmt.frame(bytes([0]) + fmt.write_file_table([]) + fmt.varint(2**30), fmt.BTREE_MAGIC, 3)
+    (folder / "d" / "node").write_bytes(claim)
+    write_manifest(folder, "d/node", len(claim))
+    with pytest.raises(fmt.FormatError, match="of 1073741824 entries"):
+        _ocdbt_merge.write_root(tmp_path, ["ocdbt.process_0"], tsu.ROOT_OCDBT_CONFIG)
+    assert root_files(tmp_path) == []
+
+    other = tmp_path / "other"
+    hosts(other, 2, 40, seed=9)
+    monkeypatch.setattr(fmt, "MAX_NODE_BYTES", 1_000)
+    with pytest.raises(fmt.FormatError, match="more than 1000 bytes decoded"):
+        _ocdbt_merge.write_root(
+            other, ["ocdbt.process_0", "ocdbt.process_1"], tsu.ROOT_OCDBT_CONFIG
+        )
+    assert root_files(other) == []

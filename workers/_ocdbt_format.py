@@ -28,6 +28,9 @@ from milepost.workers._runtime import Pool
 MANIFEST_MAGIC = 0x0CDB3A2A
 BTREE_MAGIC = 0x0CDB20DE
 MAX_NODE_ENTRIES = 1 << 20  # the most entries a reader accepts in one node
+MAX_NODE_BYTES = 1 << 28
+"""The most bytes a manifest or node decodes to here (the databases milepost writes allow
+100 MB nodes): crafted bytes that claim more are refused, not allocated."""
 _HEAD = struct.Struct(">I")
 _LENGTH = struct.Struct("<Q")
 _CRC = struct.Struct("<I")
@@ -172,10 +175,19 @@ def unframe(data: bytes, magic: int, what: str) -> bytes:
     if compression == 0:
         return body
     if compression == 1:
+        out = bytearray()
         try:
-            return zstandard.ZstdDecompressor().decompressobj().decompress(body)
+            reader = zstandard.ZstdDecompressor().stream_reader(body)
+            while len(out) <= MAX_NODE_BYTES:  # (never more than the bound, whatever it says)
+                part = reader.read(MAX_NODE_BYTES + 1 - len(out))
+                if not part:
+                    break
+                out += part
         except zstandard.ZstdError as e:
             raise FormatError(f"{what}: zstd: {e}") from e
+        if len(out) > MAX_NODE_BYTES:
+            raise FormatError(f"{what}: more than {MAX_NODE_BYTES} bytes decoded")
+        return bytes(out)
     raise FormatError(f"{what}: compression format {compression} is unknown")
 
 
@@ -432,7 +444,10 @@ def peek_node(data: bytes, ref: Ref, where: str) -> tuple[int, int, int]:
     cursor = _Cursor(body)
     height = cursor.take(1)[0]
     read_file_table(cursor, ref.transitive)
-    return height, cursor.varint(), len(body)
+    entries = cursor.varint()
+    if not 0 < entries <= MAX_NODE_ENTRIES:
+        raise FormatError(f"{where}: a B-tree node of {entries} entries")
+    return height, entries, len(body)
 
 
 def decode_node(data: bytes, ref: Ref, where: str) -> Entries | Children:
