@@ -90,6 +90,9 @@ def test_the_root_view_holds_every_key_and_value_of_every_database(
     (version,) = dump["versions"]
     assert version["root"]["statistics"]["num_keys"] == len(every)
     assert (version["root_height"] > 1) == (arity == 3)
+    # (milepost's own decoder reads what it wrote: frames that state their decoded size)
+    mine = fmt.decode_manifest((tmp_path / "manifest.ocdbt").read_bytes(), "root")
+    assert mine.height == version["root_height"] and mine.node is not None
     # a range read walks the interior nodes to the right leaves
     kv = ts.KvStore.open(tsu.ocdbt_kvstore(str(tmp_path))).result()
     low, high = b"params/layer_050", b"params/layer_060"

@@ -175,20 +175,27 @@ def unframe(data: bytes, magic: int, what: str) -> bytes:
     if compression == 0:
         return body
     if compression == 1:
-        out = bytearray()
-        try:
-            reader = zstandard.ZstdDecompressor().stream_reader(body)
-            while len(out) <= MAX_NODE_BYTES:  # (never more than the bound, whatever it says)
-                part = reader.read(MAX_NODE_BYTES + 1 - len(out))
-                if not part:
-                    break
-                out += part
-        except zstandard.ZstdError as e:
-            raise FormatError(f"{what}: zstd: {e}") from e
-        if len(out) > MAX_NODE_BYTES:
-            raise FormatError(f"{what}: more than {MAX_NODE_BYTES} bytes decoded")
-        return bytes(out)
+        return _unzstd(body, what)
     raise FormatError(f"{what}: compression format {compression} is unknown")
+
+
+def _unzstd(body: bytes, what: str) -> bytes:
+    """A zstd frame decoded, never past :data:`MAX_NODE_BYTES` (whatever its header says)."""
+    try:
+        size = zstandard.frame_content_size(body)
+        if size > MAX_NODE_BYTES:
+            raise FormatError(f"{what}: more than {MAX_NODE_BYTES} bytes decoded")
+        if size >= 0:  # (known: decoded into a buffer of that size, checked against it)
+            return zstandard.ZstdDecompressor().decompress(body)
+        out = bytearray()
+        reader = zstandard.ZstdDecompressor().stream_reader(body)
+        while part := reader.read(1 << 20):
+            out += part
+            if len(out) > MAX_NODE_BYTES:
+                raise FormatError(f"{what}: more than {MAX_NODE_BYTES} bytes decoded")
+        return bytes(out)
+    except zstandard.ZstdError as e:
+        raise FormatError(f"{what}: zstd: {e}") from e
 
 
 def frame(body: bytes, magic: int, level: int | None) -> bytes:
