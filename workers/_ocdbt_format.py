@@ -19,10 +19,10 @@ import itertools
 import struct
 from dataclasses import dataclass
 
-import crc32c as _crc32c
 import numpy as np
 import zstandard
 
+from milepost.workers._checksum import crc32c
 from milepost.workers._runtime import Pool
 
 MANIFEST_MAGIC = 0x0CDB3A2A
@@ -165,7 +165,7 @@ def unframe(data: bytes, magic: int, what: str) -> bytes:
     if length != len(data):
         raise FormatError(f"{what}: its header says {length} bytes, but it has {len(data)}")
     (crc,) = _CRC.unpack_from(data, len(data) - 4)
-    if _crc32c.crc32c(memoryview(data)[:-4]) != crc:
+    if crc32c(memoryview(data)[:-4]) != crc:
         raise FormatError(f"{what}: CRC32C mismatch (the bytes are damaged)")
     cursor = _Cursor(data[:-4], 12)
     if cursor.varint() != 0:
@@ -205,7 +205,7 @@ def frame(body: bytes, magic: int, level: int | None) -> bytes:
     else:
         tail = varint(0) + varint(1) + zstandard.ZstdCompressor(level=level).compress(body)
     head = _HEAD.pack(magic) + _LENGTH.pack(12 + len(tail) + 4)
-    crc = _crc32c.crc32c(tail, _crc32c.crc32c(head))
+    crc = crc32c(tail, crc32c(head))
     return head + tail + _CRC.pack(crc)
 
 
@@ -529,8 +529,7 @@ def encode_leaf(
     (the node's data file table), -1 for the inline values, which ``inline`` holds in order; and
     its decoded size."""
     n = len(keys)
-    differ = keys[1:] != keys[:-1]
-    prefix = np.argmax(differ, axis=1) if n > 1 else np.zeros(0, np.int64)
+    prefix = shared_prefixes(keys, key_lengths)
     starts = np.concatenate([[0], prefix]).astype(np.int64)
     suffix = key_lengths - starts
     col = np.arange(keys.shape[1])

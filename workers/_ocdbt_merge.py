@@ -32,6 +32,7 @@ from milepost.workers import _ocdbt_format as fmt
 from milepost.workers._errors import CorruptCheckpointError
 from milepost.workers._paths import context_for, kvstore
 from milepost.workers._runtime import RUNTIME, Pool
+from milepost.workers._ts_internals import leads_out
 
 ZSTD_LEVEL = 9
 """The root's nodes compress at this zstd level: at 4,096 hosts x 2,000 arrays 18.64 MiB against
@@ -191,8 +192,7 @@ def _under(name: str, path: str) -> str:
     """A database's data file path, from the root's folder. One leading out of the database's
     folder (absolute, ``..``, NUL, backslash) is never opened nor referenced: the database
     was altered or damaged."""
-    parts = path.split("/")
-    if path.startswith("/") or ".." in parts or "\\" in path or "\x00" in path or not path:
+    if leads_out(path):
         raise CorruptCheckpointError(
             f"{name}: its OCDBT B-tree names the file {path!r}, outside its folder; the "
             "database was altered or damaged, and nothing outside it is read. Save the step "

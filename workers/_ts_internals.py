@@ -101,6 +101,14 @@ def _walk(
                 yield key, found
 
 
+def leads_out(path: str) -> bool:
+    """Whether a data file path an OCDBT B-tree names (from its database's folder) leads out
+    of it: absolute, ``..``, a backslash or NUL (or empty)."""
+    return (
+        not path or os.path.isabs(path) or ".." in path.split("/") or "\\" in path or "\x00" in path
+    )
+
+
 def value_range(directory: str, reference: str) -> FileRange | None:
     """The file range an indirect value's reference names (None: not a value in a file).
     The path is percent-decoded, as TensorStore itself reads it; one leading out of
@@ -110,8 +118,7 @@ def value_range(directory: str, reference: str) -> FileRange | None:
     if kind != "value":
         return None
     inside = urllib.parse.unquote(base_path) + urllib.parse.unquote(relative)
-    parts = inside.split("/")
-    if os.path.isabs(inside) or ".." in parts or "\\" in inside or "\x00" in inside:
+    if leads_out(inside):
         raise OutsideError(inside)
     return FileRange(path=os.path.join(directory, inside), offset=int(offset), length=int(length))
 
