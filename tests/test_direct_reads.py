@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import milepost as mp
-from milepost.workers.load import _direct, _pieces
+from milepost.workers.load import _direct, _locator, _pieces
 from tests._helpers import abstract_of, assert_tree_equal, put
 
 
@@ -174,7 +174,7 @@ def test_a_missing_chunk_in_the_shard_index_falls_back(tmp_path: Path) -> None:
     file.write_bytes(payload + index + struct.pack("<I", _direct.crc32c(index)))
     reader = _direct.DirectReader()
     try:
-        value = _direct.Locator(
+        value = _locator.Locator(
             mp.workers.StoreSpec(directory=str(tmp_path), use_ocdbt=False)
         ).locate("shard")
         assert value is not None and value.length == 36
@@ -238,7 +238,7 @@ def test_locator_walks_a_deep_btree(tmp_path: Path) -> None:
     txn.commit_sync()
     manifest = ts.ocdbt.dump(kv.base).result()
     assert manifest["versions"][-1]["root_height"] > 1
-    locator = _direct.Locator(mp.workers.StoreSpec(directory=str(tmp_path), use_ocdbt=True))
+    locator = _locator.Locator(mp.workers.StoreSpec(directory=str(tmp_path), use_ocdbt=True))
     locator.index(["aa", "b"])
     for key, value in values.items():
         where = locator.locate(key)
@@ -763,7 +763,7 @@ def test_loads_of_large_boxes_read_in_large_batches_exactly_and_catch_damage(
 def test_value_paths_are_percent_decoded_before_the_containment_check(tmp_path: Path) -> None:
     """TensorStore's B-tree dump percent-encodes file names: the direct reader opens the file
     TensorStore would open (``d/a:b``, not ``d/a%3Ab``), and checks the decoded path."""
-    value = _direct.parse_value(str(tmp_path), "value:d/:a%3Ab%25:7:9")
+    value = _locator.parse_value(str(tmp_path), "value:d/:a%3Ab%25:7:9")
     assert (
         value is not None
         and value.path == os.path.join(str(tmp_path), "d/a:b%")
@@ -775,4 +775,4 @@ def test_value_paths_are_percent_decoded_before_the_containment_check(tmp_path: 
         "value:d/:a%00b:0:1",
     ):
         with pytest.raises(mp.CorruptCheckpointError, match="outside the checkpoint"):
-            _direct.parse_value(str(tmp_path), crafted)
+            _locator.parse_value(str(tmp_path), crafted)

@@ -8,7 +8,7 @@ carries it into the root view like any other key: one key per database, whatever
 chunks. ``_milepost.json`` says only that the tables exist (``chunk_crc32c_tables``).
 
 A host reading a chunk finds which data file holds it (the walk of the OCDBT B-tree that direct
-reads make, :class:`~milepost.workers.load._direct.Locator`): the database that file belongs to
+reads make, :class:`~milepost.workers.load._locator.Locator`): the database that file belongs to
 is the chunk's writer, whose table gives the checksum the values must have. The table names its
 database, so a data file put in another one's place (holding another writer's values and table)
 fails, and a chunk read from another place fails its checksum.

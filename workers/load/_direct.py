@@ -23,31 +23,22 @@ Everything else -- compressed arrays, inner chunks that do not tile the shard, m
 
 from __future__ import annotations
 
-import bisect
-import contextlib
 import os
 import stat
 import threading
-from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
-import tensorstore as ts
 
 from milepost.workers import _checksum
 from milepost.workers._errors import CorruptCheckpointError
 from milepost.workers._iostats import count_read
-from milepost.workers._messages import StoreSpec
-from milepost.workers._paths import context_for, is_local, kvstore
 from milepost.workers._runtime import RUNTIME
 from milepost.workers._ts_internals import (
     FileRange,
-    OutsideError,
     index_entries,
     index_size,
-    ocdbt_values,
-    value_range,
 )
 from milepost.workers.load._pieces import BoxRead, runs
 
@@ -85,103 +76,6 @@ def crc32c(data: bytes) -> int:
 
 class FallBack(Exception):
     """This box cannot be read directly after all (e.g. its chunk is missing): use TensorStore."""
-
-
-@contextlib.contextmanager
-def _contained(directory: str) -> Iterator[None]:
-    """A value reference out of ``directory`` is a CorruptCheckpointError; nothing is opened."""
-    try:
-        yield
-    except OutsideError as e:
-        raise CorruptCheckpointError(
-            f"the OCDBT database in {directory} points a value at {e.inside!r}, outside the "
-            "checkpoint; the checkpoint is damaged or crafted, and that file was not opened"
-        ) from None
-
-
-def parse_value(directory: str, reference: str) -> FileRange | None:
-    """The file range an OCDBT value reference names (see ``_ts_internals.value_range``)."""
-    with _contained(directory):
-        return value_range(directory, reference)
-
-
-class Locator:
-    """Finds the file range that holds a key's value in a checkpoint's store."""
-
-    def __init__(self, store: StoreSpec) -> None:
-        self.directory = store.directory
-        self.use_ocdbt = store.use_ocdbt
-        self._values: dict[str, FileRange] = {}
-        self._indexed: set[str] = set()
-        self._first: dict[str, tuple[str, int]] = {}
-        self.files: set[str] = set()
-        """Every data file an indexed value lies in."""
-
-    def index(self, names: Iterable[str]) -> None:
-        """Learn the value locations of every chunk of these arrays (one B-tree walk)."""
-        prefixes = sorted({n + "/" for n in names} - self._indexed)
-        if not prefixes or not self.use_ocdbt:
-            return
-        wanted = _Prefixes(p.encode() for p in prefixes)
-        base = None
-        if not is_local(self.directory):  # (the chunks' writers only: no direct reads there)
-            base = ts.KvStore.open(
-                kvstore(self.directory), context=context_for(self.directory)
-            ).result()
-        with _contained(self.directory):
-            for key, value in ocdbt_values(self.directory, wanted, base):
-                name = key.decode()
-                self._values[name] = value
-                self.files.add(value.path)
-                array = name.rsplit("/c", 1)[0]
-                first = self._first.get(array)
-                if first is None or (value.path, value.offset) < first:
-                    self._first[array] = (value.path, value.offset)
-        self._indexed.update(prefixes)
-
-    def first_location(self, name: str) -> tuple[str, int] | None:
-        """The file and offset of the array's first stored value (None: not indexed, or no
-        value in a data file): reading arrays in this order reads each file front to back."""
-        return self._first.get(name)
-
-    def locate(self, key: str) -> FileRange | None:
-        if self.use_ocdbt:
-            return self._values.get(key)
-        path = os.path.join(self.directory, key)
-        try:
-            return FileRange(path=path, offset=0, length=os.path.getsize(path))
-        except OSError:
-            return None
-
-
-class _Prefixes:
-    """A set of key prefixes, asked per B-tree entry in O(log n) rather than O(n).
-
-    Prefixes that extend another one are dropped (the shorter one matches all their keys). In
-    the sorted rest, the keys starting with each prefix form disjoint intervals in the same
-    order, and a key's only candidate is the greatest prefix not after it: any prefix between
-    a matching prefix and the key would extend the matching one.
-    """
-
-    def __init__(self, prefixes: Iterable[bytes]) -> None:
-        kept: list[bytes] = []
-        for p in sorted(set(prefixes)):
-            if not (kept and p.startswith(kept[-1])):
-                kept.append(p)
-        self.sorted = kept
-
-    def match(self, key: bytes) -> bool:
-        """Whether ``key`` starts with one of the prefixes."""
-        i = bisect.bisect_right(self.sorted, key) - 1
-        return i >= 0 and key.startswith(self.sorted[i])
-
-    def overlaps(self, low: bytes, high: bytes | None) -> bool:
-        """Whether some key in [low, high) starts with one of the prefixes."""
-        if self.match(low):
-            return True
-        # Otherwise the first prefix after ``low`` is the smallest matching key at or after it.
-        i = bisect.bisect_right(self.sorted, low)
-        return i < len(self.sorted) and (high is None or self.sorted[i] < high)
 
 
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024)

@@ -2,7 +2,7 @@
 the global arrays.
 
 :func:`load` opens every array with TensorStore while it walks the OCDBT B-tree for the files
-its chunks lie in (:class:`~._direct.Locator`), plans each array's boxes (one per distinct box
+its chunks lie in (:class:`~._locator.Locator`), plans each array's boxes (one per distinct box
 this host's devices hold), reads them in the order their data lies on disk with a
 :class:`~._reader.BudgetedReader`, and assembles them (:mod:`._assemble`).
 """
@@ -24,7 +24,7 @@ from milepost.workers._errors import CorruptCheckpointError, from_tensorstore
 from milepost.workers._messages import LoadAck, LoadPlan, LoadTask
 from milepost.workers._paths import is_local
 from milepost.workers._sharding import ShardingSpec
-from milepost.workers.load import _direct
+from milepost.workers.load import _locator
 from milepost.workers.load._assemble import Assembler, BroadcastAssembler, Broadcasts
 from milepost.workers.load._pieces import ShardLayout, shard_layout
 from milepost.workers.load._reader import BudgetedReader, Checked
@@ -57,7 +57,7 @@ def _load(
     direct = plan.direct_reads and is_local(plan.store.directory)  # straight from local files only
     # The chunks' writers (for their checksum tables) are found by the same walk.
     tabled = any(t.chunk_tables for t in plan.tasks)
-    locator = _direct.Locator(plan.store) if direct or tabled else None
+    locator = _locator.Locator(plan.store) if direct or tabled else None
     walk_failed: Exception | None = None
     if locator is not None:
         # Walk the B-tree while TensorStore opens the arrays (every array's chunks: which of
@@ -66,7 +66,7 @@ def _load(
             locator.index([t.name for t in plan.tasks if t.tensor is None])
         except Exception as e:  # (a damaged database: the opens below report it, or the walk again)
             walk_failed = e
-            locator = _direct.Locator(plan.store)
+            locator = _locator.Locator(plan.store)
     stores = _finish_opens(plan, opens)
     if walk_failed is not None and tabled:  # (no check may be skipped for want of the walk)
         if isinstance(walk_failed, CorruptCheckpointError):
@@ -78,8 +78,6 @@ def _load(
             path=plan.store.directory,
         ) from walk_failed
     tables = ChunkTables(plan.store) if tabled else None
-    if tables is not None and locator is not None:
-        tables.prefetch(locator.files)  # (read while the arrays' reads are planned)
     metadatas = [tsu.zarr_metadata(s) if s is not None else None for s in stores]
     layouts: list[ShardLayout | None] = [None] * len(stores)
     if locator is not None and direct:

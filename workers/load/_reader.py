@@ -11,6 +11,7 @@ go anywhere.
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from milepost.workers._chunk_tables import ChunkTables, shard_key
 from milepost.workers._errors import CorruptCheckpointError, from_tensorstore
 from milepost.workers._memory import parallel_copy
 from milepost.workers._ts_internals import FileRange
-from milepost.workers.load import _direct
+from milepost.workers.load import _direct, _locator
 from milepost.workers.load._assemble import Assembler
 from milepost.workers.load._pieces import BoxRead, ShardLayout, box_reads
 
@@ -42,7 +43,7 @@ class Checked:
     """The stored shards' shape (its chunk grid), which may hold several chunks."""
     tables: ChunkTables | None = None
     """With ``locator``: the checksums are in the chunks' writers' tables, not ``expected``."""
-    locator: _direct.Locator | None = None
+    locator: _locator.Locator | None = None
 
     def want(self, grid: tuple[int, ...]) -> int:
         """The checksum chunk ``grid`` must have: recorded by the commit (checkpoints before the
@@ -56,6 +57,18 @@ class Checked:
         if value is None:
             return -1
         return self.tables.expected(self.name, grid, value)
+
+    def prefetch(self, box: tuple[tuple[int, int], ...]) -> None:
+        """Start reading, all at once, the tables of the writers of the chunks ``box``
+        touches, so that :meth:`want` waits for none of them one after another. Only those: at
+        thousands of hosts every database holds a chunk of every array, and a host reads the
+        tables of the few whose chunks it reads, not every writer's."""
+        if self.tables is None or self.locator is None:
+            return
+        spans = (range(a // c, -(-b // c)) for (a, b), c in zip(box, self.chunk_shape, strict=True))
+        keys = {self.key(grid) for grid in itertools.product(*spans) if grid not in self.expected}
+        located = (self.locator.locate(key) for key in keys)
+        self.tables.prefetch(value.path for value in located if value is not None)
 
     def key(self, grid: tuple[int, ...]) -> str:
         """The storage key of the shard holding chunk ``grid``."""
@@ -158,7 +171,7 @@ class BudgetedReader:
         self,
         budget: int | None,
         directory: str = "",
-        locator: _direct.Locator | None = None,
+        locator: _locator.Locator | None = None,
         total_bytes: int = 0,
         boxes: int = 0,
         *,
@@ -207,6 +220,8 @@ class BudgetedReader:
         if self.budget is not None:
             while self.inflight and self.inflight_bytes + nbytes + scratch > self.budget:
                 self._complete_one()
+        if checked is not None:
+            checked.prefetch(whole)
         out = _memory.read_buffer(tuple(b - a for a, b in box), dtype)
         read = _Read(None, out, asm, devices, nbytes, checked, whole, box, scratch=scratch)
         if direct is not None:

@@ -7,7 +7,7 @@ from typing import Any
 
 from milepost.workers._chunk_tables import ChunkTables, shard_key
 from milepost.workers._messages import StoreSpec
-from milepost.workers.load._direct import Locator
+from milepost.workers.load._locator import Locator
 
 
 class ArrayChecks:

@@ -1,0 +1,195 @@
+"""Where the values of some arrays lie in an OCDBT database, found with NumPy.
+
+A load's hosts each ask the checkpoint's root view where their arrays' chunks are. At 4,096
+hosts x 2,000 arrays the view holds 8 M keys in leaves of ~440,000 entries, and every leaf
+holds chunks of every host: TensorStore's ``ocdbt.dump`` turns each entry into a Python dict,
+50 s and GBs per host to index a whole model. Here each node decodes as columns
+(:mod:`._ocdbt_format`), the wanted keys are picked out with NumPy, and what is kept is a
+sorted key column with each value's file, offset and length, looked up by bisection.
+
+What :mod:`._ocdbt_format` does not read (a numbered manifest, a key holding NUL, damaged
+bytes) is a :class:`~._ocdbt_format.FormatError`: the caller walks with TensorStore instead,
+which says what is wrong if anything is. A value naming a file outside the database's folder
+is an :class:`~._ts_internals.OutsideError`; that file is never opened.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from milepost.workers import _ocdbt_format as fmt
+from milepost.workers._runtime import RUNTIME
+from milepost.workers._ts_internals import OutsideError, leads_out
+
+_THREADS = max(1, min(4, os.cpu_count() or 1))  # nodes decoded side by side
+
+
+@dataclass
+class _Part:
+    """One leaf's wanted keys (fixed-width bytes, sorted), and per key the wanted prefix it
+    starts with, its value's data file (index into the :class:`Values`' paths; into ``paths``
+    until then), offset and length."""
+
+    keys: np.ndarray
+    groups: np.ndarray
+    files: np.ndarray
+    offsets: np.ndarray
+    lengths: np.ndarray
+    paths: list[str]
+
+
+@dataclass(frozen=True)
+class Values:
+    """The wanted keys whose values lie in data files, leaf by leaf in key order; ``paths``
+    (each from the database's folder) are what the parts' ``files`` index."""
+
+    parts: list[_Part]
+    paths: list[str]
+
+    def find(self, key: bytes) -> tuple[str, int, int] | None:
+        """The data file, offset and length of ``key``'s value (None: not a wanted key whose
+        value lies in a data file)."""
+        if b"\x00" in key:
+            return None
+        at = bisect.bisect_right(self._firsts, key) - 1
+        if at < 0:
+            return None
+        part = self.parts[at]
+        i = int(np.searchsorted(part.keys, key))
+        if i == len(part.keys) or part.keys[i] != key:
+            return None
+        return self.paths[part.files[i]], int(part.offsets[i]), int(part.lengths[i])
+
+    @functools.cached_property
+    def _firsts(self) -> list[bytes]:
+        return [bytes(p.keys[0]) for p in self.parts]
+
+    def column(self, name: str) -> np.ndarray:
+        """One column (``groups``, ``files``, ``offsets``, ``lengths``) of every part."""
+        return np.concatenate([getattr(p, name) for p in self.parts] or [np.zeros(0, np.int64)])
+
+
+def indirect_values(kv: Any, prefixes: Sequence[bytes], where: str) -> Values:
+    """The keys starting with one of ``prefixes`` (none extending another) in the newest
+    version of the database ``kv`` (a kvstore of its folder), whose values lie in data files.
+    Nodes are read level by level, all of a level at once, and only those whose key range
+    may hold a wanted key."""
+    wanted = sorted(prefixes)
+    table = np.array(wanted, "S")
+    after = np.array([_successor(p) for p in wanted], "S")
+    got = kv.read("manifest.ocdbt").result()
+    if got.state != "value":
+        raise fmt.FormatError(f"{where}: no manifest.ocdbt")
+    root = _decoded(lambda: fmt.decode_manifest(bytes(got.value), where))
+    parts: list[_Part] = []
+    paths: dict[str, int] = {}
+    # (key prefix, node, expected height, the key bound after the node's range or None)
+    level = [(b"", root.node, root.height, None)] if root.node is not None else []
+    with RUNTIME.scoped("ocdbt-index", _THREADS) as pool:
+        while level:
+            reads = [_read(kv, ref) for _, ref, _, _ in level]
+
+            def visit(i: int) -> list[Any]:
+                prefix, ref, height, high = level[i]  # noqa: B023
+                node_at = f"{where}/{ref.path}@{ref.offset}"
+                got = reads[i].result()  # noqa: B023
+                if got.state != "value" or len(got.value) != ref.length:
+                    raise fmt.FormatError(f"{node_at}: the node is missing or cut short")
+                node = _decoded(lambda: fmt.decode_node(bytes(got.value), ref, node_at))
+                if isinstance(node, fmt.Children) != (height > 0):  # (heights fall: no cycle)
+                    raise fmt.FormatError(f"{node_at}: not the kind of node its height is")
+                if isinstance(node, fmt.Entries):
+                    return [_match(node, prefix, table, after)]
+                bounds = [prefix + k for k in node.keys[1:]] + [high]
+                return [
+                    (prefix + key[:common], child, height - 1, upper)
+                    for key, child, common, upper in zip(
+                        node.keys, node.refs, node.common, bounds, strict=True
+                    )
+                    if _overlaps(wanted, prefix + key, upper)
+                ]
+
+            found = [x for xs in pool.map(visit, range(len(level))) for x in xs]
+            # (children in key order: the parts stay in key order)
+            for part in (x for x in found if isinstance(x, _Part)):
+                ids = [paths.setdefault(path, len(paths)) for path in part.paths]
+                part.files = np.array(ids, np.int64)[part.files]
+                part.paths = []
+                parts.append(part)
+            level = [x for x in found if isinstance(x, tuple)]
+    return Values(parts=parts, paths=list(paths))
+
+
+def _read(kv: Any, ref: fmt.Ref) -> Any:
+    if leads_out(ref.path):
+        raise OutsideError(ref.path)
+    return kv.read(ref.path, byte_range=slice(ref.offset, ref.offset + ref.length))
+
+
+def _decoded(decode: Any) -> Any:
+    try:
+        return decode()
+    except UnicodeDecodeError as e:  # (a data file path that is not UTF-8)
+        raise fmt.FormatError(str(e)) from e
+
+
+def _successor(prefix: bytes) -> bytes:
+    """The least key after every key starting with ``prefix`` (b"\\xff" for none)."""
+    head = prefix.rstrip(b"\xff")
+    return head[:-1] + bytes([head[-1] + 1]) if head else b"\xff" * (len(prefix) + 1)
+
+
+def _overlaps(wanted: list[bytes], low: bytes, high: bytes | None) -> bool:
+    """Whether a key in ``[low, high)`` may start with a wanted prefix: ``low`` itself does,
+    or the first prefix after it lies before ``high``."""
+    i = bisect.bisect_right(wanted, low)
+    if i and low.startswith(wanted[i - 1]):
+        return True
+    return i < len(wanted) and (high is None or wanted[i] < high)
+
+
+def _match(
+    entries: fmt.Entries,
+    prefix: bytes,
+    table: np.ndarray,
+    after: np.ndarray,
+) -> _Part | None:
+    """A leaf's wanted keys whose values lie in data files (None: none)."""
+    indirect = np.flatnonzero(entries.files >= 0)
+    if not len(indirect):
+        return None
+    keys = fmt.rebuild_keys(entries.key_prefix, entries.key_suffix, entries.key_bytes)
+    keys = keys[indirect]
+    if prefix:
+        head = np.broadcast_to(np.frombuffer(prefix, np.uint8), (len(keys), len(prefix)))
+        keys = np.concatenate([head, keys], axis=1)
+    rows = np.ascontiguousarray(keys).view(f"S{keys.shape[1]}").ravel()
+    if np.any(rows[1:] <= rows[:-1]):
+        raise fmt.FormatError("a leaf's keys are not in order")
+    # The keys starting with a prefix are those from it up to its successor (prefixes never
+    # extend one another, so the runs are disjoint and in the prefixes' order).
+    starts = np.searchsorted(rows, table, side="left")
+    counts = np.searchsorted(rows, after, side="left") - starts
+    if not counts.any():
+        return None
+    hit = np.repeat(starts - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
+    group = np.repeat(np.arange(len(table)), counts)
+    take = indirect[hit]
+    for path in entries.paths:
+        if leads_out(path):
+            raise OutsideError(path)
+    return _Part(
+        keys=rows[hit],
+        groups=group,
+        files=entries.files[take].astype(np.int64),
+        offsets=entries.offsets[take].astype(np.int64),
+        lengths=entries.lengths[take].astype(np.int64),
+        paths=entries.paths,
+    )

@@ -1,0 +1,158 @@
+"""Where each chunk of a checkpoint lies: the data file, offset and length of its shard value.
+
+A load finds its arrays' chunks once, before reading (one B-tree walk of the checkpoint's root
+OCDBT view, :mod:`milepost.workers._ocdbt_index`, its nodes decoded as NumPy columns); what
+that decoder does not read is walked with TensorStore's ``ocdbt.dump`` instead
+(:func:`~milepost.workers._ts_internals.ocdbt_values`). A value naming a file outside the
+checkpoint is a :class:`CorruptCheckpointError`, and that file is never opened.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import os
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+import tensorstore as ts
+
+from milepost.workers._errors import CorruptCheckpointError
+from milepost.workers._messages import StoreSpec
+from milepost.workers._ocdbt_format import FormatError
+from milepost.workers._ocdbt_index import Values, indirect_values
+from milepost.workers._paths import context_for, is_local, kvstore
+from milepost.workers._ts_internals import FileRange, OutsideError, ocdbt_values, value_range
+
+
+@contextlib.contextmanager
+def _contained(directory: str) -> Iterator[None]:
+    """A value reference out of ``directory`` is a CorruptCheckpointError; nothing is opened."""
+    try:
+        yield
+    except OutsideError as e:
+        raise CorruptCheckpointError(
+            f"the OCDBT database in {directory} points a value at {e.inside!r}, outside the "
+            "checkpoint; the checkpoint is damaged or crafted, and that file was not opened"
+        ) from None
+
+
+def parse_value(directory: str, reference: str) -> FileRange | None:
+    """The file range an OCDBT value reference names (see ``_ts_internals.value_range``)."""
+    with _contained(directory):
+        return value_range(directory, reference)
+
+
+class Locator:
+    """Finds the file range that holds a key's value in a checkpoint's store."""
+
+    def __init__(self, store: StoreSpec) -> None:
+        self.directory = store.directory
+        self.use_ocdbt = store.use_ocdbt
+        self._found: list[Values] = []  # (from the NumPy walk)
+        self._values: dict[str, FileRange] = {}  # (from TensorStore's walk)
+        self._indexed: set[str] = set()
+        self._first: dict[str, tuple[str, int]] = {}
+
+    def index(self, names: Iterable[str]) -> None:
+        """Learn the value locations of every chunk of these arrays (one B-tree walk)."""
+        prefixes = sorted({n + "/" for n in names} - self._indexed)
+        if not prefixes or not self.use_ocdbt:
+            return
+        wanted = _Prefixes(p.encode() for p in prefixes)
+        if is_local(self.directory):
+            base = ts.KvStore.open({"driver": "file", "path": self.directory.rstrip("/") + "/"})
+        else:  # (the chunks' writers only: no direct reads there)
+            base = ts.KvStore.open(kvstore(self.directory), context=context_for(self.directory))
+        kv = base.result()
+        with _contained(self.directory):
+            try:
+                found = indirect_values(kv, wanted.sorted, self.directory)
+            except FormatError:  # (TensorStore reads it, or says what is wrong)
+                self._walk(kv, wanted)
+            else:
+                self._learn(found, wanted.sorted)
+        self._indexed.update(prefixes)
+
+    def _learn(self, found: Values, prefixes: list[bytes]) -> None:
+        self._found.append(found)
+        paths = [os.path.join(self.directory, p) for p in found.paths]
+        files = found.column("files")
+        # Each array's first value in (file, offset) order: the keys come grouped by array.
+        groups, offsets = found.column("groups"), found.column("offsets")
+        if not len(groups):
+            return
+        by_rank = sorted(range(len(paths)), key=paths.__getitem__)
+        rank = np.empty(len(paths), np.int64)
+        rank[by_rank] = np.arange(len(paths))
+        span = int(offsets.max()) + 1
+        if len(paths) * span < 2**62:  # (one int64 orders (file, offset))
+            where = rank[files] * span + offsets
+            starts = np.flatnonzero(np.r_[True, groups[1:] != groups[:-1]])
+            least = np.minimum.reduceat(where, starts)
+            for g, w in zip(groups[starts].tolist(), least.tolist(), strict=True):
+                at = (paths[by_rank[w // span]], w % span)
+                self._note_first(prefixes[g][:-1].decode(), at)
+        else:
+            for g, f, o in zip(groups.tolist(), files.tolist(), offsets.tolist(), strict=True):
+                self._note_first(prefixes[g][:-1].decode(), (paths[f], o))
+
+    def _walk(self, kv: ts.KvStore, wanted: _Prefixes) -> None:
+        for key, value in ocdbt_values(self.directory, wanted, kv):
+            name = key.decode()
+            self._values[name] = value
+            self._note_first(name.rsplit("/c", 1)[0], (value.path, value.offset))
+
+    def _note_first(self, array: str, at: tuple[str, int]) -> None:
+        first = self._first.get(array)
+        if first is None or at < first:
+            self._first[array] = at
+
+    def first_location(self, name: str) -> tuple[str, int] | None:
+        """The file and offset of the array's first stored value (None: not indexed, or no
+        value in a data file): reading arrays in this order reads each file front to back."""
+        return self._first.get(name)
+
+    def locate(self, key: str) -> FileRange | None:
+        if not self.use_ocdbt:
+            path = os.path.join(self.directory, key)
+            try:
+                return FileRange(path=path, offset=0, length=os.path.getsize(path))
+            except OSError:
+                return None
+        for found in self._found:
+            at = found.find(key.encode())
+            if at is not None:
+                path, offset, length = at
+                return FileRange(os.path.join(self.directory, path), offset, length)
+        return self._values.get(key)
+
+
+class _Prefixes:
+    """A set of key prefixes, asked per B-tree entry in O(log n) rather than O(n).
+
+    Prefixes that extend another one are dropped (the shorter one matches all their keys). In
+    the sorted rest, the keys starting with each prefix form disjoint intervals in the same
+    order, and a key's only candidate is the greatest prefix not after it: any prefix between
+    a matching prefix and the key would extend the matching one.
+    """
+
+    def __init__(self, prefixes: Iterable[bytes]) -> None:
+        kept: list[bytes] = []
+        for p in sorted(set(prefixes)):
+            if not (kept and p.startswith(kept[-1])):
+                kept.append(p)
+        self.sorted = kept
+
+    def match(self, key: bytes) -> bool:
+        """Whether ``key`` starts with one of the prefixes."""
+        i = bisect.bisect_right(self.sorted, key) - 1
+        return i >= 0 and key.startswith(self.sorted[i])
+
+    def overlaps(self, low: bytes, high: bytes | None) -> bool:
+        """Whether some key in [low, high) starts with one of the prefixes."""
+        if self.match(low):
+            return True
+        # Otherwise the first prefix after ``low`` is the smallest matching key at or after it.
+        i = bisect.bisect_right(self.sorted, low)
+        return i < len(self.sorted) and (high is None or self.sorted[i] < high)
