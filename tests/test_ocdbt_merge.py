@@ -20,6 +20,7 @@ from milepost.workers import _ocdbt_format as fmt
 from milepost.workers import _ocdbt_merge
 from milepost.workers import _tensorstore as tsu
 from milepost.workers._errors import CorruptCheckpointError
+from milepost.workers._runtime import RUNTIME
 from tests._helpers import abstract_of, assert_tree_equal, put
 
 
@@ -112,6 +113,18 @@ def test_a_leaf_larger_than_the_node_limit_is_split(
     dump = ts.ocdbt.dump(ts.KvStore.open(f"file://{tmp_path}/").result()).result()
     (version,) = dump["versions"]
     assert version["root_height"] >= 1  # (one leaf asked for, several written)
+
+
+@pytest.mark.parametrize("n", [1 << 16, (1 << 16) + 7])
+def test_rows_sorted_in_two_halves_sort_as_numpy_sorts_them(n: int) -> None:
+    rng = np.random.default_rng(n)
+    # short rows from a small alphabet: many ties, and rows that are prefixes of others
+    rows = rng.integers(97, 100, size=(n, 5), dtype=np.uint8)
+    rows[rng.random(n) < 0.3, 3:] = 0
+    view = rows.view("S5").ravel()
+    with RUNTIME.scoped("test-sort", 2) as pool:
+        got = _ocdbt_merge.sort_rows(view, pool)
+    assert np.array_equal(got, np.argsort(view, kind="stable"))
 
 
 def test_uleb128_columns_round_trip() -> None:

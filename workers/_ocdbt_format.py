@@ -99,7 +99,7 @@ def read_varints(buf: np.ndarray, pos: int, count: int) -> tuple[np.ndarray, int
 def varint_sizes(values: np.ndarray) -> np.ndarray:
     """How many bytes the uleb128 of each number in ``values`` takes."""
     values = np.asarray(values, dtype=np.uint64)
-    sizes = np.ones(values.shape, np.int64)
+    sizes = np.ones(values.shape, np.int32)
     for k in range(1, 10):
         sizes += values >= np.uint64(1 << (7 * k))
     return sizes
@@ -401,8 +401,8 @@ def _rebuild(
     """Rows ``start`` to ``end`` of :func:`rebuild_keys` (``start``: a key that shares nothing)."""
     width = keys.shape[1]
     flat = keys.reshape(-1)
-    col = np.arange(width, dtype=np.int32)[None, :]
-    block = 1 << 16
+    col = np.arange(width, dtype=np.int64)[None, :]
+    block = 1 << 13  # (a block's index matrix stays in cache: 2x faster than 64 Ki rows)
     for lo in range(start, end, block):
         hi = min(end, lo + block)
         p, s = prefix[lo:hi], suffix[lo:hi]
@@ -412,11 +412,14 @@ def _rebuild(
         at = np.repeat(starts - (np.cumsum(s) - s), s) + np.arange(total)
         flat[at] = raw[raw_at[lo] : raw_at[lo] + total]
         if np.any(p > 0):
-            # A row owns its columns from its shared prefix on (past its end: zeros).
-            src = np.where(col >= p[:, None], np.arange(lo, hi, dtype=np.int32)[:, None], lo - 1)
+            # A row owns its columns from its shared prefix on (past its end: zeros): each
+            # byte comes from the nearest row above that owns its column, as a flat index.
+            src = np.where(col >= p[:, None], np.arange(lo, hi, dtype=np.int64)[:, None], lo - 1)
             np.maximum.accumulate(src, axis=0, out=src)
             np.maximum(src, start, out=src)
-            keys[lo:hi] = keys[src, col]
+            src *= width
+            src += col
+            np.take(flat, src, out=keys[lo:hi])
 
 
 def _keys(

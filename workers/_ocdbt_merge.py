@@ -39,7 +39,8 @@ ZSTD_LEVEL = 9
 18.90 at the default (3), in the same time (8.9 s either way)."""
 
 _ARITY = 4096  # children per interior node
-_THREADS = max(1, min(4, os.cpu_count() or 1))  # rebuilding keys, encoding leaves
+_THREADS = max(1, min(4, os.cpu_count() or 1))  # rebuilding keys, sorting, encoding leaves
+_SORT_PIECE = 1 << 19  # rows of the second half placed per job when merging the sorted halves
 
 
 @dataclass
@@ -174,7 +175,7 @@ def _merge(sources: list[_Source], pool: Pool | None = None) -> _Merged:
     ordered = sorted(paths)
     renumber = np.array([paths[p] for p in ordered], np.int64).argsort().astype(np.int32)
     files = np.append(renumber, np.int32(-1))[files]  # (-1, inline, stays -1)
-    order = np.argsort(keys.view(f"S{keys.shape[1]}").ravel(), kind="stable")
+    order = sort_rows(keys.view(f"S{keys.shape[1]}").ravel(), pool)
     return _Merged(
         keys=keys,
         key_lengths=key_prefix,
@@ -186,6 +187,31 @@ def _merge(sources: list[_Source], pool: Pool | None = None) -> _Merged:
         paths=ordered,
         order=order,
     )
+
+
+def sort_rows(rows: np.ndarray, pool: Pool | None = None) -> np.ndarray:
+    """The stable sorting order of ``rows`` (fixed-width bytes). With a pool of two threads or
+    more, the two halves are sorted side by side and merged (1.8 -> 1.4 s at 8 M keys): each of
+    the second half's rows goes where bisection among the first half's puts it (after its
+    equals), in pieces (their temporaries stay small), and the first half's rows fill the
+    places left, in order."""
+    n = len(rows)
+    if pool is None or (pool.max_threads or 1) < 2 or n < 1 << 16:
+        return np.argsort(rows, kind="stable")
+    half = n // 2
+    first, second = rows[:half], rows[half:]
+    in_first, in_second = pool.map(lambda part: np.argsort(part, kind="stable"), [first, second])
+    order = np.full(n, -1, np.int64)
+
+    def place(lo: int) -> None:
+        hi = min(lo + _SORT_PIECE, len(in_second))
+        ahead = np.searchsorted(first, second[in_second[lo:hi]], side="right", sorter=in_first)
+        ahead += np.arange(lo, hi)  # (the rows of the second half before it)
+        order[ahead] = in_second[lo:hi] + half
+
+    pool.map(place, range(0, len(in_second), _SORT_PIECE))
+    order[np.flatnonzero(order < 0)] = in_first
+    return order
 
 
 def _under(name: str, path: str) -> str:
@@ -209,10 +235,17 @@ def _cuts(m: _Merged, node_bytes: int) -> list[int]:
     # (an eighth of it: sorted neighbours share most), its lengths' uleb128s, its value kind,
     # and its file id and offset, or its inline value. A leaf that turns out larger than the
     # limit is split (write_root).
-    indirect = m.files >= 0
-    size = 3 + m.key_lengths.astype(np.int64) // 8 + fmt.varint_sizes(m.lengths)
-    size += np.where(indirect, 2 + fmt.varint_sizes(m.offsets), m.lengths.astype(np.int64))
-    size = np.cumsum(size[m.order])
+    # (int32 columns, in place: at 8 M keys this ran at the commit's peak of memory)
+    size = m.key_lengths // 8
+    size += 3
+    size += fmt.varint_sizes(m.lengths)
+    value = fmt.varint_sizes(m.offsets)
+    value += 2
+    inline = np.flatnonzero(m.files < 0)
+    value[inline] = m.lengths[inline]  # (inline values are small: at most 1 KiB by default)
+    size += value
+    del value, inline
+    size = np.cumsum(size[m.order], dtype=np.int64)
     node_bytes -= min(60 * len(m.paths), node_bytes // 4)  # (the table: ~50 bytes a path)
     per_leaf = max(1, node_bytes)
     bounds = np.searchsorted(size, np.arange(per_leaf, int(size[-1]), per_leaf), side="left")
