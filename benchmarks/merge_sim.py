@@ -32,7 +32,10 @@ reads (``read + plan``): read ``_milepost_checksums.json``, the format files and
 header through the root view, and build every host's load plan (``_pytree_load.load`` with the
 saved shardings, against a stand-in host group of H hosts x devices-per-host device ids whose
 ``load`` keeps the plans instead of sending them); and apart from it the bytes of those plans
-pickled once per host, as a Ray call sends them (``plans sent``). Also ``mp.metadata(path)``.
+pickled once per host, as a Ray call sends them (``plans sent``). Also ``mp.metadata(path)``,
+and what each host of that load does first (``host index``): find where every array's chunks
+lie through the root view (``Locator.index``), its time and peak RSS growth, and on the first
+100 arrays the same against TensorStore's walk (``ocdbt.dump``), which the locator used before.
 
 Measures per H: total metadata bytes (every file but array data: the format files,
 ``array_metadatas/``, the per-process manifests, the root manifest and B-tree, the checksums
@@ -77,6 +80,8 @@ HEADERS_EVERYWHERE = False
 """True: every host's database has every array's zarr.json (milepost before the save asked one
 host per array to write it; ``--headers-everywhere``)."""
 MIB = 2**20
+REFERENCE_ARRAYS = 100
+"""Arrays a host's chunk index is timed on with TensorStore's walk too (``host_index``)."""
 
 
 def array_names(n: int) -> list[str]:
@@ -348,6 +353,37 @@ def controller(ckpt: Path, hosts: int, n_arrays: int, devices_per_host: int) -> 
     got = array.read().result()
     want = np.asarray([[p * 10_000 + k] * COLS for p in range(hosts)], np.float32)
     assert np.array_equal(got, want), "the merged view does not give back every host's shard"
+    out.update(host_index(directory, names))
+    return out
+
+
+def host_index(directory: Path, names: list[str]) -> dict[str, Any]:
+    """What each host of a load does first: find where its arrays' chunks lie, through the
+    root view. Every array's (``Locator.index``, the NumPy walk), its time and peak RSS growth;
+    and, side by side on the first ``REFERENCE_ARRAYS`` arrays, the NumPy walk against
+    TensorStore's walk (``ocdbt.dump``, which the locator used before: it makes a Python object
+    per entry, and takes minutes for every array at 4,096 hosts)."""
+    from milepost.workers._ts_internals import ocdbt_values
+    from milepost.workers.load._locator import Locator, _Prefixes
+
+    store = workers.StoreSpec(directory=str(directory), use_ocdbt=True)
+    out: dict[str, Any] = {}
+    few = names[:REFERENCE_ARRAYS]
+    t0 = time.perf_counter()
+    Locator(store).index(few)
+    out["index_few_secs"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    found = dict(ocdbt_values(str(directory), _Prefixes(f"{n}/".encode() for n in few)))
+    out["index_few_dump_secs"] = time.perf_counter() - t0
+    del found
+    rss0 = _status_kib("VmRSS")
+    _reset_peak()
+    t0 = time.perf_counter()
+    locator = Locator(store)
+    locator.index(names)
+    out["index_secs"] = time.perf_counter() - t0
+    out["index_rss_mib"] = (_status_kib("VmHWM") - rss0) / 1024
+    assert locator.locate(f"{names[-1]}/c/0/0") is not None
     return out
 
 
@@ -441,7 +477,11 @@ def main() -> int:
                 f"metadata {res['metadata_mib']:.2f} MiB; RSS +{res['rss_growth_mib']:.0f} MiB "
                 f"(acks {res['acks_rss_mib']:.0f}, commit {res['commit_rss_mib']:.0f}, "
                 f"read + plan {res['plan_rss_mib']:.0f}); {res['keys']} keys listed in "
-                f"{res['list_secs']:.2f} s; mp.metadata {res['read_metadata_secs']:.2f} s",
+                f"{res['list_secs']:.2f} s; mp.metadata {res['read_metadata_secs']:.2f} s; "
+                f"a host's chunk index: every array {res['index_secs']:.2f} s, RSS "
+                f"+{res['index_rss_mib']:.0f} MiB; {REFERENCE_ARRAYS} arrays "
+                f"{res['index_few_secs']:.2f} s against {res['index_few_dump_secs']:.2f} s "
+                "with TensorStore's walk",
                 flush=True,
             )
             if not args.keep:
@@ -462,14 +502,15 @@ def main() -> int:
         f"{'H':>5} {'metadata s':>11} {'merge s':>8} {'checksums s':>12} {'commit s':>9} "
         f"{'read+plan s':>12} {'metadata MiB':>13} {'RSS +MiB':>9} "
         f"{'plans sent MiB':>15} "
-        f"{'mp.metadata s':>14}"
+        f"{'mp.metadata s':>14} {'host index s':>13} {'host index +MiB':>16}"
     )
     for r in results:
         print(
             f"{r['hosts']:>5} {r['metadata_secs']:>11.2f} {r['merge_secs']:>8.2f} "
             f"{r['checksums_secs']:>12.2f} {r['commit_secs']:>9.2f} {r['read_plan_secs']:>12.2f} "
             f"{r['metadata_mib']:>13.2f} {r['rss_growth_mib']:>9.0f} {r['plans_sent_mib']:>15.1f} "
-            f"{r['read_metadata_secs']:>14.2f}"
+            f"{r['read_metadata_secs']:>14.2f} {r['index_secs']:>13.2f} "
+            f"{r['index_rss_mib']:>16.0f}"
         )
     print("\nsizes (MiB):")
     for r in results:
