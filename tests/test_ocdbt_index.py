@@ -191,3 +191,39 @@ def test_a_damaged_node_is_not_read_as_anything(tmp_path: Path) -> None:
     with pytest.raises(ValueError):
         locator.index(["a"])
     assert locator.locate("a/c/0") is None
+
+
+@pytest.mark.parametrize("spelling", ["d/node", "d/./node"])
+def test_a_btree_reaching_one_node_twice_is_refused(tmp_path: Path, spelling: str) -> None:
+    """A crafted interior node whose children all name one leaf (a version's B-tree never
+    shares a node): the walk and the merge stop at the second visit instead of reading it again
+    and again (a million children could name it)."""
+    from milepost.workers import _ocdbt_merge
+
+    folder = tmp_path / "ocdbt.process_0"
+    crafted(folder, "d/node", "d/v")
+    (folder / "d" / "v").write_bytes(b"abcd")
+    leaf = (folder / "d" / "node").read_bytes()
+    refs = [fmt.Ref("d/node", 0, len(leaf), ""), fmt.Ref(spelling, 0, len(leaf), "")]
+    inner = fmt.encode_interior(1, [b"a/c/0", b"a/c/1"], refs, [(1, len(leaf), 4)] * 2, None)
+    (folder / "d" / "inner").write_bytes(inner)
+    manifest = fmt.encode_manifest(
+        uuid=bytes(16),
+        config={
+            "max_inline_value_bytes": 1024,
+            "max_decoded_node_bytes": 8_000_000,
+            "version_tree_arity_log2": 4,
+        },
+        generation=1,
+        height=1,
+        root=fmt.Ref("d/inner", 0, len(inner), ""),
+        stats=(2, len(inner) + 2 * len(leaf), 8),
+        commit_ns=1,
+        level=None,
+    )
+    (folder / "manifest.ocdbt").write_bytes(manifest)
+    with pytest.raises(fmt.FormatError, match="twice"):
+        numpy_walk(folder, ["a"])
+    kv = ts.KvStore.open({"driver": "file", "path": f"{tmp_path}/"}).result()
+    with pytest.raises(fmt.FormatError, match="twice"):
+        _ocdbt_merge._load_sources(kv, ["ocdbt.process_0"])

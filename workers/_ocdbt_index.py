@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import functools
 import os
+import posixpath
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -90,8 +91,10 @@ def indirect_values(kv: Any, prefixes: Sequence[bytes], where: str) -> Values:
     root = _decoded(lambda: fmt.decode_manifest(bytes(got.value), where))
     parts: list[_Part] = []
     paths: dict[str, int] = {}
+    seen: set[tuple[str, int]] = set()
     # (key prefix, node, expected height, the key bound after the node's range or None)
     level = [(b"", root.node, root.height, None)] if root.node is not None else []
+    _check_unshared([ref for _, ref, _, _ in level], seen, where)
     with RUNTIME.scoped("ocdbt-index", _THREADS) as pool:
         while level:
             reads = [_read(kv, ref) for _, ref, _, _ in level]
@@ -124,7 +127,20 @@ def indirect_values(kv: Any, prefixes: Sequence[bytes], where: str) -> Values:
                 part.paths = []
                 parts.append(part)
             level = [x for x in found if isinstance(x, tuple)]
+            _check_unshared([ref for _, ref, _, _ in level], seen, where)
     return Values(parts=parts, paths=list(paths))
+
+
+def _check_unshared(refs: list[fmt.Ref], seen: set[tuple[str, int]], where: str) -> None:
+    """A version's B-tree never reaches one node twice: a crafted one that does (a cycle, or
+    a million children naming one node) would be read again and again."""
+    for ref in refs:
+        at = (posixpath.normpath(ref.path), ref.offset)  # (one file however its path is spelt)
+        if at in seen:
+            raise fmt.FormatError(
+                f"{where}: the B-tree reaches the node at {ref.path}@{ref.offset} twice"
+            )
+        seen.add(at)
 
 
 def _read(kv: Any, ref: fmt.Ref) -> Any:
