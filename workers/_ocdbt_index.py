@@ -123,7 +123,7 @@ def indirect_values(kv: Any, prefixes: Sequence[bytes], where: str) -> Values:
             # (children in key order: the parts stay in key order)
             for part in (x for x in found if isinstance(x, _Part)):
                 ids = [paths.setdefault(path, len(paths)) for path in part.paths]
-                part.files = np.array(ids, np.int64)[part.files]
+                part.files = np.array(ids, np.int32)[part.files]
                 part.paths = []
                 parts.append(part)
             level = [x for x in found if isinstance(x, tuple)]
@@ -154,6 +154,13 @@ def _decoded(decode: Any) -> Any:
         return decode()
     except UnicodeDecodeError as e:  # (a data file path that is not UTF-8)
         raise fmt.FormatError(str(e)) from e
+
+
+def _narrow(values: np.ndarray) -> np.ndarray:
+    """``values`` as int32 if they fit, else int64."""
+    if not len(values) or int(values.max()) < 2**31:
+        return values.astype(np.int32)
+    return values.astype(np.int64)
 
 
 def _successor(prefix: bytes) -> bytes:
@@ -203,9 +210,9 @@ def _match(
             raise OutsideError(path)
     return _Part(
         keys=rows[hit],
-        groups=group,
-        files=entries.files[take].astype(np.int64),
+        groups=group.astype(np.int32),  # (int32 columns where they fit: 8 M keys per host)
+        files=entries.files[take],
         offsets=entries.offsets[take].astype(np.int64),
-        lengths=entries.lengths[take].astype(np.int64),
+        lengths=_narrow(entries.lengths[take]),
         paths=entries.paths,
     )
