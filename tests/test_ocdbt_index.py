@@ -19,7 +19,7 @@ from milepost.workers import _tensorstore as tsu
 from milepost.workers._errors import CorruptCheckpointError
 from milepost.workers._ts_internals import ocdbt_values
 from milepost.workers.load._locator import Locator, _Prefixes
-from tests.test_ocdbt_merge import crafted, database, hosts
+from tests.test_ocdbt_merge import crafted, database, hosts, write_manifest
 
 
 def numpy_walk(folder: Path, names: list[str]) -> dict[bytes, tuple[str, int, int]]:
@@ -207,21 +207,7 @@ def test_a_btree_reaching_one_node_twice_is_refused(tmp_path: Path, spelling: st
     refs = [fmt.Ref("d/node", 0, len(leaf), ""), fmt.Ref(spelling, 0, len(leaf), "")]
     inner = fmt.encode_interior(1, [b"a/c/0", b"a/c/1"], refs, [(1, len(leaf), 4)] * 2, None)
     (folder / "d" / "inner").write_bytes(inner)
-    manifest = fmt.encode_manifest(
-        uuid=bytes(16),
-        config={
-            "max_inline_value_bytes": 1024,
-            "max_decoded_node_bytes": 8_000_000,
-            "version_tree_arity_log2": 4,
-        },
-        generation=1,
-        height=1,
-        root=fmt.Ref("d/inner", 0, len(inner), ""),
-        stats=(2, len(inner) + 2 * len(leaf), 8),
-        commit_ns=1,
-        level=None,
-    )
-    (folder / "manifest.ocdbt").write_bytes(manifest)
+    write_manifest(folder, "d/inner", len(inner), height=1, entries=2)
     with pytest.raises(fmt.FormatError, match="twice"):
         numpy_walk(folder, ["a"])
     kv = ts.KvStore.open({"driver": "file", "path": f"{tmp_path}/"}).result()

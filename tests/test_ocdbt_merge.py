@@ -194,8 +194,11 @@ def crafted(folder: Path, node_path: str, value_path: str) -> None:
     write_manifest(folder, node_path, len(leaf))
 
 
-def write_manifest(folder: Path, node_path: str, node_length: int) -> None:
-    """A one-version manifest whose B-tree root is the leaf at ``node_path``."""
+def write_manifest(
+    folder: Path, node_path: str, node_length: int, height: int = 0, entries: int = 1
+) -> None:
+    """A one-version manifest whose B-tree root is the node at ``node_path`` (a leaf, or at
+    ``height``), over ``entries`` values of 4 bytes."""
     manifest = fmt.encode_manifest(
         uuid=bytes(16),
         config={
@@ -204,9 +207,9 @@ def write_manifest(folder: Path, node_path: str, node_length: int) -> None:
             "version_tree_arity_log2": 4,
         },
         generation=1,
-        height=0,
+        height=height,
         root=fmt.Ref(node_path, 0, node_length, ""),
-        stats=(1, node_length, 4),
+        stats=(entries, node_length, 4 * entries),
         commit_ns=1,
         level=None,
     )
