@@ -31,7 +31,7 @@ def numpy_walk(folder: Path, names: list[str]) -> dict[bytes, tuple[str, int, in
         for i, key in enumerate(part.keys.tolist()):
             path = found.paths[part.files[i]]
             out[key] = (os.path.join(folder, path), int(part.offsets[i]), int(part.lengths[i]))
-            assert found.find(key) == (path, part.offsets[i], part.lengths[i])
+            assert found.find([key]) == [(path, part.offsets[i], part.lengths[i])]
             assert key.startswith(wanted[part.groups[i]])
     return out
 
@@ -93,15 +93,21 @@ def test_a_root_view_walks_as_tensorstore_walks_it(
         assert_both_walks_agree(tmp_path, names)
 
 
-def test_a_load_finds_its_chunks_with_the_numpy_walk(tmp_path: Path) -> None:
-    """A checkpoint milepost writes: the locator answers from NumPy columns, no key by key
-    Python objects, and the file ranges hold the arrays' shard values."""
+@pytest.mark.parametrize("dict_keys", [0, 1 << 17])
+def test_a_load_finds_its_chunks_with_the_numpy_walk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dict_keys: int
+) -> None:
+    """A checkpoint milepost writes: the locator answers from NumPy columns (a large index:
+    no key by key Python objects) or from a dict (a small one), one key or a box's keys at a
+    time, and the file ranges hold the arrays' shard values."""
     import jax
     import numpy as np
     from jax.sharding import PartitionSpec as P
 
+    from milepost.workers.load import _locator
     from tests._helpers import put
 
+    monkeypatch.setattr(_locator, "_DICT_KEYS", dict_keys)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
     state = {
         f"w{i}": put(np.full((64, 64), i, np.float32), mesh, P("data", "model")) for i in range(3)
@@ -110,25 +116,34 @@ def test_a_load_finds_its_chunks_with_the_numpy_walk(tmp_path: Path) -> None:
     directory = str(tmp_path / "c" / "state")
     locator = Locator(mp.workers.StoreSpec(directory=directory, use_ocdbt=True))
     locator.index(["w0", "w2"])
-    assert locator._found and not locator._values  # (the NumPy walk answered)
+    if dict_keys:
+        assert locator._values and not locator._found
+    else:
+        assert locator._found and not locator._values  # (the NumPy columns answer)
     got = {
-        k: (v.path, v.offset, v.length)
+        k.decode(): (v.path, v.offset, v.length)
         for k, v in ocdbt_values(directory, _Prefixes([b"w0/", b"w2/"]))
     }
     assert len(got) == 16
     for key, (path, offset, length) in got.items():
-        where = locator.locate(key.decode())
+        where = locator.locate(key)
         assert where is not None and (where.path, where.offset, where.length) == (
             path,
             offset,
             length,
         )
-    assert locator.locate("w1/c/0/0") is None
+    asked = ["w1/c/0/0", *got, "w0/c/9/9", "", "w0/c/0/0\x00"]
+    found = locator.locate_many(asked)
+    assert [None if v is None else (v.path, v.offset, v.length) for v in found] == [
+        None,
+        *got.values(),
+        None,
+        None,
+        None,
+    ]
     for name in ("w0", "w2"):
         first = locator.first_location(name)
-        assert first == min(
-            (p, o) for k, (p, o, _) in got.items() if k.startswith(f"{name}/".encode())
-        )
+        assert first == min((p, o) for k, (p, o, _) in got.items() if k.startswith(f"{name}/"))
 
 
 def test_a_numbered_manifest_is_walked_by_tensorstore(tmp_path: Path) -> None:

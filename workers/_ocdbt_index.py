@@ -19,7 +19,7 @@ import bisect
 import functools
 import os
 import posixpath
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,19 +54,43 @@ class Values:
     parts: list[_Part]
     paths: list[str]
 
-    def find(self, key: bytes) -> tuple[str, int, int] | None:
-        """The data file, offset and length of ``key``'s value (None: not a wanted key whose
-        value lies in a data file)."""
-        if b"\x00" in key:
-            return None
-        at = bisect.bisect_right(self._firsts, key) - 1
-        if at < 0:
-            return None
-        part = self.parts[at]
-        i = int(np.searchsorted(part.keys, key))
-        if i == len(part.keys) or part.keys[i] != key:
-            return None
-        return self.paths[part.files[i]], int(part.offsets[i]), int(part.lengths[i])
+    def find(self, keys: Sequence[bytes]) -> list[tuple[str, int, int] | None]:
+        """The data file, offset and length of each key's value (None: not a wanted key whose
+        value lies in a data file), found by bisection for all keys at once: a box's chunks
+        cost one NumPy call per leaf they lie in, not one each."""
+        found: list[tuple[str, int, int] | None] = [None] * len(keys)
+        if not self.parts or not keys:
+            return found
+        where: dict[int, list[int]] = {}
+        for i, key in enumerate(keys):
+            at = bisect.bisect_right(self._firsts, key) - 1
+            if at >= 0 and b"\x00" not in key:
+                where.setdefault(at, []).append(i)
+        for at, asked in where.items():
+            part = self.parts[at]
+            wanted = np.array([keys[i] for i in asked], dtype="S")
+            rows = np.minimum(np.searchsorted(part.keys, wanted), len(part.keys) - 1)
+            hit = part.keys[rows] == wanted
+            for i, row, ok in zip(asked, rows.tolist(), hit.tolist(), strict=True):
+                if ok:
+                    found[i] = (
+                        self.paths[part.files[row]],
+                        int(part.offsets[row]),
+                        int(part.lengths[row]),
+                    )
+        return found
+
+    def __len__(self) -> int:
+        return sum(len(p.keys) for p in self.parts)
+
+    def rows(self) -> Iterator[tuple[bytes, str, int, int]]:
+        """Every key, with its value's data file, offset and length."""
+        for part in self.parts:
+            files = part.files.tolist()
+            for key, f, offset, length in zip(
+                part.keys.tolist(), files, part.offsets.tolist(), part.lengths.tolist(), strict=True
+            ):
+                yield key, self.paths[f], offset, length
 
     @functools.cached_property
     def _firsts(self) -> list[bytes]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import itertools
 import math
+from collections.abc import Iterable
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from typing import Any
@@ -45,30 +46,43 @@ class Checked:
     """With ``locator``: the checksums are in the chunks' writers' tables, not ``expected``."""
     locator: _locator.Locator | None = None
 
-    def want(self, grid: tuple[int, ...]) -> int:
+    def want(self, grid: tuple[int, ...], value: FileRange | None = None) -> int:
         """The checksum chunk ``grid`` must have: recorded by the commit (checkpoints before the
         tables; chunks stored inline in the B-tree), else its writer's table; -1 when neither
         has one (which fails the check: a chunk inline in the B-tree that the commit did not
-        record was not written there by its writer)."""
+        record was not written there by its writer). ``value``: where its shard value lies,
+        if the caller located it already."""
         found = self.expected.get(grid)
         if found is not None or self.tables is None or self.locator is None:
             return -1 if found is None else found
-        value = self.locator.locate(self.key(grid))
+        if value is None:
+            value = self.locator.locate(self.key(grid))
         if value is None:
             return -1
         return self.tables.expected(self.name, grid, value)
 
-    def prefetch(self, box: tuple[tuple[int, int], ...]) -> None:
-        """Start reading, all at once, the tables of the writers of the chunks ``box``
-        touches, so that :meth:`want` waits for none of them one after another. Only those: at
+    def wants(self, grids: list[tuple[int, ...]]) -> list[int]:
+        """:meth:`want` of every chunk in ``grids``, their shard values located at once."""
+        if self.tables is None or self.locator is None:
+            return [self.want(grid) for grid in grids]
+        values = self.locator.locate_many([self.key(grid) for grid in grids])
+        return [self.want(grid, value) for grid, value in zip(grids, values, strict=True)]
+
+    def prefetch(self, values: Iterable[FileRange | None]) -> None:
+        """Start reading, all at once, the tables of the writers of these shard values (a
+        box's), so that :meth:`want` waits for none of them one after another. Only those: at
         thousands of hosts every database holds a chunk of every array, and a host reads the
         tables of the few whose chunks it reads, not every writer's."""
+        if self.tables is not None and self.locator is not None:
+            self.tables.prefetch(value.path for value in values if value is not None)
+
+    def box_values(self, box: tuple[tuple[int, int], ...]) -> list[FileRange | None]:
+        """Where the shard values of the chunks ``box`` touches lie (located at once)."""
         if self.tables is None or self.locator is None:
-            return
+            return []
         spans = (range(a // c, -(-b // c)) for (a, b), c in zip(box, self.chunk_shape, strict=True))
         keys = {self.key(grid) for grid in itertools.product(*spans) if grid not in self.expected}
-        located = (self.locator.locate(key) for key in keys)
-        self.tables.prefetch(value.path for value in located if value is not None)
+        return self.locator.locate_many(sorted(keys))
 
     def key(self, grid: tuple[int, ...]) -> str:
         """The storage key of the shard holding chunk ``grid``."""
@@ -207,7 +221,7 @@ class BudgetedReader:
             pieces = box_reads(layout, box, whole_chunks=checked is not None) or []
             if checked is not None and not all(p.whole for p in pieces):
                 pieces = []  # a partial chunk cannot be checked: read it whole, below
-            located = [self.locator.locate(piece.key) for piece in pieces]
+            located = self.locator.locate_many([piece.key for piece in pieces])
             values = [v for v in located if v is not None]
             if pieces and len(values) == len(located):
                 direct = pieces, values
@@ -221,12 +235,14 @@ class BudgetedReader:
             while self.inflight and self.inflight_bytes + nbytes + scratch > self.budget:
                 self._complete_one()
         if checked is not None:
-            checked.prefetch(whole)
+            checked.prefetch(direct[1] if direct is not None else checked.box_values(whole))
         out = _memory.read_buffer(tuple(b - a for a, b in box), dtype)
         read = _Read(None, out, asm, devices, nbytes, checked, whole, box, scratch=scratch)
         if direct is not None:
             pieces, values = direct
-            expected = [checked.want(p.grid) if checked is not None else None for p in pieces]
+            expected: list[int | None] = [None] * len(pieces)
+            if checked is not None:
+                expected = [checked.want(p.grid, v) for p, v in zip(pieces, values, strict=True)]
             assert self.direct is not None  # made with the locator, which ``direct`` needs
             handle = self.direct.read_box(values, pieces, out, expected, asm.task.name)
             read.future = _DirectRead(
@@ -303,8 +319,9 @@ class BudgetedReader:
         checked = read.checked
         assert checked is not None
         buffer = read.staged if read.staged is not None else read.out
-        for grid, crc in _checksum.region_crc32c(buffer, read.whole, checked.chunk_shape):
-            want = checked.want(grid)
+        crcs = list(_checksum.region_crc32c(buffer, read.whole, checked.chunk_shape))
+        wants = checked.wants([grid for grid, _ in crcs])
+        for (grid, crc), want in zip(crcs, wants, strict=True):
             recorded = {grid: want} if want >= 0 else {}
             _checksum.check(checked.name, grid, crc, recorded, self._where(checked, grid))
         if read.staged is not None:
