@@ -375,8 +375,8 @@ def test_a_rename_only_surgery_moves_no_array_bytes(
     checked: list[str] = []
     real = _reader.Checked.want
 
-    def spy(self: Any, grid: Any) -> Any:
-        found = real(self, grid)
+    def spy(self: Any, grid: Any, value: Any = None) -> Any:
+        found = real(self, grid, value)
         assert found >= 0, (self.name, grid)  # (from a table, or recorded: inline chunks)
         checked.append(self.name)
         return found
