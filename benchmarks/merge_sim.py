@@ -363,8 +363,9 @@ def host_index(directory: Path, names: list[str]) -> dict[str, Any]:
     and, side by side on the first ``REFERENCE_ARRAYS`` arrays, the NumPy walk against
     TensorStore's walk (``ocdbt.dump``, which the locator used before: it makes a Python object
     per entry, and takes minutes for every array at 4,096 hosts)."""
+    from milepost.workers._ocdbt_index import Prefixes
     from milepost.workers._ts_internals import ocdbt_values
-    from milepost.workers.load._locator import Locator, _Prefixes
+    from milepost.workers.load._locator import Locator
 
     store = workers.StoreSpec(directory=str(directory), use_ocdbt=True)
     out: dict[str, Any] = {}
@@ -373,7 +374,7 @@ def host_index(directory: Path, names: list[str]) -> dict[str, Any]:
     Locator(store).index(few)
     out["index_few_secs"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    found = dict(ocdbt_values(str(directory), _Prefixes(f"{n}/".encode() for n in few)))
+    found = dict(ocdbt_values(str(directory), Prefixes(f"{n}/".encode() for n in few)))
     out["index_few_dump_secs"] = time.perf_counter() - t0
     del found
     rss0 = _status_kib("VmRSS")

@@ -17,14 +17,15 @@ from milepost.workers import _ocdbt_format as fmt
 from milepost.workers import _ocdbt_index
 from milepost.workers import _tensorstore as tsu
 from milepost.workers._errors import CorruptCheckpointError
+from milepost.workers._ocdbt_index import Prefixes
 from milepost.workers._ts_internals import ocdbt_values
-from milepost.workers.load._locator import Locator, _Prefixes
+from milepost.workers.load._locator import Locator
 from tests.test_ocdbt_merge import crafted, database, hosts, write_manifest
 
 
 def numpy_walk(folder: Path, names: list[str]) -> dict[bytes, tuple[str, int, int]]:
     kv = ts.KvStore.open({"driver": "file", "path": f"{folder}/"}).result()
-    wanted = _Prefixes(f"{n}/".encode() for n in names).sorted
+    wanted = Prefixes(f"{n}/".encode() for n in names).sorted
     found = _ocdbt_index.indirect_values(kv, wanted, str(folder))
     out = {}
     for part in found.parts:
@@ -37,7 +38,7 @@ def numpy_walk(folder: Path, names: list[str]) -> dict[bytes, tuple[str, int, in
 
 
 def tensorstore_walk(folder: Path, names: list[str]) -> dict[bytes, tuple[str, int, int]]:
-    wanted = _Prefixes(f"{n}/".encode() for n in names)
+    wanted = Prefixes(f"{n}/".encode() for n in names)
     return {
         key: (value.path, value.offset, value.length)
         for key, value in ocdbt_values(str(folder), wanted)
@@ -122,7 +123,7 @@ def test_a_load_finds_its_chunks_with_the_numpy_walk(
         assert locator._found and not locator._values  # (the NumPy columns answer)
     got = {
         k.decode(): (v.path, v.offset, v.length)
-        for k, v in ocdbt_values(directory, _Prefixes([b"w0/", b"w2/"]))
+        for k, v in ocdbt_values(directory, Prefixes([b"w0/", b"w2/"]))
     }
     assert len(got) == 16
     for key, (path, offset, length) in got.items():

@@ -16,6 +16,7 @@ OCDBT keys are bytes, but the keys milepost's databases hold never contain NUL, 
 from __future__ import annotations
 
 import itertools
+import posixpath
 import struct
 from dataclasses import dataclass
 
@@ -458,6 +459,16 @@ def peek_node(data: bytes, ref: Ref, where: str) -> tuple[int, int, int]:
     if not 0 < entries <= MAX_NODE_ENTRIES:
         raise FormatError(f"{where}: a B-tree node of {entries} entries")
     return height, entries, len(body)
+
+
+def check_unshared(seen: set[tuple[object, str, int]], owner: object, ref: Ref, where: str) -> None:
+    """Note that a walk of ``owner``'s B-tree reaches the node at ``ref``. A version's B-tree
+    never reaches one node twice: a crafted one that does (a cycle, or a million children
+    naming one node) is a :class:`FormatError`, not read again and again."""
+    at = (owner, posixpath.normpath(ref.path), ref.offset)  # (one file however it is spelt)
+    if at in seen:
+        raise FormatError(f"{where}: the B-tree reaches the node at {ref.path}@{ref.offset} twice")
+    seen.add(at)
 
 
 def decode_node(data: bytes, ref: Ref, where: str) -> Entries | Children:

@@ -18,8 +18,7 @@ from __future__ import annotations
 import bisect
 import functools
 import os
-import posixpath
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,24 +100,55 @@ class Values:
         return np.concatenate([getattr(p, name) for p in self.parts] or [np.zeros(0, np.int64)])
 
 
-def indirect_values(kv: Any, prefixes: Sequence[bytes], where: str) -> Values:
-    """The keys starting with one of ``prefixes`` (none extending another) in the newest
+class Prefixes:
+    """A set of key prefixes, asked per B-tree entry in O(log n) rather than O(n).
+
+    Prefixes that extend another one are dropped (the shorter one matches all their keys). In
+    the sorted rest, the keys starting with each prefix form disjoint intervals in the same
+    order, and a key's only candidate is the greatest prefix not after it: any prefix between
+    a matching prefix and the key would extend the matching one.
+    """
+
+    def __init__(self, prefixes: Iterable[bytes]) -> None:
+        kept: list[bytes] = []
+        for p in sorted(set(prefixes)):
+            if not (kept and p.startswith(kept[-1])):
+                kept.append(p)
+        self.sorted = kept
+
+    def match(self, key: bytes) -> bool:
+        """Whether ``key`` starts with one of the prefixes."""
+        i = bisect.bisect_right(self.sorted, key) - 1
+        return i >= 0 and key.startswith(self.sorted[i])
+
+    def overlaps(self, low: bytes, high: bytes | None) -> bool:
+        """Whether some key in [low, high) starts with one of the prefixes."""
+        if self.match(low):
+            return True
+        # Otherwise the first prefix after ``low`` is the smallest matching key at or after it.
+        i = bisect.bisect_right(self.sorted, low)
+        return i < len(self.sorted) and (high is None or self.sorted[i] < high)
+
+
+def indirect_values(kv: Any, prefixes: Iterable[bytes], where: str) -> Values:
+    """The keys starting with one of ``prefixes`` in the newest
     version of the database ``kv`` (a kvstore of its folder), whose values lie in data files.
     Nodes are read level by level, all of a level at once, and only those whose key range
     may hold a wanted key."""
-    wanted = sorted(prefixes)
-    table = np.array(wanted, "S")
-    after = np.array([_successor(p) for p in wanted], "S")
+    wanted = Prefixes(prefixes)
+    table = np.array(wanted.sorted, "S")
+    after = np.array([_successor(p) for p in wanted.sorted], "S")
     got = kv.read("manifest.ocdbt").result()
     if got.state != "value":
         raise fmt.FormatError(f"{where}: no manifest.ocdbt")
     root = _decoded(lambda: fmt.decode_manifest(bytes(got.value), where))
     parts: list[_Part] = []
     paths: dict[str, int] = {}
-    seen: set[tuple[str, int]] = set()
+    seen: set[tuple[object, str, int]] = set()
     # (key prefix, node, expected height, the key bound after the node's range or None)
     level = [(b"", root.node, root.height, None)] if root.node is not None else []
-    _check_unshared([ref for _, ref, _, _ in level], seen, where)
+    for _, ref, _, _ in level:
+        fmt.check_unshared(seen, None, ref, where)
     with RUNTIME.scoped("ocdbt-index", _THREADS) as pool:
         while level:
             reads = [_read(kv, ref) for _, ref, _, _ in level]
@@ -140,7 +170,7 @@ def indirect_values(kv: Any, prefixes: Sequence[bytes], where: str) -> Values:
                     for key, child, common, upper in zip(
                         node.keys, node.refs, node.common, bounds, strict=True
                     )
-                    if _overlaps(wanted, prefix + key, upper)
+                    if wanted.overlaps(prefix + key, upper)
                 ]
 
             found = [x for xs in pool.map(visit, range(len(level))) for x in xs]
@@ -151,20 +181,9 @@ def indirect_values(kv: Any, prefixes: Sequence[bytes], where: str) -> Values:
                 part.paths = []
                 parts.append(part)
             level = [x for x in found if isinstance(x, tuple)]
-            _check_unshared([ref for _, ref, _, _ in level], seen, where)
+            for _, ref, _, _ in level:
+                fmt.check_unshared(seen, None, ref, where)
     return Values(parts=parts, paths=list(paths))
-
-
-def _check_unshared(refs: list[fmt.Ref], seen: set[tuple[str, int]], where: str) -> None:
-    """A version's B-tree never reaches one node twice: a crafted one that does (a cycle, or
-    a million children naming one node) would be read again and again."""
-    for ref in refs:
-        at = (posixpath.normpath(ref.path), ref.offset)  # (one file however its path is spelt)
-        if at in seen:
-            raise fmt.FormatError(
-                f"{where}: the B-tree reaches the node at {ref.path}@{ref.offset} twice"
-            )
-        seen.add(at)
 
 
 def _read(kv: Any, ref: fmt.Ref) -> Any:
@@ -191,15 +210,6 @@ def _successor(prefix: bytes) -> bytes:
     """The least key after every key starting with ``prefix`` (b"\\xff" for none)."""
     head = prefix.rstrip(b"\xff")
     return head[:-1] + bytes([head[-1] + 1]) if head else b"\xff" * (len(prefix) + 1)
-
-
-def _overlaps(wanted: list[bytes], low: bytes, high: bytes | None) -> bool:
-    """Whether a key in ``[low, high)`` may start with a wanted prefix: ``low`` itself does,
-    or the first prefix after it lies before ``high``."""
-    i = bisect.bisect_right(wanted, low)
-    if i and low.startswith(wanted[i - 1]):
-        return True
-    return i < len(wanted) and (high is None or wanted[i] < high)
 
 
 def _match(

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import posixpath
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -74,7 +73,7 @@ def _load_sources(kv: Any, names: list[str]) -> list[_Source]:
     sources = [_Source(n, []) for n in names]
     # (source, key prefix, node ref, expected height), for the level being read
     level: list[tuple[int, bytes, fmt.Ref, int]] = []
-    seen: set[tuple[int, str, int]] = set()
+    seen: set[tuple[object, str, int]] = set()
     for i, (name, future) in enumerate(zip(names, manifests, strict=True)):
         got = future.result()
         if got.state != "value":
@@ -82,7 +81,8 @@ def _load_sources(kv: Any, names: list[str]) -> list[_Source]:
         root = fmt.decode_manifest(bytes(got.value), name)
         if root.node is not None:
             level.append((i, b"", root.node, root.height))
-    _check_unshared(level, seen, names)
+    for i, _, ref, _ in level:
+        fmt.check_unshared(seen, i, ref, names[i])
     while level:
         reads = [_read(kv, _under(names[i], ref.path), ref) for i, _, ref, _ in level]
         below: list[tuple[int, bytes, fmt.Ref, int]] = []
@@ -104,20 +104,9 @@ def _load_sources(kv: Any, names: list[str]) -> list[_Source]:
                 below.append((i, prefix + key[:common], child, height - 1))
         # (children are appended in key order, so each source's leaves stay in order)
         level = below
-        _check_unshared(level, seen, names)
+        for i, _, ref, _ in level:
+            fmt.check_unshared(seen, i, ref, names[i])
     return sources
-
-
-def _check_unshared(
-    level: list[tuple[int, bytes, fmt.Ref, int]], seen: set[tuple[int, str, int]], names: list[str]
-) -> None:
-    """A version's B-tree never reaches one node twice: a crafted one that does (a cycle, or
-    a million children naming one node) would be read again and again."""
-    for i, _, ref, _ in level:
-        at = (i, posixpath.normpath(ref.path), ref.offset)  # (one file however it is spelt)
-        if at in seen:
-            raise fmt.FormatError(f"{names[i]}: the B-tree reaches {ref.path}@{ref.offset} twice")
-        seen.add(at)
 
 
 @dataclass

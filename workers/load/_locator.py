@@ -9,7 +9,6 @@ checkpoint is a :class:`CorruptCheckpointError`, and that file is never opened.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import os
 from collections.abc import Iterable, Iterator, Sequence
@@ -20,7 +19,7 @@ import tensorstore as ts
 from milepost.workers._errors import CorruptCheckpointError
 from milepost.workers._messages import StoreSpec
 from milepost.workers._ocdbt_format import FormatError
-from milepost.workers._ocdbt_index import Values, indirect_values
+from milepost.workers._ocdbt_index import Prefixes, Values, indirect_values
 from milepost.workers._paths import context_for, is_local, kvstore
 from milepost.workers._ts_internals import FileRange, OutsideError, ocdbt_values, value_range
 
@@ -65,7 +64,7 @@ class Locator:
         prefixes = sorted({n + "/" for n in names} - self._indexed)
         if not prefixes or not self.use_ocdbt:
             return
-        wanted = _Prefixes(p.encode() for p in prefixes)
+        wanted = Prefixes(p.encode() for p in prefixes)
         if is_local(self.directory):
             base = ts.KvStore.open({"driver": "file", "path": self.directory.rstrip("/") + "/"})
         else:  # (the chunks' writers only: no direct reads there)
@@ -109,7 +108,7 @@ class Locator:
             for g, f, o in zip(groups.tolist(), files.tolist(), offsets.tolist(), strict=True):
                 self._note_first(prefixes[g][:-1].decode(), (paths[f], o))
 
-    def _walk(self, kv: ts.KvStore, wanted: _Prefixes) -> None:
+    def _walk(self, kv: ts.KvStore, wanted: Prefixes) -> None:
         for key, value in ocdbt_values(self.directory, wanted, kv):
             name = key.decode()
             self._values[name] = value
@@ -150,33 +149,3 @@ class Locator:
             return FileRange(path=path, offset=0, length=os.path.getsize(path))
         except OSError:
             return None
-
-
-class _Prefixes:
-    """A set of key prefixes, asked per B-tree entry in O(log n) rather than O(n).
-
-    Prefixes that extend another one are dropped (the shorter one matches all their keys). In
-    the sorted rest, the keys starting with each prefix form disjoint intervals in the same
-    order, and a key's only candidate is the greatest prefix not after it: any prefix between
-    a matching prefix and the key would extend the matching one.
-    """
-
-    def __init__(self, prefixes: Iterable[bytes]) -> None:
-        kept: list[bytes] = []
-        for p in sorted(set(prefixes)):
-            if not (kept and p.startswith(kept[-1])):
-                kept.append(p)
-        self.sorted = kept
-
-    def match(self, key: bytes) -> bool:
-        """Whether ``key`` starts with one of the prefixes."""
-        i = bisect.bisect_right(self.sorted, key) - 1
-        return i >= 0 and key.startswith(self.sorted[i])
-
-    def overlaps(self, low: bytes, high: bytes | None) -> bool:
-        """Whether some key in [low, high) starts with one of the prefixes."""
-        if self.match(low):
-            return True
-        # Otherwise the first prefix after ``low`` is the smallest matching key at or after it.
-        i = bisect.bisect_right(self.sorted, low)
-        return i < len(self.sorted) and (high is None or self.sorted[i] < high)
