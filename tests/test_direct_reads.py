@@ -748,7 +748,7 @@ def test_loads_of_large_boxes_read_in_large_batches_exactly_and_catch_damage(
     got = mp.io_stats() - before
     (reader,) = readers
     assert (
-        reader._batch_bytes > _direct._BATCH_BYTES[0]
+        reader.batch_bytes > _direct._BATCH_BYTES[0]
         and reader._pool.max_threads > _direct._READ_THREADS
     )
     assert got.read_requests < 32, (
@@ -758,6 +758,70 @@ def test_loads_of_large_boxes_read_in_large_batches_exactly_and_catch_damage(
     flip(file, offset + length // 3)
     with pytest.raises(mp.CorruptCheckpointError, match="array 'w2'"):
         mp.load(tmp_path / "c", abstract_of(state))
+
+
+def test_spread_interleaves_far_apart_parts_each_front_to_back() -> None:
+    """The reads are cut into ``lanes`` parts of about equal bytes, each read front to back in
+    units of about ``unit`` bytes, the parts taking turns: every read exactly once, and the first
+    ``lanes`` units start one part apart."""
+    sizes = [3, 5, 2, 8, 1, 4, 4, 6, 2, 7, 3, 5] * 5
+    units = _direct.spread(sizes, 3, 10)
+    flat = [i for unit in units for i in unit]
+    assert sorted(flat) == list(range(len(sizes)))
+    total = sum(sizes)
+    starts = np.cumsum([0, *sizes])
+    part = [min(2, int(starts[i]) * 3 // total) for i in range(len(sizes))]
+    for unit in units:
+        assert len({part[i] for i in unit}) == 1 and unit == list(range(unit[0], unit[-1] + 1))
+        assert sum(sizes[i] for i in unit) - sizes[unit[-1]] < 10  # (a unit ends once >= 10)
+    for q in range(3):  # each part front to back
+        mine = [i for i in flat if part[i] == q]
+        assert mine == sorted(mine)
+    assert [part[unit[0]] for unit in units[:6]] == [0, 1, 2, 0, 1, 2]
+    # Nothing to spread: one unit, in disk order.
+    assert _direct.spread(sizes, 1, 10) == [list(range(len(sizes)))]
+    assert _direct.spread([4, 4], 3, 10) == [[0, 1]]
+
+
+def test_large_box_loads_read_far_apart_parts_at_once(
+    tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load of large boxes hands its read threads batches from far-apart parts of the data,
+    in turn (one stream per thread), not neighbouring batches of one file; under a memory budget
+    that holds fewer batches, as many parts as it holds; exact either way."""
+    rng = np.random.default_rng(12)
+    state = {
+        f"w{i}": put(
+            rng.standard_normal((1024, 2048), dtype=np.float32), mesh24, P("data", "model")
+        )
+        for i in range(6)
+    }
+    with mp.Context(saving=mp.SaveOptions(ocdbt_writers_per_host=1)):
+        mp.save(tmp_path / "c", state)
+    batches: list[list[tuple[str, int]]] = []
+    real_flush = _direct.DirectReader.flush
+
+    def flush(self: _direct.DirectReader) -> None:
+        if self._batch.boxes:
+            batches.append([(v.path, v.offset) for values, *_ in self._batch.boxes for v in values])
+        real_flush(self)
+
+    monkeypatch.setattr(_direct.DirectReader, "flush", flush)
+    # The reads in disk order: a load with nothing spread.
+    real_spread = _direct.spread
+    monkeypatch.setattr(_direct, "spread", lambda sizes, lanes, unit: [list(range(len(sizes)))])
+    mp.load(tmp_path / "c", abstract_of(state))
+    rank = {place: i for i, place in enumerate(place for batch in batches for place in batch)}
+    assert len(rank) == 48  # every shard value once
+    monkeypatch.setattr(_direct, "spread", real_spread)
+    for budget, parts in ((None, 3), (16 << 20, 2)):
+        batches.clear()
+        with mp.Context(loading=mp.LoadOptions(memory_budget_bytes=budget)):
+            assert_tree_equal(mp.load(tmp_path / "c", abstract_of(state)), state)
+        assert sorted(place for batch in batches for place in batch) == sorted(rank)
+        # Each batch lies in one part of the disk order, and the parts take turns.
+        part = [{rank[place] * parts // len(rank) for place in batch} for batch in batches]
+        assert part == [{j % parts} for j in range(len(batches))], (budget, part)
 
 
 def test_value_paths_are_percent_decoded_before_the_containment_check(tmp_path: Path) -> None:

@@ -3,7 +3,8 @@ the global arrays.
 
 :func:`load` opens every array with TensorStore while it walks the OCDBT B-tree for the files
 its chunks lie in (:class:`~._locator.Locator`), plans each array's boxes (one per distinct box
-this host's devices hold), reads them in the order their data lies on disk with a
+this host's devices hold), reads them in the order their data lies on disk (for large boxes,
+as many far-apart parts of that order at once as threads read: :func:`._direct.spread`) with a
 :class:`~._reader.BudgetedReader`, and assembles them (:mod:`._assemble`).
 """
 
@@ -128,38 +129,67 @@ def _load(
                 pieces, _ = addressable_boxes(sharding, task.shape, readers)
                 asm = BroadcastAssembler(task, sharding, results, i, pieces, broadcasts)
         assemblers.append(asm)
-    boxes = [
-        math.prod(b - a for a, b in box) * asm.dtype.itemsize
+    sizes = [
+        [math.prod(b - a for a, b in box) * asm.dtype.itemsize for _, box in asm.pieces]
         for asm in assemblers
-        for _, box in asm.pieces
     ]
     reader = BudgetedReader(
         plan.memory_budget_bytes,
         plan.store.directory,
         locator,
-        sum(boxes),
-        len(boxes),
+        sum(map(sum, sizes)),
+        sum(map(len, sizes)),
         direct=direct,
     )
+    checks = [_checked(plan.tasks[i], stores[i], metadatas[i], tables, locator) for i in order]
+
+    def issue(k: int, pieces: Sequence[int]) -> None:
+        """Issue the reads of pieces ``pieces`` of the ``k``-th array in read order."""
+        i, asm = order[k], assemblers[k]
+        task = plan.tasks[i]
+        if task.tensor is not None:
+            reader.read_tensor(task.tensor, asm)
+            return
+        for p in pieces:
+            devices, box = asm.pieces[p]
+            reader.read(stores[i], layouts[i], box, asm, devices, checks[k])
+
     try:
-        for i, asm in zip(order, assemblers, strict=True):
-            task, store, layout = plan.tasks[i], stores[i], layouts[i]
-            if task.tensor is not None:
-                reader.read_tensor(task.tensor, asm)
-            else:
-                checked = None
-                mine = tables if task.chunk_tables else None
-                if task.checksums is not None or mine is not None:
-                    inner, shard = tsu.chunk_shapes(store, metadatas[i])
-                    recorded = dict(task.checksums or ())
-                    checked = Checked(task.name, task.shape, inner, recorded, shard, mine, locator)
-                for devices, box in asm.pieces:
-                    reader.read(store, layout, box, asm, devices, checked)
-            # The collectives of the arrays before this one run while its reads are in flight.
-            for earlier in waiting:
-                reader.complete(earlier)
-                earlier.finish()
-            waiting = [asm] if isinstance(asm, BroadcastAssembler) else []
+        if broadcasts.pending:
+            for k, asm in enumerate(assemblers):
+                issue(k, range(len(asm.pieces)))
+                # The collectives of the arrays before this one run while its reads are in
+                # flight.
+                for earlier in waiting:
+                    reader.complete(earlier)
+                    earlier.finish()
+                waiting = [asm] if isinstance(asm, BroadcastAssembler) else []
+        else:
+            # Boxes in disk order, then regrouped so that the reads in flight at once lie far
+            # apart (a safetensors tensor's boxes are read together, as one).
+            steps = [
+                (k, p)
+                for k, asm in enumerate(assemblers)
+                for p in (
+                    [0] if plan.tasks[order[k]].tensor is not None else range(len(asm.pieces))
+                )
+            ]
+            if reader.streams() > 1:  # (large boxes: each box by where it lies, not its array)
+                places = {
+                    step: reader.place(
+                        layouts[order[step[0]]], assemblers[step[0]].pieces[step[1]][1]
+                    )
+                    for step in steps
+                }
+                steps.sort(key=lambda step: (places[step].path, places[step].offset))
+            step_sizes = [
+                sum(sizes[k]) if plan.tasks[order[k]].tensor is not None else sizes[k][p]
+                for k, p in steps
+            ]
+            for unit in reader.order(step_sizes):
+                for k, p in (steps[s] for s in unit):
+                    issue(k, [p])
+                reader.boundary()
         reader.drain()
     finally:
         reader.close()
@@ -171,6 +201,23 @@ def _load(
     return results, LoadAck(
         process_index=process_index, bytes_read=reader.bytes_read, arrays=len(results)
     )
+
+
+def _checked(
+    task: LoadTask,
+    store: Any,
+    metadata: Any,
+    tables: ChunkTables | None,
+    locator: _locator.Locator | None,
+) -> Checked | None:
+    """What the chunks of ``task``'s array are checked against (None: nothing recorded)."""
+    if task.tensor is not None:
+        return None
+    mine = tables if task.chunk_tables else None
+    if task.checksums is None and mine is None:
+        return None
+    inner, shard = tsu.chunk_shapes(store, metadata)
+    return Checked(task.name, task.shape, inner, dict(task.checksums or ()), shard, mine, locator)
 
 
 def _start_opens(plan: LoadPlan) -> list[Any]:

@@ -203,6 +203,37 @@ class BudgetedReader:
         self.bytes_read = 0
         self.progress = _progress.counter()
 
+    def streams(self) -> int:
+        """How many far-apart parts of the load's reads to read at once: for direct reads of
+        large boxes one per read thread, as many as the memory budget holds batches of."""
+        if self.direct is None:
+            return 1
+        lanes = self.direct.streams
+        if self.budget is not None:
+            lanes = min(lanes, self.budget // self.direct.batch_bytes)
+        return max(1, lanes)
+
+    def place(self, layout: ShardLayout | None, box: tuple[tuple[int, int], ...]) -> FileRange:
+        """Where ``box``'s data starts: its first shard value (an empty range when it is not
+        read directly)."""
+        pieces = box_reads(layout, box) if layout is not None and self.locator else None
+        value = self.locator.locate(pieces[0].key) if pieces and self.locator else None
+        return value if value is not None else FileRange("", -1, 0)
+
+    def order(self, sizes: list[int]) -> list[list[int]]:
+        """The order to issue reads of ``sizes`` bytes (given in the order their data lies on
+        disk) in: units of reads, after each of which :meth:`boundary` ends the batch, taken
+        from :meth:`streams` far-apart parts in turn (:func:`._direct.spread`)."""
+        lanes = self.streams()
+        if lanes <= 1 or self.direct is None:
+            return [list(range(len(sizes)))]
+        return _direct.spread(sizes, lanes, self.direct.batch_bytes)
+
+    def boundary(self) -> None:
+        """The reads issued since the last boundary are one batch: hand them to a thread."""
+        if self.direct is not None:
+            self.direct.flush()
+
     def read(
         self,
         store: Any,
