@@ -2,7 +2,7 @@
 databases, write the metadata, then read it back and plan a load onto the H hosts.
 
     python benchmarks/merge_sim.py [--hosts 512,1024,4096] [--arrays 2000] [--devices-per-host 8]
-                                   [--writers 1] [--dir /work] [--keep]
+                                   [--writers 1] [--dir /work] [--keep] [--warm GIB]
 
 No hosts run. For each H, a subprocess writes what the hosts of an H-host save of a 2,000-array
 model leave behind, straight with TensorStore and milepost's own OCDBT settings
@@ -80,6 +80,11 @@ HEADERS_EVERYWHERE = False
 """True: every host's database has every array's zarr.json (milepost before the save asked one
 host per array to write it; ``--headers-everywhere``)."""
 MIB = 2**20
+WARM_BYTES = 0
+"""``--warm GIB``: bytes touched and freed right before each timed phase of the controller (the
+commit, the read + plan, the host index). This VM hands freed memory back to its host, and the
+first touch of such a page is a host fault (``save_load.py --warm`` says more): warmed, a phase
+starts on memory the host backs, and its time shows the software, not what ran before it."""
 REFERENCE_ARRAYS = 100
 """Arrays a host's chunk index is timed on with TensorStore's walk too (``host_index``)."""
 
@@ -201,7 +206,11 @@ def _status_kib(field: str) -> int:
 
 
 def _reset_peak() -> None:
-    """Start the kernel's RSS high-water mark (VmHWM) again from the current RSS."""
+    """Start the kernel's RSS high-water mark (VmHWM) again from the current RSS (after
+    touching and freeing ``WARM_BYTES``, with ``--warm``)."""
+    if WARM_BYTES:
+        scratch = np.ones(WARM_BYTES, np.uint8)
+        del scratch
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
 
@@ -417,6 +426,7 @@ def run_one(root: Path, args: argparse.Namespace, hosts: int) -> dict[str, Any]:
     common = [sys.executable, __file__, "--arrays", str(args.arrays), "--hosts", str(hosts)]
     common += ["--devices-per-host", str(args.devices_per_host), "--writers", str(args.writers)]
     common += ["--headers-everywhere"] if args.headers_everywhere else []
+    common += ["--warm", str(args.warm)]
     subprocess.run([*common, "--phase", "hosts", "--dir", str(ckpt)], check=True)
     # The hosts' writes are on disk before the commit starts, as a save's are: the kernel is
     # not writing them back while the controller is timed.
@@ -452,10 +462,17 @@ def main() -> int:
         action="store_true",
         help="every host writes every zarr.json (the old save)",
     )
+    parser.add_argument(
+        "--warm",
+        type=float,
+        default=0.0,
+        help="GiB touched and freed before each timed controller phase (0: none)",
+    )
     parser.add_argument("--phase", choices=("hosts", "controller"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    global HEADERS_EVERYWHERE
+    global HEADERS_EVERYWHERE, WARM_BYTES
     HEADERS_EVERYWHERE = args.headers_everywhere
+    WARM_BYTES = int(args.warm * 2**30)
     if args.phase == "hosts":
         write_hosts(Path(args.dir), int(args.hosts), args.arrays, args.writers)
         return 0
