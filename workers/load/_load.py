@@ -165,29 +165,8 @@ def _load(
                     earlier.finish()
                 waiting = [asm] if isinstance(asm, BroadcastAssembler) else []
         else:
-            # Boxes in disk order, then regrouped so that the reads in flight at once lie far
-            # apart (a safetensors tensor's boxes are read together, as one).
-            steps = [
-                (k, p)
-                for k, asm in enumerate(assemblers)
-                for p in (
-                    [0] if plan.tasks[order[k]].tensor is not None else range(len(asm.pieces))
-                )
-            ]
-            if reader.streams() > 1:  # (large boxes: each box by where it lies, not its array)
-                places = {
-                    step: reader.place(
-                        layouts[order[step[0]]], assemblers[step[0]].pieces[step[1]][1]
-                    )
-                    for step in steps
-                }
-                steps.sort(key=lambda step: (places[step].path, places[step].offset))
-            step_sizes = [
-                sum(sizes[k]) if plan.tasks[order[k]].tensor is not None else sizes[k][p]
-                for k, p in steps
-            ]
-            for unit in reader.order(step_sizes):
-                for k, p in (steps[s] for s in unit):
+            for unit in _read_order(plan, order, assemblers, sizes, layouts, reader):
+                for k, p in unit:
                     issue(k, [p])
                 reader.boundary()
         reader.drain()
@@ -201,6 +180,34 @@ def _load(
     return results, LoadAck(
         process_index=process_index, bytes_read=reader.bytes_read, arrays=len(results)
     )
+
+
+def _read_order(
+    plan: LoadPlan,
+    order: list[int],
+    assemblers: list[Assembler],
+    sizes: list[list[int]],
+    layouts: list[ShardLayout | None],
+    reader: BudgetedReader,
+) -> list[list[tuple[int, int]]]:
+    """The reads to issue, ``(k, p)``: piece ``p`` of the ``k``-th array in read order (a
+    safetensors tensor is one step: its boxes are read together), in units each ended by a
+    batch boundary. In disk order; for large boxes each box by where it lies (an array's shards
+    may be in several files), then regrouped so that the reads in flight at once lie far apart
+    (:meth:`BudgetedReader.order`)."""
+    tensor = [plan.tasks[i].tensor is not None for i in order]
+    steps = [
+        (k, p)
+        for k, asm in enumerate(assemblers)
+        for p in ([0] if tensor[k] else range(len(asm.pieces)))
+    ]
+    if reader.streams() > 1:
+        places = {
+            (k, p): reader.place(layouts[order[k]], assemblers[k].pieces[p][1]) for k, p in steps
+        }
+        steps.sort(key=lambda step: (places[step].path, places[step].offset))
+    units = reader.order([sum(sizes[k]) if tensor[k] else sizes[k][p] for k, p in steps])
+    return [[steps[s] for s in unit] for unit in units]
 
 
 def _checked(
