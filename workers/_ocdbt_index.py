@@ -82,14 +82,16 @@ class Values:
     def __len__(self) -> int:
         return sum(len(p.keys) for p in self.parts)
 
-    def rows(self) -> Iterator[tuple[bytes, str, int, int]]:
-        """Every key, with its value's data file, offset and length."""
+    def rows(self) -> Iterator[tuple[bytes, int, int, int]]:
+        """Every key, with its value's data file (an index into ``paths``), offset and length."""
         for part in self.parts:
-            files = part.files.tolist()
-            for key, f, offset, length in zip(
-                part.keys.tolist(), files, part.offsets.tolist(), part.lengths.tolist(), strict=True
-            ):
-                yield key, self.paths[f], offset, length
+            yield from zip(
+                part.keys.tolist(),
+                part.files.tolist(),
+                part.offsets.tolist(),
+                part.lengths.tolist(),
+                strict=True,
+            )
 
     @functools.cached_property
     def _firsts(self) -> list[bytes]:

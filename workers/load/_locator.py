@@ -82,10 +82,8 @@ class Locator:
     def _learn(self, found: Values, prefixes: list[bytes]) -> None:
         paths = [os.path.join(self.directory, p) for p in found.paths]
         if len(found) <= _DICT_KEYS:  # (a dict: the cheapest lookups, one key at a time)
-            for key, path, offset, length in found.rows():
-                self._values[key.decode()] = FileRange(
-                    os.path.join(self.directory, path), offset, length
-                )
+            for key, f, offset, length in found.rows():
+                self._values[key.decode()] = FileRange(paths[f], offset, length)
         else:
             self._found.append(found)
         files = found.column("files")

@@ -224,10 +224,8 @@ class BudgetedReader:
         """The order to issue reads of ``sizes`` bytes (given in the order their data lies on
         disk) in: units of reads, after each of which :meth:`boundary` ends the batch, taken
         from :meth:`streams` far-apart parts in turn (:func:`._direct.spread`)."""
-        lanes = self.streams()
-        if lanes <= 1 or self.direct is None:
-            return [list(range(len(sizes)))]
-        return _direct.spread(sizes, lanes, self.direct.batch_bytes)
+        unit = self.direct.batch_bytes if self.direct is not None else 0
+        return _direct.spread(sizes, self.streams(), unit)
 
     def boundary(self) -> None:
         """The reads issued since the last boundary are one batch: hand them to a thread."""
