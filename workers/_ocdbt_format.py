@@ -199,12 +199,22 @@ def _unzstd(body: bytes, what: str) -> bytes:
         raise FormatError(f"{what}: zstd: {e}") from e
 
 
-def frame(body: bytes, magic: int, level: int | None) -> bytes:
-    """``body`` encoded as a manifest or node: zstd at ``level`` (None: uncompressed)."""
+Compression = int | zstandard.ZstdCompressionParameters | None
+"""How a node is compressed: not at all (None), with zstd at a level, or with zstd parameters."""
+
+
+def frame(body: bytes, magic: int, level: Compression) -> bytes:
+    """``body`` encoded as a manifest or node: zstd at ``level`` (a level or parameters; None:
+    uncompressed)."""
     if level is None:
         tail = varint(0) + varint(0) + body
     else:
-        tail = varint(0) + varint(1) + zstandard.ZstdCompressor(level=level).compress(body)
+        zstd = (
+            zstandard.ZstdCompressor(level=level)
+            if isinstance(level, int)
+            else zstandard.ZstdCompressor(compression_params=level)
+        )
+        tail = varint(0) + varint(1) + zstd.compress(body)
     head = _HEAD.pack(magic) + _LENGTH.pack(12 + len(tail) + 4)
     crc = crc32c(tail, crc32c(head))
     return head + tail + _CRC.pack(crc)
@@ -537,7 +547,7 @@ def encode_leaf(
     offsets: np.ndarray,
     inline: bytes,
     paths: list[str],
-    level: int | None,
+    level: Compression,
 ) -> tuple[bytes, int]:
     """A leaf node of sorted, distinct ``keys`` (NUL-padded rows): ``files`` index ``paths``
     (the node's data file table), -1 for the inline values, which ``inline`` holds in order; and
@@ -571,7 +581,7 @@ def encode_interior(
     keys: list[bytes],
     refs: list[Ref],
     stats: list[tuple[int, int, int]],
-    level: int | None,
+    level: Compression,
 ) -> bytes:
     """An interior node at ``height`` over children whose first keys are ``keys`` (sorted),
     each at its ``refs``, with its (keys, tree bytes, indirect value bytes)."""

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import tensorstore as ts
+import zstandard
 
 from milepost.workers import _ocdbt_format as fmt
 from milepost.workers._errors import CorruptCheckpointError
@@ -34,9 +35,14 @@ from milepost.workers._paths import context_for, kvstore
 from milepost.workers._runtime import RUNTIME, Pool
 from milepost.workers._ts_internals import leads_out
 
-ZSTD_LEVEL = 9
-"""The root's nodes compress at this zstd level: at 4,096 hosts x 2,000 arrays 18.64 MiB against
-18.90 at the default (3), in the same time (8.9 s either way)."""
+ZSTD = zstandard.ZstdCompressionParameters.from_level(
+    19, strategy=zstandard.STRATEGY_BTOPT, chain_log=16, hash_log=16, search_log=1
+)
+"""How the root's nodes compress: zstd's optimal parser, whose matches may be 3 bytes long
+(level 19's), with a short search. Most of a root is its leaves' value offsets, varints of 3
+bytes that repeat from array to array; matches of 4 bytes or more (levels up to 15) miss them.
+The leaves of 512 hosts x 2,000 arrays (14 MB decoded): 2.00 MB in 0.26 s, against 2.44 MB in
+0.07 s at level 9 and 2.00 MB in 0.58 s at level 19 (docs/performance.md)."""
 
 _ARITY = 4096  # children per interior node
 _THREADS = max(1, min(4, os.cpu_count() or 1))  # rebuilding keys, sorting, encoding leaves
@@ -264,7 +270,7 @@ def _cuts(m: _Merged, node_bytes: int) -> list[int]:
     return out
 
 
-def _leaf(m: _Merged, lo: int, hi: int, level: int) -> tuple[bytes, bytes, int]:
+def _leaf(m: _Merged, lo: int, hi: int, level: fmt.Compression) -> tuple[bytes, bytes, int]:
     """The encoded leaf of the ``lo``-th to ``hi``-th keys in key order, its first key and
     its decoded size.
     A key equal to the one before it (the last of the previous leaf, for the first) is in two
@@ -348,7 +354,7 @@ def _tree(
     # leaf. At 4,096 hosts x 2,000 arrays, 2 / 4 / 6 / 8 MB leaves: root 21.9 / 18.8 / 17.8 /
     # 17.4 MB, 2,000 header reads 0.33 / 0.59 / 0.8 / 1.2 s (docs/performance.md).
     spans = list(itertools.pairwise(_cuts(merged, limit * 3 // 4)))
-    encoded = pool.map(lambda span: _leaf(merged, span[0], span[1], ZSTD_LEVEL), spans)
+    encoded = pool.map(lambda span: _leaf(merged, span[0], span[1], ZSTD), spans)
     out = bytearray()
     level: list[tuple[bytes, fmt.Ref, tuple[int, int, int]]] = []
     while spans:
@@ -356,7 +362,7 @@ def _tree(
         node, first, decoded = encoded.pop(0)
         if decoded > limit and hi - lo > 1:  # (the estimate fell short: split it)
             spans[:0] = [(lo, (lo + hi) // 2), ((lo + hi) // 2, hi)]
-            encoded[:0] = [_leaf(merged, a, b, ZSTD_LEVEL) for a, b in spans[:2]]
+            encoded[:0] = [_leaf(merged, a, b, ZSTD) for a, b in spans[:2]]
             continue
         take = merged.order[lo:hi]
         indirect = int(merged.lengths[take][merged.files[take] >= 0].sum())
@@ -370,7 +376,7 @@ def _tree(
         above = []
         for i in range(0, len(level), _ARITY):
             keys, refs, stats = zip(*level[i : i + _ARITY], strict=True)
-            node = fmt.encode_interior(height, list(keys), list(refs), list(stats), ZSTD_LEVEL)
+            node = fmt.encode_interior(height, list(keys), list(refs), list(stats), ZSTD)
             total = (
                 sum(s[0] for s in stats),
                 sum(s[1] for s in stats) + len(node),
