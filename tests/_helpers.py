@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -114,3 +116,17 @@ def gate_merge(monkeypatch: Any) -> Any:
 
     monkeypatch.setattr(mp.workers, "merge_ocdbt", merge)
     return gate
+
+
+@contextmanager
+def tensorstore_writes_only() -> Iterator[None]:
+    """Saves in this process write every shard with TensorStore, none packed by milepost
+    (``workers.save._packed``): for tests of the databases TensorStore writes (writers, their
+    tables, shards inline in the B-tree), which large shards still take."""
+    import pytest
+
+    from milepost.workers.save import _packed
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(_packed, "PACK_LIMIT", 0)
+        yield

@@ -10,6 +10,7 @@ the load plans with no per-chunk entry; checkpoints whose checksums ``_milepost.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +24,15 @@ import milepost as mp
 from milepost import workers
 from milepost.workers import _checksum, _chunk_tables
 from milepost.workers.load import _locator
-from tests._helpers import abstract_of, assert_tree_equal, put, reseal
+from tests._helpers import abstract_of, assert_tree_equal, put, reseal, tensorstore_writes_only
 from tests.test_integrity import chunk_value, copy_of, flip, reading, save
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _tensorstore_writes() -> Iterator[None]:
+    """This module tests the databases TensorStore writes: no shard is packed by milepost."""
+    with tensorstore_writes_only():
+        yield
 
 
 def state_of(mesh: jax.sharding.Mesh) -> dict[str, Any]:

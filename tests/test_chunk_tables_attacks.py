@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 import milepost as mp
 from milepost import workers
 from milepost.workers import _checksum, _chunk_tables
-from tests._helpers import abstract_of, assert_tree_equal, put, reseal
+from tests._helpers import abstract_of, assert_tree_equal, put, reseal, tensorstore_writes_only
 from tests.test_integrity import MILEPOST_ERRORS, chunk_value, copy_of, flip, reading, save
 
 LAYOUTS = {
@@ -414,7 +414,8 @@ def test_a_database_name_with_dots_reads_only_a_key(tmp_path: Path) -> None:
 def two_writers(tmp_path_factory: pytest.TempPathFactory, mesh24: jax.sharding.Mesh) -> Any:
     state = state_of(mesh24)
     path = tmp_path_factory.mktemp("two") / "c"
-    ckpt = save(path, state, mp.SaveOptions(ocdbt_writers_per_host=2))
+    with tensorstore_writes_only():  # (two writer databases, each with its chunks and table)
+        ckpt = save(path, state, mp.SaveOptions(ocdbt_writers_per_host=2))
     assert_tree_equal(mp.load(ckpt), state)
     return ckpt, state
 

@@ -67,8 +67,8 @@ def test_budgeted_save_async_holds_call_time_values_and_stages_at_most_the_budge
         assert same_bits(got[k], v), k
     staged = sum(taken)
     # Each process that writes (the host and, for its NumPy leaf, the controller) has the budget.
-    if budget is None:
-        assert staged == 17 * MIB
+    if budget is None:  # (the packed shards' buffer also holds their indexes: 20 bytes each)
+        assert 17 * MIB <= staged <= 17 * MIB + 20 * 200
     else:
         assert staged <= 2 * budget and all(n <= budget for n in taken)
         assert (staged > 0) == (budget > 0)

@@ -4,6 +4,7 @@ written exactly once, and the merged checkpoint reads back exactly (also with on
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -14,7 +15,14 @@ from jax.sharding import PartitionSpec as P
 import milepost as mp
 from milepost.workers._messages import ArraySpec, Region, SaveTask
 from milepost.workers.save import _stage
-from tests._helpers import abstract_of, assert_tree_equal, put
+from tests._helpers import abstract_of, assert_tree_equal, put, tensorstore_writes_only
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _tensorstore_writes() -> Iterator[None]:
+    """This module tests the databases TensorStore writes: no shard is packed by milepost."""
+    with tensorstore_writes_only():
+        yield
 
 
 def _task(name: str, rows: int, regions: int) -> SaveTask:

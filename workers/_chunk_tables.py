@@ -152,7 +152,17 @@ class ChunkTables:
                 chunk=grid,
                 path=value.path,
             )
-        return self.table(database).get(name, {}).get(grid, -1)
+        try:
+            table = self.table(database)
+        except CorruptCheckpointError as e:  # (what was being read when it failed: the array)
+            raise CorruptCheckpointError(
+                f"array {name!r}: chunk {grid} cannot be checked, as the checksum table of its "
+                f"writer is missing or damaged: {e}",
+                array=name,
+                chunk=grid,
+                path=value.path,
+            ) from e
+        return table.get(name, {}).get(grid, -1)
 
     def table(self, database: str) -> dict[str, dict[tuple[int, ...], int]]:
         with self._lock:

@@ -287,6 +287,9 @@ class Root:
     node: Ref | None
 
 
+_MISSING = 2**64 - 1
+
+
 def decode_manifest(data: bytes, where: str) -> Root:
     """The newest version a ``single``-kind manifest names."""
     cursor = _Cursor(unframe(data, MANIFEST_MAGIC, f"{where} (manifest)"))
@@ -307,10 +310,12 @@ def decode_manifest(data: bytes, where: str) -> Root:
     files = [cursor.varint() for _ in range(n)]
     offsets = [cursor.varint() for _ in range(n)]
     lengths = [cursor.varint() for _ in range(n)]
-    if files[-1] >= len(paths) and lengths[-1] != 0:
-        raise FormatError(f"{where}: a version names data file {files[-1]} of {len(paths)}")
-    if lengths[-1] == 0:  # (a version with no root: the database is empty)
+    # (a version with no root, the database empty: length 0, or TensorStore's "missing",
+    # offset and length 2^64 - 1, left by a delete of every key)
+    if lengths[-1] == 0 or lengths[-1] == offsets[-1] == _MISSING:
         return Root(generation=gens[-1], height=0, node=None)
+    if files[-1] >= len(paths):
+        raise FormatError(f"{where}: a version names data file {files[-1]} of {len(paths)}")
     ref = Ref(paths[files[-1]], offsets[-1], lengths[-1], bases[files[-1]])
     return Root(generation=gens[-1], height=heights[-1], node=ref)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -325,7 +326,51 @@ def write_root(directory: Any, children: list[str], config: dict[str, Any]) -> N
         data_file = f"d/{os.urandom(16).hex()}"
         data, root, height, stats = _tree(merged, config, data_file, pool)
     kv.write(data_file, data).result()
-    manifest = fmt.encode_manifest(
+    kv.write("manifest.ocdbt", _manifest(config, root, height, stats)).result()
+
+
+def write_database(
+    directory: Any,
+    files: Sequence[tuple[Sequence[str], Sequence[int], bytes]],
+    config: dict[str, Any],
+) -> None:
+    """Write a new database in ``directory`` whose values lie in ``files``, each a data file
+    (keys, lengths, bytes): its values one after another, the value of ``keys[i]`` the next
+    ``lengths[i]`` bytes (keys distinct across all; no value inline, so each has a data file
+    to find its writer by). Then the B-tree's nodes in one more data file, then the manifest.
+    Before the manifest the folder is no database; a failure leaves files nothing references."""
+    for keys, lengths, data in files:
+        if not keys or sum(lengths) != len(data):
+            raise ValueError(f"{len(keys)} values of {sum(lengths)} bytes, in {len(data)} bytes")
+    kv = ts.KvStore.open(kvstore(directory), context=context_for(directory)).result()
+    names = sorted(f"d/{os.urandom(16).hex()}" for _ in files)  # (a leaf's table is sorted)
+    rows, key_lengths = fmt.padded([k.encode() for keys, _, _ in files for k in keys])
+    sizes = [np.array(lengths, np.uint64) for _, lengths, _ in files]
+    merged = _Merged(
+        keys=rows,
+        key_lengths=key_lengths.astype(np.int32),
+        lengths=np.concatenate(sizes),
+        files=np.repeat(np.arange(len(files), dtype=np.int32), [len(n) for n in sizes]),
+        offsets=np.concatenate([np.cumsum(n) - n for n in sizes]),
+        inline=np.zeros(0, np.uint8),
+        inline_at=np.zeros(len(rows), np.int64),
+        paths=names,
+        order=sort_rows(rows.view(f"S{rows.shape[1]}").ravel()),
+    )
+    nodes_file = f"d/{os.urandom(16).hex()}"
+    nodes, root, height, stats = _tree(merged, config, nodes_file, None)
+    written = [kv.write(n, data) for n, (_, _, data) in zip(names, files, strict=True)]
+    written.append(kv.write(nodes_file, nodes))
+    for future in written:
+        future.result()
+    kv.write("manifest.ocdbt", _manifest(config, root, height, stats)).result()
+
+
+def _manifest(
+    config: dict[str, Any], root: fmt.Ref, height: int, stats: tuple[int, int, int]
+) -> bytes:
+    """The manifest of a new database whose B-tree's root is ``root``."""
+    return fmt.encode_manifest(
         uuid=os.urandom(16),
         config={
             "max_inline_value_bytes": int(config["max_inline_value_bytes"]),
@@ -339,14 +384,14 @@ def write_root(directory: Any, children: list[str], config: dict[str, Any]) -> N
         commit_ns=time.time_ns(),
         level=0,
     )
-    kv.write("manifest.ocdbt", manifest).result()
 
 
 def _tree(
-    merged: _Merged, config: dict[str, Any], data_file: str, pool: Pool
+    merged: _Merged, config: dict[str, Any], data_file: str, pool: Pool | None
 ) -> tuple[bytes, fmt.Ref, int, tuple[int, int, int]]:
-    """The root's B-tree as one data file's bytes (leaves, then the interior nodes above
-    them), its root node's place and height, and its statistics."""
+    """A B-tree of ``merged`` as one data file's bytes (leaves, then the interior nodes above
+    them), its root node's place and height, and its statistics (``pool``: None, encoded on
+    this thread)."""
     limit = int(config["max_decoded_node_bytes"])
     # Leaves of ~6 MB decoded (of the 8 MB the root's configuration allows): each leaf names
     # every data file its values are in (at 4,096 hosts, 4,096 random names, 81 KB), so
@@ -354,7 +399,11 @@ def _tree(
     # leaf. At 4,096 hosts x 2,000 arrays, 2 / 4 / 6 / 8 MB leaves: root 21.9 / 18.8 / 17.8 /
     # 17.4 MB, 2,000 header reads 0.33 / 0.59 / 0.8 / 1.2 s (docs/performance.md).
     spans = list(itertools.pairwise(_cuts(merged, limit * 3 // 4)))
-    encoded = pool.map(lambda span: _leaf(merged, span[0], span[1], ZSTD), spans)
+
+    def encode(span: tuple[int, int]) -> tuple[bytes, bytes, int]:
+        return _leaf(merged, span[0], span[1], ZSTD)
+
+    encoded = [encode(s) for s in spans] if pool is None else pool.map(encode, spans)
     out = bytearray()
     level: list[tuple[bytes, fmt.Ref, tuple[int, int, int]]] = []
     while spans:

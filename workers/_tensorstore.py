@@ -284,8 +284,13 @@ def merge_ocdbt(directory: Any) -> None:
         stores = [o.result() for o in opened]
         bounds = [b"", b""]  # one range: every key (b"" as the end: no upper bound)
         if len(stores) * 1024 > MERGE_BATCH_KEYS:  # (a database may hold 1,024 keys or more)
-            # (a middle one: the first may hold every array's header besides its chunks)
-            keys = sorted(stores[len(stores) // 2].list().result())
+            # (a middle one: the first may hold every array's header besides its chunks; a
+            # packed one if any, as small chunks are packed and writer databases may hold
+            # headers only)
+            names = [c.name for c in children]
+            some = [s for n, s in zip(names, stores, strict=True) if n.endswith(".packed")]
+            some = some or stores
+            keys = sorted(some[len(some) // 2].list().result())
             batches = min(len(keys), -(-len(keys) * len(stores) // MERGE_BATCH_KEYS))
             if batches > 1:
                 cuts = (keys[i * len(keys) // batches] for i in range(1, batches))

@@ -21,7 +21,7 @@ from milepost.workers._errors import StillWritingError, from_tensorstore
 from milepost.workers._keys import dtype_of
 from milepost.workers._memory import on_copy_pool
 from milepost.workers._messages import ArraySpec, SaveAck, SavePlan, WrittenArray
-from milepost.workers.save import _staging
+from milepost.workers.save import _packed, _staging
 
 
 class PendingSave:
@@ -49,6 +49,8 @@ class PendingSave:
         self._staged: list[np.ndarray] = []
         """Raw buffers of the staging copies, returned to the pool once the writes are durable."""
         self._staged_bytes = 0
+        self._packed: list[str] = []
+        """The packed databases being written (:mod:`._packed`), each with its table."""
         self._issuing: Any = None
         """The job issuing the staging copies' writes (it adds to ``_inflight`` and
         ``_checksums``): waited for before either is read."""
@@ -69,6 +71,20 @@ class PendingSave:
         future = on_copy_pool(_checksum.region_crc32c, data, box, spec.chunk_shape)
         self._checksums.append((database, spec.name, future))
         return future
+
+    def packing(self, packer: _packed.Packer, job: Future[None], progress: Any = None) -> None:
+        """Track ``job``, writing the packed shards of ``packer``, like the array writes;
+        ``progress`` (if any) counts their bytes once durable."""
+        self.track(job, packer.data_bytes, packer.database)
+        self._packed.append(packer.database)
+        if progress is not None:
+            count, nbytes = progress, packer.data_bytes
+
+            def durable(f: Future[None]) -> None:
+                if f.exception() is None:
+                    count(nbytes)
+
+            job.add_done_callback(durable)
 
     def hold(self, raw: np.ndarray) -> None:
         """Keep a staging buffer until the writes are durable, then give it back to the pool."""
@@ -138,7 +154,7 @@ class PendingSave:
                     process_index=self._plan.process_index,
                     bytes_written=self._nbytes,
                     arrays=arrays,
-                    chunk_tables=tuple(sorted(tables)),
+                    chunk_tables=tuple(sorted([*tables, *self._packed])),
                 )
             return self._ack
 
@@ -234,7 +250,7 @@ class PendingSave:
         return StillWritingError(
             errno.ETIMEDOUT,
             f"writing the checkpoint's arrays to {self._plan.store.directory} did not finish "
-            f"within {timeout if timeout is not None else 0:g} s"
+            f"within {round(timeout or 0, 2):g} s"
             + (f"; still writing {len(running)} array(s): {shown}" if running else "")
             + ". The storage is stalled or slower than the timeout allows: check it, or raise "
             "AsyncOptions(timeout_secs=...)",

@@ -22,7 +22,7 @@ from milepost.workers._boxes import box_to_slices
 from milepost.workers._errors import from_tensorstore
 from milepost.workers._memory import on_copy_pool, parallel_copy
 from milepost.workers._messages import ArraySpec, Region, SavePlan, SaveTask
-from milepost.workers.save import _staging
+from milepost.workers.save import _packed, _staging
 from milepost.workers.save._pending import PendingSave
 
 
@@ -92,6 +92,9 @@ class _Opening:
         self._pending = pending
         self._future: Any = None
         self._lock = threading.Lock()
+        self.needed = create
+        """Whether to open it at all: it creates the array's header, or a region is written
+        through it (not packed)."""
 
     def start(self) -> Any:
         """The open's TensorStore future (tracked by the save: its writes wait for it)."""
@@ -167,6 +170,11 @@ def _issue_writes(
     blocking: list[_Write] = []  # from the caller's memory, durable before we return
     copies: list[tuple[_Write, np.ndarray]] = []  # (the write of a staging copy, the data to copy)
     room = plan.staging_budget_bytes
+    packer = (
+        _packed.Packer(plan.store, tsu.process_dir_name(plan.process_index, plan.first_writer))
+        if plan.store.use_ocdbt
+        else None
+    )
     # The arrays are opened by the first write into each: the staged copies' writes run off
     # the caller's thread, so a save that stages everything neither opens nor waits for an open
     # (creating arrays' headers cost milliseconds of a save's blocking part).
@@ -175,6 +183,11 @@ def _issue_writes(
         shards = _shards_by_device(source)
         for region in regions:
             data = _region_data(source, shards, region.device_id, region.index, task.spec)
+            packed_bytes = packer.add(task.spec, region.index, data, room) if packer else 0
+            if packed_bytes:
+                room = None if room is None else room - packed_bytes
+                continue
+            store.needed = True
             if not (plan.copy and _may_alias_caller_memory(source, region.device_id)):
                 writes.append((store, region.index, data, task.spec))
             elif room is None or data.nbytes <= room:
@@ -198,12 +211,21 @@ def _issue_writes(
             )
         return written.commit, pending.checksum(spec, box, data, opening.database)
 
+    packed: list[tuple[np.ndarray, np.ndarray]] = []
+    if packer is not None and packer.nbytes:
+        size = packer.layout()
+        _staging.POOL.keep_only([size, *(data.nbytes for _, data in copies)])
+        buffer, raw = _staging.POOL.take((size,), np.dtype(np.uint8))
+        pending.hold(raw)
+        packed = packer.copies(buffer)
+        del buffer
     if writes or blocking or not copies:
         # Writes issued here: every open first, so they run together (and the writes reach
         # TensorStore together: one by one, each after its array's open, a save's data spread
         # over more files). Only a save that stages everything opens off the caller's thread.
         for opening in opens:
-            opening.start()
+            if opening.needed:
+                opening.start()
     # The writes the caller waits for go first, so their I/O overlaps the copies. They and
     # their checksums read the caller's memory, which is the caller's again once we return.
     waits = [future for item in blocking for future in write(item)]
@@ -212,7 +234,8 @@ def _issue_writes(
     if copies:
         # Our own copies in aligned memory: TensorStore then references them until the writes
         # are durable instead of copying again, and the caller's arrays are free.
-        _staging.POOL.keep_only([data.nbytes for _, data in copies])
+        if not packed:  # (else done above)
+            _staging.POOL.keep_only([data.nbytes for _, data in copies])
         staged: list[_Write] = []
         for (store, box, data, spec), _ in copies:
             buffer, raw = _staging.POOL.take(data.shape, data.dtype)
@@ -221,18 +244,26 @@ def _issue_writes(
         # Every copy before any write: the writes would compete with the copies for memory
         # bandwidth and cores, and the copies are what the caller waits for (overlapping them
         # on 2 cores cut the total by about what it added to the blocking part).
-        parallel_copy([(item[2], data) for item, (_, data) in zip(staged, copies, strict=True)])
+        parallel_copy(
+            [(item[2], data) for item, (_, data) in zip(staged, copies, strict=True)] + packed
+        )
 
         # The copies' writes read only our buffers: they are issued off the caller's thread
         # (many writes and their checksum jobs cost milliseconds of the blocking part),
         # after every open they wait for has started (so the opens run together).
         def issue() -> None:
             for opening in opens:
-                opening.start()
+                if opening.needed:
+                    opening.start()
             for item in staged:
                 write(item)
 
         pending.issued_by(on_copy_pool(issue))
+    elif packed:
+        parallel_copy(packed)
+    if packed:  # (written off the caller's thread, as the staged copies' writes are)
+        assert packer is not None
+        pending.packing(packer, on_copy_pool(packer.write), progress)
     for future in waits:
         future.result(timeout=pending.staging_left())
 

@@ -1,0 +1,186 @@
+"""A host's small shards, packed by milepost into one database of its own, in key order.
+
+TensorStore lays a database's values out in the order its commits happen to take them, so the
+same array's shard lies at a different offset in each host's data file. The root view of a
+save over many hosts holds one offset per host per array, and those differing offsets were most
+of its bytes (docs/performance.md#the-commit-at-many-hosts). Here a host's small shards
+(uncompressed zarr3 shards, whole and inside the array, each at most :data:`PACK_LIMIT`
+bytes) are encoded by milepost and written in key order into one data file of a database of
+their own (``ocdbt.process_<i>[.<k>].packed``): hosts writing the same arrays' shards lay them
+out alike, and the root's offsets repeat from host to host.
+
+Each value is the zarr3 ``sharding_indexed`` shard TensorStore would write: the inner chunks'
+little-endian bytes in C order, then the index of (offset, length) pairs and its CRC32C. The
+database is OCDBT (:func:`~milepost.workers._ocdbt_merge.write_database`); its chunk checksum
+table (:mod:`~milepost.workers._chunk_tables`) lies in a data file of its own.
+
+The order of a save with packed shards (:func:`~milepost.workers.save.start_save`):
+:meth:`Packer.add` for each packable region, :meth:`Packer.copies` (the copies into one buffer,
+run with the other staging copies), then :meth:`Packer.write` off the caller's thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+from milepost.workers import _checksum, _chunk_tables, _ocdbt_merge
+from milepost.workers import _tensorstore as tsu
+from milepost.workers._boxes import Box
+from milepost.workers._checksum import Grid
+from milepost.workers._messages import ArraySpec, StoreSpec
+
+PACK_LIMIT = 1 << 20
+"""Shards of at most this many bytes are packed; larger ones are written by TensorStore (their
+offsets are few for their bytes)."""
+
+PACK_BUDGET = 256 << 20
+"""At most this many bytes are packed per save on a host (in the plan's order, the same on
+every host); the regions after them are written by TensorStore. The packed database is one
+data file written in one request, after every packed shard was copied."""
+
+_BIG_ENDIAN = sys.byteorder != "little"  # (zarr3's bytes are little-endian: not packed here)
+_INDEX_ENTRY = 16  # (offset, length) as two little-endian uint64
+_SUB_BYTE = ("int2", "uint2", "int4", "uint4", "float4_e2m1fn")  # stored packed by TensorStore
+
+
+def packed_name(database: str) -> str:
+    """The folder of the packed database beside a host's writer database ``database``."""
+    return f"{database}.packed"
+
+
+@dataclass(frozen=True)
+class _Shard:
+    key: str
+    name: str
+    box: Box  # the shard's box in the array
+    data: np.ndarray  # the region's host view holding it (the caller's memory until copied)
+    within: tuple[slice, ...]  # the shard's slices in ``data``
+
+
+class Packer:
+    """The packed shards of one save on one host: added while its regions are classified,
+    copied with the staging copies, written by :meth:`write`."""
+
+    def __init__(self, store: StoreSpec, database: str) -> None:
+        self.store = store
+        self.database = packed_name(database)
+        self._shards: list[_Shard] = []
+        self._specs: dict[str, ArraySpec] = {}
+        self._buffer: np.ndarray | None = None
+        self._at: list[int] = []  # where each shard (in key order) starts in the buffer
+        self.nbytes = 0
+        """The bytes of the shards taken (values, indexes and their CRC32Cs)."""
+        self.data_bytes = 0
+        """The bytes of their values."""
+
+    def add(self, spec: ArraySpec, box: Box, data: np.ndarray, room: int | None = None) -> int:
+        """Take the region ``box`` of ``spec`` (its values ``data``) if every shard of it may be
+        packed (whole shards inside the array, uncompressed, of at most :data:`PACK_LIMIT`
+        bytes, of an element type stored as its bytes) and its stored bytes fit in ``room``
+        (None: any) and :data:`PACK_BUDGET`: the bytes it takes in the buffer (0: not taken,
+        TensorStore writes it)."""
+        if not self._packable(spec, box, data):
+            return 0
+        count = math.prod((b - a) // w for (a, b), w in zip(box, spec.write_shape, strict=True))
+        chunks = math.prod(w // c for w, c in zip(spec.write_shape, spec.chunk_shape, strict=True))
+        size = data.nbytes + count * (chunks * _INDEX_ENTRY + 4)
+        if self.nbytes + size > PACK_BUDGET or (room is not None and size > room):
+            return 0
+        self._specs[spec.name] = spec
+        ranges = [range(a, b, w) for (a, b), w in zip(box, spec.write_shape, strict=True)]
+        for start in itertools.product(*ranges):
+            shard = tuple((s, s + w) for s, w in zip(start, spec.write_shape, strict=True))
+            grid = tuple(s // w for s, w in zip(start, spec.write_shape, strict=True))
+            within = tuple(slice(s - a, e - a) for (s, e), (a, _) in zip(shard, box, strict=True))
+            key = f"{spec.name}/c" + "".join(f"/{g}" for g in grid)
+            self._shards.append(_Shard(key, spec.name, shard, data, within))
+        self.nbytes += size
+        self.data_bytes += data.nbytes
+        return size
+
+    def _packable(self, spec: ArraySpec, box: Box, data: np.ndarray) -> bool:
+        if spec.compression is not None or data.size == 0 or spec.dtype in _SUB_BYTE:
+            return False
+        if data.dtype.kind not in "biufcV" or not data.dtype.isnative or _BIG_ENDIAN:
+            return False
+        shard_bytes = math.prod(spec.write_shape) * data.dtype.itemsize
+        if shard_bytes > PACK_LIMIT:
+            return False
+        return all(
+            a % w == 0 and (b - a) % w == 0 and b <= n and w % c == 0
+            for (a, b), w, c, n in zip(
+                box, spec.write_shape, spec.chunk_shape, spec.shape, strict=True
+            )
+        )
+
+    def layout(self) -> int:
+        """Lay the shards out in key order; the bytes of the buffer they need."""
+        self._shards.sort(key=lambda s: s.key)
+        self._at = [0, *itertools.accumulate(self._size(s) for s in self._shards)]
+        return self._at[-1]
+
+    def copies(self, buffer: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The (destination, source) copies that fill in every chunk's values in ``buffer``
+        (uint8, of :meth:`layout`'s bytes, ours until :meth:`write` ends): the caller's memory
+        is free once they ran."""
+        self._buffer = buffer
+        pairs = []
+        for shard, at in zip(self._shards, self._at, strict=False):
+            spec = self._specs[shard.name]
+            values = shard.data[shard.within]
+            itemsize = values.dtype.itemsize
+            for n, (_, local) in enumerate(_checksum.chunk_boxes(_origin(shard), spec.chunk_shape)):
+                nbytes = math.prod(spec.chunk_shape) * itemsize
+                start = at + n * nbytes
+                dst = buffer[start : start + nbytes].view(values.dtype)
+                pairs.append((dst.reshape(spec.chunk_shape), values[local]))
+        return pairs
+
+    def _size(self, shard: _Shard) -> int:
+        spec = self._specs[shard.name]
+        chunks = math.prod(w // c for w, c in zip(spec.write_shape, spec.chunk_shape, strict=True))
+        values = math.prod(spec.write_shape) * shard.data.dtype.itemsize
+        return values + chunks * _INDEX_ENTRY + 4
+
+    def write(self) -> None:
+        """Finish each shard (its index and the index's CRC32C), checksum every chunk, and
+        write the database: the shards in key order in one data file, the table in another.
+        After :meth:`copies`' copies ran."""
+        assert self._buffer is not None, "Packer.copies first"
+        buffer, self._buffer = self._buffer, None
+        table: dict[str, list[tuple[Grid, int]]] = {}
+        for shard, at, end in zip(self._shards, self._at, self._at[1:], strict=False):
+            spec = self._specs[shard.name]
+            chunk_bytes = math.prod(spec.chunk_shape) * shard.data.dtype.itemsize
+            grids = [g for g, _ in _checksum.chunk_boxes(shard.box, spec.chunk_shape)]
+            index_at = at + len(grids) * chunk_bytes
+            starts = np.arange(len(grids), dtype="<u8") * chunk_bytes
+            index = np.stack([starts, np.full(len(grids), chunk_bytes, "<u8")], axis=1)
+            buffer[index_at : end - 4] = index.view(np.uint8).ravel()
+            crc = _checksum.crc32c(buffer[index_at : end - 4])
+            buffer[end - 4 : end] = np.frombuffer(crc.to_bytes(4, "little"), np.uint8)
+            crcs = table.setdefault(shard.name, [])
+            for n, grid in enumerate(grids):
+                start = at + n * chunk_bytes
+                crcs.append((grid, _checksum.crc32c(buffer[start : start + chunk_bytes])))
+        shards = ([s.key for s in self._shards], [b - a for a, b in itertools.pairwise(self._at)])
+        data = buffer.tobytes()
+        del buffer  # (the staging pool takes it back once no one references it)
+        self._shards = []
+        encoded = _chunk_tables.encode(self.database, table)
+        # The table in a data file of its own: a damaged shards' file still names their array.
+        _ocdbt_merge.write_database(
+            tsu.as_path(self.store.directory) / self.database,
+            [(*shards, data), ([_chunk_tables.table_key(self.database)], [len(encoded)], encoded)],
+            tsu.OCDBT_CONFIG,
+        )
+
+
+def _origin(shard: _Shard) -> Box:
+    """The shard's box moved to the origin (its chunks' slices within it)."""
+    return tuple((0, b - a) for a, b in shard.box)
