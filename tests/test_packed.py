@@ -69,7 +69,7 @@ def test_packed_shards_are_byte_for_byte_what_tensorstore_writes(tmp_path: Path)
         assert packer.add(spec, tuple((0, n) for n in values.shape), values), name
     pack(packer)
     theirs = ts.KvStore.open(tsu.ocdbt_kvstore(tmp_path / "ocdbt.process_0")).result()
-    ours = ts.KvStore.open(tsu.ocdbt_kvstore(tmp_path / "ocdbt.process_7.packed")).result()
+    ours = ts.KvStore.open(tsu.ocdbt_kvstore(tmp_path / "ocdbt.process_7.p")).result()
     keys = [k for k in ours.list().result() if not k.startswith(b".milepost/")]
     assert len(keys) == 2 + 1 + 4 + 2 + 2 + 2 + 1  # every shard of every case
     for key in keys:
@@ -125,7 +125,7 @@ def test_a_save_packs_its_small_shards_in_key_order_and_loads_them_exactly(
     )
     assert_tree_equal(restored, state)
 
-    packed = values_of(ckpt / "state" / "ocdbt.process_0.packed")
+    packed = values_of(ckpt / "state" / "ocdbt.process_0.p")
     chunks = sorted(k for k in packed if not k.startswith(b".milepost/"))
     assert {k.split(b"/")[0] for k in chunks} == {
         *(f"layer{i}".encode() for i in range(5)),
@@ -161,7 +161,7 @@ def test_hosts_writing_the_same_arrays_lay_their_shards_out_at_the_same_offsets(
                 spec, ((host, host + 1), (0, values.shape[1])), values[host : host + 1]
             )
         pack(packer)
-    where = {host: values_of(tmp_path / f"ocdbt.process_{host}.packed") for host in range(4)}
+    where = {host: values_of(tmp_path / f"ocdbt.process_{host}.p") for host in range(4)}
     for name in arrays:
         offsets = {where[h][f"{name}/c/{h}/0".encode()][1:] for h in range(4)}
         assert len(offsets) == 1, (name, offsets)
@@ -179,7 +179,7 @@ def test_a_flipped_or_truncated_packed_value_fails_its_checksum(
     state = {"w": put(np.arange(64 * 32, dtype=np.float32).reshape(64, 32), mesh24, P("data"))}
     ckpt = mp.save(tmp_path / "ckpt", state)
     file, offset, length = chunk_value(ckpt, "w/c/1/0")
-    assert file.parent.parent.name == "ocdbt.process_0.packed"
+    assert file.parent.parent.name == "ocdbt.process_0.p"
     flip(file, offset + 5)
     with pytest.raises(mp.CorruptCheckpointError, match="'w'"):
         mp.load(ckpt)
@@ -197,7 +197,7 @@ def test_past_the_budget_shards_go_to_tensorstore_and_load_exactly(
     state = {f"a{k}": put(np.full((8, 256), k, np.float32), mesh24, P("data")) for k in range(4)}
     ckpt = mp.save(tmp_path / "ckpt", state)  # 2 shards of 4 KiB an array
     assert_tree_equal(mp.load(ckpt), state)
-    packed = values_of(ckpt / "state" / "ocdbt.process_0.packed")
+    packed = values_of(ckpt / "state" / "ocdbt.process_0.p")
     assert len([k for k in packed if not k.startswith(b".milepost/")]) == 1
     rest = values_of(ckpt / "state" / "ocdbt.process_0")
     assert len([k for k in rest if not k.startswith(b".milepost/")]) == 7
@@ -230,8 +230,8 @@ def test_a_packed_save_counts_its_bytes_and_records_no_chunk_checksum(
     info = json.loads((tmp_path / "c" / "state" / "_milepost.json").read_text())
     assert info["chunk_crc32c_tables"] == 1 and "chunk_crc32c" not in info, info
     root = ts.KvStore.open(tsu.ocdbt_kvstore(tmp_path / "c" / "state")).result()
-    key = workers.CHUNK_TABLE_PREFIX + "ocdbt.process_0.packed"
-    table = workers.decode_chunk_table("ocdbt.process_0.packed", root[key], key)
+    key = workers.CHUNK_TABLE_PREFIX + "ocdbt.process_0.p"
+    table = workers.decode_chunk_table("ocdbt.process_0.p", root[key], key)
     assert table["w"] == {
         (i, j): _checksum.crc32c(
             np.ascontiguousarray(w[256 * i : 256 * (i + 1), 256 * j : 256 * (j + 1)])
@@ -261,8 +261,8 @@ def _state(mesh: jax.sharding.Mesh, offset: float = 0.0) -> dict[str, Any]:
 def packed_ckpt(tmp_path: Path, mesh24: jax.sharding.Mesh) -> tuple[Path, Any]:
     state = _state(mesh24)
     ckpt = mp.save(tmp_path / "c", state)
-    assert (ckpt / "state" / "ocdbt.process_0.packed").is_dir()
-    assert (ckpt / "state" / "ocdbt.process_controller.packed").is_dir()
+    assert (ckpt / "state" / "ocdbt.process_0.p").is_dir()
+    assert (ckpt / "state" / "ocdbt.process_controller.p").is_dir()
     assert_tree_equal(mp.load(ckpt), state)
     return ckpt, state
 
@@ -305,8 +305,8 @@ def test_the_hosts_and_the_controllers_packed_databases_swapped_are_refused(
     packed_ckpt: tuple[Path, Any],
 ) -> None:
     ckpt, _ = packed_ckpt
-    a = ckpt / "state" / "ocdbt.process_0.packed"
-    b = ckpt / "state" / "ocdbt.process_controller.packed"
+    a = ckpt / "state" / "ocdbt.process_0.p"
+    b = ckpt / "state" / "ocdbt.process_controller.p"
     a.rename(ckpt / "state" / "tmp")
     b.rename(a)
     (ckpt / "state" / "tmp").rename(b)
@@ -323,7 +323,7 @@ def test_the_hosts_and_the_controllers_packed_databases_swapped_are_refused(
 
 def test_a_damaged_or_forged_packed_table_is_refused(packed_ckpt: tuple[Path, Any]) -> None:
     ckpt, _ = packed_ckpt
-    key = workers.CHUNK_TABLE_PREFIX + "ocdbt.process_0.packed"
+    key = workers.CHUNK_TABLE_PREFIX + "ocdbt.process_0.p"
     file, offset, length = chunk_value(ckpt, key)
     assert file != chunk_value(ckpt, "w/c/0/0")[0], "the table in a data file of its own"
     original = file.read_bytes()
@@ -333,6 +333,6 @@ def test_a_damaged_or_forged_packed_table_is_refused(packed_ckpt: tuple[Path, An
     assert_tree_equal(mp.load(ckpt), packed_ckpt[1])
     # the controller's table, under the host's key: a table that names another database
     root = ts.KvStore.open(tsu.ocdbt_kvstore(ckpt / "state")).result()
-    other = workers.CHUNK_TABLE_PREFIX + "ocdbt.process_controller.packed"
+    other = workers.CHUNK_TABLE_PREFIX + "ocdbt.process_controller.p"
     root[key] = root[other]
-    _refused(ckpt, "is the table of 'ocdbt.process_controller.packed'")
+    _refused(ckpt, "is the table of 'ocdbt.process_controller.p'")

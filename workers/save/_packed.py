@@ -6,7 +6,7 @@ save over many hosts holds one offset per host per array, and those differing of
 of its bytes (docs/performance.md#the-commit-at-many-hosts). Here a host's small shards
 (uncompressed zarr3 shards, whole and inside the array, each at most :data:`PACK_LIMIT`
 bytes) are encoded by milepost and written in key order into one data file of a database of
-their own (``ocdbt.process_<i>[.<k>].packed``): hosts writing the same arrays' shards lay them
+their own (``ocdbt.process_<i>[.<k>].p``): hosts writing the same arrays' shards lay them
 out alike, and the root's offsets repeat from host to host.
 
 Each value is the zarr3 ``sharding_indexed`` shard TensorStore would write: the inner chunks'
@@ -21,6 +21,7 @@ run with the other staging copies), then :meth:`Packer.write` off the caller's t
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import sys
@@ -50,7 +51,7 @@ _SUB_BYTE = ("int2", "uint2", "int4", "uint4", "float4_e2m1fn")  # stored packed
 
 def packed_name(database: str) -> str:
     """The folder of the packed database beside a host's writer database ``database``."""
-    return f"{database}.packed"
+    return database + tsu.PACKED_SUFFIX
 
 
 @dataclass(frozen=True)
@@ -156,18 +157,15 @@ class Packer:
         table: dict[str, list[tuple[Grid, int]]] = {}
         for shard, at, end in zip(self._shards, self._at, self._at[1:], strict=False):
             spec = self._specs[shard.name]
-            chunk_bytes = math.prod(spec.chunk_shape) * shard.data.dtype.itemsize
-            grids = [g for g, _ in _checksum.chunk_boxes(shard.box, spec.chunk_shape)]
-            index_at = at + len(grids) * chunk_bytes
-            starts = np.arange(len(grids), dtype="<u8") * chunk_bytes
-            index = np.stack([starts, np.full(len(grids), chunk_bytes, "<u8")], axis=1)
-            buffer[index_at : end - 4] = index.view(np.uint8).ravel()
-            crc = _checksum.crc32c(buffer[index_at : end - 4])
-            buffer[end - 4 : end] = np.frombuffer(crc.to_bytes(4, "little"), np.uint8)
+            itemsize = shard.data.dtype.itemsize
+            inner, tail, chunk_bytes = _layout(spec.write_shape, spec.chunk_shape, itemsize)
+            buffer[end - len(tail) : end] = tail
+            origin = [a // c for (a, _), c in zip(shard.box, spec.chunk_shape, strict=True)]
             crcs = table.setdefault(shard.name, [])
-            for n, grid in enumerate(grids):
+            for n, grid in enumerate(inner):
                 start = at + n * chunk_bytes
-                crcs.append((grid, _checksum.crc32c(buffer[start : start + chunk_bytes])))
+                crc = _checksum.crc32c(buffer[start : start + chunk_bytes])
+                crcs.append((tuple(o + g for o, g in zip(origin, grid, strict=True)), crc))
         shards = ([s.key for s in self._shards], [b - a for a, b in itertools.pairwise(self._at)])
         data = buffer.tobytes()
         del buffer  # (the staging pool takes it back once no one references it)
@@ -179,6 +177,24 @@ class Packer:
             [(*shards, data), ([_chunk_tables.table_key(self.database)], [len(encoded)], encoded)],
             tsu.OCDBT_CONFIG,
         )
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(
+    write_shape: tuple[int, ...], chunk_shape: tuple[int, ...], itemsize: int
+) -> tuple[list[Grid], np.ndarray, int]:
+    """What every shard of this shape shares: its inner chunks' grid indices within it (C
+    order), its index and the index's CRC32C (the bytes after its values), and a chunk's
+    bytes."""
+    counts = [w // c for w, c in zip(write_shape, chunk_shape, strict=True)]
+    inner = list(itertools.product(*(range(n) for n in counts)))
+    chunk_bytes = math.prod(chunk_shape) * itemsize
+    starts = np.arange(len(inner), dtype="<u8") * chunk_bytes
+    index = np.stack([starts, np.full(len(inner), chunk_bytes, "<u8")], axis=1).view(np.uint8)
+    crc = _checksum.crc32c(index).to_bytes(4, "little")
+    tail = np.concatenate([index.ravel(), np.frombuffer(crc, np.uint8)])
+    tail.flags.writeable = False  # (shared by every shard of this shape)
+    return inner, tail, chunk_bytes
 
 
 def _origin(shard: _Shard) -> Box:
