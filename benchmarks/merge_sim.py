@@ -5,17 +5,17 @@ databases, write the metadata, then read it back and plan a load onto the H host
                                    [--writers 1] [--dir /work] [--keep] [--warm GIB]
 
 No hosts run. For each H, a subprocess writes what the hosts of an H-host save of a 2,000-array
-model leave behind, straight with TensorStore and milepost's own OCDBT settings
-(``workers._tensorstore.OCDBT_CONFIG``): every array is sharded along its first axis over the H
-hosts (a (H, devices-per-host) mesh, ``PartitionSpec("data")``), so each of the H (x writers)
-per-process databases ``ocdbt.process_<p>[.<k>]`` holds its one shard ``c/<p>/0`` of every array
-(and host 0's also every array's ``zarr.json``, as the save asks one host per array to write
-it): 1 KiB of values with the zarr3 shard index and CRC32C after it (1,044 bytes: just above
-``max_inline_value_bytes``, so it lives in a data file like real chunks, not inline in the
-B-tree). Each database ends with its chunk checksum table (the CRC32C of every chunk it holds,
-``workers._chunk_tables``), as the engine writes it. It also pickles each host's ack on its own,
-as a host sends it: its databases' tables, and the arrays whose header it wrote (host 0: every
-array; the others: none), as the engine builds them.
+model leave behind, the way the engine writes it: every array is sharded along its first axis
+over the H hosts (a (H, devices-per-host) mesh, ``PartitionSpec("data")``), so each host holds
+one shard ``c/<p>/0`` of every array, 1 KiB of values (1,044 bytes with the zarr3 shard index
+and its CRC32C). Each host's shards go into its packed database ``ocdbt.process_<p>.p``,
+written by the engine's own packer (``workers.save._packed``: the shards in key order in one
+data file, then the database's chunk checksum table), and host 0's writer databases
+``ocdbt.process_0[.<k>]`` hold every array's ``zarr.json`` (the save asks one host per array to
+write it), with milepost's own OCDBT settings (``workers._tensorstore.OCDBT_CONFIG``). It also
+pickles each host's ack on its own, as a host sends it: its packed database's table, and the
+arrays whose header it wrote (host 0: every array; the others: none), as the engine builds
+them.
 
 Then a second subprocess, the controller, unpickles the H acks (one message each) and times
 what the commit does with them (``_pytree_save.finish_tree`` and ``_checkpoint_save.commit``'s
@@ -55,7 +55,6 @@ import json
 import os
 import pickle
 import shutil
-import struct
 import subprocess
 import sys
 import tempfile
@@ -72,8 +71,8 @@ from milepost import _format as fmt
 from milepost import _format as tree_format
 from milepost import _options, _tree, workers
 from milepost._tree import ValueType
-from milepost.workers import _checksum
 from milepost.workers import _tensorstore as tsu
+from milepost.workers.save import _packed
 
 COLS = 256  # float32: 1 KiB per host per array
 HEADERS_EVERYWHERE = False
@@ -115,39 +114,46 @@ def headers(names: list[str], hosts: int) -> dict[str, bytes]:
     return {name: template for name in names}
 
 
-def shard_value(host: int, k: int) -> tuple[bytes, int]:
-    """The stored shard of host ``host`` of array ``k`` (values, then the shard index and its
-    CRC32C), and the CRC32C of its values."""
-    values = np.full(COLS, host * 10_000 + k, np.float32).tobytes()
-    index = struct.pack("<QQ", 0, len(values))
-    return values + index + struct.pack("<I", _checksum.crc32c(index)), _checksum.crc32c(values)
+def shard_values(host: int, k: int) -> np.ndarray:
+    """Host ``host``'s shard of array ``k``: one row of ``COLS`` float32."""
+    return np.full((1, COLS), host * 10_000 + k, np.float32)
 
 
 def write_process(
-    directory: Path, process: int, writer: int, names: list[str], header: dict[str, bytes]
-) -> list[Any]:
-    """One host's (one writer's) database: the arrays ``names`` of it, in one transaction."""
+    directory: Path,
+    process: int,
+    hosts: int,
+    names: list[str],
+    header: dict[str, bytes],
+    writers: int,
+) -> tuple[list[Any], str]:
+    """One host's databases as the engine leaves them: its shard of every array packed by the
+    engine's own packer (``workers.save._packed``: one database, the shards in key order, then
+    its chunk checksum table), and on host 0 every array's ``zarr.json`` in its writer
+    databases (``names[k::writers]`` in ``ocdbt.process_0[.<k>]``, where TensorStore creates
+    them). What the host reports in its ack, and the packed database's name."""
     store = workers.StoreSpec(directory=str(directory), use_ocdbt=True)
-    kv = ts.KvStore.open(tsu.write_kvstore(store, process, writer)).result()
-    txn = ts.Transaction()
     written = []
-    table: dict[str, list[tuple[tuple[int, ...], int]]] = {}
+    if process == 0 or HEADERS_EVERYWHERE:
+        for writer in range(writers):
+            kv = ts.KvStore.open(tsu.write_kvstore(store, process, writer)).result()
+            txn = ts.Transaction()
+            for name in names[writer::writers]:
+                kv.with_transaction(txn)[f"{name}/zarr.json"] = header[name]
+                written.append(
+                    workers.WrittenArray(name=name, write_shape=(1, COLS), chunk_shape=(1, COLS))
+                )
+            txn.commit_async().result()
+    packer = _packed.Packer(store, tsu.process_dir_name(process))
     for name in names:
         k = int(name[-2:]) + 20 * int(name[13:16])
-        value, crc = shard_value(process, k)
-        if process == 0 or HEADERS_EVERYWHERE:
-            kv.with_transaction(txn)[f"{name}/zarr.json"] = header[name]
-            written.append(
-                workers.WrittenArray(name=name, write_shape=(1, COLS), chunk_shape=(1, COLS))
-            )
-        kv.with_transaction(txn)[f"{name}/c/{process}/0"] = value
-        table[name] = [((process, 0), crc)]
-    database = tsu.process_dir_name(process, writer)
-    kv.with_transaction(txn)[workers.CHUNK_TABLE_PREFIX + database] = workers.encode_chunk_table(
-        database, table
-    )
-    txn.commit_async().result()
-    return written
+        box = ((process, process + 1), (0, COLS))
+        assert packer.add(spec_of(name, hosts), box, shard_values(process, k))
+    buffer = np.empty(packer.layout(), np.uint8)
+    for dst, src in packer.copies(buffer):
+        np.copyto(dst, src)
+    packer.write()
+    return written, packer.database
 
 
 def tree_of(names: list[str]) -> dict[str, Any]:
@@ -177,21 +183,19 @@ def write_hosts(ckpt: Path, hosts: int, n_arrays: int, writers: int) -> None:
     names = array_names(n_arrays)
     header = headers(names, hosts)
     t0 = time.perf_counter()
-    parts = [(p, k, names[k::writers]) for p in range(hosts) for k in range(writers)]
     with ThreadPoolExecutor(8) as pool:
         written = list(
             pool.map(
-                lambda part: write_process(directory, part[0], part[1], part[2], header), parts
+                lambda p: write_process(directory, p, hosts, names, header, writers), range(hosts)
             )
         )
     acks = []
-    for p in range(hosts):
-        mine = [w for (q, _, _), ws in zip(parts, written, strict=True) if q == p for w in ws]
+    for p, (mine, packed) in enumerate(written):
         ack = workers.SaveAck(
             process_index=p,
             bytes_written=n_arrays * 4 * COLS,
             arrays=tuple(mine),
-            chunk_tables=tuple(tsu.process_dir_name(p, k) for k in range(writers)),
+            chunk_tables=(packed,),
         )
         acks.append(pickle.dumps(ack, protocol=pickle.HIGHEST_PROTOCOL))
     (ckpt / "acks.pickle").write_bytes(pickle.dumps(acks, protocol=pickle.HIGHEST_PROTOCOL))
@@ -267,6 +271,7 @@ def controller(ckpt: Path, hosts: int, n_arrays: int, devices_per_host: int) -> 
     del raw
     out["acks_rss_mib"] = (_status_kib("VmRSS") - rss0) / 1024
     databases = len(list(directory.glob("ocdbt.process_*")))
+    tables = len(list(directory.glob("ocdbt.process_*.p")))  # (one per packed database)
     out["databases"] = databases
     sharding = sharding_of(hosts, devices_per_host)
     leaves, _ = _tree.flatten(tree_of(names))
@@ -353,7 +358,7 @@ def controller(ckpt: Path, hosts: int, n_arrays: int, devices_per_host: int) -> 
     out["keys"] = len(keys)
     out["list_secs"] = time.perf_counter() - t0
     # every chunk, every header, and a chunk checksum table per database
-    assert len(keys) == n_arrays * (hosts + 1) + databases, (len(keys), n_arrays, hosts)
+    assert len(keys) == n_arrays * (hosts + 1) + tables, (len(keys), n_arrays, hosts)
     del keys
     k = n_arrays // 2
     array = ts.open(
