@@ -115,6 +115,49 @@ def test_a_leaf_larger_than_the_node_limit_is_split(
     assert version["root_height"] >= 1  # (one leaf asked for, several written)
 
 
+def test_keys_longer_than_the_rows_are_kept_whole_and_sorted_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The merge's rows are as wide as all keys but the longest few (a save's longest keys are
+    its tables'): those are cut in the rows, kept whole apart, and put in their place among
+    keys that share their cut bytes, shorter keys (a key exactly the cut's length) first."""
+    rng = np.random.default_rng(5)
+    every: dict[bytes, bytes] = {}
+    names = []
+    for h in range(4):
+        batch = {f"w/c/{h}/{a}".encode(): rng.bytes(40) for a in range(60)}
+        batch[f".milepost/chunk_crc32c/ocdbt.process_{h}.p".encode()] = rng.bytes(50)
+        batch[f"w/c/{h}/0/and/a/much/longer/name/{h}".encode()] = rng.bytes(30)
+        # cut to the same row, in the databases' order the reverse of the keys'
+        batch[f"w/c/long/{9 - h}/name".encode()] = rng.bytes(30)
+        if h == 3:
+            batch[b"w/c/long"] = rng.bytes(10)  # exactly the cut: before every key it starts
+        if h == 0:
+            batch[b".milepost/chunk_crc32c/ocdb"] = rng.bytes(20)  # a cut key's own length
+            batch[b"zz/the/last/and/longest/key/of/all"] = rng.bytes(20)
+        database(tmp_path / f"ocdbt.process_{h}", [batch])
+        names.append(f"ocdbt.process_{h}")
+        every.update(batch)
+    widths = []
+    real = fmt.rebuild_keys
+
+    def rebuild(*args: object) -> object:
+        widths.append(args[-1])
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_ocdbt_merge, "_LONG_KEYS", 0.1)
+    monkeypatch.setattr(fmt, "rebuild_keys", rebuild)
+    config = {**tsu.ROOT_OCDBT_CONFIG, "max_decoded_node_bytes": 2_000}  # several leaves
+    _ocdbt_merge.write_root(tmp_path, names, config)
+    assert widths == [8], widths  # ("w/c/1/38": the longest keys but the few)
+    kv = ts.KvStore.open(tsu.ocdbt_kvstore(str(tmp_path))).result()
+    assert read_root(tmp_path) == every  # (each key found by its point read: in its place)
+    ranges = [(b".milepost/", b".milepost0"), (b"w/c/0/0", b"w/c/0/1"), (b"w/c/long/7", b"x")]
+    for low, high in ranges:
+        found = kv.list(ts.KvStore.KeyRange(low, high)).result()
+        assert sorted(found) == sorted(k for k in every if low <= k < high), (low, high)
+
+
 @pytest.mark.parametrize("n", [1 << 16, (1 << 16) + 7])
 def test_rows_sorted_in_two_halves_sort_as_numpy_sorts_them(n: int) -> None:
     rng = np.random.default_rng(n)

@@ -378,7 +378,11 @@ class Children:
 
 
 def rebuild_keys(
-    prefix: np.ndarray, suffix: np.ndarray, raw: np.ndarray, pool: Pool | None = None
+    prefix: np.ndarray,
+    suffix: np.ndarray,
+    raw: np.ndarray,
+    pool: Pool | None = None,
+    width: int | None = None,
 ) -> np.ndarray:
     """The keys (NUL-padded rows) of the key columns of one or more leaves one after another:
     each key's own bytes go in place, then each byte it shares with the key before is taken
@@ -388,8 +392,8 @@ def rebuild_keys(
     (which shares nothing) are rebuilt side by side, one per thread (NumPy lets go of the
     GIL)."""
     n = len(prefix)
-    lengths = prefix + suffix
-    width = int(lengths.max()) if n else 0
+    if width is None:  # (else rows of ``width`` bytes: longer keys cut, see long_keys)
+        width = int((prefix + suffix).max()) if n else 0
     keys = np.zeros((n, width), np.uint8)
     raw_at = np.cumsum(suffix) - suffix
     threads = (pool.max_threads or 1) if pool is not None else 1
@@ -403,6 +407,25 @@ def rebuild_keys(
     else:
         pool.map(lambda part: _rebuild(keys, prefix, suffix, raw, raw_at, *part), parts)
     return keys
+
+
+def long_keys(
+    keys: np.ndarray, prefix: np.ndarray, suffix: np.ndarray, raw: np.ndarray
+) -> dict[int, bytes]:
+    """Every key longer than the rows of ``keys`` (:func:`rebuild_keys` with a ``width``), whole,
+    by row. A key shares with the one before at most that one's length: what it shares lies in
+    that one's row, or (past the width) in that one's whole key, made just before."""
+    width = keys.shape[1]
+    rows = np.flatnonzero(prefix + suffix > width)
+    if not len(rows):
+        return {}
+    raw_at = np.cumsum(suffix, dtype=np.int64) - suffix
+    out: dict[int, bytes] = {}
+    for i in rows.tolist():
+        p = int(prefix[i])
+        head = out[i - 1][:p] if p > width else keys[i - 1, :p].tobytes() if p else b""
+        out[i] = head + raw[raw_at[i] : raw_at[i] + suffix[i]].tobytes()
+    return out
 
 
 def _rebuild(
@@ -426,7 +449,11 @@ def _rebuild(
         # each own byte's place: its row's start plus its column (prefix + index within)
         starts = np.arange(lo, hi, dtype=np.int64) * width + p
         at = np.repeat(starts - (np.cumsum(s) - s), s) + np.arange(total)
-        flat[at] = raw[raw_at[lo] : raw_at[lo] + total]
+        own = raw[raw_at[lo] : raw_at[lo] + total]
+        if np.any(p + s > width):  # (keys cut at the width: their bytes past it dropped)
+            within = at - np.repeat(np.arange(lo, hi, dtype=np.int64) * width, s) < width
+            at, own = at[within], own[within]
+        flat[at] = own
         if np.any(p > 0):
             # A row owns its columns from its shared prefix on (past its end: zeros): each
             # byte comes from the nearest row above that owns its column, as a flat index.

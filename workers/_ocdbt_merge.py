@@ -23,7 +23,7 @@ import itertools
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -129,6 +129,8 @@ class _Merged:
     inline_at: np.ndarray
     paths: list[str]  # sorted
     order: np.ndarray
+    long: dict[int, bytes] = field(default_factory=dict)
+    """The keys longer than the rows of ``keys`` (cut there), whole, by row."""
 
 
 def _merge(sources: list[_Source], pool: Pool | None = None) -> _Merged:
@@ -180,7 +182,11 @@ def _merge(sources: list[_Source], pool: Pool | None = None) -> _Merged:
     if at != n:
         raise fmt.FormatError(f"the leaves held {at} entries where their headers said {n}")
     inline = inline[:blob_at]
-    keys = fmt.rebuild_keys(key_prefix, key_suffix, raw, pool)
+    # Rows as wide as all keys but the longest few: at 4,096 hosts x 2,000 arrays the longest
+    # are the hosts' tables' (43 bytes against 29), and every byte of width is 8 MB of rows.
+    width = _width(key_prefix + key_suffix)
+    keys = fmt.rebuild_keys(key_prefix, key_suffix, raw, pool, width)
+    long = fmt.long_keys(keys, key_prefix, key_suffix, raw)
     key_prefix += key_suffix  # (now each key's length)
     del key_suffix, raw
     # Sort the data file table once: each leaf's table is then a sorted subset (prefix-coded).
@@ -188,6 +194,8 @@ def _merge(sources: list[_Source], pool: Pool | None = None) -> _Merged:
     renumber = np.array([paths[p] for p in ordered], np.int64).argsort().astype(np.int32)
     files = np.append(renumber, np.int32(-1))[files]  # (-1, inline, stays -1)
     order = sort_rows(keys.view(f"S{keys.shape[1]}").ravel(), pool)
+    if long:
+        _sort_cut_keys(keys, long, order)
     return _Merged(
         keys=keys,
         key_lengths=key_prefix,
@@ -198,7 +206,41 @@ def _merge(sources: list[_Source], pool: Pool | None = None) -> _Merged:
         inline_at=inline_at,
         paths=ordered,
         order=order,
+        long=long,
     )
+
+
+_LONG_KEYS = 1 / 256
+"""At most this share of the keys may be longer than the merge's rows (and are kept whole
+apart)."""
+
+
+def _width(lengths: np.ndarray) -> int:
+    """The merge's row width: every key's length but those of the longest few."""
+    n = len(lengths)
+    cut = n - 1 - int(n * _LONG_KEYS)
+    return int(np.partition(lengths, cut)[cut]) if n else 0
+
+
+def _sort_cut_keys(keys: np.ndarray, long: dict[int, bytes], order: np.ndarray) -> None:
+    """Put the keys cut at the row width in their place in ``order`` (sorted by rows): each
+    lies in the run of rows equal to its cut one, sorted again here by whole keys."""
+    rows = keys.view(f"S{keys.shape[1]}").ravel()
+    places = np.flatnonzero(np.isin(order, np.fromiter(long, np.int64, len(long))))
+    done = -1
+    for place in places.tolist():
+        if place <= done:
+            continue
+        row = rows[order[place]]
+        lo, hi = place, place + 1
+        while lo > 0 and rows[order[lo - 1]] == row:
+            lo -= 1
+        while hi < len(order) and rows[order[hi]] == row:
+            hi += 1
+        run = order[lo:hi].tolist()
+        run.sort(key=lambda i: (long.get(i) or bytes(rows[i]), i))
+        order[lo:hi] = run
+        done = hi - 1
 
 
 def sort_rows(rows: np.ndarray, pool: Pool | None = None) -> np.ndarray:
@@ -280,6 +322,11 @@ def _leaf(m: _Merged, lo: int, hi: int, level: fmt.Compression) -> tuple[bytes, 
     key_lengths = m.key_lengths[take]
     width = int(key_lengths.max())
     keys = m.keys[take, :width]
+    if width > m.keys.shape[1]:  # (keys longer than the rows: whole from ``m.long``)
+        keys = np.pad(keys, ((0, 0), (0, width - keys.shape[1])))
+        for r in np.flatnonzero(key_lengths > m.keys.shape[1]).tolist():
+            whole = m.long[int(take[r])]
+            keys[r, : len(whole)] = np.frombuffer(whole, np.uint8)
     same = np.flatnonzero(np.all(keys[1:] == keys[:-1], axis=1))
     if len(same):
         key = bytes(keys[same[0], : key_lengths[same[0]]])
