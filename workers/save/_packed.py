@@ -45,7 +45,6 @@ every host); the regions after them are written by TensorStore. The packed datab
 data file written in one request, after every packed shard was copied."""
 
 _BIG_ENDIAN = sys.byteorder != "little"  # (zarr3's bytes are little-endian: not packed here)
-_INDEX_ENTRY = 16  # (offset, length) as two little-endian uint64
 _SUB_BYTE = ("int2", "uint2", "int4", "uint4", "float4_e2m1fn")  # stored packed by TensorStore
 
 
@@ -88,8 +87,7 @@ class Packer:
         if not self._packable(spec, box, data):
             return 0
         count = math.prod((b - a) // w for (a, b), w in zip(box, spec.write_shape, strict=True))
-        chunks = math.prod(w // c for w, c in zip(spec.write_shape, spec.chunk_shape, strict=True))
-        size = data.nbytes + count * (chunks * _INDEX_ENTRY + 4)
+        size = count * _shard_bytes(spec, data.dtype.itemsize)
         if self.nbytes + size > PACK_BUDGET or (room is not None and size > room):
             return 0
         self._specs[spec.name] = spec
@@ -98,7 +96,7 @@ class Packer:
             shard = tuple((s, s + w) for s, w in zip(start, spec.write_shape, strict=True))
             grid = tuple(s // w for s, w in zip(start, spec.write_shape, strict=True))
             within = tuple(slice(s - a, e - a) for (s, e), (a, _) in zip(shard, box, strict=True))
-            key = f"{spec.name}/c" + "".join(f"/{g}" for g in grid)
+            key = _chunk_tables.shard_key(spec.name, grid, spec.write_shape, spec.write_shape)
             self._shards.append(_Shard(key, spec.name, shard, data, within))
         self.nbytes += size
         self.data_bytes += data.nbytes
@@ -122,7 +120,8 @@ class Packer:
     def layout(self) -> int:
         """Lay the shards out in key order; the bytes of the buffer they need."""
         self._shards.sort(key=lambda s: s.key)
-        self._at = [0, *itertools.accumulate(self._size(s) for s in self._shards)]
+        sizes = (_shard_bytes(self._specs[s.name], s.data.dtype.itemsize) for s in self._shards)
+        self._at = [0, *itertools.accumulate(sizes)]
         return self._at[-1]
 
     def copies(self, buffer: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -134,19 +133,14 @@ class Packer:
         for shard, at in zip(self._shards, self._at, strict=False):
             spec = self._specs[shard.name]
             values = shard.data[shard.within]
-            itemsize = values.dtype.itemsize
-            for n, (_, local) in enumerate(_checksum.chunk_boxes(_origin(shard), spec.chunk_shape)):
-                nbytes = math.prod(spec.chunk_shape) * itemsize
-                start = at + n * nbytes
-                dst = buffer[start : start + nbytes].view(values.dtype)
+            inner, _, chunk_bytes = _layout(spec.write_shape, spec.chunk_shape, values.itemsize)
+            for n, grid in enumerate(inner):
+                chunk = zip(grid, spec.chunk_shape, strict=True)
+                local = tuple(slice(g * c, (g + 1) * c) for g, c in chunk)
+                start = at + n * chunk_bytes
+                dst = buffer[start : start + chunk_bytes].view(values.dtype)
                 pairs.append((dst.reshape(spec.chunk_shape), values[local]))
         return pairs
-
-    def _size(self, shard: _Shard) -> int:
-        spec = self._specs[shard.name]
-        chunks = math.prod(w // c for w, c in zip(spec.write_shape, spec.chunk_shape, strict=True))
-        values = math.prod(spec.write_shape) * shard.data.dtype.itemsize
-        return values + chunks * _INDEX_ENTRY + 4
 
     def write(self) -> None:
         """Finish each shard (its index and the index's CRC32C), checksum every chunk, and
@@ -190,6 +184,7 @@ def _layout(
     inner = list(itertools.product(*(range(n) for n in counts)))
     chunk_bytes = math.prod(chunk_shape) * itemsize
     starts = np.arange(len(inner), dtype="<u8") * chunk_bytes
+    # (offset, length) of each chunk, little-endian uint64s
     index = np.stack([starts, np.full(len(inner), chunk_bytes, "<u8")], axis=1).view(np.uint8)
     crc = _checksum.crc32c(index).to_bytes(4, "little")
     tail = np.concatenate([index.ravel(), np.frombuffer(crc, np.uint8)])
@@ -197,6 +192,7 @@ def _layout(
     return inner, tail, chunk_bytes
 
 
-def _origin(shard: _Shard) -> Box:
-    """The shard's box moved to the origin (its chunks' slices within it)."""
-    return tuple((0, b - a) for a, b in shard.box)
+def _shard_bytes(spec: ArraySpec, itemsize: int) -> int:
+    """The stored bytes of one shard of ``spec``: its values, its index and the index's CRC32C."""
+    _, tail, _ = _layout(spec.write_shape, spec.chunk_shape, itemsize)
+    return math.prod(spec.write_shape) * itemsize + len(tail)

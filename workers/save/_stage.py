@@ -211,11 +211,13 @@ def _issue_writes(
             )
         return written.commit, pending.checksum(spec, box, data, opening.database)
 
+    packed_size = packer.layout() if packer is not None and packer.nbytes else 0
+    if copies or packed_size:  # (the pool keeps only what this save's buffers will reuse)
+        sizes = [data.nbytes for _, data in copies]
+        _staging.POOL.keep_only([*sizes, packed_size] if packed_size else sizes)
     packed: list[tuple[np.ndarray, np.ndarray]] = []
-    if packer is not None and packer.nbytes:
-        size = packer.layout()
-        _staging.POOL.keep_only([size, *(data.nbytes for _, data in copies)])
-        buffer, raw = _staging.POOL.take((size,), np.dtype(np.uint8))
+    if packer is not None and packed_size:
+        buffer, raw = _staging.POOL.take((packed_size,), np.dtype(np.uint8))
         pending.hold(raw)
         packed = packer.copies(buffer)
         del buffer
@@ -234,8 +236,6 @@ def _issue_writes(
     if copies:
         # Our own copies in aligned memory: TensorStore then references them until the writes
         # are durable instead of copying again, and the caller's arrays are free.
-        if not packed:  # (else done above)
-            _staging.POOL.keep_only([data.nbytes for _, data in copies])
         staged: list[_Write] = []
         for (store, box, data, spec), _ in copies:
             buffer, raw = _staging.POOL.take(data.shape, data.dtype)
