@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import milepost as mp
 from milepost.workers import _ocdbt_format as fmt
-from milepost.workers import _ocdbt_merge
+from milepost.workers import _ocdbt_keys, _ocdbt_merge
 from milepost.workers import _tensorstore as tsu
 from milepost.workers._errors import CorruptCheckpointError
 from milepost.workers._runtime import RUNTIME
@@ -139,14 +139,14 @@ def test_keys_longer_than_the_rows_are_kept_whole_and_sorted_in_place(
         names.append(f"ocdbt.process_{h}")
         every.update(batch)
     widths = []
-    real = fmt.rebuild_keys
+    real = _ocdbt_keys.rebuild_keys
 
     def rebuild(*args: object) -> object:
         widths.append(args[-1])
         return real(*args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(_ocdbt_merge, "_LONG_KEYS", 0.1)
-    monkeypatch.setattr(fmt, "rebuild_keys", rebuild)
+    monkeypatch.setattr(_ocdbt_merge, "rebuild_keys", rebuild)
     config = {**tsu.ROOT_OCDBT_CONFIG, "max_decoded_node_bytes": 2_000}  # several leaves
     _ocdbt_merge.write_root(tmp_path, names, config)
     assert widths == [8], widths  # ("w/c/1/38": the longest keys but the few)

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from milepost.workers import _ocdbt_format as fmt
+from milepost.workers._ocdbt_keys import rebuild_keys
 from milepost.workers._runtime import RUNTIME
 from milepost.workers._ts_internals import OutsideError, leads_out
 
@@ -224,7 +225,7 @@ def _match(
     indirect = np.flatnonzero(entries.files >= 0)
     if not len(indirect):
         return None
-    keys = fmt.rebuild_keys(entries.key_prefix, entries.key_suffix, entries.key_bytes)
+    keys = rebuild_keys(entries.key_prefix, entries.key_suffix, entries.key_bytes)
     keys = keys[indirect]
     if prefix:
         head = np.broadcast_to(np.frombuffer(prefix, np.uint8), (len(keys), len(prefix)))

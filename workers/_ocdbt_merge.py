@@ -32,6 +32,7 @@ import zstandard
 
 from milepost.workers import _ocdbt_format as fmt
 from milepost.workers._errors import CorruptCheckpointError
+from milepost.workers._ocdbt_keys import long_keys, padded, rebuild_keys
 from milepost.workers._paths import context_for, kvstore
 from milepost.workers._runtime import RUNTIME, Pool
 from milepost.workers._ts_internals import leads_out
@@ -185,8 +186,8 @@ def _merge(sources: list[_Source], pool: Pool | None = None) -> _Merged:
     # Rows as wide as all keys but the longest few: at 4,096 hosts x 2,000 arrays the longest
     # are the hosts' tables' (43 bytes against 29), and every byte of width is 8 MB of rows.
     width = _width(key_prefix + key_suffix)
-    keys = fmt.rebuild_keys(key_prefix, key_suffix, raw, pool, width)
-    long = fmt.long_keys(keys, key_prefix, key_suffix, raw)
+    keys = rebuild_keys(key_prefix, key_suffix, raw, pool, width)
+    long = long_keys(keys, key_prefix, key_suffix, raw)
     key_prefix += key_suffix  # (now each key's length)
     del key_suffix, raw
     # Sort the data file table once: each leaf's table is then a sorted subset (prefix-coded).
@@ -391,7 +392,7 @@ def write_database(
             raise ValueError(f"{len(keys)} values of {sum(lengths)} bytes, in {len(data)} bytes")
     kv = ts.KvStore.open(kvstore(directory), context=context_for(directory)).result()
     names = sorted(f"d/{os.urandom(16).hex()}" for _ in files)  # (a leaf's table is sorted)
-    rows, key_lengths = fmt.padded([k.encode() for keys, _, _ in files for k in keys])
+    rows, key_lengths = padded([k.encode() for keys, _, _ in files for k in keys])
     sizes = [np.array(lengths, np.uint64) for _, lengths, _ in files]
     merged = _Merged(
         keys=rows,
