@@ -409,8 +409,14 @@ def write_database(
     nodes, root, height, stats = _tree(merged, config, nodes_file, None)
     written = [kv.write(n, data) for n, (_, _, data) in zip(names, files, strict=True)]
     written.append(kv.write(nodes_file, nodes))
-    for future in written:
-        future.result()
+    failed = []
+    for future in written:  # (every write settled before one's failure is raised: none lands late)
+        try:
+            future.result()
+        except Exception as e:
+            failed.append(e)
+    if failed:
+        raise failed[0]
     kv.write("manifest.ocdbt", _manifest(config, root, height, stats)).result()
 
 
