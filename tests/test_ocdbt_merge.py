@@ -170,6 +170,39 @@ def test_rows_sorted_in_two_halves_sort_as_numpy_sorts_them(n: int) -> None:
     assert np.array_equal(got, np.argsort(view, kind="stable"))
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("width", [None, 6])
+def test_prefix_coded_keys_rebuild_as_written(threads: int, width: int | None) -> None:
+    rng = np.random.default_rng(threads * 10 + (width or 0))
+    # several leaves' worth of sorted keys from a small alphabet: shared prefixes of every
+    # length, keys that are prefixes of the next, runs longer than a rebuild block
+    leaves = []
+    for size in [1, 9000, 3, 20000, 700]:
+        words = {bytes(rng.integers(97, 100, rng.integers(1, 12), np.uint8)) for _ in range(size)}
+        leaves.append(sorted(words))
+    keys = [k for leaf in leaves for k in leaf]
+    prefix, suffix, raw = [], [], bytearray()
+    for leaf in leaves:
+        for i, k in enumerate(leaf):
+            before = leaf[i - 1] if i else b""
+            pairs = enumerate(zip(before, k, strict=False))
+            shared = next((j for j, (x, y) in pairs if x != y), min(len(before), len(k)))
+            prefix.append(shared)
+            suffix.append(len(k) - shared)
+            raw += k[shared:]
+    with RUNTIME.scoped("test-rebuild", threads) as pool:
+        rows = _ocdbt_keys.rebuild_keys(
+            np.array(prefix, np.int32),
+            np.array(suffix, np.int32),
+            np.frombuffer(bytes(raw), np.uint8),
+            pool,
+            width,
+        )
+    cut = width or max(map(len, keys))
+    assert rows.shape == (len(keys), cut)
+    assert [bytes(r).rstrip(b"\0") for r in rows] == [k[:cut] for k in keys]
+
+
 def test_uleb128_columns_round_trip() -> None:
     values = np.array([0, 1, 127, 128, 300, 2**32 - 1, 2**32, 2**63 - 1, 2**64 - 1], np.uint64)
     encoded = fmt.encode_varints(values)
