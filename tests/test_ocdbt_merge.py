@@ -212,6 +212,19 @@ def test_uleb128_columns_round_trip() -> None:
     assert got.tolist() == values.tolist() and end == 2 + len(encoded)
     with pytest.raises(fmt.FormatError, match="runs past the end"):
         fmt.read_varints(encoded[:-1], 0, len(values))
+    with pytest.raises(fmt.FormatError, match="longer than 10 bytes"):
+        fmt.read_varints(np.array([0x80] * 10 + [1], np.uint8), 0, 1)
+    # columns of numbers of every size mixed, as one at a time writes them
+    rng = np.random.default_rng(7)
+    for n in [1, 2, 5, 300]:
+        bits = rng.integers(0, 64, n)
+        column = (rng.integers(0, 2**63, n, dtype=np.uint64) * 2 + 1) >> bits.astype(np.uint64)
+        column[rng.random(n) < 0.2] = 0
+        one_at_a_time = b"".join(fmt.varint(int(v)) for v in column)
+        assert fmt.encode_varints(column).tobytes() == one_at_a_time
+        assert int(fmt.varint_sizes(column).sum()) == len(one_at_a_time)
+        got, end = fmt.read_varints(np.frombuffer(one_at_a_time + b"\xff\x01", np.uint8), 0, n)
+        assert got.tolist() == column.tolist() and end == len(one_at_a_time)
 
 
 def test_a_key_in_two_databases_falls_back_to_tensorstore_with_nothing_written(

@@ -75,51 +75,67 @@ class _Cursor:
 
 def read_varints(buf: np.ndarray, pos: int, count: int) -> tuple[np.ndarray, int]:
     """``count`` uleb128 numbers starting at ``buf[pos]`` (uint8), as uint64, and the position
-    after them."""
+    after them. Each number's 7-bit groups are shifted into place and the groups of a number
+    summed, all at once (no pass per byte of the longest number)."""
     if count == 0:
         return np.zeros(0, np.uint64), pos
-    window = buf[pos : pos + 10 * count]
-    ends = np.flatnonzero(window < 0x80)[:count]
+    # (the columns of a node are mostly numbers of 1-3 bytes: their ends are found in a
+    # window that long first, not in the 10 bytes a number may take)
+    window = buf[pos : pos + 3 * count + 8]
+    ends = np.flatnonzero(window < 0x80)
     if len(ends) < count:
-        raise FormatError("a column of uleb128 numbers runs past the end")
+        window = buf[pos : pos + 10 * count]
+        ends = np.flatnonzero(window < 0x80)
+        if len(ends) < count:
+            raise FormatError("a column of uleb128 numbers runs past the end")
+    ends = ends[:count]
+    size = int(ends[-1]) + 1
+    if size == count:  # (every number one byte)
+        return window[:count].astype(np.uint64), pos + count
     starts = np.empty_like(ends)
     starts[0] = 0
     starts[1:] = ends[:-1] + 1
     lengths = ends - starts + 1
     if lengths.max() > 10:
         raise FormatError("a uleb128 number longer than 10 bytes")
-    values = np.zeros(count, np.uint64)
-    for k in range(int(lengths.max())):
-        has = lengths > k
-        part = (window[starts[has] + k] & 0x7F).astype(np.uint64)
-        values[has] |= part << np.uint64(7 * k)
-    return values, pos + int(ends[-1]) + 1
+    shifts = np.arange(size, dtype=np.uint64)
+    shifts -= np.repeat(starts, lengths).astype(np.uint64)  # (each byte's place in its number)
+    shifts *= np.uint64(7)
+    parts = (window[:size] & 0x7F).astype(np.uint64)
+    parts <<= shifts
+    return np.add.reduceat(parts, starts), pos + size
 
 
 def varint_sizes(values: np.ndarray) -> np.ndarray:
     """How many bytes the uleb128 of each number in ``values`` takes."""
     values = np.asarray(values, dtype=np.uint64)
     sizes = np.ones(values.shape, np.int32)
+    top = int(values.max()) if values.size else 0
     for k in range(1, 10):
+        if top < 1 << (7 * k):  # (no pass for bytes no number has)
+            break
         sizes += values >= np.uint64(1 << (7 * k))
     return sizes
 
 
 def encode_varints(values: np.ndarray) -> np.ndarray:
-    """The uleb128 bytes of every number in ``values``, one after another."""
+    """The uleb128 bytes of every number in ``values``, one after another: a row of every
+    number's k-th 7-bit group for each k, its high bit set where the number goes on, and
+    the rows read number by number, each as far as its size."""
     values = np.asarray(values, dtype=np.uint64)
     if values.size == 0:
         return np.zeros(0, np.uint8)
     sizes = varint_sizes(values)
-    ends = np.cumsum(sizes)
-    starts = ends - sizes
-    out = np.empty(int(ends[-1]), np.uint8)
-    for k in range(int(sizes.max())):
-        has = sizes > k
-        byte = (values[has] >> np.uint64(7 * k)) & np.uint64(0x7F)
-        more = np.where(sizes[has] > k + 1, 0x80, 0).astype(np.uint64)
-        out[starts[has] + k] = (byte | more).astype(np.uint8)
-    return out
+    width = int(sizes.max())
+    if width == 1:
+        return values.astype(np.uint8)
+    groups = np.empty((width, len(values)), np.uint8)
+    kept = np.empty((width, len(values)), bool)
+    for k in range(width):
+        np.bitwise_and(values >> np.uint64(7 * k), 0x7F, out=groups[k], casting="unsafe")
+        np.greater(sizes, k, out=kept[k])
+    groups[:-1] |= kept[1:].view(np.uint8) << 7
+    return groups.T[kept.T]
 
 
 def varint(value: int) -> bytes:
