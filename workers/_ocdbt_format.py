@@ -490,16 +490,22 @@ def encode_leaf(
     inline: bytes,
     paths: list[str],
     level: Compression,
+    prefix: np.ndarray | None = None,
 ) -> tuple[bytes, int]:
-    """A leaf node of sorted, distinct ``keys`` (NUL-padded rows): ``files`` index ``paths``
-    (the node's data file table), -1 for the inline values, which ``inline`` holds in order; and
-    its decoded size."""
-    n = len(keys)
-    prefix = shared_prefixes(keys, key_lengths)
-    starts = np.concatenate([[0], prefix]).astype(np.int64)
+    """A leaf node of sorted, distinct ``keys`` (NUL-padded rows, C order): ``files`` index
+    ``paths`` (the node's data file table), -1 for the inline values, which ``inline`` holds in
+    order; and its decoded size. ``prefix``: how many bytes each key shares with the next, if
+    the caller has it (:func:`~._ocdbt_keys.shared_prefixes`)."""
+    n, width = keys.shape
+    if prefix is None:
+        prefix = shared_prefixes(keys, key_lengths)
+    starts = np.zeros(n, np.int64)
+    starts[1:] = prefix
     suffix = key_lengths - starts
-    col = np.arange(keys.shape[1])
-    mine = (col[None, :] >= starts[:, None]) & (col[None, :] < key_lengths[:, None])
+    # each key's own bytes (after what it shares), as places in the rows, one after another
+    first = np.arange(0, n * width, width, dtype=np.int64) + starts
+    own = np.repeat(first - (np.cumsum(suffix) - suffix), suffix)
+    own += np.arange(len(own))
     indirect = files >= 0
     body = [
         bytes([0]),
@@ -507,7 +513,7 @@ def encode_leaf(
         varint(n),
         encode_varints(prefix).tobytes(),
         encode_varints(suffix).tobytes(),
-        keys[mine].tobytes(),
+        np.ascontiguousarray(keys).reshape(-1)[own].tobytes(),
         encode_varints(lengths).tobytes(),
         indirect.astype(np.uint8).tobytes(),
         encode_varints(files[indirect]).tobytes(),

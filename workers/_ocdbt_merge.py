@@ -32,7 +32,7 @@ import zstandard
 
 from milepost.workers import _ocdbt_format as fmt
 from milepost.workers._errors import CorruptCheckpointError
-from milepost.workers._ocdbt_keys import long_keys, padded, rebuild_keys
+from milepost.workers._ocdbt_keys import long_keys, padded, rebuild_keys, shared_prefixes
 from milepost.workers._paths import context_for, kvstore
 from milepost.workers._runtime import RUNTIME, Pool
 from milepost.workers._ts_internals import leads_out
@@ -219,8 +219,10 @@ apart)."""
 def _width(lengths: np.ndarray) -> int:
     """The merge's row width: every key's length but those of the longest few."""
     n = len(lengths)
-    cut = n - 1 - int(n * _LONG_KEYS)
-    return int(np.partition(lengths, cut)[cut]) if n else 0
+    if not n:
+        return 0
+    cut = n - 1 - int(n * _LONG_KEYS)  # (the cut-th shortest key's length: keys are < 64 KiB)
+    return int(np.searchsorted(np.cumsum(np.bincount(lengths)), cut, side="right"))
 
 
 def _sort_cut_keys(keys: np.ndarray, long: dict[int, bytes], order: np.ndarray) -> None:
@@ -328,15 +330,16 @@ def _leaf(m: _Merged, lo: int, hi: int, level: fmt.Compression) -> tuple[bytes, 
         for r in np.flatnonzero(key_lengths > m.keys.shape[1]).tolist():
             whole = m.long[int(take[r])]
             keys[r, : len(whole)] = np.frombuffer(whole, np.uint8)
-    same = np.flatnonzero(np.all(keys[1:] == keys[:-1], axis=1))
+    shared = shared_prefixes(keys, key_lengths)
+    same = np.flatnonzero((shared == key_lengths[1:]) & (key_lengths[1:] == key_lengths[:-1]))
     if len(same):
         key = bytes(keys[same[0], : key_lengths[same[0]]])
         raise fmt.FormatError(f"the key {key!r} is in more than one database")
     if lo > 0:
-        take, keys, key_lengths = take[1:], keys[1:], key_lengths[1:]
+        take, keys, key_lengths, shared = take[1:], keys[1:], key_lengths[1:], shared[1:]
     files = m.files[take]
     lengths = m.lengths[take]
-    used = np.unique(files[files >= 0])
+    used = np.flatnonzero(np.bincount(files[files >= 0], minlength=len(m.paths)))
     local = np.full(len(m.paths) + 1, -1, np.int64)
     local[used] = np.arange(len(used))
     inline = b""
@@ -355,6 +358,7 @@ def _leaf(m: _Merged, lo: int, hi: int, level: fmt.Compression) -> tuple[bytes, 
         inline,
         [m.paths[i] for i in used.tolist()],
         level,
+        shared,
     )
     return node, bytes(keys[0, : key_lengths[0]]), decoded
 
