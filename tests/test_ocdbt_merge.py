@@ -115,6 +115,35 @@ def test_a_leaf_larger_than_the_node_limit_is_split(
     assert version["root_height"] >= 1  # (one leaf asked for, several written)
 
 
+def test_root_leaves_stay_near_a_mebibyte_and_a_written_database_names_its_files_short(
+    tmp_path: Path,
+) -> None:
+    """Every read through the root (TensorStore's, Orbax's) decodes a whole leaf: the root's
+    leaves are ~1 MiB decoded (8x the data file table they repeat, when that is larger), while
+    a host's database, read whole by the merge only, is one leaf; its data files are named by
+    one short token, so each root leaf's table stays small."""
+    names = [f"ocdbt.process_{p}.p" for p in range(4)]
+    for p, name in enumerate(names):
+        keys = [f"a{k:05d}/c/{p}/0" for k in range(40_000)]
+        data = b"".join(k.to_bytes(4, "little") for k in range(40_000))
+        _ocdbt_merge.write_database(
+            tmp_path / name, [(keys, [4] * len(keys), data)], {**tsu.OCDBT_CONFIG}
+        )
+        (data_file, _) = sorted(p.name for p in (tmp_path / name / "d").iterdir())
+        assert len(data_file) == len("0123abcd.0000")
+    _ocdbt_merge.write_root(tmp_path, names, tsu.ROOT_OCDBT_CONFIG)
+    kv = ts.KvStore.open(f"file://{tmp_path}/").result()
+    hosts = _ocdbt_merge._load_sources(kv, names)
+    assert [len(h.leaves) for h in hosts] == [1, 1, 1, 1]
+    (root,) = _ocdbt_merge._load_sources(
+        ts.KvStore.open(f"file://{tmp_path.parent}/").result(), [tmp_path.name]
+    )
+    sizes = [leaf.size for leaf in root.leaves]
+    assert len(sizes) >= 2 and max(sizes) < 1.25 * 2**20, sizes
+    view = ts.KvStore.open(tsu.ocdbt_kvstore(str(tmp_path))).result()
+    assert view.read("a31415/c/2/0").result().value == (31415).to_bytes(4, "little")
+
+
 def test_keys_longer_than_the_rows_are_kept_whole_and_sorted_in_place(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

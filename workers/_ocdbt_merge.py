@@ -376,7 +376,8 @@ def write_root(directory: Any, children: list[str], config: dict[str, Any]) -> N
     with RUNTIME.scoped("merge", _THREADS) as pool:
         merged = _merge(_load_sources(kv, children), pool)
         data_file = f"d/{os.urandom(16).hex()}"
-        data, root, height, stats = _tree(merged, config, data_file, pool)
+        leaf_bytes = _leaf_bytes(merged.paths, int(config["max_decoded_node_bytes"]))
+        data, root, height, stats = _tree(merged, config, data_file, pool, leaf_bytes)
     kv.write(data_file, data).result()
     kv.write("manifest.ocdbt", _manifest(config, root, height, stats)).result()
 
@@ -394,8 +395,15 @@ def write_database(
     for keys, lengths, data in files:
         if not keys or sum(lengths) != len(data):
             raise ValueError(f"{len(keys)} values of {sum(lengths)} bytes, in {len(data)} bytes")
+    if len(files) > 9999:
+        raise ValueError(f"{len(files)} data files in one database; at most 9,999")
     kv = ts.KvStore.open(kvstore(directory), context=context_for(directory)).result()
-    names = sorted(f"d/{os.urandom(16).hex()}" for _ in files)  # (a leaf's table is sorted)
+    # A write's files share one random token, and their names are short: a root view over
+    # these databases names in each of its leaves every data file the leaf's values are in
+    # (at 4,096 hosts, every host's), and names of 32 random hex digits (TensorStore's) were
+    # two thirds of its bytes (1.59 MB, against 0.58 MB with these, same databases).
+    token = os.urandom(4).hex()
+    names = [f"d/{token}.{k:04d}" for k in range(len(files))]  # (sorted: a leaf's table is)
     rows, key_lengths = padded([k.encode() for keys, _, _ in files for k in keys])
     sizes = [np.array(lengths, np.uint64) for _, lengths, _ in files]
     merged = _Merged(
@@ -409,7 +417,9 @@ def write_database(
         paths=names,
         order=sort_rows(rows.view(f"S{rows.shape[1]}").ravel()),
     )
-    nodes_file = f"d/{os.urandom(16).hex()}"
+    nodes_file = f"d/{token}.n"
+    # (as large leaves as the configuration allows: a host's database is read whole, by the
+    # commit's merge, never key by key)
     nodes, root, height, stats = _tree(merged, config, nodes_file, None)
     written = [kv.write(n, data) for n, (_, _, data) in zip(names, files, strict=True)]
     written.append(kv.write(nodes_file, nodes))
@@ -444,19 +454,31 @@ def _manifest(
     )
 
 
+def _leaf_bytes(paths: list[str], limit: int) -> int:
+    """How large (decoded) the leaves of a B-tree over values in ``paths`` are made: eight
+    times the data file table a leaf may repeat, at least 1 MiB and at most 3/4 of ``limit``.
+    A read through the tree (TensorStore's, Orbax's) decodes a whole leaf: at 4,096 hosts x
+    2,000 arrays (packed), 2,000 header reads take 1.49 / 0.92 / 0.54 / 0.46 s with leaves of
+    6 / 3 / 1.5 / 1 MiB; but each leaf names every data file its values are in, and smaller
+    leaves repeat that table more often: the root 0.58 / 1.18 / 2.54 / 3.76 MB
+    (docs/performance.md)."""
+    table = sum(len(p) for p in paths)
+    return min(limit * 3 // 4, max(1 << 20, 8 * table))
+
+
 def _tree(
-    merged: _Merged, config: dict[str, Any], data_file: str, pool: Pool | None
+    merged: _Merged,
+    config: dict[str, Any],
+    data_file: str,
+    pool: Pool | None,
+    leaf_bytes: int = 0,
 ) -> tuple[bytes, fmt.Ref, int, tuple[int, int, int]]:
     """A B-tree of ``merged`` as one data file's bytes (leaves, then the interior nodes above
     them), its root node's place and height, and its statistics (``pool``: None, encoded on
-    this thread)."""
+    this thread; ``leaf_bytes``: the leaves' decoded size, 0: 3/4 of the configuration's
+    limit)."""
     limit = int(config["max_decoded_node_bytes"])
-    # Leaves of ~6 MB decoded (of the 8 MB the root's configuration allows): each leaf names
-    # every data file its values are in (at 4,096 hosts, 4,096 random names, 81 KB), so
-    # larger leaves mean a smaller root, but every header read through the root decodes its
-    # leaf. At 4,096 hosts x 2,000 arrays, 2 / 4 / 6 / 8 MB leaves: root 21.9 / 18.8 / 17.8 /
-    # 17.4 MB, 2,000 header reads 0.33 / 0.59 / 0.8 / 1.2 s (docs/performance.md).
-    spans = list(itertools.pairwise(_cuts(merged, limit * 3 // 4)))
+    spans = list(itertools.pairwise(_cuts(merged, leaf_bytes or limit * 3 // 4)))
 
     def encode(span: tuple[int, int]) -> tuple[bytes, bytes, int]:
         return _leaf(merged, span[0], span[1], ZSTD)
