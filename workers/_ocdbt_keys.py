@@ -46,18 +46,36 @@ def rebuild_keys(
     if width is None:  # (else rows of ``width`` bytes: longer keys cut, see long_keys)
         width = int((prefix + suffix).max()) if n else 0
     keys = np.zeros((n, width), np.uint8)
-    raw_at = np.cumsum(suffix) - suffix
     threads = (pool.max_threads or 1) if pool is not None else 1
     firsts = np.flatnonzero(prefix == 0)
     nearest = np.searchsorted(firsts, np.arange(1, threads) * n // threads)
     cuts = sorted({0, n, *firsts[nearest[nearest < len(firsts)]].tolist()})
-    parts = list(itertools.pairwise(cuts))
+    parts = [
+        (lo, hi, at)
+        for (lo, hi), at in zip(
+            itertools.pairwise(cuts), raw_starts(suffix, np.array(cuts[:-1])).tolist(), strict=True
+        )
+    ]
     if pool is None or len(parts) == 1:
-        for lo, hi in parts:
-            _rebuild(keys, prefix, suffix, raw, raw_at, lo, hi)
+        for part in parts:
+            _rebuild(keys, prefix, suffix, raw, *part)
     else:
-        pool.map(lambda part: _rebuild(keys, prefix, suffix, raw, raw_at, *part), parts)
+        pool.map(lambda part: _rebuild(keys, prefix, suffix, raw, *part), parts)
     return keys
+
+
+def raw_starts(suffix: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Where the own bytes of each of ``rows`` (increasing) start in the key bytes column: the
+    sum of the suffix lengths before it, without a column of sums as long as the keys (at 8 M
+    keys, 64 MB of fresh memory for a few offsets)."""
+    if not len(rows):
+        return np.zeros(0, np.int64)
+    between = np.add.reduceat(suffix, rows, dtype=np.int64)  # (rows[k] up to rows[k + 1])
+    out = np.empty(len(rows), np.int64)
+    out[0] = int(suffix[: rows[0]].sum(dtype=np.int64))
+    np.cumsum(between[:-1], out=out[1:])
+    out[1:] += out[0]
+    return out
 
 
 def long_keys(
@@ -70,12 +88,11 @@ def long_keys(
     rows = np.flatnonzero(prefix + suffix > width)
     if not len(rows):
         return {}
-    raw_at = np.cumsum(suffix, dtype=np.int64) - suffix
     out: dict[int, bytes] = {}
-    for i in rows.tolist():
+    for i, at in zip(rows.tolist(), raw_starts(suffix, rows).tolist(), strict=True):
         p = int(prefix[i])
         head = out[i - 1][:p] if p > width else keys[i - 1, :p].tobytes() if p else b""
-        out[i] = head + raw[raw_at[i] : raw_at[i] + suffix[i]].tobytes()
+        out[i] = head + raw[at : at + suffix[i]].tobytes()
     return out
 
 
@@ -84,11 +101,12 @@ def _rebuild(
     prefix: np.ndarray,
     suffix: np.ndarray,
     raw: np.ndarray,
-    raw_at: np.ndarray,
     start: int,
     end: int,
+    raw_at: int,
 ) -> None:
-    """Rows ``start`` to ``end`` of :func:`rebuild_keys` (``start``: a key that shares nothing)."""
+    """Rows ``start`` to ``end`` of :func:`rebuild_keys` (``start``: a key that shares nothing,
+    whose own bytes are at ``raw_at`` in ``raw``)."""
     width = keys.shape[1]
     flat = keys.reshape(-1)
     block = 1 << 13  # (a block's index vector stays in cache)
@@ -99,7 +117,8 @@ def _rebuild(
         # each own byte's place: its row's start plus its column (prefix + index within)
         starts = np.arange(lo, hi, dtype=np.int64) * width + p
         at = np.repeat(starts - (np.cumsum(s) - s), s) + np.arange(total)
-        own = raw[raw_at[lo] : raw_at[lo] + total]
+        own = raw[raw_at : raw_at + total]
+        raw_at += total
         if np.any(p + s > width):  # (keys cut at the width: their bytes past it dropped)
             within = at - np.repeat(np.arange(lo, hi, dtype=np.int64) * width, s) < width
             at, own = at[within], own[within]
@@ -108,13 +127,19 @@ def _rebuild(
     # it is the one of the nearest row above that owns it. Between two of the shared prefix
     # lengths that occur, a and the next, every column has the same owners (the nearest row
     # whose prefix is at most a): one slab of columns is copied per length (a handful, as
-    # keys share their leading path parts), not one index per byte.
-    rows, p = keys[start:end], prefix[start:end]
-    near = np.arange(end - start, dtype=np.int32 if end - start < 1 << 31 else np.int64)
-    lengths = np.unique(p).tolist()
-    for a, b in zip(lengths, [*lengths[1:], width], strict=True):
-        if a >= width:
-            break
-        owner = np.where(p <= a, near, 0)
-        np.maximum.accumulate(owner, out=owner)
-        rows[:, a : min(b, width)] = rows[owner, a : min(b, width)]
+    # keys share their leading path parts), not one index per byte; in blocks of rows, whose
+    # temporaries stay in cache, each level's owner carried from the block before.
+    lengths = np.unique(prefix[start:end]).tolist()
+    levels = [(a, min(b, width)) for a, b in zip(lengths, [*lengths[1:], width], strict=True)]
+    levels = [(a, b) for a, b in levels if a < b]
+    owners = [start] * len(levels)  # (row ``start`` shares nothing: it owns every column)
+    block = 1 << 16
+    for lo in range(start, end, block):
+        hi = min(end, lo + block)
+        p = prefix[lo:hi]
+        near = np.arange(lo, hi, dtype=np.int64)
+        for j, (a, b) in enumerate(levels):
+            owner = np.where(p <= a, near, owners[j])
+            np.maximum.accumulate(owner, out=owner)
+            owners[j] = int(owner[-1])
+            keys[lo:hi, a:b] = keys[owner, a:b]

@@ -185,7 +185,7 @@ def _merge(sources: list[_Source], pool: Pool | None = None) -> _Merged:
     inline = inline[:blob_at]
     # Rows as wide as all keys but the longest few: at 4,096 hosts x 2,000 arrays the longest
     # are the hosts' tables' (43 bytes against 29), and every byte of width is 8 MB of rows.
-    width = _width(key_prefix + key_suffix)
+    width = _width(key_prefix, key_suffix)
     keys = rebuild_keys(key_prefix, key_suffix, raw, pool, width)
     long = long_keys(keys, key_prefix, key_suffix, raw)
     key_prefix += key_suffix  # (now each key's length)
@@ -216,20 +216,28 @@ _LONG_KEYS = 1 / 256
 apart)."""
 
 
-def _width(lengths: np.ndarray) -> int:
-    """The merge's row width: every key's length but those of the longest few."""
-    n = len(lengths)
+def _width(prefix: np.ndarray, suffix: np.ndarray) -> int:
+    """The merge's row width: every key's length (``prefix + suffix``) but those of the
+    longest few. (A histogram of the lengths, in blocks: no column of them as long as the keys.)"""
+    n = len(prefix)
     if not n:
         return 0
-    cut = n - 1 - int(n * _LONG_KEYS)  # (the cut-th shortest key's length: keys are < 64 KiB)
-    return int(np.searchsorted(np.cumsum(np.bincount(lengths)), cut, side="right"))
+    counts = np.zeros(1 << 16, np.int64)  # (keys are shorter than 64 KiB)
+    for lo in range(0, n, 1 << 20):
+        counts += np.bincount(
+            prefix[lo : lo + (1 << 20)] + suffix[lo : lo + (1 << 20)], None, 1 << 16
+        )
+    cut = n - 1 - int(n * _LONG_KEYS)  # (the cut-th shortest key's length)
+    return int(np.searchsorted(np.cumsum(counts), cut, side="right"))
 
 
 def _sort_cut_keys(keys: np.ndarray, long: dict[int, bytes], order: np.ndarray) -> None:
     """Put the keys cut at the row width in their place in ``order`` (sorted by rows): each
     lies in the run of rows equal to its cut one, sorted again here by whole keys."""
     rows = keys.view(f"S{keys.shape[1]}").ravel()
-    places = np.flatnonzero(np.isin(order, np.fromiter(long, np.int64, len(long))))
+    cut = np.zeros(len(order), bool)
+    cut[np.fromiter(long, np.int64, len(long))] = True
+    places = np.flatnonzero(cut[order])
     done = -1
     for place in places.tolist():
         if place <= done:

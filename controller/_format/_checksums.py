@@ -111,11 +111,33 @@ def read_json_object(path: Path | ObjectPath, what: str) -> dict[str, Any]:
     return value
 
 
-def _is_array_data(folder: Path) -> bool:
-    """A folder of array chunks: an OCDBT database's ``d/``, or a plain zarr3 array's ``c/``."""
-    return (folder.name == "d" and (folder.parent / OCDBT_MANIFEST).exists()) or (
-        folder.name == "c" and (folder.parent / "zarr.json").exists()
-    )
+def _is_array_data(name: str, siblings: set[str]) -> bool:
+    """A folder ``name`` of array chunks, among ``siblings`` (the names in its parent): an
+    OCDBT database's ``d/``, or a plain zarr3 array's ``c/``."""
+    return (name == "d" and OCDBT_MANIFEST in siblings) or (name == "c" and "zarr.json" in siblings)
+
+
+def _files_to_check(root: Path) -> list[str]:
+    """Every file below ``root`` but array data, symlinks and the owner file, as paths relative
+    to ``root``. (``os.scandir`` on strings: at 4,096 hosts a commit walks 4,100 folders, and
+    ``os.walk`` with ``pathlib`` took 0.18-0.45 s of it.)"""
+    out: list[str] = []
+    folders = [""]
+    while folders:
+        rel = folders.pop()
+        with os.scandir(os.path.join(root, rel) if rel else root) as listing:
+            entries = list(listing)
+        names = {e.name for e in entries}
+        for entry in entries:
+            key = f"{rel}/{entry.name}" if rel else entry.name
+            if entry.is_symlink() or (not rel and entry.name == OWNER_FILE):
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                if not _is_array_data(entry.name, names):
+                    folders.append(key)
+            else:
+                out.append(key)
+    return sorted(out)
 
 
 def _crc32(raw: bytes) -> int:
@@ -142,17 +164,11 @@ class Checksums:
             return Checksums._compute_objects(root)
         files: dict[str, tuple[int, int]] = {}
         crc32: dict[str, int] = {}
-        for dirpath, dirnames, filenames in os.walk(root):
-            here = Path(dirpath)
-            dirnames[:] = [d for d in dirnames if not _is_array_data(here / d)]
-            for name in filenames:
-                path = here / name
-                if path.is_symlink() or (here == root and name == OWNER_FILE):
-                    continue
-                raw = path.read_bytes()
-                key = path.relative_to(root).as_posix()
-                files[key] = (len(raw), workers.crc32c(raw))
-                crc32[key] = _crc32(raw)
+        for key in _files_to_check(root):
+            with open(os.path.join(root, key), "rb") as f:
+                raw = f.read()
+            files[key] = (len(raw), workers.crc32c(raw))
+            crc32[key] = _crc32(raw)
         return Checksums(root, files, crc32)
 
     @staticmethod
