@@ -310,3 +310,30 @@ def test_compact_sharding_on_missing_devices(tmp_path: Path, mesh24: jax.shardin
     target = NamedSharding(mesh24, P("model"))
     out = mp.load(ckpt, {"w": jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=target)})["w"]
     assert same_bits(out, w) and out.sharding == target
+
+
+def test_a_sharding_is_hashed_once_and_its_hash_never_travels() -> None:
+    """A load looks every array's sharding up: a mesh of thousands of devices is hashed once
+    per object. The cached hash is not pickled (another process hashes strings otherwise)."""
+    import pickle
+    import subprocess
+    import sys
+
+    ids = tuple(range(4096))
+    a = ShardingSpec.named((512, 8), ("data", "model"), ids, ("data", None))
+    b = ShardingSpec.named((512, 8), ("data", "model"), ids, ("data", None))
+    assert a == b and hash(a) == hash(b) and {a: 1}[b] == 1
+    assert hash(a) == hash(tuple(getattr(a, f) for f in a.__dataclass_fields__))
+    elsewhere = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import pickle,sys; s = pickle.load(sys.stdin.buffer); "
+            "print(hash(s) == hash(tuple(getattr(s, f) for f in s.__dataclass_fields__)))",
+        ],
+        input=pickle.dumps(a),
+        capture_output=True,
+        check=True,
+        env={"PYTHONHASHSEED": "random", "PATH": ""},
+    )
+    assert elsewhere.stdout.strip() == b"True", elsewhere.stderr
