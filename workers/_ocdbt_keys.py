@@ -85,7 +85,14 @@ def long_keys(
     by row. A key shares with the one before at most that one's length: what it shares lies in
     that one's row, or (past the width) in that one's whole key, made just before."""
     width = keys.shape[1]
-    rows = np.flatnonzero(prefix + suffix > width)
+    block = 1 << 20  # (no temporary as long as the keys: see _ocdbt_merge._BLOCK)
+    rows = np.concatenate(
+        [
+            np.flatnonzero(prefix[lo : lo + block] + suffix[lo : lo + block] > width) + lo
+            for lo in range(0, len(prefix), block)
+        ]
+        or [np.zeros(0, np.int64)]
+    )
     if not len(rows):
         return {}
     out: dict[int, bytes] = {}

@@ -193,7 +193,9 @@ def _merge(sources: list[_Source], pool: Pool | None = None) -> _Merged:
     # Sort the data file table once: each leaf's table is then a sorted subset (prefix-coded).
     ordered = sorted(paths)
     renumber = np.array([paths[p] for p in ordered], np.int64).argsort().astype(np.int32)
-    files = np.append(renumber, np.int32(-1))[files]  # (-1, inline, stays -1)
+    renumber = np.append(renumber, np.int32(-1))  # (-1, inline, stays -1)
+    for lo in range(0, n, _BLOCK):
+        files[lo : lo + _BLOCK] = renumber[files[lo : lo + _BLOCK]]
     order = sort_rows(keys.view(f"S{keys.shape[1]}").ravel(), pool)
     if long:
         _sort_cut_keys(keys, long, order)
@@ -293,28 +295,36 @@ def _under(name: str, path: str) -> str:
     return f"{name}/{path}" if name else path
 
 
+_BLOCK = 1 << 20
+"""Entries a pass over the merge's columns takes at a time when it needs temporaries: at 8 M
+keys a temporary as long as the keys is 32-64 MB, which the allocator maps afresh every time
+(above glibc's 32 MB), and whose first touches cost what its work does."""
+
+
 def _cuts(m: _Merged, node_bytes: int) -> list[int]:
     """Where the root's leaves start and end (in key order): about ``node_bytes`` of decoded
     entries each, its data file table besides."""
-    # Each entry's columns, estimated: its key after the bytes it shares with the key before
-    # (an eighth of it: sorted neighbours share most), its lengths' uleb128s, its value kind,
-    # and its file id and offset, or its inline value. A leaf that turns out larger than the
-    # limit is split (write_root).
-    # (int32 columns, in place: at 8 M keys this ran at the commit's peak of memory)
-    size = m.key_lengths // 8
-    size += 3
-    size += fmt.varint_sizes(m.lengths)
-    value = fmt.varint_sizes(m.offsets)
-    value += 2
-    inline = np.flatnonzero(m.files < 0)
-    value[inline] = m.lengths[inline]  # (inline values are small: at most 1 KiB by default)
-    size += value
-    del value, inline
-    size = np.cumsum(size[m.order], dtype=np.int64)
     node_bytes -= min(60 * len(m.paths), node_bytes // 4)  # (the table: ~50 bytes a path)
     per_leaf = max(1, node_bytes)
-    bounds = np.searchsorted(size, np.arange(per_leaf, int(size[-1]), per_leaf), side="left")
-    cuts = sorted({0, *bounds.tolist(), len(size)})
+    n = len(m.order)
+    found: list[tuple[int, int]] = []  # (bytes before a leaf's start, where it starts)
+    total = 0
+    for lo in range(0, n, _BLOCK):
+        take = m.order[lo : lo + _BLOCK]
+        # Each entry's columns, estimated: its key after the bytes it shares with the key
+        # before (an eighth of it: sorted neighbours share most), its lengths' uleb128s, its
+        # value kind, and its file id and offset, or its inline value. A leaf that turns out
+        # larger than the limit is split (write_root).
+        lengths = m.lengths[take]
+        size = m.key_lengths[take] // 8 + 3 + fmt.varint_sizes(lengths)
+        inline = m.files[take] < 0  # (inline values are small: at most 1 KiB by default)
+        size += np.where(inline, lengths.astype(np.int64), fmt.varint_sizes(m.offsets[take]) + 2)
+        ends = np.cumsum(size, dtype=np.int64)
+        ends += total
+        marks = np.arange(total // per_leaf + 1, int(ends[-1]) // per_leaf + 1) * per_leaf
+        found += zip(marks.tolist(), (np.searchsorted(ends, marks) + lo).tolist(), strict=True)
+        total = int(ends[-1])
+    cuts = sorted({0, *(at for mark, at in found if mark < total), n})
     out = [cuts[0]]
     for c in cuts[1:]:  # (no leaf above the reader's limit of entries)
         while c - out[-1] > fmt.MAX_NODE_ENTRIES - 1:
