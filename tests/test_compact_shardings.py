@@ -312,28 +312,13 @@ def test_compact_sharding_on_missing_devices(tmp_path: Path, mesh24: jax.shardin
     assert same_bits(out, w) and out.sharding == target
 
 
-def test_a_sharding_is_hashed_once_and_its_hash_never_travels() -> None:
-    """A load looks every array's sharding up: a mesh of thousands of devices is hashed once
-    per object. The cached hash is not pickled (another process hashes strings otherwise)."""
-    import pickle
-    import subprocess
-    import sys
-
-    ids = tuple(range(4096))
-    a = ShardingSpec.named((512, 8), ("data", "model"), ids, ("data", None))
-    b = ShardingSpec.named((512, 8), ("data", "model"), ids, ("data", None))
+def test_a_sharding_hashes_in_bounded_time_and_as_equal_ones_do() -> None:
+    """A load looks every array's sharding up: the hash of a mesh of thousands of devices
+    reads a bounded part of it; specs that differ only past that part are unequal keys."""
+    ids = tuple(range(32768))
+    a = ShardingSpec.named((4096, 8), ("data", "model"), ids, ("data", None))
+    b = ShardingSpec.named((4096, 8), ("data", "model"), tuple(ids), ("data", None))
+    swapped = (*ids[:100], ids[101], ids[100], *ids[102:])  # (the same devices, placed otherwise)
+    c = ShardingSpec.named((4096, 8), ("data", "model"), swapped, ("data", None))
     assert a == b and hash(a) == hash(b) and {a: 1}[b] == 1
-    assert hash(a) == hash(tuple(getattr(a, f) for f in a.__dataclass_fields__))
-    elsewhere = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import pickle,sys; s = pickle.load(sys.stdin.buffer); "
-            "print(hash(s) == hash(tuple(getattr(s, f) for f in s.__dataclass_fields__)))",
-        ],
-        input=pickle.dumps(a),
-        capture_output=True,
-        check=True,
-        env={"PYTHONHASHSEED": "random", "PATH": ""},
-    )
-    assert elsewhere.stdout.strip() == b"True", elsewhere.stderr
+    assert a != c and {a: 1, c: 2} == {b: 1, c: 2} and len({a, b, c}) == 2
