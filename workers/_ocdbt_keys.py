@@ -10,6 +10,11 @@ import numpy as np
 
 from milepost.workers._runtime import Pool
 
+BLOCK = 1 << 20
+"""Entries a pass over columns as long as a merge's keys takes at a time when it needs
+temporaries: at 8 M keys a temporary as long as the keys is 32-64 MB, which the allocator maps
+afresh every time (above glibc's 32 MB), and whose first touches cost what its work does."""
+
 
 def padded(items: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
     """``items`` as the rows of a NUL-padded uint8 matrix, and their lengths."""
@@ -85,11 +90,10 @@ def long_keys(
     by row. A key shares with the one before at most that one's length: what it shares lies in
     that one's row, or (past the width) in that one's whole key, made just before."""
     width = keys.shape[1]
-    block = 1 << 20  # (no temporary as long as the keys: see _ocdbt_merge._BLOCK)
     rows = np.concatenate(
         [
-            np.flatnonzero(prefix[lo : lo + block] + suffix[lo : lo + block] > width) + lo
-            for lo in range(0, len(prefix), block)
+            np.flatnonzero(prefix[lo : lo + BLOCK] + suffix[lo : lo + BLOCK] > width) + lo
+            for lo in range(0, len(prefix), BLOCK)
         ]
         or [np.zeros(0, np.int64)]
     )

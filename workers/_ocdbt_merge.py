@@ -32,7 +32,13 @@ import zstandard
 
 from milepost.workers import _ocdbt_format as fmt
 from milepost.workers._errors import CorruptCheckpointError
-from milepost.workers._ocdbt_keys import long_keys, padded, rebuild_keys, shared_prefixes
+from milepost.workers._ocdbt_keys import (
+    BLOCK,
+    long_keys,
+    padded,
+    rebuild_keys,
+    shared_prefixes,
+)
 from milepost.workers._paths import context_for, kvstore
 from milepost.workers._runtime import RUNTIME, Pool
 from milepost.workers._ts_internals import leads_out
@@ -194,8 +200,8 @@ def _merge(sources: list[_Source], pool: Pool | None = None) -> _Merged:
     ordered = sorted(paths)
     renumber = np.array([paths[p] for p in ordered], np.int64).argsort().astype(np.int32)
     renumber = np.append(renumber, np.int32(-1))  # (-1, inline, stays -1)
-    for lo in range(0, n, _BLOCK):
-        files[lo : lo + _BLOCK] = renumber[files[lo : lo + _BLOCK]]
+    for lo in range(0, n, BLOCK):
+        files[lo : lo + BLOCK] = renumber[files[lo : lo + BLOCK]]
     order = sort_rows(keys.view(f"S{keys.shape[1]}").ravel(), pool)
     if long:
         _sort_cut_keys(keys, long, order)
@@ -225,10 +231,8 @@ def _width(prefix: np.ndarray, suffix: np.ndarray) -> int:
     if not n:
         return 0
     counts = np.zeros(1 << 16, np.int64)  # (keys are shorter than 64 KiB)
-    for lo in range(0, n, 1 << 20):
-        counts += np.bincount(
-            prefix[lo : lo + (1 << 20)] + suffix[lo : lo + (1 << 20)], None, 1 << 16
-        )
+    for lo in range(0, n, BLOCK):
+        counts += np.bincount(prefix[lo : lo + BLOCK] + suffix[lo : lo + BLOCK], None, 1 << 16)
     cut = n - 1 - int(n * _LONG_KEYS)  # (the cut-th shortest key's length)
     return int(np.searchsorted(np.cumsum(counts), cut, side="right"))
 
@@ -295,12 +299,6 @@ def _under(name: str, path: str) -> str:
     return f"{name}/{path}" if name else path
 
 
-_BLOCK = 1 << 20
-"""Entries a pass over the merge's columns takes at a time when it needs temporaries: at 8 M
-keys a temporary as long as the keys is 32-64 MB, which the allocator maps afresh every time
-(above glibc's 32 MB), and whose first touches cost what its work does."""
-
-
 def _cuts(m: _Merged, node_bytes: int) -> list[int]:
     """Where the root's leaves start and end (in key order): about ``node_bytes`` of decoded
     entries each, its data file table besides."""
@@ -309,8 +307,8 @@ def _cuts(m: _Merged, node_bytes: int) -> list[int]:
     n = len(m.order)
     found: list[tuple[int, int]] = []  # (bytes before a leaf's start, where it starts)
     total = 0
-    for lo in range(0, n, _BLOCK):
-        take = m.order[lo : lo + _BLOCK]
+    for lo in range(0, n, BLOCK):
+        take = m.order[lo : lo + BLOCK]
         # Each entry's columns, estimated: its key after the bytes it shares with the key
         # before (an eighth of it: sorted neighbours share most), its lengths' uleb128s, its
         # value kind, and its file id and offset, or its inline value. A leaf that turns out
