@@ -33,6 +33,13 @@ def timestamp_str(nsecs: int | None) -> str:
     return when.isoformat(sep=" ", timespec="seconds")
 
 
+def metric_cell(value: Any) -> str:
+    """A step's metric as a table cell: blank if absent, floats to 6 significant digits."""
+    if value is None:
+        return ""
+    return f"{value:.6g}" if isinstance(value, float) else str(value)
+
+
 def short_json(value: Any, limit: int = 120) -> str:
     text = json.dumps(value, default=str, sort_keys=True)
     return text if len(text) <= limit else text[: limit - 3] + "..."

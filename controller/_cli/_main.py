@@ -277,7 +277,7 @@ def ls(root: str, local: str | None, as_json: bool) -> int:
             " + ".join(r["tiers"]),
             _views.human_bytes(r["bytes"]),
             r["committed"] or "",
-            *(_metric(r["metrics"].get(k)) for k in names),
+            *(_views.metric_cell(r["metrics"].get(k)) for k in names),
         )
         for r in rows
     ]
@@ -295,12 +295,6 @@ def ls(root: str, local: str | None, as_json: bool) -> int:
         )
     )
     return OK
-
-
-def _metric(value: Any) -> str:
-    if value is None:
-        return ""
-    return f"{value:.6g}" if isinstance(value, float) else str(value)
 
 
 # ------------------------------------------------------------------------------------------

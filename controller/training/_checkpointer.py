@@ -722,7 +722,12 @@ class Checkpointer:
         names = sorted({k for r in rows for k in r["metrics"]})
         columns = ("step", "tier", "state", *names)
         table = [
-            (r["step"], r["tier"], r["state"], *(_metric(r["metrics"].get(k)) for k in names))
+            (
+                r["step"],
+                r["tier"],
+                r["state"],
+                *(_views.metric_cell(r["metrics"].get(k)) for k in names),
+            )
             for r in rows
         ]
         where = repr(str(self.root)) + (
@@ -749,9 +754,3 @@ class Checkpointer:
     def _repr_html_(self) -> str:
         title, columns, rows = self._table()
         return _views.html_table(columns, rows, title=title)
-
-
-def _metric(value: Any) -> str:
-    if value is None:
-        return ""
-    return f"{value:.6g}" if isinstance(value, float) else str(value)
