@@ -232,6 +232,20 @@ def test_prefix_coded_keys_rebuild_as_written(threads: int, width: int | None) -
     assert [bytes(r).rstrip(b"\0") for r in rows] == [k[:cut] for k in keys]
 
 
+@pytest.mark.parametrize("block", [7, 1 << 20])
+def test_raw_starts_are_the_sums_before_each_row(
+    monkeypatch: pytest.MonkeyPatch, block: int
+) -> None:
+    # (summed in blocks: rows at a block's first and last entries, blocks with no row, a
+    # block of several)
+    monkeypatch.setattr(_ocdbt_keys, "BLOCK", block)
+    suffix = np.random.default_rng(3).integers(0, 50, 100, np.int32)
+    before = np.concatenate([[0], np.cumsum(suffix, dtype=np.int64)])
+    for rows in [[], [0], [99], [6, 7, 13, 14, 15, 60, 61, 99], list(range(100))]:
+        got = _ocdbt_keys.raw_starts(suffix, np.array(rows, np.int64))
+        assert got.tolist() == before[rows].tolist()
+
+
 def test_uleb128_columns_round_trip() -> None:
     values = np.array([0, 1, 127, 128, 300, 2**32 - 1, 2**32, 2**63 - 1, 2**64 - 1], np.uint64)
     encoded = fmt.encode_varints(values)

@@ -71,15 +71,24 @@ def rebuild_keys(
 
 def raw_starts(suffix: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """Where the own bytes of each of ``rows`` (increasing) start in the key bytes column: the
-    sum of the suffix lengths before it, without a column of sums as long as the keys (at 8 M
-    keys, 64 MB of fresh memory for a few offsets)."""
-    if not len(rows):
-        return np.zeros(0, np.int64)
-    between = np.add.reduceat(suffix, rows, dtype=np.int64)  # (rows[k] up to rows[k + 1])
+    sum of the suffix lengths before it. Summed in blocks of ``BLOCK`` rows: no column of sums
+    as long as the keys (at 8 M keys, 64 MB of fresh memory for a few offsets), and no
+    ``np.add.reduceat`` casting to 64 bits (0.15-0.19 s a call at 8 M keys, against 0.01-0.03)."""
     out = np.empty(len(rows), np.int64)
-    out[0] = int(suffix[: rows[0]].sum(dtype=np.int64))
-    np.cumsum(between[:-1], out=out[1:])
-    out[1:] += out[0]
+    total = done = 0  # (the sum before the block; the rows placed)
+    for lo in range(0, len(suffix), BLOCK):
+        if done == len(rows):
+            break
+        block = suffix[lo : lo + BLOCK]
+        upto = int(np.searchsorted(rows, lo + len(block)))
+        if upto == done:
+            total += int(block.sum(dtype=np.int64))
+            continue
+        sums = np.cumsum(block, dtype=np.int64)
+        at = rows[done:upto] - lo
+        out[done:upto] = total + np.where(at > 0, sums[at - 1], 0)
+        total += int(sums[-1])
+        done = upto
     return out
 
 
