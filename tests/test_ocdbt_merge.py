@@ -319,7 +319,7 @@ def crafted(folder: Path, node_path: str, value_path: str) -> None:
         np.array([0]),
         np.array([0], np.uint64),
         b"",
-        [value_path],
+        fmt.write_file_table([value_path]),
         None,
     )
     (folder / "d" / "node").write_bytes(leaf)

@@ -248,15 +248,23 @@ def read_file_table(cursor: _Cursor, transitive: str) -> tuple[list[str], list[s
 def write_file_table(paths: list[str]) -> bytes:
     """The encoding of a data file table of ``paths``, each with an empty base path (the
     nodes milepost writes reach their files from the database's folder)."""
-    if not paths:
+    return file_table(*padded([p.encode() for p in paths]))
+
+
+def file_table(rows: np.ndarray, lengths: np.ndarray) -> bytes:
+    """:func:`write_file_table` of paths given as the sorted NUL-padded rows of
+    :func:`~._ocdbt_keys.padded` (a merge's leaves each take their table's rows from one such
+    matrix of every path: no Python work per path and leaf)."""
+    if not len(rows):
         return varint(0)
-    rows, lengths = padded([p.encode() for p in paths])
+    width = int(lengths.max())
+    rows = rows[:, :width]
     prefix = shared_prefixes(rows, lengths)
     starts = np.concatenate([[0], prefix]).astype(np.int64)
-    col = np.arange(rows.shape[1])
+    col = np.arange(width)
     mine = (col[None, :] >= starts[:, None]) & (col[None, :] < lengths[:, None])
-    columns = [prefix, lengths - starts, np.zeros(len(paths), np.int64)]
-    head = varint(len(paths)) + encode_varints(np.concatenate(columns)).tobytes()
+    columns = [prefix, lengths - starts, np.zeros(len(rows), np.int64)]
+    head = varint(len(rows)) + encode_varints(np.concatenate(columns)).tobytes()
     return head + rows[mine].tobytes()
 
 
@@ -488,14 +496,15 @@ def encode_leaf(
     files: np.ndarray,
     offsets: np.ndarray,
     inline: bytes,
-    paths: list[str],
+    table: bytes,
     level: Compression,
     prefix: np.ndarray | None = None,
 ) -> tuple[bytes, int]:
     """A leaf node of sorted, distinct ``keys`` (NUL-padded rows, C order): ``files`` index
-    ``paths`` (the node's data file table), -1 for the inline values, which ``inline`` holds in
-    order; and its decoded size. ``prefix``: how many bytes each key shares with the next, if
-    the caller has it (:func:`~._ocdbt_keys.shared_prefixes`)."""
+    the node's data file table (``table``: :func:`write_file_table`'s), -1 for the inline
+    values, which ``inline`` holds in order; and its decoded size. ``prefix``: how many bytes
+    each key shares with the next, if the caller has it
+    (:func:`~._ocdbt_keys.shared_prefixes`)."""
     n, width = keys.shape
     if prefix is None:
         prefix = shared_prefixes(keys, key_lengths)
@@ -509,7 +518,7 @@ def encode_leaf(
     indirect = files >= 0
     body = [
         bytes([0]),
-        write_file_table(paths),
+        table,
         varint(n),
         encode_varints(prefix).tobytes(),
         encode_varints(suffix).tobytes(),
