@@ -684,41 +684,8 @@ class Checkpointer:
             log.error("while closing after an error: %s: %s", type(e).__name__, e)
 
     # -- views --------------------------------------------------------------------------
-    def _step_rows(self) -> list[dict[str, Any]]:
-        """One row per step this Checkpointer knows (committed, being saved or mirrored), oldest
-        first: ``step``, ``tier`` (``durable``, ``local`` or both), ``state`` and ``metrics``.
-        What the steps table in a notebook shows; ``milepost ls ROOT`` lists the folders."""
-        state = self._state
-        with state.cond:
-            known = state.committed() | set(state.in_flight) | set(state.mirrors)
-            rows = []
-            for s in sorted(known | state.unmirrored):
-                tiers = [
-                    name
-                    for name, steps in (("local", state.local), ("durable", state.durable))
-                    if s in steps
-                ]
-                if s in state.in_flight:
-                    what = "saving"
-                elif s in state.mirrors:
-                    what = "committed, mirroring"
-                elif s in state.unmirrored:
-                    what = "committed, mirror failed"
-                else:
-                    what = "committed"
-                metrics = state.durable.get(s) or state.local.get(s) or {}
-                rows.append(
-                    {
-                        "step": s,
-                        "tier": " + ".join(tiers) or "-",
-                        "state": what,
-                        "metrics": dict(metrics),
-                    }
-                )
-            return rows
-
     def _table(self) -> tuple[str, tuple[str, ...], list[tuple[Any, ...]]]:
-        rows = self._step_rows()
+        rows = self._state.rows()
         names = sorted({k for r in rows for k in r["metrics"]})
         columns = ("step", "tier", "state", *names)
         table = [

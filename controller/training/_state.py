@@ -94,3 +94,37 @@ class StepState:
             if left <= 0:
                 raise TimeoutError(message())
             self.cond.wait(left)
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One row per step known (committed, being saved or mirrored), oldest first:
+        ``step``, ``tier`` (``durable``, ``local`` or both), ``state`` and ``metrics``. What a
+        Checkpointer's steps table in a notebook shows; ``milepost ls ROOT`` lists the
+        folders."""
+        with self.cond:
+            rows = []
+            for s in sorted(
+                self.committed() | set(self.in_flight) | self.mirrors.keys() | self.unmirrored
+            ):
+                tiers = [
+                    name
+                    for name, steps in (("local", self.local), ("durable", self.durable))
+                    if s in steps
+                ]
+                if s in self.in_flight:
+                    what = "saving"
+                elif s in self.mirrors:
+                    what = "committed, mirroring"
+                elif s in self.unmirrored:
+                    what = "committed, mirror failed"
+                else:
+                    what = "committed"
+                metrics = self.durable.get(s) or self.local.get(s) or {}
+                rows.append(
+                    {
+                        "step": s,
+                        "tier": " + ".join(tiers) or "-",
+                        "state": what,
+                        "metrics": dict(metrics),
+                    }
+                )
+            return rows
