@@ -87,9 +87,9 @@ first touch of such a page is a host fault (``save_load.py --warm`` says more): 
 starts on memory the host backs, and its time shows the software, not what ran before it."""
 COMMITS = 3
 """``--commits N``: the commit is timed N times on the same databases (what it wrote removed
-between), and the run of median commit time is the one reported and checked: a 512-host commit
-of ~0.7 s moves by 0.1 s from one run to the next on this VM, and one sample of it made the
-growth from 512 to 4,096 hosts 7.4-8.6x over five runs of one version."""
+between), and the run of median commit time is the one reported and checked. Within a run the
+repeats agree to ~3%; from one run to the next (new databases, this VM) a 512-host commit of
+~0.7 s moves by 0.1 s, which the median does not remove (benchmarks/NOTES.md)."""
 REFERENCE_ARRAYS = 100
 """Arrays a host's chunk index is timed on with TensorStore's walk too (``host_index``)."""
 
@@ -329,9 +329,13 @@ def controller(ckpt: Path, hosts: int, n_arrays: int, devices_per_host: int) -> 
         if attempt:  # the same commit again, on the same databases: what it wrote removed first
             (directory / "manifest.ocdbt").unlink()
             shutil.rmtree(directory / "d")
-            for name in (fmt.ORBAX_MARKER, fmt.CHECKPOINT_METADATA, fmt.CHECKSUMS):
+            for name in (
+                fmt.ORBAX_MARKER,
+                fmt.CHECKPOINT_METADATA,
+                fmt.CHECKSUMS,
+                fmt.COMMIT_MARKER,
+            ):
                 (ckpt / name).unlink()
-            (ckpt / fmt.COMMIT_MARKER).unlink()
         _reset_peak()
         run = _commit(ckpt, directory, files, acks)
         runs.append(run)
