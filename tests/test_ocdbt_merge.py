@@ -417,3 +417,57 @@ def test_a_node_claiming_more_than_a_reader_takes_is_refused_not_allocated(
             other, ["ocdbt.process_0", "ocdbt.process_1"], tsu.ROOT_OCDBT_CONFIG
         )
     assert root_files(other) == []
+
+
+def one_leaf(
+    folder: Path, values: list[tuple[bytes, int, int]], inline: tuple[bytes, bytes]
+) -> None:
+    """A database of one leaf: ``values`` (key, offset, length) in ``d/v``, and one ``inline``
+    (key, value), sorted after them."""
+    (folder / "d").mkdir(parents=True)
+    rows, key_lengths = _ocdbt_keys.padded([k for k, _, _ in values] + [inline[0]])
+    leaf, _ = fmt.encode_leaf(
+        rows,
+        key_lengths,
+        np.array([n for _, _, n in values] + [len(inline[1])], np.uint64),
+        np.array([0] * len(values) + [-1]),
+        np.array([o for _, o, _ in values] + [0], np.uint64),
+        inline[1],
+        fmt.write_file_table(["d/v"]),
+        None,
+    )
+    (folder / "d" / "node").write_bytes(leaf)
+    write_manifest(folder, "d/node", len(leaf), entries=len(values) + 1)
+
+
+def test_offsets_and_lengths_past_32_bits_are_kept_whole(tmp_path: Path) -> None:
+    """The merge holds lengths and offsets in 32 bits until a database's need more: a value 4
+    GiB long at 5 GiB into its file, after a database whose values fit, and the inline values
+    after them (their offsets are places in the merge's inline bytes) reach the root exactly."""
+    one_leaf(tmp_path / "ocdbt.process_0", [(b"a/c/1", 11, 4)], (b"a/zarr.json", b"{0}"))
+    one_leaf(
+        tmp_path / "ocdbt.process_1",
+        [(b"a/c/0", 5 << 32, (1 << 32) + 7), (b"a/c/2", 3, 9)],
+        (b"b/zarr.json", b"{1}"),
+    )
+    _ocdbt_merge.write_root(tmp_path, ["ocdbt.process_0", "ocdbt.process_1"], tsu.ROOT_OCDBT_CONFIG)
+
+    root = fmt.decode_manifest((tmp_path / "manifest.ocdbt").read_bytes(), "root")
+    assert root.node is not None and root.height == 0
+    data = (tmp_path / root.node.path).read_bytes()[root.node.offset :][: root.node.length]
+    e = fmt.decode_node(data, root.node, "root")
+    assert isinstance(e, fmt.Entries)
+    keys = _ocdbt_keys.rebuild_keys(e.key_prefix, e.key_suffix, e.key_bytes)
+    columns = zip(keys, e.key_prefix + e.key_suffix, e.files, e.offsets, e.lengths, strict=True)
+    got = {
+        bytes(k[:n]): (e.paths[f] if f >= 0 else None, int(o), int(v)) for k, n, f, o, v in columns
+    }
+    assert got == {
+        b"a/c/0": ("ocdbt.process_1/d/v", 5 << 32, (1 << 32) + 7),
+        b"a/c/1": ("ocdbt.process_0/d/v", 11, 4),
+        b"a/c/2": ("ocdbt.process_1/d/v", 3, 9),
+        b"a/zarr.json": (None, 0, 3),
+        b"b/zarr.json": (None, 0, 3),
+    }
+    kv = ts.KvStore.open(tsu.ocdbt_kvstore(str(tmp_path))).result()
+    assert kv[b"a/zarr.json"] == b"{0}" and kv[b"b/zarr.json"] == b"{1}"

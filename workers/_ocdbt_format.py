@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import posixpath
 import struct
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -178,6 +179,18 @@ def unframe(data: bytes, magic: int, what: str) -> bytes:
     raise FormatError(f"{what}: compression format {compression} is unknown")
 
 
+_LOCAL = threading.local()
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    """This thread's zstd decompressor (one is not shared by threads). Making one costs 18 us,
+    as much as decoding a manifest: a commit at 4,096 hosts decodes 12,000 pieces."""
+    found: zstandard.ZstdDecompressor | None = getattr(_LOCAL, "zstd", None)
+    if found is None:
+        found = _LOCAL.zstd = zstandard.ZstdDecompressor()
+    return found
+
+
 def _unzstd(body: bytes, what: str) -> bytes:
     """A zstd frame decoded, never past :data:`MAX_NODE_BYTES` (whatever its header says)."""
     try:
@@ -185,9 +198,9 @@ def _unzstd(body: bytes, what: str) -> bytes:
         if size > MAX_NODE_BYTES:
             raise FormatError(f"{what}: more than {MAX_NODE_BYTES} bytes decoded")
         if size >= 0:  # (known: decoded into a buffer of that size, checked against it)
-            return zstandard.ZstdDecompressor().decompress(body)
+            return _decompressor().decompress(body)
         out = bytearray()
-        reader = zstandard.ZstdDecompressor().stream_reader(body)
+        reader = _decompressor().stream_reader(body)
         while part := reader.read(1 << 20):
             out += part
             if len(out) > MAX_NODE_BYTES:

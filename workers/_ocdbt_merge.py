@@ -129,11 +129,12 @@ class _Merged:
 
     keys: np.ndarray  # (n, width) uint8, NUL-padded
     key_lengths: np.ndarray
-    lengths: np.ndarray
+    lengths: np.ndarray  # uint32, or uint64 if a value is 4 GiB or more
     files: np.ndarray  # index into paths, -1: inline
     offsets: np.ndarray
+    """Where each value starts: in its data file, or (inline) in ``inline``; uint32 or uint64,
+    as ``lengths``."""
     inline: np.ndarray
-    inline_at: np.ndarray
     paths: list[str]  # sorted
     order: np.ndarray
     long: dict[int, bytes] = field(default_factory=dict)
@@ -159,11 +160,12 @@ def _merge(sources: list[_Source], pool: Pool | None = None) -> _Merged:
     key_prefix = np.empty(n, np.int32)
     key_suffix = np.empty(n, np.int32)
     raw = np.empty(room, np.uint8)  # (pages are touched only as far as they are filled)
-    lengths = np.empty(n, np.uint64)
+    # (32-bit lengths and offsets until one needs more: at 8 M keys, 64 MB less fresh memory,
+    # whose first touches cost the commit more than the work on it)
+    lengths = np.empty(n, np.uint32)
     files = np.empty(n, np.int32)
-    offsets = np.empty(n, np.uint64)
+    offsets = np.empty(n, np.uint32)
     inline = np.empty(room, np.uint8)
-    inline_at = np.empty(n, np.int64)
     paths: dict[str, int] = {}
     at = raw_at = blob_at = 0
     leaves.reverse()
@@ -185,9 +187,13 @@ def _merge(sources: list[_Source], pool: Pool | None = None) -> _Merged:
         raw_at += len(e.key_bytes)
         ids = [paths.setdefault(_under(name, q), len(paths)) for q in e.paths]
         files[rows] = np.array([*ids, -1], np.int32)[e.files]  # (-1 picks the -1 at the end)
+        starts = np.where(
+            e.files < 0, e.inline_at.astype(np.uint64) + np.uint64(blob_at), e.offsets
+        )
+        lengths = _fitting(lengths, e.lengths)
+        offsets = _fitting(offsets, starts)
         lengths[rows] = e.lengths
-        offsets[rows] = e.offsets
-        inline_at[rows] = e.inline_at + blob_at
+        offsets[rows] = starts
         inline[blob_at : blob_at + len(e.inline)] = e.inline
         blob_at += len(e.inline)
         at += m
@@ -218,11 +224,17 @@ def _merge(sources: list[_Source], pool: Pool | None = None) -> _Merged:
         files=files,
         offsets=offsets,
         inline=inline,
-        inline_at=inline_at,
         paths=ordered,
         order=order,
         long=long,
     )
+
+
+def _fitting(column: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """``column`` (uint32 or uint64), widened to uint64 if one of ``values`` needs it."""
+    if column.dtype == np.uint32 and len(values) and int(values.max()) >> 32:
+        return column.astype(np.uint64)
+    return column
 
 
 _LONG_KEYS = 1 / 256
@@ -278,16 +290,18 @@ def sort_rows(rows: np.ndarray, pool: Pool | None = None) -> np.ndarray:
     half = n // 2
     first, second = rows[:half], rows[half:]
     in_first, in_second = pool.map(lambda part: np.argsort(part, kind="stable"), [first, second])
-    order = np.full(n, -1, np.int64)
+    order = np.empty(n, np.int64)
+    left = np.ones(n, bool)  # (the places the first half's rows fill)
 
     def place(lo: int) -> None:
         hi = min(lo + _SORT_PIECE, len(in_second))
         ahead = np.searchsorted(first, second[in_second[lo:hi]], side="right", sorter=in_first)
         ahead += np.arange(lo, hi)  # (the rows of the second half before it)
         order[ahead] = in_second[lo:hi] + half
+        left[ahead] = False
 
     pool.map(place, range(0, len(in_second), _SORT_PIECE))
-    order[np.flatnonzero(order < 0)] = in_first
+    order[left] = in_first
     return order
 
 
@@ -338,9 +352,9 @@ def _cuts(m: _Merged, node_bytes: int) -> list[int]:
     return out
 
 
-def _leaf(m: _Merged, lo: int, hi: int, level: fmt.Compression) -> tuple[bytes, bytes, int]:
-    """The encoded leaf of the ``lo``-th to ``hi``-th keys in key order, its first key and
-    its decoded size.
+def _leaf(m: _Merged, lo: int, hi: int, level: fmt.Compression) -> tuple[bytes, bytes, int, int]:
+    """The encoded leaf of the ``lo``-th to ``hi``-th keys in key order, its first key, its
+    decoded size and the bytes of its values in data files (not inline).
     A key equal to the one before it (the last of the previous leaf, for the first) is in two
     databases: :class:`~._ocdbt_format.FormatError`."""
     take = m.order[max(lo - 1, 0) : hi]
@@ -367,7 +381,7 @@ def _leaf(m: _Merged, lo: int, hi: int, level: fmt.Compression) -> tuple[bytes, 
     inline = b""
     direct = np.flatnonzero(files < 0)
     if len(direct):
-        starts = m.inline_at[take][direct]
+        starts = m.offsets[take][direct].astype(np.int64)
         sizes = lengths[direct].astype(np.int64)
         at = np.repeat(starts - np.cumsum(sizes) + sizes, sizes) + np.arange(int(sizes.sum()))
         inline = m.inline[at].tobytes()
@@ -382,7 +396,8 @@ def _leaf(m: _Merged, lo: int, hi: int, level: fmt.Compression) -> tuple[bytes, 
         level,
         shared,
     )
-    return node, bytes(keys[0, : key_lengths[0]]), decoded
+    indirect = int(lengths[files >= 0].sum())
+    return node, bytes(keys[0, : key_lengths[0]]), decoded, indirect
 
 
 def write_root(directory: Any, children: list[str], config: dict[str, Any]) -> None:
@@ -435,7 +450,6 @@ def write_database(
         files=np.repeat(np.arange(len(files), dtype=np.int32), [len(n) for n in sizes]),
         offsets=np.concatenate([np.cumsum(n) - n for n in sizes]),
         inline=np.zeros(0, np.uint8),
-        inline_at=np.zeros(len(rows), np.int64),
         paths=names,
         order=sort_rows(rows.view(f"S{rows.shape[1]}").ravel()),
     )
@@ -502,7 +516,7 @@ def _tree(
     limit = int(config["max_decoded_node_bytes"])
     spans = list(itertools.pairwise(_cuts(merged, leaf_bytes or limit * 3 // 4)))
 
-    def encode(span: tuple[int, int]) -> tuple[bytes, bytes, int]:
+    def encode(span: tuple[int, int]) -> tuple[bytes, bytes, int, int]:
         return _leaf(merged, span[0], span[1], ZSTD)
 
     encoded = [encode(s) for s in spans] if pool is None else pool.map(encode, spans)
@@ -510,13 +524,11 @@ def _tree(
     level: list[tuple[bytes, fmt.Ref, tuple[int, int, int]]] = []
     while spans:
         lo, hi = spans.pop(0)
-        node, first, decoded = encoded.pop(0)
+        node, first, decoded, indirect = encoded.pop(0)
         if decoded > limit and hi - lo > 1:  # (the estimate fell short: split it)
             spans[:0] = [(lo, (lo + hi) // 2), ((lo + hi) // 2, hi)]
             encoded[:0] = [_leaf(merged, a, b, ZSTD) for a, b in spans[:2]]
             continue
-        take = merged.order[lo:hi]
-        indirect = int(merged.lengths[take][merged.files[take] >= 0].sum())
         level.append(
             (first, fmt.Ref(data_file, len(out), len(node), ""), (hi - lo, len(node), indirect))
         )
