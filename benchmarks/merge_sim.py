@@ -132,13 +132,15 @@ def write_process(
     names: list[str],
     header: dict[str, bytes],
     writers: int,
+    token: str,
 ) -> tuple[list[Any], str]:
     """One host's databases as the engine leaves them: its shard of every array packed by the
     engine's own packer (``workers.save._packed``: one database, the shards in key order, then
     its chunk checksum table), and on host 0 every array's ``zarr.json`` in its writer
     databases (``names[k::writers]`` in ``ocdbt.process_0[.<k>]``, where TensorStore creates
-    them). What the host reports in its ack, and the packed database's name."""
-    store = workers.StoreSpec(directory=str(directory), use_ocdbt=True)
+    them), its data files named by the save's ``token`` (one for every host, as the controller
+    draws it). What the host reports in its ack, and the packed database's name."""
+    store = workers.StoreSpec(directory=str(directory), use_ocdbt=True, file_token=token)
     written = []
     if process == 0 or HEADERS_EVERYWHERE:
         for writer in range(writers):
@@ -189,10 +191,12 @@ def write_hosts(ckpt: Path, hosts: int, n_arrays: int, writers: int) -> None:
     names = array_names(n_arrays)
     header = headers(names, hosts)
     t0 = time.perf_counter()
+    token = os.urandom(4).hex()  # (the save's: the controller draws one for every host)
     with ThreadPoolExecutor(8) as pool:
         written = list(
             pool.map(
-                lambda p: write_process(directory, p, hosts, names, header, writers), range(hosts)
+                lambda p: write_process(directory, p, hosts, names, header, writers, token),
+                range(hosts),
             )
         )
     acks = []

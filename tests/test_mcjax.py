@@ -123,6 +123,10 @@ def test_two_processes_save_and_load_resharded(runs: Runs) -> None:
         assert o["leftover_keys"] == []  # barriers and broadcasts clean up after themselves
     state = runs.root / "two" / "c" / "state"
     assert _writers(state) == {"process_0", "process_1", "process_controller"}
+    # both processes name their packed data files with the save's one token (the primary's)
+    packed = {p.name: {f.name.split(".")[0] for f in p.glob("d/*")} for p in state.glob("*.p")}
+    assert {"ocdbt.process_0.p", "ocdbt.process_1.p"} <= set(packed), packed
+    assert len(set().union(*packed.values())) == 1, packed
 
 
 def test_four_processes_save_and_load_resharded(runs: Runs) -> None:

@@ -173,6 +173,36 @@ def test_hosts_writing_the_same_arrays_lay_their_shards_out_at_the_same_offsets(
     assert np.array_equal(root.read().result(), values)
 
 
+def test_a_saves_hosts_name_their_files_with_its_token_and_a_second_writer_is_refused(
+    tmp_path: Path,
+) -> None:
+    """Every host of a save names its packed database's data files with the save's one token
+    (a root leaf names every host's files: alike, they compress to almost nothing); a second
+    write of a database folder, which with a shared token would overwrite the first one's
+    files, is refused before it writes anything."""
+    store = workers.StoreSpec(directory=str(tmp_path), use_ocdbt=True, file_token="0a1b2c3d")
+    values = np.arange(64, dtype=np.float32).reshape(8, 8)
+    spec = spec_of("w", values, (1, 8), (1, 8))
+
+    def write(host: int, scale: float) -> None:
+        packer = _packed.Packer(store, tsu.process_dir_name(host))
+        assert packer.add(spec, ((host, host + 1), (0, 8)), values[host : host + 1] * scale)
+        pack(packer)
+
+    for host in range(3):
+        write(host, 1.0)
+    for host in range(3):
+        names = sorted(p.name for p in (tmp_path / f"ocdbt.process_{host}.p" / "d").iterdir())
+        assert names == ["0a1b2c3d.0000", "0a1b2c3d.0001", "0a1b2c3d.n"]
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    with pytest.raises(FileExistsError, match="already holds an OCDBT database"):
+        write(1, 2.0)
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    for bad in ("../../x", "0A1B2C3D", "0a1b2c3", 12345678):
+        with pytest.raises(ValueError, match="8 lowercase hex digits"):
+            workers.StoreSpec(directory=str(tmp_path), file_token=bad)  # type: ignore[arg-type]
+
+
 def test_a_flipped_or_truncated_packed_value_fails_its_checksum(
     tmp_path: Path, mesh24: jax.sharding.Mesh
 ) -> None:

@@ -271,6 +271,14 @@ def test_each_array_header_is_written_by_one_host(slice42: mp.Slice, tmp_path: P
         values, {k: mesh.sharding(P("data", "model") if k != "w5" else P()) for k in values}
     )
     mp.save(tmp_path / "c", tree)
+    mp.save(tmp_path / "again", tree)
+    # every host's packed data files named by one token a save, a new one for each save
+    tokens = [
+        {f.name.split(".")[0] for f in (tmp_path / c / "state").glob("ocdbt.process_*.p/d/*")}
+        for c in ("c", "again")
+    ]
+    assert len(list((tmp_path / "c" / "state").glob("ocdbt.process_*.p"))) == slice42.hosts
+    assert [len(t) for t in tokens] == [1, 1] and tokens[0] != tokens[1], tokens
     headers: dict[str, int] = {}
     chunks = 0
     tables: list[str] = []

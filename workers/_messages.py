@@ -6,11 +6,14 @@ names arrays, regions and storage locations, never array bytes.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from milepost.workers._keys import key_words
 from milepost.workers._safetensors import Tensor
 from milepost.workers._sharding import ShardingSpec
+
+_TOKEN = re.compile(r"[0-9a-f]{8}")
 
 Index = tuple[tuple[int, int], ...]
 """A box in an array: one half-open ``(start, stop)`` pair per dimension."""
@@ -29,6 +32,17 @@ class StoreSpec:
     use_ocdbt: bool = True
     zarr_format: int = 3
     """3 (milepost, Orbax v1) or 2 (Orbax v0's default: ``.zarray`` arrays; read only)."""
+    file_token: str = ""
+    """The save's token (8 hex digits, drawn once per save and shared by its hosts) naming the
+    data files of the databases milepost writes itself (``d/<token>.<k>``); "": each database
+    draws its own. See :func:`~milepost.workers._ocdbt_merge.write_database`."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.file_token, str) or not _TOKEN.fullmatch(self.file_token or "0" * 8):
+            raise ValueError(
+                f"file_token={self.file_token!r}: a save's file token is 8 lowercase hex digits "
+                "(os.urandom(4).hex()), or empty to draw one per database"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

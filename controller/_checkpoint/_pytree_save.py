@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -283,9 +284,14 @@ def stage_tree(
     the returned pending write finishes the checkpointable. ``first_writer`` numbers the OCDBT
     databases written from there; ``finish=False``: the pending write only waits for the data
     (a caller writing one tree in several parts writes the format files once, at the end)."""
-    store = workers.StoreSpec(directory=str(directory), use_ocdbt=planned.options.use_ocdbt)
     timeout = call.options.async_.timeout_secs
     group = call.group
+    # One token names the data files of every database this save writes itself (drawn by the
+    # primary: one per save, not per host; see workers' write_database)
+    token = _hosts.shared(group, f"file-token:{directory}", lambda: os.urandom(4).hex(), timeout)
+    store = workers.StoreSpec(
+        directory=str(directory), use_ocdbt=planned.options.use_ocdbt, file_token=token
+    )
     host_bytes = {p: _task_bytes(tasks) for p, tasks in planned.host_tasks.items()}
     own_bytes = _task_bytes(planned.controller_tasks) if group.is_primary() else 0
     progress.expect(sum(host_bytes.values()) + own_bytes)

@@ -170,6 +170,7 @@ class Packer:
             tsu.as_path(self.store.directory) / self.database,
             [(*shards, data), ([_chunk_tables.table_key(self.database)], [len(encoded)], encoded)],
             tsu.OCDBT_CONFIG,
+            self.store.file_token,
         )
 
 
