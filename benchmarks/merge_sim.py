@@ -278,9 +278,8 @@ def _commit(ckpt: Path, directory: Path, files: Any, acks: list[Any]) -> dict[st
     workers.merge_ocdbt(directory)
     out["merge_secs"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    fmt.write_file(
-        ckpt / fmt.ORBAX_MARKER, b""
-    )  # the checkpoint's own files, as _checkpoint_save.commit writes them
+    # the checkpoint's own files, as _checkpoint_save.commit writes them
+    fmt.write_file(ckpt / fmt.ORBAX_MARKER, b"")
     fmt.write_json(
         ckpt / fmt.CHECKPOINT_METADATA,
         {

@@ -38,9 +38,10 @@ class StoreSpec:
     draws its own. See :func:`~milepost.workers._ocdbt_merge.write_database`."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.file_token, str) or not _TOKEN.fullmatch(self.file_token or "0" * 8):
+        token = self.file_token
+        if not isinstance(token, str) or (token and not _TOKEN.fullmatch(token)):
             raise ValueError(
-                f"file_token={self.file_token!r}: a save's file token is 8 lowercase hex digits "
+                f"file_token={token!r}: a save's file token is 8 lowercase hex digits "
                 "(os.urandom(4).hex()), or empty to draw one per database"
             )
 

@@ -375,13 +375,14 @@ def _leaf(m: _Merged, lo: int, hi: int, level: fmt.Compression) -> tuple[bytes, 
         take, keys, key_lengths, shared = take[1:], keys[1:], key_lengths[1:], shared[1:]
     files = m.files[take]
     lengths = m.lengths[take]
+    offsets = m.offsets[take]  # (an inline value's: its start in ``m.inline``)
     used = np.flatnonzero(np.bincount(files[files >= 0], minlength=len(m.paths)))
     local = np.full(len(m.paths) + 1, -1, np.int64)
     local[used] = np.arange(len(used))
     inline = b""
     direct = np.flatnonzero(files < 0)
     if len(direct):
-        starts = m.offsets[take][direct].astype(np.int64)
+        starts = offsets[direct].astype(np.int64)
         sizes = lengths[direct].astype(np.int64)
         at = np.repeat(starts - np.cumsum(sizes) + sizes, sizes) + np.arange(int(sizes.sum()))
         inline = m.inline[at].tobytes()
@@ -390,7 +391,7 @@ def _leaf(m: _Merged, lo: int, hi: int, level: fmt.Compression) -> tuple[bytes, 
         key_lengths.astype(np.int64),
         lengths,
         local[files],
-        m.offsets[take],
+        offsets,
         inline,
         fmt.file_table(m.path_rows[0][used], m.path_rows[1][used]),
         level,
