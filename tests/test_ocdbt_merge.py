@@ -246,6 +246,67 @@ def test_raw_starts_are_the_sums_before_each_row(
         assert got.tolist() == before[rows].tolist()
 
 
+def rank_major_by_hand(sizes: list[int]) -> list[int]:
+    """The source-order rows, rank by rank (sources longest first, in order among equals)."""
+    firsts = np.cumsum([0, *sizes])[:-1].tolist()
+    by_size = sorted(range(len(sizes)), key=lambda s: -sizes[s])
+    return [firsts[s] + r for r in range(max(sizes)) for s in by_size if r < sizes[s]]
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [[5], [3, 3, 3], [2, 0, 7, 7, 1, 0, 4], [0, 9, 2], [1] * 40 + [70, 3]],
+)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rows_laid_out_by_rank(
+    monkeypatch: pytest.MonkeyPatch, sizes: list[int], threads: int
+) -> None:
+    """Sources of any sizes (empty ones, ranks fewer sources have), laid rank by rank: the
+    layout's rows and places are each other's inverse, and its columns (keys' rows and
+    numbers) are the source-order columns gathered in that order, whatever the jobs' size."""
+    monkeypatch.setattr(_ocdbt_keys, "_LAY_BLOCK", 4)  # (jobs of a rank or two: many)
+    layout = _ocdbt_keys.RankMajor(sizes)
+    n = sum(sizes)
+    expected = rank_major_by_hand(sizes)
+    assert layout.rows(np.arange(n)).tolist() == expected
+    assert layout.places(np.array(expected, np.int64)).tolist() == list(range(n))
+    rng = np.random.default_rng(n)
+    keys = rng.integers(0, 255, (n, 5), np.uint8)
+    numbers = rng.integers(0, 2**32, n, np.uint64)
+    with RUNTIME.scoped("test-lay", threads) as pool:
+        laid = layout.lay_out([keys.copy(), numbers.copy()], pool if threads > 1 else None)
+    assert np.array_equal(laid[0], keys[expected])
+    assert np.array_equal(laid[1], numbers[expected])
+
+
+def test_only_sources_of_alike_keys_are_laid_out_by_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Hosts that each hold a chunk of every array are laid out by rank before the sort (then
+    nearly sorted); hosts of disjoint arrays are not (laid by rank, their keys would be
+    shuffled). The root view holds every key either way."""
+    laid: list[int] = []
+    real = _ocdbt_keys.RankMajor.lay_out
+
+    def spy(self: _ocdbt_keys.RankMajor, *args: Any) -> list[np.ndarray]:
+        laid.append(self.n)
+        return real(self, *args)
+
+    monkeypatch.setattr(_ocdbt_keys.RankMajor, "lay_out", spy)
+    rng = np.random.default_rng(8)
+    for case, key in [("alike", "a{a:03d}/c/{h}"), ("disjoint", "h{h}/a{a:03d}")]:
+        root = tmp_path / case
+        every: dict[bytes, bytes] = {}
+        for h in range(5):
+            batch = {key.format(a=a, h=h).encode(): rng.bytes(20) for a in range(300)}
+            database(root / f"ocdbt.process_{h}", [batch])
+            every.update(batch)
+        names = [f"ocdbt.process_{h}" for h in range(5)]
+        _ocdbt_merge.write_root(root, names, tsu.ROOT_OCDBT_CONFIG)
+        assert read_root(root) == every
+    assert laid == [1500]  # (the alike hosts' keys only)
+
+
 def test_uleb128_columns_round_trip() -> None:
     values = np.array([0, 1, 127, 128, 300, 2**32 - 1, 2**32, 2**63 - 1, 2**64 - 1], np.uint64)
     encoded = fmt.encode_varints(values)

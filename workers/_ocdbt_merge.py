@@ -34,6 +34,7 @@ from milepost.workers import _ocdbt_format as fmt
 from milepost.workers._errors import CorruptCheckpointError
 from milepost.workers._ocdbt_keys import (
     BLOCK,
+    RankMajor,
     long_keys,
     padded,
     rebuild_keys,
@@ -152,6 +153,7 @@ def _merge(sources: list[_Source], pool: Pool | None = None) -> _Merged:
     is decoded, copied in and dropped in turn: the memory is that of the columns, not of 4,096
     databases' decoded leaves besides them."""
     leaves = [(s.name, leaf) for s in sources for leaf in s.leaves]
+    layout = RankMajor([sum(leaf.entries for leaf in s.leaves) for s in sources])
     sources.clear()
     if not leaves:
         raise fmt.FormatError("no keys to merge")
@@ -214,6 +216,15 @@ def _merge(sources: list[_Source], pool: Pool | None = None) -> _Merged:
     renumber = np.append(renumber, np.int32(-1))  # (-1, inline, stays -1)
     for lo in range(0, n, BLOCK):
         files[lo : lo + BLOCK] = renumber[files[lo : lo + BLOCK]]
+    # Hosts that hold the same kinds of keys (a chunk of every array each) are nearly sorted
+    # laid out rank by rank: then so are the sort's passes and every gather after it (at 4,096
+    # hosts x 2,000 arrays, the commit 5.5 -> 4.5 s; see RankMajor).
+    if layout.nearly_sorted(keys.view(f"S{keys.shape[1]}").ravel()):
+        columns = [keys, key_prefix, lengths, files, offsets]
+        del keys, key_prefix, lengths, files, offsets  # (lay_out drops each when laid)
+        keys, key_prefix, lengths, files, offsets = layout.lay_out(columns, pool)
+        cut = np.fromiter(long, np.int64, len(long))
+        long = dict(zip(layout.places(cut).tolist(), long.values(), strict=True))
     order = sort_rows(keys.view(f"S{keys.shape[1]}").ravel(), pool)
     if long:
         _sort_cut_keys(keys, long, order)
