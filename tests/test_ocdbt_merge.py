@@ -144,12 +144,14 @@ def test_root_leaves_stay_near_a_mebibyte_and_a_written_database_names_its_files
     assert view.read("a31415/c/2/0").result().value == (31415).to_bytes(4, "little")
 
 
+@pytest.mark.parametrize("by_rank", [True, False])
 def test_keys_longer_than_the_rows_are_kept_whole_and_sorted_in_place(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, by_rank: bool
 ) -> None:
     """The merge's rows are as wide as all keys but the longest few (a save's longest keys are
     its tables'): those are cut in the rows, kept whole apart, and put in their place among
-    keys that share their cut bytes, shorter keys (a key exactly the cut's length) first."""
+    keys that share their cut bytes, shorter keys (a key exactly the cut's length) first; the
+    keys made rank by rank or in source order."""
     rng = np.random.default_rng(5)
     every: dict[bytes, bytes] = {}
     names = []
@@ -167,15 +169,16 @@ def test_keys_longer_than_the_rows_are_kept_whole_and_sorted_in_place(
         database(tmp_path / f"ocdbt.process_{h}", [batch])
         names.append(f"ocdbt.process_{h}")
         every.update(batch)
-    widths = []
-    real = _ocdbt_keys.rebuild_keys
+    widths: list[int] = []
+    real = _ocdbt_keys.RankMajor.rebuild
 
-    def rebuild(*args: object) -> object:
-        widths.append(args[-1])
-        return real(*args)  # type: ignore[arg-type]
+    def rebuild(self: _ocdbt_keys.RankMajor, *args: Any) -> np.ndarray:
+        widths.append(args[3])
+        return real(self, *args)
 
+    monkeypatch.setattr(_ocdbt_keys.RankMajor, "rebuild", rebuild)
+    monkeypatch.setattr(_ocdbt_keys.RankMajor, "nearly_sorted", lambda *_: by_rank)
     monkeypatch.setattr(_ocdbt_merge, "_LONG_KEYS", 0.1)
-    monkeypatch.setattr(_ocdbt_merge, "rebuild_keys", rebuild)
     config = {**tsu.ROOT_OCDBT_CONFIG, "max_decoded_node_bytes": 2_000}  # several leaves
     _ocdbt_merge.write_root(tmp_path, names, config)
     assert widths == [8], widths  # ("w/c/1/38": the longest keys but the few)
@@ -279,20 +282,70 @@ def test_rows_laid_out_by_rank(
     assert np.array_equal(laid[1], numbers[expected])
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("block", [4, 1 << 16])
+def test_keys_rebuilt_rank_by_rank_are_the_source_order_keys_laid_out(
+    monkeypatch: pytest.MonkeyPatch, threads: int, block: int
+) -> None:
+    """Sources of several leaves each (every leaf's keys prefix-coded from its first), empty
+    sources, sizes that leave ranks to fewer sources; rows as wide as every key or cut: the
+    keys made rank by rank are those made in source order, laid out by rank."""
+    monkeypatch.setattr(_ocdbt_keys, "_LAY_BLOCK", block)
+    rng = np.random.default_rng(threads * 7 + block)
+    for sizes in [[0, 700, 3, 700, 0, 1200], [1], [5, 5, 5, 5, 4, 900]]:
+        prefix, suffix, raw, keys = [], [], bytearray(), []
+        for size in sizes:
+            while size:
+                count = min(size, int(rng.integers(1, 400)))  # (a leaf)
+                words: set[bytes] = set()
+                while len(words) < count:
+                    words.add(bytes(rng.integers(97, 100, rng.integers(1, 14), np.uint8)))
+                before = b""
+                for word in sorted(words):
+                    pairs = enumerate(zip(before, word, strict=False))
+                    shared = next(
+                        (j for j, (x, y) in pairs if x != y), min(map(len, [before, word]))
+                    )
+                    prefix.append(shared)
+                    suffix.append(len(word) - shared)
+                    raw += word[shared:]
+                    keys.append(word)
+                    before = word
+                size -= count
+        columns = (
+            np.array(prefix, np.int32),
+            np.array(suffix, np.int32),
+            np.frombuffer(bytes(raw), np.uint8),
+        )
+        layout = _ocdbt_keys.RankMajor(sizes)
+        for width in [max(map(len, keys)), 6]:
+            with RUNTIME.scoped("test-rank-rebuild", threads) as pool:
+                got = layout.rebuild(*columns, width, pool if threads > 1 else None)
+            want = _ocdbt_keys.rebuild_keys(*columns, None, width)
+            assert np.array_equal(got, want[rank_major_by_hand(sizes)]), (sizes, width)
+
+
 def test_only_sources_of_alike_keys_are_laid_out_by_rank(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Hosts that each hold a chunk of every array are laid out by rank before the sort (then
     nearly sorted); hosts of disjoint arrays are not (laid by rank, their keys would be
-    shuffled). The root view holds every key either way."""
+    shuffled): their keys are made again in source order. The root view holds every key
+    either way."""
     laid: list[int] = []
-    real = _ocdbt_keys.RankMajor.lay_out
+    again: list[int] = []
+    real, real_rebuild = _ocdbt_keys.RankMajor.lay_out, _ocdbt_merge.rebuild_keys
 
     def spy(self: _ocdbt_keys.RankMajor, *args: Any) -> list[np.ndarray]:
         laid.append(self.n)
         return real(self, *args)
 
+    def rebuild(prefix: np.ndarray, *args: Any) -> np.ndarray:
+        again.append(len(prefix))
+        return real_rebuild(prefix, *args)
+
     monkeypatch.setattr(_ocdbt_keys.RankMajor, "lay_out", spy)
+    monkeypatch.setattr(_ocdbt_merge, "rebuild_keys", rebuild)
     rng = np.random.default_rng(8)
     for case, key in [("alike", "a{a:03d}/c/{h}"), ("disjoint", "h{h}/a{a:03d}")]:
         root = tmp_path / case
@@ -304,7 +357,7 @@ def test_only_sources_of_alike_keys_are_laid_out_by_rank(
         names = [f"ocdbt.process_{h}" for h in range(5)]
         _ocdbt_merge.write_root(root, names, tsu.ROOT_OCDBT_CONFIG)
         assert read_root(root) == every
-    assert laid == [1500]  # (the alike hosts' keys only)
+    assert laid == [1500] and again == [1500]  # (the alike hosts' keys, the disjoint ones')
 
 
 def test_uleb128_columns_round_trip() -> None:

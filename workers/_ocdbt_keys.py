@@ -5,7 +5,7 @@ it shares with the key before and its own bytes after them), made into the rows 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -94,10 +94,15 @@ def raw_starts(suffix: np.ndarray, rows: np.ndarray) -> np.ndarray:
 
 
 def long_keys(
-    keys: np.ndarray, prefix: np.ndarray, suffix: np.ndarray, raw: np.ndarray
+    keys: np.ndarray,
+    prefix: np.ndarray,
+    suffix: np.ndarray,
+    raw: np.ndarray,
+    place: Callable[[np.ndarray], np.ndarray] | None = None,
 ) -> dict[int, bytes]:
     """Every key longer than the rows of ``keys`` (:func:`rebuild_keys` with a ``width``), whole,
-    by row. A key shares with the one before at most that one's length: what it shares lies in
+    by row (in the columns' order; ``place``: where a row of theirs is in ``keys``, if not
+    there). A key shares with the one before at most that one's length: what it shares lies in
     that one's row, or (past the width) in that one's whole key, made just before."""
     width = keys.shape[1]
     rows = np.concatenate(
@@ -109,10 +114,13 @@ def long_keys(
     )
     if not len(rows):
         return {}
+    above = np.maximum(rows - 1, 0)
+    above = (place(above) if place is not None else above).tolist()
     out: dict[int, bytes] = {}
-    for i, at in zip(rows.tolist(), raw_starts(suffix, rows).tolist(), strict=True):
+    starts = raw_starts(suffix, rows).tolist()
+    for i, at, row in zip(rows.tolist(), starts, above, strict=True):
         p = int(prefix[i])
-        head = out[i - 1][:p] if p > width else keys[i - 1, :p].tobytes() if p else b""
+        head = out[i - 1][:p] if p > width else keys[row, :p].tobytes() if p else b""
         out[i] = head + raw[at : at + suffix[i]].tobytes()
     return out
 
@@ -177,13 +185,16 @@ class RankMajor:
     Sorted in source order, the same keys are 4,096 runs that interleave everywhere: a merge
     sort of them takes log2(4,096) passes over every key, and each row it compares, and every
     gather by the order after it, is a row 2,000 rows from the last. Laid out by rank, the
-    sort takes a pass and every gather stays among neighbouring rows (docs/performance.md)."""
+    sort takes a pass and every gather stays among neighbouring rows (docs/performance.md).
+    The keys are made rank by rank (:meth:`rebuild`), the other columns laid out after
+    (:meth:`lay_out`)."""
 
     def __init__(self, sizes: Sequence[int]) -> None:
         sizes_ = np.asarray(sizes, np.int64)
         self.n = int(sizes_.sum())
         self._source_firsts = np.cumsum(sizes_) - sizes_
         by_size = np.argsort(-sizes_, kind="stable")
+        self._by_size = by_size
         self._firsts = self._source_firsts[by_size]  # (each source's first row, longest first)
         self._slot = np.empty(len(sizes_), np.int64)  # (each source's place within a rank)
         self._slot[by_size] = np.arange(len(sizes_))
@@ -201,15 +212,84 @@ class RankMajor:
         source = np.searchsorted(self._source_firsts, rows, "right") - 1  # (skips empty ones)
         return self._starts[rows - self._source_firsts[source]] + self._slot[source]
 
-    def nearly_sorted(self, rows: np.ndarray, samples: int = 1 << 16) -> bool:
-        """Whether ``rows`` (fixed-width bytes, in source order) laid out by rank are sorted
-        but for at most one place in 16 of a sample of neighbouring places. (Sources of
-        disjoint keys, laid by rank, are not: their sort is then cheaper in source order.)"""
+    def nearly_sorted(self, laid: np.ndarray, samples: int = 1 << 16) -> bool:
+        """Whether ``laid`` (fixed-width bytes, laid out by rank) is sorted but for at most one
+        place in 16 of a sample of neighbouring places. (Sources of disjoint keys laid out by
+        rank are not: their sort is cheaper in source order.)"""
         if self.n < 2:
             return True
         places = np.arange(1, self.n, max(1, self.n // samples))
-        before = rows[self.rows(places - 1)]
-        return int(np.count_nonzero(rows[self.rows(places)] < before)) * 16 <= len(places)
+        return int(np.count_nonzero(laid[places] < laid[places - 1])) * 16 <= len(places)
+
+    def rebuild(
+        self,
+        prefix: np.ndarray,
+        suffix: np.ndarray,
+        raw: np.ndarray,
+        width: int,
+        pool: Pool | None = None,
+    ) -> np.ndarray:
+        """:func:`rebuild_keys` of the sources' prefix-coded key columns (in source order),
+        its rows laid out by rank: each key's shared prefix is its source's key before, one
+        rank up. The sources are split among the threads; each goes through the ranks a block
+        at a time, each source's own bytes placed, then its shared columns copied from the
+        nearest key above in its source that owns them (carried from block to block)."""
+        keys = np.zeros((self.n, width), np.uint8)
+        if not self.n:
+            return keys
+        distinct = np.flatnonzero(np.bincount(prefix, minlength=1)).tolist()
+        levels = [(a, min(b, width)) for a, b in zip(distinct, [*distinct[1:], width], strict=True)]
+        levels = [(a, b) for a, b in levels if a < b]
+        sources = len(self._firsts)
+        # where each source's own bytes start in ``raw`` (by slot; empty sources: anywhere)
+        firsts = np.minimum(self._source_firsts, self.n - 1)
+        bytes_at = raw_starts(suffix, firsts)[self._by_size]
+        threads = (pool.max_threads or 1) if pool is not None else 1
+        parts = [(sources * t // threads, sources * (t + 1) // threads) for t in range(threads)]
+        jobs = self._jobs()
+
+        def part(span: tuple[int, int]) -> None:
+            lo, hi = span
+            owners = [np.arange(lo, hi) for _ in levels]  # (rank 0's keys own every column)
+            for first, end in jobs:
+                count = int(self._starts[first + 1] - self._starts[first])  # (sources)
+                top = min(hi, count)
+                if top <= lo:
+                    continue
+                # (source, rank): each source's keys of the block, as its columns hold them
+                rows = self._firsts[lo:top, None] + np.arange(first, end)
+                places = self._starts[first:end] + np.arange(lo, top)[:, None]
+                p, s = prefix[rows].astype(np.int64), suffix[rows].astype(np.int64)
+                ends = np.cumsum(s, axis=1)
+                _place_own(keys, raw, places, p, s, bytes_at[lo:top, None] + ends - s)
+                bytes_at[lo:top] += ends[:, -1]
+                # (rank, source): the block's rows of this part, rank by rank, and the place
+                # of the nearest key above in each one's source whose own bytes hold a level
+                block = keys[self._starts[first] : self._starts[end]]
+                block = block.reshape(end - first, count, width)[:, lo:top]
+                p, places = p.T, places.T
+                for j, (a, b) in enumerate(levels):
+                    owner = np.where(p <= a, places, -1)
+                    np.maximum(owner[0], owners[j][: top - lo], out=owner[0])
+                    np.maximum.accumulate(owner, axis=0, out=owner)
+                    owners[j][: top - lo] = owner[-1]
+                    block[:, :, a:b] = keys[owner, a:b]
+
+        if pool is None or threads == 1:
+            part(parts[0])
+        else:
+            pool.map(part, parts)
+        return keys
+
+    def _jobs(self) -> list[tuple[int, int]]:
+        """Blocks of ranks (first, end) that as many sources have, ~``_LAY_BLOCK`` rows each."""
+        jobs = []
+        having = np.diff(self._starts)
+        edges = np.flatnonzero(np.diff(having)) + 1
+        for lo, hi in itertools.pairwise([0, *edges.tolist(), len(having)]):
+            step = max(1, _LAY_BLOCK // int(having[lo]))
+            jobs += [(r, min(r + step, hi)) for r in range(lo, hi, step)]
+        return jobs
 
     def lay_out(self, columns: list[np.ndarray], pool: Pool | None = None) -> list[np.ndarray]:
         """``columns`` (rows in source order) laid out by rank. Each is copied in turn and
@@ -217,13 +297,8 @@ class RankMajor:
         time (side by side with a ``pool``): each source's rows of those ranks read one after
         another, and laid rank by rank in a block that stays in cache. (Gathered place by
         place, every row read is one of another source's, and at 4,096 hosts every read
-        misses the TLB: 0.8 s against 0.3 s at 8.2 M keys.)"""
-        jobs = []  # (first rank, end rank): ranks that as many sources have, ~_LAY_BLOCK rows
-        having = np.diff(self._starts)
-        edges = np.flatnonzero(np.diff(having)) + 1
-        for lo, hi in itertools.pairwise([0, *edges.tolist(), len(having)]):
-            step = max(1, _LAY_BLOCK // int(having[lo]))
-            jobs += [(r, min(r + step, hi)) for r in range(lo, hi, step)]
+        misses the TLB: the keys' rows 0.8 s against 0.3 s at 8.2 M keys.)"""
+        jobs = self._jobs()
         out = []
         while columns:
             column = columns.pop(0)
@@ -250,3 +325,28 @@ class RankMajor:
 
 
 _LAY_BLOCK = 1 << 16  # (rows a job of RankMajor.lay_out gathers: its index stays in cache)
+
+
+def _place_own(
+    keys: np.ndarray,
+    raw: np.ndarray,
+    places: np.ndarray,
+    prefix: np.ndarray,
+    suffix: np.ndarray,
+    at: np.ndarray,
+) -> None:
+    """Put the own bytes of the keys laid at ``places`` (their ``suffix`` bytes at ``at`` in
+    ``raw``) after their shared ``prefix``, in their rows of ``keys`` (cut at its width)."""
+    width = keys.shape[1]
+    s = suffix.ravel()
+    total = int(s.sum())
+    if not total:
+        return
+    before = np.cumsum(s) - s
+    spread = np.arange(total) - np.repeat(before, s)  # (each byte's index within its key)
+    into = np.repeat((places * width + prefix).ravel(), s) + spread
+    take = np.repeat(at.ravel(), s) + spread
+    if np.any(prefix + suffix > width):  # (keys cut at the width: their bytes past it dropped)
+        within = np.repeat(prefix.ravel(), s) + spread < width
+        into, take = into[within], take[within]
+    keys.reshape(-1)[into] = raw[take]

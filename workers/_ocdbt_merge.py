@@ -206,8 +206,16 @@ def _merge(sources: list[_Source], pool: Pool | None = None) -> _Merged:
     # Rows as wide as all keys but the longest few: at 4,096 hosts x 2,000 arrays the longest
     # are the hosts' tables' (43 bytes against 29), and every byte of width is 8 MB of rows.
     width = _width(key_prefix, key_suffix)
-    keys = rebuild_keys(key_prefix, key_suffix, raw, pool, width)
-    long = long_keys(keys, key_prefix, key_suffix, raw)
+    # Hosts that hold alike keys (a chunk of every array each) are nearly sorted laid out rank
+    # by rank: then so are the sort's passes and every gather after it (at 4,096 hosts x 2,000
+    # arrays, the commit 5.5 -> 4.5 s; see RankMajor). Hosts of disjoint keys are not: their
+    # keys are made again in source order, and sorted as they are.
+    keys = layout.rebuild(key_prefix, key_suffix, raw, width, pool)
+    by_rank = layout.nearly_sorted(keys.view(f"S{width}").ravel())
+    if not by_rank:
+        del keys
+        keys = rebuild_keys(key_prefix, key_suffix, raw, pool, width)
+    long = long_keys(keys, key_prefix, key_suffix, raw, layout.places if by_rank else None)
     key_prefix += key_suffix  # (now each key's length)
     del key_suffix, raw
     # Sort the data file table once: each leaf's table is then a sorted subset (prefix-coded).
@@ -216,13 +224,10 @@ def _merge(sources: list[_Source], pool: Pool | None = None) -> _Merged:
     renumber = np.append(renumber, np.int32(-1))  # (-1, inline, stays -1)
     for lo in range(0, n, BLOCK):
         files[lo : lo + BLOCK] = renumber[files[lo : lo + BLOCK]]
-    # Hosts that hold the same kinds of keys (a chunk of every array each) are nearly sorted
-    # laid out rank by rank: then so are the sort's passes and every gather after it (at 4,096
-    # hosts x 2,000 arrays, the commit 5.5 -> 4.5 s; see RankMajor).
-    if layout.nearly_sorted(keys.view(f"S{keys.shape[1]}").ravel()):
-        columns = [keys, key_prefix, lengths, files, offsets]
-        del keys, key_prefix, lengths, files, offsets  # (lay_out drops each when laid)
-        keys, key_prefix, lengths, files, offsets = layout.lay_out(columns, pool)
+    if by_rank:
+        columns = [key_prefix, lengths, files, offsets]
+        del key_prefix, lengths, files, offsets  # (lay_out drops each when laid)
+        key_prefix, lengths, files, offsets = layout.lay_out(columns, pool)
         cut = np.fromiter(long, np.int64, len(long))
         long = dict(zip(layout.places(cut).tolist(), long.values(), strict=True))
     order = sort_rows(keys.view(f"S{keys.shape[1]}").ravel(), pool)
