@@ -178,6 +178,7 @@ def test_keys_longer_than_the_rows_are_kept_whole_and_sorted_in_place(
 
     monkeypatch.setattr(_ocdbt_keys.RankMajor, "rebuild", rebuild)
     monkeypatch.setattr(_ocdbt_keys.RankMajor, "nearly_sorted", lambda *_: by_rank)
+    monkeypatch.setattr(_ocdbt_merge, "_RANK_SOURCES", 1)
     monkeypatch.setattr(_ocdbt_merge, "_LONG_KEYS", 0.1)
     config = {**tsu.ROOT_OCDBT_CONFIG, "max_decoded_node_bytes": 2_000}  # several leaves
     _ocdbt_merge.write_root(tmp_path, names, config)
@@ -330,8 +331,8 @@ def test_only_sources_of_alike_keys_are_laid_out_by_rank(
 ) -> None:
     """Hosts that each hold a chunk of every array are laid out by rank before the sort (then
     nearly sorted); hosts of disjoint arrays are not (laid by rank, their keys would be
-    shuffled): their keys are made again in source order. The root view holds every key
-    either way."""
+    shuffled): their keys are made again in source order; nor are a few hosts' keys. The root
+    view holds every key either way."""
     laid: list[int] = []
     again: list[int] = []
     real, real_rebuild = _ocdbt_keys.RankMajor.lay_out, _ocdbt_merge.rebuild_keys
@@ -347,17 +348,24 @@ def test_only_sources_of_alike_keys_are_laid_out_by_rank(
     monkeypatch.setattr(_ocdbt_keys.RankMajor, "lay_out", spy)
     monkeypatch.setattr(_ocdbt_merge, "rebuild_keys", rebuild)
     rng = np.random.default_rng(8)
-    for case, key in [("alike", "a{a:03d}/c/{h}"), ("disjoint", "h{h}/a{a:03d}")]:
+    cases = [
+        ("alike", "a{a:03d}/c/{h}", 9),
+        ("disjoint", "h{h}/a{a:03d}", 9),
+        ("few", "a{a}/{h}", 7),
+    ]
+    for case, key, count in cases:
         root = tmp_path / case
         every: dict[bytes, bytes] = {}
-        for h in range(5):
+        for h in range(count):
             batch = {key.format(a=a, h=h).encode(): rng.bytes(20) for a in range(300)}
             database(root / f"ocdbt.process_{h}", [batch])
             every.update(batch)
-        names = [f"ocdbt.process_{h}" for h in range(5)]
+        names = [f"ocdbt.process_{h}" for h in range(count)]
         _ocdbt_merge.write_root(root, names, tsu.ROOT_OCDBT_CONFIG)
         assert read_root(root) == every
-    assert laid == [1500] and again == [1500]  # (the alike hosts' keys, the disjoint ones')
+    # (by rank: the alike hosts' keys; in source order: the disjoint ones' again, and the keys
+    # of fewer hosts than _RANK_SOURCES, never laid out by rank)
+    assert laid == [2700] and again == [2700, 2100], (laid, again)
 
 
 def test_uleb128_columns_round_trip() -> None:

@@ -195,6 +195,7 @@ class RankMajor:
         self._source_firsts = np.cumsum(sizes_) - sizes_
         by_size = np.argsort(-sizes_, kind="stable")
         self._by_size = by_size
+        self._sizes = sizes_[by_size]  # (longest first)
         self._firsts = self._source_firsts[by_size]  # (each source's first row, longest first)
         self._slot = np.empty(len(sizes_), np.int64)  # (each source's place within a rank)
         self._slot[by_size] = np.arange(len(sizes_))
@@ -240,12 +241,15 @@ class RankMajor:
         distinct = np.flatnonzero(np.bincount(prefix, minlength=1)).tolist()
         levels = [(a, min(b, width)) for a, b in zip(distinct, [*distinct[1:], width], strict=True)]
         levels = [(a, b) for a, b in levels if a < b]
-        sources = len(self._firsts)
         # where each source's own bytes start in ``raw`` (by slot; empty sources: anywhere)
         firsts = np.minimum(self._source_firsts, self.n - 1)
         bytes_at = raw_starts(suffix, firsts)[self._by_size]
         threads = (pool.max_threads or 1) if pool is not None else 1
-        parts = [(sources * t // threads, sources * (t + 1) // threads) for t in range(threads)]
+        # (each thread's sources, as many keys each: the sources' keys before each slot)
+        before = np.concatenate([[0], np.cumsum(self._sizes)])
+        cuts = np.searchsorted(before, np.arange(threads + 1) * self.n // threads).tolist()
+        cuts[-1] = len(self._sizes)
+        parts = list(itertools.pairwise(cuts))
         jobs = self._jobs()
 
         def part(span: tuple[int, int]) -> None:

@@ -55,6 +55,10 @@ The leaves of 512 hosts x 2,000 arrays (14 MB decoded): 2.00 MB in 0.26 s, again
 
 _ARITY = 4096  # children per interior node
 _THREADS = max(1, min(4, os.cpu_count() or 1))  # rebuilding keys, sorting, encoding leaves
+_RANK_SOURCES = 8
+"""Databases from which on their keys are laid out by rank (``RankMajor``) if that sorts them:
+the keys of fewer are a few runs, sorted as they are, and a save in one process has one or two
+(whose keys, made rank by rank, would leave a thread idle)."""
 _SORT_PIECE = 1 << 19  # rows of the second half placed per job when merging the sorted halves
 
 
@@ -154,6 +158,7 @@ def _merge(sources: list[_Source], pool: Pool | None = None) -> _Merged:
     databases' decoded leaves besides them."""
     leaves = [(s.name, leaf) for s in sources for leaf in s.leaves]
     layout = RankMajor([sum(leaf.entries for leaf in s.leaves) for s in sources])
+    by_rank = len(sources) >= _RANK_SOURCES
     sources.clear()
     if not leaves:
         raise fmt.FormatError("no keys to merge")
@@ -210,10 +215,12 @@ def _merge(sources: list[_Source], pool: Pool | None = None) -> _Merged:
     # by rank: then so are the sort's passes and every gather after it (at 4,096 hosts x 2,000
     # arrays, write_root 5.5 -> 4.6 s; see RankMajor). Hosts of disjoint keys are not: their
     # keys are made again in source order, and sorted as they are.
-    keys = layout.rebuild(key_prefix, key_suffix, raw, width, pool)
-    by_rank = layout.nearly_sorted(keys.view(f"S{width}").ravel())
+    if by_rank:
+        keys = layout.rebuild(key_prefix, key_suffix, raw, width, pool)
+        by_rank = layout.nearly_sorted(keys.view(f"S{width}").ravel())
+        if not by_rank:
+            del keys
     if not by_rank:
-        del keys
         keys = rebuild_keys(key_prefix, key_suffix, raw, pool, width)
     long = long_keys(keys, key_prefix, key_suffix, raw, layout.places if by_rank else None)
     key_prefix += key_suffix  # (now each key's length)
