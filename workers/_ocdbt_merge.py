@@ -157,8 +157,8 @@ def _merge(sources: list[_Source], pool: Pool | None = None) -> _Merged:
     is decoded, copied in and dropped in turn: the memory is that of the columns, not of 4,096
     databases' decoded leaves besides them."""
     leaves = [(s.name, leaf) for s in sources for leaf in s.leaves]
-    layout = RankMajor([sum(leaf.entries for leaf in s.leaves) for s in sources])
-    by_rank = len(sources) >= _RANK_SOURCES
+    sizes = [sum(leaf.entries for leaf in s.leaves) for s in sources]
+    layout = RankMajor(sizes) if len(sizes) >= _RANK_SOURCES else None
     sources.clear()
     if not leaves:
         raise fmt.FormatError("no keys to merge")
@@ -214,15 +214,15 @@ def _merge(sources: list[_Source], pool: Pool | None = None) -> _Merged:
     # Hosts that hold alike keys (a chunk of every array each) are nearly sorted laid out rank
     # by rank: then so are the sort's passes and every gather after it (at 4,096 hosts x 2,000
     # arrays, write_root 5.5 -> 4.6 s; see RankMajor). Hosts of disjoint keys are not: their
-    # keys are made again in source order, and sorted as they are.
-    if by_rank:
+    # keys are made again in source order, and sorted as they are; nor are a few databases'.
+    if layout is not None:
         keys = layout.rebuild(key_prefix, key_suffix, raw, width, pool)
-        by_rank = layout.nearly_sorted(keys.view(f"S{width}").ravel())
-        if not by_rank:
+        if not layout.nearly_sorted(keys.view(f"S{width}").ravel()):
             del keys
-    if not by_rank:
+            layout = None
+    if layout is None:
         keys = rebuild_keys(key_prefix, key_suffix, raw, pool, width)
-    long = long_keys(keys, key_prefix, key_suffix, raw, layout.places if by_rank else None)
+    long = long_keys(keys, key_prefix, key_suffix, raw, layout.places if layout else None)
     key_prefix += key_suffix  # (now each key's length)
     del key_suffix, raw
     # Sort the data file table once: each leaf's table is then a sorted subset (prefix-coded).
@@ -231,7 +231,7 @@ def _merge(sources: list[_Source], pool: Pool | None = None) -> _Merged:
     renumber = np.append(renumber, np.int32(-1))  # (-1, inline, stays -1)
     for lo in range(0, n, BLOCK):
         files[lo : lo + BLOCK] = renumber[files[lo : lo + BLOCK]]
-    if by_rank:
+    if layout is not None:
         columns = [key_prefix, lengths, files, offsets]
         del key_prefix, lengths, files, offsets  # (lay_out drops each when laid)
         key_prefix, lengths, files, offsets = layout.lay_out(columns, pool)
