@@ -158,9 +158,7 @@ def _rebuild(
     # whose prefix is at most a): one slab of columns is copied per length (a handful, as
     # keys share their leading path parts), not one index per byte; in blocks of rows, whose
     # temporaries stay in cache, each level's owner carried from the block before.
-    lengths = np.unique(prefix[start:end]).tolist()
-    levels = [(a, min(b, width)) for a, b in zip(lengths, [*lengths[1:], width], strict=True)]
-    levels = [(a, b) for a, b in levels if a < b]
+    levels = _levels(np.unique(prefix[start:end]).tolist(), width)
     owners = [start] * len(levels)  # (row ``start`` shares nothing: it owns every column)
     block = 1 << 16
     for lo in range(start, end, block):
@@ -172,6 +170,13 @@ def _rebuild(
             np.maximum.accumulate(owner, out=owner)
             owners[j] = int(owner[-1])
             keys[lo:hi, a:b] = keys[owner, a:b]
+
+
+def _levels(shared: list[int], width: int) -> list[tuple[int, int]]:
+    """The slabs of columns a rebuild copies: from each of the shared prefix lengths that occur
+    (sorted) to the next (the last to ``width``), within the width."""
+    levels = [(a, min(b, width)) for a, b in zip(shared, [*shared[1:], width], strict=True)]
+    return [(a, b) for a, b in levels if a < b]
 
 
 class RankMajor:
@@ -238,9 +243,7 @@ class RankMajor:
         keys = np.zeros((self.n, width), np.uint8)
         if not self.n:
             return keys
-        distinct = np.flatnonzero(np.bincount(prefix, minlength=1)).tolist()
-        levels = [(a, min(b, width)) for a, b in zip(distinct, [*distinct[1:], width], strict=True)]
-        levels = [(a, b) for a, b in levels if a < b]
+        levels = _levels(np.flatnonzero(np.bincount(prefix, minlength=1)).tolist(), width)
         # where each source's own bytes start in ``raw`` (by slot; empty sources: anywhere)
         firsts = np.minimum(self._source_firsts, self.n - 1)
         bytes_at = raw_starts(suffix, firsts)[self._by_size]
@@ -328,7 +331,7 @@ class RankMajor:
         return out
 
 
-_LAY_BLOCK = 1 << 16  # (rows a job of RankMajor.lay_out gathers: its index stays in cache)
+_LAY_BLOCK = 1 << 16  # (rows a job of RankMajor's rebuild or lay_out takes: they stay in cache)
 
 
 def _place_own(
