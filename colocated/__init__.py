@@ -1,6 +1,6 @@
 """milepost.colocated: host groups that run the controller's plans where the data lives."""
 
-from milepost.colocated._errors import HostError
+from milepost.colocated._errors import HostError, RayNotInstalledError
 from milepost.colocated._handles import AbstractArray, RemoteArray, SliceMesh, SliceSharding
 from milepost.colocated._hostgroup import HostGroup, HostLoad, LocalHostGroup, PendingHostSave
 from milepost.colocated._jax_internals import preemption_service_running, reachable_address
@@ -18,6 +18,7 @@ __all__ = [
     "MultiControllerHostGroup",
     "PendingHostSave",
     "RayHostGroup",
+    "RayNotInstalledError",
     "RemoteArray",
     "Slice",
     "SliceMesh",

@@ -2,7 +2,8 @@
 
 - The coordination service's client of ``jax.distributed`` (``global_state.client``): barriers
   with timeouts and key-value reads and writes, which carry every multi-controller step. JAX
-  exposes it only through ``jax._src.distributed``.
+  exposes it only through ``jax._src.distributed`` (whether it runs is public:
+  ``jax.distributed.is_initialized``, used where the installed JAX has it).
 - The coordinator's address (``global_state.coordinator_address``): the peer tier's processes
   are reached at the address of their interface towards it.
 - Whether JAX's preemption sync service runs (``global_state.preemption_sync_manager``): then
@@ -25,13 +26,22 @@ def _state() -> Any:
 
 def distributed_client() -> Any:
     """The coordination service's client of this process's ``jax.distributed`` runtime."""
-    client = _state().client
+    client = _state().client if _initialized() else None
     if client is None:
         raise RuntimeError(
             "jax.distributed is not initialized in this process: call jax.distributed.initialize() "
             "in every process before using milepost in a multi-process job"
         )
     return client
+
+
+def _initialized() -> bool:
+    """Whether ``jax.distributed`` runs here: JAX's public ``jax.distributed.is_initialized``
+    where the installed JAX has it, else whether the coordination client exists."""
+    import jax
+
+    public = getattr(jax.distributed, "is_initialized", None)
+    return bool(public()) if public is not None else _state().client is not None
 
 
 def reachable_address() -> str:

@@ -19,8 +19,6 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import cloudpickle
-
 import milepost.workers as workers
 from milepost.colocated._errors import HostError
 from milepost.colocated._handles import RemoteArray
@@ -36,6 +34,8 @@ WAIT_GROUP = "wait"
 
 def pickled_size(value: Any) -> int:
     """Bytes ``value`` takes on the wire (out-of-band buffers counted, not copied)."""
+    import cloudpickle  # (a slice's own dependency, with Ray)
+
     buffers: list[pickle.PickleBuffer] = []
     head = cloudpickle.dumps(value, protocol=5, buffer_callback=buffers.append)
     return len(head) + sum(b.raw().nbytes for b in buffers)

@@ -15,12 +15,11 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-import cloudpickle
 import numpy as np
 
 import milepost.workers as workers
 from milepost.colocated._actors import actor_env, host_on, host_remote
-from milepost.colocated._errors import HostError
+from milepost.colocated._errors import HostError, require_ray
 from milepost.colocated._handles import AbstractArray, RemoteArray, SliceMesh, SliceSharding
 from milepost.colocated._ray_group import RayHostGroup, Traffic, pickled_size
 from milepost.colocated._ray_host import Ref
@@ -115,7 +114,9 @@ class Slice:
         ray_init: Mapping[str, Any] | None = None,
     ) -> Slice:
         """Start ``hosts`` actors with ``devices_per_host`` fake CPU devices each, in the running
-        Ray runtime or a local one started here (``ray_init``: extra ``ray.init`` arguments)."""
+        Ray runtime or a local one started here (``ray_init``: extra ``ray.init`` arguments).
+        Needs Ray (``pip install 'milepost[ray]'``): without it, a ``RayNotInstalledError``."""
+        require_ray("milepost.Slice.start")
         import ray
 
         options = options or SliceOptions()
@@ -143,6 +144,7 @@ class Slice:
     ) -> Slice:
         """Use an existing Ray cluster: one host actor on each of ``hosts`` nodes (STRICT_SPREAD).
         ``devices_per_host`` None: each host uses its node's real accelerators."""
+        require_ray("milepost.Slice.connect")
         import ray
 
         check.integer(hosts, "hosts", minimum=1)
@@ -436,6 +438,8 @@ class Slice:
                 out_shardings,
                 is_leaf=lambda x: isinstance(x, SliceSharding),
             )
+        import cloudpickle  # (a slice's own dependency, with Ray)
+
         described = self.group.all(
             "run",
             cloudpickle.dumps(fn),

@@ -7,7 +7,7 @@ here.
 
 from __future__ import annotations
 
-from milepost.colocated import HostError
+from milepost.colocated import HostError, RayNotInstalledError
 from milepost.workers import CheckpointNotFoundError, CorruptCheckpointError
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "CorruptCheckpointError",
     "HostError",
     "InvalidKeyError",
+    "RayNotInstalledError",
     "SaveInProgressError",
     "StructureMismatchError",
     "TemporaryDirectoryRemovedError",

@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy)
 import numpy as np
 
-from tests import _subproc
+from tests import _subproc, _without_ray
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,11 +46,15 @@ def launch(
     module: str = "tests._mc_worker",
 ) -> list[Result]:
     """Run ``python -m module scenario INDEX COUNT PORT *args`` in ``processes`` processes on
-    localhost; each prints a JSON line last."""
+    localhost; each prints a JSON line last. Ray is absent from them (multi-controller jobs do
+    not need it: ``tests/_without_ray.py``)."""
     port = free_port()
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", module, scenario, str(i), str(processes), str(port), *args],
+            [
+                *_without_ray.module_command(module),
+                *(scenario, str(i), str(processes), str(port), *args),
+            ],
             cwd=ROOT,
             env=_subproc.env(devices),
             stdout=subprocess.PIPE,

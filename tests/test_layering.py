@@ -338,9 +338,10 @@ def test_every_module_is_read(folder: str) -> None:
     assert len([m for m in modules.values() if m.path.is_relative_to(ROOT / folder)]) == len(files)
 
 
-def _third_party_imports() -> tuple[set[str], set[str]]:
+def _third_party_imports() -> tuple[set[str], set[str], set[str]]:
     """(modules the code needs, optional ones: imported where an ImportError is handled, and
-    never at a module's top level without that guard)."""
+    never at a module's top level without that guard; and those imported at a module's top
+    level)."""
     import sys
 
     every: set[str] = set()
@@ -374,23 +375,37 @@ def _third_party_imports() -> tuple[set[str], set[str]]:
                     elif id(node) in at_top:
                         top_level.add(top)
     optional = guarded - top_level
-    return every - optional, optional
+    return every - optional, optional, top_level
 
 
 def test_runtime_dependencies_are_what_the_code_imports() -> None:
     """pyproject's dependencies are exactly the packages the library imports (an optional one,
-    such as IPython for notebook progress bars, is imported where its absence is handled)."""
+    such as IPython for notebook progress bars, is imported where its absence is handled), but
+    for the ``ray`` extra: what only slices use, imported inside the functions that need it,
+    never when a module is imported (tests/test_without_ray.py runs milepost without them)."""
     import re
     import tomllib
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    declared = {
-        re.split(r"[\[<>=!~; ]", d, maxsplit=1)[0].lower().replace("-", "_")
-        for d in project["dependencies"]
-    }
-    required, optional = _third_party_imports()
-    assert declared == {m.lower() for m in required}, (
-        f"declared but not imported: {sorted(declared - {m.lower() for m in required})}; "
-        f"imported but not declared: {sorted({m.lower() for m in required} - declared)}"
+
+    def names(requirements: list[str]) -> set[str]:
+        return {
+            re.split(r"[\[<>=!~; ]", d, maxsplit=1)[0].lower().replace("-", "_")
+            for d in requirements
+        }
+
+    declared = names(project["dependencies"])
+    slice_only = names(project["optional-dependencies"]["ray"])
+    required, optional, top_level = _third_party_imports()
+    required_lower = {m.lower() for m in required}
+    assert slice_only <= required_lower, f"the ray extra names unused {slice_only - required_lower}"
+    assert not slice_only & {m.lower() for m in top_level}, (
+        f"{sorted(slice_only & {m.lower() for m in top_level})} imported at a module's top level: "
+        "import them inside the slice functions that need them"
+    )
+    core = required_lower - slice_only
+    assert declared == core, (
+        f"declared but not imported: {sorted(declared - core)}; "
+        f"imported but not declared: {sorted(core - declared)}"
     )
     assert optional <= {"IPython"}, f"optional imports: {sorted(optional)}"
