@@ -102,6 +102,38 @@ def test_timers_share_one_clock_thread_that_ends_when_none_is_due(runtime: Runti
     assert wait_until(lambda: not clocks[0].is_alive()), "the clock ends with nothing due"
 
 
+def test_where_no_thread_can_start_a_pool_runs_the_job_on_the_caller(
+    runtime: Runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Python 3.12 starts no thread once the interpreter exits (a save in flight at exit still
+    hands jobs to its pools: tests/test_background.py runs that for real on 3.12). A pool with
+    no free thread then runs the job on the thread that submits it; a timer is dropped."""
+    busy = runtime.pool("test-refused", 2)
+    gate, taken = threading.Event(), threading.Event()
+    holding = busy.submit(lambda: (taken.set(), gate.wait(10))[1])
+    assert taken.wait(10)  # one thread, busy
+    real_start = threading.Thread.start
+
+    def refuse(thread: threading.Thread) -> None:
+        if thread.name.startswith("milepost-"):
+            raise RuntimeError("can't create new thread at interpreter shutdown")
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    me = threading.current_thread()
+    fresh = runtime.pool("test-refused-fresh", 2)
+    assert fresh.submit(threading.current_thread).result(0) is me and fresh.threads == 0
+    assert busy.submit(threading.current_thread).result(0) is me, "the busy thread is not waited"
+    fired: list[int] = []
+    timer = runtime.call_later(0.01, lambda: fired.append(1))
+    assert not timer.is_alive() and fired == []
+    assert [t.name for t in runtime.threads()] == ["milepost-test-refused"], "none started"
+    monkeypatch.setattr(threading.Thread, "start", real_start)
+    gate.set()
+    assert holding.result(5) is True
+    assert fresh.submit(threading.current_thread).result(5) is not me, "threads again after"
+
+
 def test_a_save_load_cycle_leaves_only_threads_the_runtime_stops(
     tmp_path: Path, mesh24: jax.sharding.Mesh
 ) -> None:

@@ -17,7 +17,9 @@ the saves in flight have finished); whatever is asked of the runtime afterwards 
 
 Pools run their jobs on daemon threads of their own rather than ``concurrent.futures``'s:
 those refuse new work once the interpreter begins to exit, before ``atexit`` handlers run,
-while a save that the exit waits for still hands jobs to its pools.
+while a save that the exit waits for still hands jobs to its pools. Python 3.12 starts no new
+thread at all by then: a pool with no free thread runs the job on the thread that submits it,
+and a timer asked for then is dropped (nothing is due after the exit).
 """
 
 from __future__ import annotations
@@ -79,13 +81,16 @@ class Pool:
         """Run ``fn(*args, **kwargs)`` on a thread of the pool; its future. A job whose
         future was cancelled before a thread took it does not run."""
         future: Future[T] = Future()
+        alone = False
         with self._lock:
             self._jobs.put((future, fn, args, kwargs))
             self._queued += 1
             if self._queued > self._waiting and (
                 self._max is None or len(self._threads) < self._max
             ):
-                self._start()
+                alone = not self._start()  # (every thread is busy, and none can start)
+        if alone:
+            self._run_here(future)
         return future
 
     def map(self, fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
@@ -96,11 +101,34 @@ class Pool:
             future.exception()  # wait for every one, failed or not
         return [future.result() for future in futures]
 
-    def _start(self) -> None:
+    def _start(self) -> bool:
+        """Start a thread (under the lock); False if none can start now."""
         thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
         self._threads.add(thread)
         self._runtime._started(thread)
-        thread.start()
+        try:
+            thread.start()
+        except RuntimeError:
+            # Python 3.12 starts no thread once the interpreter exits (its atexit handlers,
+            # where a save in flight at exit finishes); then the caller runs the jobs itself.
+            self._threads.discard(thread)
+            self._runtime._ended(thread)
+            return False
+        return True
+
+    def _run_here(self, future: Future[Any]) -> None:
+        """Run this pool's queued jobs on the calling thread until ``future``'s job has run:
+        no thread of the pool is free, and none can start."""
+        while not future.done():
+            with self._lock:
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    return
+                if job is _STOP:
+                    continue
+                self._queued -= 1
+            _run_job(job)
 
     def _serve(self) -> None:
         me = threading.current_thread()
@@ -124,16 +152,8 @@ class Pool:
                         self._threads.discard(me)
                         return
                     self._queued -= 1
-                future, fn, args, kwargs = job
-                if not future.set_running_or_notify_cancel():
-                    continue
-                try:
-                    result = fn(*args, **kwargs)
-                except BaseException as e:
-                    future.set_exception(e)
-                else:
-                    future.set_result(result)
-                del job, future, fn, args, kwargs  # nothing of a job outlives it here
+                _run_job(job)
+                del job  # nothing of a job outlives it here
         finally:
             self._runtime._ended(me)
 
@@ -148,6 +168,18 @@ class Pool:
         for thread in threads:
             if thread is not threading.current_thread():
                 thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+
+def _run_job(job: tuple[Future[Any], Callable[..., Any], Any, Any]) -> None:
+    future, fn, args, kwargs = job
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        result = fn(*args, **kwargs)
+    except BaseException as e:
+        future.set_exception(e)
+    else:
+        future.set_result(result)
 
 
 class Timer:
@@ -257,7 +289,13 @@ class Runtime:
                     target=self._tick, name=PREFIX + "clock", daemon=True
                 )
                 self._live.add(self._clock)
-                self._clock.start()
+                try:
+                    self._clock.start()
+                except RuntimeError:  # the interpreter is exiting (Python 3.12): no timers due
+                    self._live.discard(self._clock)
+                    self._clock = None
+                    self._timers.clear()
+                    timer.cancel()
             else:
                 self._clock_wake.notify()
         return timer
