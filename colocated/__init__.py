@@ -2,7 +2,13 @@
 
 from milepost.colocated._errors import HostError, RayNotInstalledError
 from milepost.colocated._handles import AbstractArray, RemoteArray, SliceMesh, SliceSharding
-from milepost.colocated._hostgroup import HostGroup, HostLoad, LocalHostGroup, PendingHostSave
+from milepost.colocated._hostgroup import (
+    DevicesHere,
+    HostGroup,
+    HostLoad,
+    LocalHostGroup,
+    PendingHostSave,
+)
 from milepost.colocated._jax_internals import preemption_service_running, reachable_address
 from milepost.colocated._mcjax import MultiControllerHostGroup, default_group, set_primary_process
 from milepost.colocated._ray_group import RayHostGroup, Traffic
@@ -11,6 +17,7 @@ from milepost.colocated._slice_peers import SlicePeers, choose_peers
 
 __all__ = [
     "AbstractArray",
+    "DevicesHere",
     "HostError",
     "HostGroup",
     "HostLoad",

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import milepost.workers as workers
 
@@ -34,6 +34,18 @@ class HostLoad:
 
     arrays: list[Any]
     acks: list[workers.LoadAck]
+
+
+class DevicesHere(NamedTuple):
+    """A group's devices, for placing a checkpoint's saved shardings on them."""
+
+    ids: tuple[int, ...]
+    """Every device id, in the order the group lays a mesh over them (``jax.devices()``'s; a
+    slice's host by host)."""
+    memory_kinds: frozenset[str] | None
+    """The memory kinds the devices offer (None: not known to the controller)."""
+    where: str
+    """The group in words for a log line: 'this runtime', 'this slice'."""
 
 
 @runtime_checkable
@@ -81,6 +93,11 @@ class HostGroup(Protocol):
         trees whose shardings are on an ``AbstractMesh``); ValueError saying how to give one."""
         ...
 
+    def devices_here(self) -> DevicesHere:
+        """The group's devices (a load without an abstract tree places saved shardings on
+        them when the saved devices are not all here)."""
+        ...
+
     def barrier(self, name: str, timeout: float) -> None:
         """Wait until every controller process arrived (a no-op with a single controller)."""
         ...
@@ -117,6 +134,16 @@ class JaxDevices:
         self, axis_names: tuple[str, ...], axis_sizes: tuple[int, ...]
     ) -> tuple[int, ...]:
         return jax_mesh_device_ids(axis_names, axis_sizes)
+
+    def devices_here(self) -> DevicesHere:
+        import jax
+
+        ids = tuple(int(d.id) for d in jax.devices())
+        try:  # (every process's devices are alike: this process's first one answers)
+            memories = jax.local_devices()[0].addressable_memories()
+        except (AttributeError, NotImplementedError, RuntimeError):
+            return DevicesHere(ids, None, "this runtime")
+        return DevicesHere(ids, frozenset(str(m.kind) for m in memories), "this runtime")
 
 
 class LocalHostGroup(JaxDevices):

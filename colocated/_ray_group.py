@@ -22,7 +22,7 @@ from typing import Any
 import milepost.workers as workers
 from milepost.colocated._errors import HostError
 from milepost.colocated._handles import RemoteArray
-from milepost.colocated._hostgroup import HostLoad
+from milepost.colocated._hostgroup import DevicesHere, HostLoad
 from milepost.colocated._ray_host import Ref
 
 log = logging.getLogger("milepost.slice")
@@ -344,6 +344,10 @@ class RayHostGroup:
                 "give the abstract tree shardings over slice.mesh(...)"
             )
         return tuple(self.device_ids)
+
+    def devices_here(self) -> DevicesHere:
+        """The slice's devices, host by host; their memory kinds are the hosts' to know."""
+        return DevicesHere(tuple(self.device_ids), None, "this slice")
 
     def start_save(
         self, plans: Mapping[int, workers.SavePlan], sources: Sequence[Any], timeout: float

@@ -120,7 +120,8 @@ def load(path: PathLike, abstract_state: Any = None, *, partial: bool = False) -
     ``abstract_state`` (optional) gives the structure and, per leaf, the target shape, dtype and
     sharding (``jax.ShapeDtypeStruct``, a concrete array, ...); loading reshards and casts to it.
     ``PLACEHOLDER`` leaves are skipped. ``partial=True`` loads only the leaves the abstract tree
-    names. Without an abstract tree the saved shardings are used (their devices must exist).
+    names. Without an abstract tree the saved shardings are used, placed on the devices here when
+    the saved ones are not all here (the saved mesh over them, cut to fit; said in a log line).
 
     ``path`` may also be a ``.safetensors`` file or a folder of HF-style shards: tensor names are
     matched to the leaves' key paths joined by '.', and each host reads only the byte ranges its

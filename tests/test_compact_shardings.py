@@ -297,16 +297,16 @@ def test_crafted_compact_shardings_are_corrupt_checkpoint_errors(
 
 
 def test_compact_sharding_on_missing_devices(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
-    """Well-formed, but over devices this runtime lacks: the same error as from ``_sharding``,
-    and an abstract tree with shardings loads it."""
+    """Well-formed, but over devices this runtime lacks: the saved mesh is laid over the
+    devices here (tests/test_load_anywhere.py), and an abstract tree's shardings are used."""
     w = np.arange(32, dtype=np.float32).reshape(4, 8)
     ckpt = mp.save(tmp_path / "c", {"w": put(w, mesh24, P("data", "model"))})
     data = info(ckpt)
     data["shardings"]["meshes"][0]["device_ids"] = {"start": 100, "count": 8}
     (ckpt / "state" / fmt.MILEPOST_INFO).write_text(json.dumps(data))
     reseal(ckpt)
-    with pytest.raises(ValueError, match=r"(?s)'w'.*\[100.*abstract tree"):
-        mp.load(ckpt)
+    out = mp.load(ckpt)["w"]
+    assert same_bits(out, w) and out.sharding == NamedSharding(mesh24, P("data", "model"))
     target = NamedSharding(mesh24, P("model"))
     out = mp.load(ckpt, {"w": jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=target)})["w"]
     assert same_bits(out, w) and out.sharding == target

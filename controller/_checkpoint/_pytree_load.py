@@ -20,6 +20,7 @@ import numpy as np
 
 from milepost import _format as fmt
 from milepost import _hosts, _progress, _tree, _views, workers
+from milepost._checkpoint._anywhere import SavedShardings
 from milepost._checkpoint._calls import LoadCall
 from milepost._checkpoint._pytree_save import CONTROLLER, SCALAR_TYPES
 from milepost._checkpoint._replicas import mark as mark_replicas
@@ -205,25 +206,22 @@ def _targets(files: fmt.TreeFiles, abstract: Any, partial: bool) -> tuple[list[_
     return [_Target(leaf.keys, leaf.name, leaf.value) for leaf in leaves], treedef
 
 
-def _saved_sharding(files: fmt.TreeFiles, name: str, group: Any, message: str) -> ShardingSpec:
-    spec = files.shardings.get(name)
-    if spec is None:
-        raise StructureMismatchError(message)
-    group.check_devices(spec, name)
-    return spec
-
-
 def _task(
-    files: fmt.TreeFiles, header: dict[str, Any], target: _Target, group: Any
+    files: fmt.TreeFiles,
+    header: dict[str, Any],
+    target: _Target,
+    group: Any,
+    saved: SavedShardings,
 ) -> workers.LoadTask:
-    """How to read one array: shape, target dtype, and target sharding (None: a NumPy array)."""
+    """How to read one array: shape, target dtype, and target sharding (None: a NumPy array;
+    ``saved``: the saved shardings, placed on the group's devices)."""
     name, abstract = target.name, target.abstract
     shape, dtype = header_shape_dtype(header)
     impl = files.key_impls.get(name)
     if impl is not None and (
         abstract is None or (_is_abstract_array(abstract) and workers.is_key(abstract.dtype))
     ):
-        return _key_task(files, header, target, impl, group)
+        return _key_task(files, header, target, impl, group, saved)
     if _is_abstract_array(abstract) and workers.is_key(abstract.dtype):
         raise StructureMismatchError(
             f"leaf {name!r}: the abstract tree asks for PRNG keys ({abstract.dtype}) but the "
@@ -233,10 +231,8 @@ def _task(
     sharding: Any = None
     if abstract is None:
         if files.leaves[name].value_type is ValueType.JAX_ARRAY:
-            sharding = _saved_sharding(
-                files,
+            sharding = saved.sharding(
                 name,
-                group,
                 f"array {name!r} was saved without a sharding milepost can rebuild; pass an "
                 "abstract tree (jax.ShapeDtypeStruct with a sharding) to load it",
             )
@@ -250,10 +246,8 @@ def _task(
         dtype = np.dtype(abstract.dtype)
         sharding = getattr(abstract, "sharding", None)
         if sharding is None:  # no target sharding given: the saved one
-            sharding = _saved_sharding(
-                files,
+            sharding = saved.sharding(
                 name,
-                group,
                 f"leaf {name!r} has no sharding in the abstract tree and none was saved; give one",
             )
         elif getattr(sharding, "milepost_spec", None) is not None:  # a slice sharding: ids only
@@ -307,7 +301,12 @@ def confirm_written(directory: Path | ObjectPath) -> list[str]:
 
 
 def _key_task(
-    files: fmt.TreeFiles, header: dict[str, Any], target: _Target, impl: str, group: Any
+    files: fmt.TreeFiles,
+    header: dict[str, Any],
+    target: _Target,
+    impl: str,
+    group: Any,
+    saved: SavedShardings,
 ) -> workers.LoadTask:
     """Typed PRNG keys: read their stored key data, hand back keys of the saved implementation."""
     name, abstract = target.name, target.abstract
@@ -315,10 +314,8 @@ def _key_task(
     words = workers.key_words(impl)
     keys_shape = shape[: len(shape) - len(words)]
     if abstract is None:
-        sharding: Any = _saved_sharding(
-            files,
+        sharding: Any = saved.sharding(
             name,
-            group,
             f"PRNG key array {name!r} was saved without a sharding milepost can rebuild; pass an "
             "abstract tree (jax.ShapeDtypeStruct with a sharding) to load it",
         )
@@ -336,10 +333,8 @@ def _key_task(
             )
         sharding = getattr(abstract, "sharding", None)
         if sharding is None:
-            sharding = _saved_sharding(
-                files,
+            sharding = saved.sharding(
                 name,
-                group,
                 f"leaf {name!r} has no sharding in the abstract tree and none was saved; give one",
             )
         elif getattr(sharding, "milepost_spec", None) is not None:
@@ -410,9 +405,10 @@ def load(directory: Path | ObjectPath, abstract: Any, call: LoadCall) -> Any:
 
     device_tasks: list[workers.LoadTask] = []
     host_tasks: list[workers.LoadTask] = []
+    saved = SavedShardings(files, group, directory)
     for t in targets:
         if t.abstract is not PLACEHOLDER and t.name in headers:
-            task = _task(files, headers[t.name], t, group)
+            task = _task(files, headers[t.name], t, group, saved)
             (host_tasks if task.sharding is None else device_tasks).append(task)
 
     loading = call.options.loading
