@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from milepost import _checkpoint, _hosts, _msgpack, _progress, _safetensors
-from milepost._checkpoint import CheckpointMetadata, SaveHandle
+from milepost._checkpoint import CheckpointMetadata, LoadHandle, SaveHandle
 from milepost.workers import ObjectPath, as_path
 
 PathLike = str | os.PathLike[str] | ObjectPath
@@ -179,6 +179,59 @@ def load_checkpointables(
     """
     with _progress.operation("load", as_path(path), primary=_primary()):
         return _checkpoint.load_checkpointables(path, checkpointables, partial=partial)
+
+
+def load_async(
+    path: PathLike, abstract_state: Any = None, *, partial: bool = False
+) -> LoadHandle[Any]:
+    """Like :func:`load`, but returns a :class:`LoadHandle` at once and reads in the
+    background, so that a job compiles its step while its checkpoint is read.
+    ``handle.result()`` waits and returns the tree, or re-raises the load's failure on your
+    thread.
+
+    Checked before it returns, on your thread: the path (``TypeError``, ``ValueError``) and
+    that it exists (:class:`CheckpointNotFoundError`); the rest (a damaged chunk, a tree that
+    does not match) is raised by ``result()``. The load uses the options of the
+    :class:`Context` in force at the call; leave ``abstract_state`` unchanged until it ends.
+    A process's background loads run one after another, in the order they were asked for, on
+    one milepost thread; in a multi-controller job every process calls ``load_async`` in the
+    same order (as every milepost call), starts no other load of the same path before its
+    ``result()``, and, with ``LoadOptions(load_and_broadcast=True)``, runs no computation
+    across processes until then (the load's collectives would meet it). An interpreter exit
+    waits for a load in flight at most ``AsyncOptions.timeout_secs``.
+
+    >>> handle = mp.load_async("/ckpt/1000", abstract_state)
+    >>> step = jax.jit(train_step).lower(abstract_state, batch).compile()  # while it reads
+    >>> state = handle.result()
+    """
+    where = _load_path(path, "load_async")
+    return _checkpoint.start_load(where, lambda: load(where, abstract_state, partial=partial))
+
+
+def load_checkpointables_async(
+    path: PathLike, checkpointables: Mapping[str, Any] | None = None, *, partial: bool = False
+) -> LoadHandle[dict[str, Any]]:
+    """Like :func:`load_checkpointables`, but in the background (see :func:`load_async`);
+    ``handle.result()`` returns the checkpointables by name.
+
+    >>> handle = milepost.load_checkpointables_async("/ckpt/300", {"state": abstract_state})
+    >>> parts = handle.result()
+    """
+    where = _load_path(path, "load_checkpointables_async")
+    return _checkpoint.start_load(
+        where, lambda: load_checkpointables(where, checkpointables, partial=partial)
+    )
+
+
+def _load_path(path: Any, call: str) -> Path | ObjectPath:
+    """``path`` of a background load, checked on the caller's thread."""
+    if not isinstance(path, str | os.PathLike | ObjectPath):
+        surgery = " (a milepost.surgery tree loads with milepost.load)"
+        raise TypeError(
+            f"milepost.{call} takes the path of a checkpoint (a str or os.PathLike), got a "
+            f"{type(path).__name__}{surgery if isinstance(path, dict | list | tuple) else ''}"
+        )
+    return as_path(path)
 
 
 def metadata(path: PathLike) -> CheckpointMetadata:

@@ -15,13 +15,14 @@ pipe only the final line. A bar appears once the operation has run ``delay_secs`
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import html
 import logging
 import math
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -187,12 +188,30 @@ class Operation:
         return rate, max(0.0, (self.total - done) / rate) if self.total >= done else 0.0
 
 
+_WATCHER: contextvars.ContextVar[Callable[[Operation], None] | None] = contextvars.ContextVar(
+    "milepost_operation_watcher", default=None
+)
+
+
+@contextlib.contextmanager
+def watching(fn: Callable[[Operation], None]) -> Iterator[None]:
+    """Hand each operation that starts inside the block (on this thread) to ``fn``: a
+    ``LoadHandle`` shows the bytes of the load it runs."""
+    token = _WATCHER.set(fn)
+    try:
+        yield
+    finally:
+        _WATCHER.reset(token)
+
+
 @contextlib.contextmanager
 def operation(kind: str, path: Any, *, primary: bool = True) -> Iterator[Operation]:
     """An operation of the current context's progress options, active inside the block; closed
     (and logged at INFO on the primary) when the block ends."""
     options = _options.current().progress if primary else None
     op = Operation(kind, path, options)
+    if (watcher := _WATCHER.get()) is not None:
+        watcher(op)
     try:
         with op.active():
             yield op

@@ -1,7 +1,7 @@
 """Whole checkpoints: saving (stage, then commit in the background), loading and metadata, the
 checkpointable handlers, and the pytree checkpointable (its save plan and its load plan)."""
 
-from milepost._checkpoint._background import SAVES, wait_for_saves
+from milepost._checkpoint._background import LOADS, SAVES, wait_for_saves
 from milepost._checkpoint._calls import Deferred, LoadCall, SaveCall, as_pending
 from milepost._checkpoint._data_iterator import DataIterator, DataIteratorHandler
 from milepost._checkpoint._handlers import (
@@ -20,6 +20,7 @@ from milepost._checkpoint._load import (
     read_checkpointables,
     unchanged,
 )
+from milepost._checkpoint._load_async import LoadHandle, start_load
 from milepost._checkpoint._planning import (
     AUTO_BAND_BYTES,
     auto_chunk_shape,
@@ -54,6 +55,7 @@ from milepost._checkpoint._save import SaveHandle, all_leaves, saves_in_flight, 
 __all__ = [
     "AUTO_BAND_BYTES",
     "CONTROLLER",
+    "LOADS",
     "SAVES",
     "SCALAR_TYPES",
     "CheckpointMetadata",
@@ -64,6 +66,7 @@ __all__ = [
     "JsonHandler",
     "LeafMetadata",
     "LoadCall",
+    "LoadHandle",
     "PendingTree",
     "PyTreeHandler",
     "SaveCall",
@@ -93,6 +96,7 @@ __all__ = [
     "saves_in_flight",
     "sharding_spec",
     "stage_tree",
+    "start_load",
     "start_save",
     "to_scalar",
     "tree_metadata",

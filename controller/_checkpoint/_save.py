@@ -24,10 +24,11 @@ from typing import Any
 import jax
 
 from milepost import _format as fmt
-from milepost import _hosts, _options, _progress, _views, workers
+from milepost import _hosts, _options, _progress, workers
 from milepost._checkpoint import _pytree_load
 from milepost._checkpoint._background import SAVES
 from milepost._checkpoint._calls import SaveCall, as_pending
+from milepost._checkpoint._handle import Handle
 from milepost._checkpoint._handlers import PyTreeHandler, holds_no_tree, resolve_for_save
 from milepost._checkpoint._pytree_save import PendingTree
 from milepost._errors import InvalidKeyError, SaveInProgressError
@@ -68,9 +69,10 @@ def _wait_for_cleanup(final: Path | ObjectPath) -> None:
         pass  # its own failure was reported; what it left is taken over by this save
 
 
-class SaveHandle:
+class SaveHandle(Handle[Path | ObjectPath]):
     """The background part of a save. ``result()`` waits for the commit and re-raises its
-    failure on your thread; ``add_done_callback(fn)`` calls ``fn(handle)`` when it ends.
+    failure on your thread; ``add_done_callback(fn)`` calls ``fn(handle)`` when it ends
+    (:func:`milepost.wait_for_saves` returns only after the callbacks ran).
 
     >>> handle = milepost.save_async("/ckpt/200", state)
     >>> handle
@@ -80,55 +82,9 @@ class SaveHandle:
     SaveHandle('/ckpt/200', committed: 512.0 MiB in 1.21 s (0.44 GB/s), blocking 0.118 s)
     """
 
-    def __init__(
-        self,
-        path: Path | ObjectPath,
-        future: futures.Future[Path | ObjectPath],
-        operation: _progress.Operation | None = None,
-    ) -> None:
-        self.path = path
-        self._future = future
-        self._op = operation
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def result(self, timeout: float | None = None) -> Path | ObjectPath:
-        try:
-            return self._future.result(timeout)
-        except futures.TimeoutError as e:
-            raise TimeoutError(
-                f"the save to {self.path} did not finish within {timeout}s; it is still running"
-            ) from e
-
-    def add_done_callback(self, fn: Callable[[SaveHandle], Any]) -> None:
-        """Call ``fn(self)`` once the save committed or failed (at once if it already has), on
-        the thread that finished it. Exceptions ``fn`` raises are logged, not raised. As with
-        ``concurrent.futures``, :meth:`result` may return while that thread still runs the
-        callbacks; :func:`milepost.wait_for_saves` returns only after them."""
-        self._future.add_done_callback(lambda _: fn(self))
-
-    def _state(self) -> str:
-        op = self._op
-        if not self._future.done():
-            if op is None:
-                return "running"
-            return (
-                f"running: {_progress.human_bytes(op.done)} of "
-                f"{_progress.human_bytes(op.total)} written, {op.seconds:.1f} s"
-            )
-        error = self._future.exception()
-        if error is None:
-            return "committed" + (
-                f": {op.summary()}" if op is not None and op.ended is not None else ""
-            )
-        return f"failed: {type(error).__name__}: {error}"
-
-    def __repr__(self) -> str:
-        return f"SaveHandle({str(self.path)!r}, {self._state()})"
-
-    def _repr_html_(self) -> str:
-        return _views.html_fields("SaveHandle", {"path": str(self.path), "state": self._state()})
+    _doing = "save to"
+    _moved = "written"
+    _ended = "committed"
 
 
 def check_name(name: str) -> None:

@@ -523,6 +523,7 @@ class Checkpointer:
             state.loading[step] -= 1
             if state.loading[step] <= 0:
                 del state.loading[step]
+            state.cond.notify_all()  # close() waits for the loads in flight
             if state.gc_deferred and not state.loading and not self._closed:
                 # retention spared a step for this load; finish the job in the background
                 state.gc_deferred = False
@@ -541,15 +542,20 @@ class Checkpointer:
         ``abstract_state`` gives the structure and target shardings (see ``milepost.load``).
         ``data_iter``: the iterator to restore, in place, to the position saved with the step
         by ``save(..., data_iter=)``; it then yields what the saved run would have yielded."""
+        self._state.raise_failure()
+        s = self._protect(step)
+        try:
+            return self._read(self._where(s), abstract_state, partial, data_iter)
+        finally:
+            self._release(s)
+
+    def _read(
+        self, where: Path | ObjectPath, abstract_state: Any, partial: bool, data_iter: Any
+    ) -> Any:
         if data_iter is None:
-            self._state.raise_failure()
-            s = self._protect(step)
-            try:
-                return _api.load(self._where(s), abstract_state, partial=partial)
-            finally:
-                self._release(s)
-        parts = self.load_checkpointables(
-            step, {STATE: abstract_state, DATA_ITER: data_iter}, partial=partial
+            return _api.load(where, abstract_state, partial=partial)
+        parts = _api.load_checkpointables(
+            where, {STATE: abstract_state, DATA_ITER: data_iter}, partial=partial
         )
         return parts[STATE]
 
@@ -567,6 +573,44 @@ class Checkpointer:
             return _api.load_checkpointables(self._where(s), checkpointables, partial=partial)
         finally:
             self._release(s)
+
+    def load_async(
+        self,
+        step: int | None = None,
+        abstract_state: Any = None,
+        *,
+        partial: bool = False,
+        data_iter: Any = None,
+    ) -> _checkpoint.LoadHandle[Any]:
+        """Like :meth:`load`, but returns a :class:`~milepost.LoadHandle` at once and reads in
+        the background (see ``milepost.load_async``): compile while the step is read, then
+        ``handle.result()``.
+
+        The step is chosen now (``StepNotFoundError`` is raised here), and retention keeps it
+        until the load ends, failed or not. ``data_iter`` is restored in place when the load
+        ends: use it after ``result()``. :meth:`close` waits for the loads in flight (at most
+        ``timeout_secs``). With several controller processes, call it in every process in the
+        same order, as every method.
+
+        >>> handle = ckpt.load_async(abstract_state=abstract_state)
+        >>> step_fn = jax.jit(train_step).lower(abstract_state, batch).compile()
+        >>> state = handle.result()
+        """
+        self._state.raise_failure()
+        s = self._protect(step)
+        where = self._where(s)
+
+        def read() -> Any:
+            try:
+                return self._read(where, abstract_state, partial, data_iter)
+            finally:
+                self._release(s)
+
+        try:
+            return _checkpoint.start_load(where, read)
+        except BaseException:
+            self._release(s)  # it never started
+            raise
 
     def metadata(self, step: int | None = None) -> _checkpoint.CheckpointMetadata:
         """Shapes, dtypes, shardings, metrics and custom metadata of ``step`` (default: the
@@ -656,11 +700,12 @@ class Checkpointer:
             )
 
     def close(self) -> None:
-        """Wait for saves in flight and retention (re-raising a failure), stop the mirror and
-        retention threads and restore the signal handlers."""
+        """Wait for loads and saves in flight and retention (re-raising a save's failure), stop
+        the mirror and retention threads and restore the signal handlers."""
         if self._closed:
             return
         try:
+            self._wait_for_loads()
             self.wait()
         finally:
             self._closed = True
@@ -670,6 +715,19 @@ class Checkpointer:
             self._preemption.close()
             if self._peers is not None:
                 self._peers.close()
+
+    def _wait_for_loads(self) -> None:
+        """Wait (at most ``timeout_secs``) until no load of a step is in flight: a load's end
+        may hand retention the steps it spared."""
+        state = self._state
+        with state.cond:
+            state.wait_while(
+                lambda: bool(state.loading),
+                lambda: (
+                    f"the loads of steps {sorted(state.loading)} from {self.root} did not "
+                    f"finish within {self._timeout}s"
+                ),
+            )
 
     def __enter__(self) -> Checkpointer:
         return self
