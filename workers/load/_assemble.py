@@ -15,6 +15,10 @@ from milepost.workers._messages import LoadPlan, LoadTask
 from milepost.workers._sharding import ShardingSpec
 from milepost.workers.load import _broadcast
 
+DEVICE_PATH_ON_CPU = False
+"""Place each box on its devices as it arrives, as on accelerators, on CPU devices too (the
+tests and ``benchmarks/accelerator_bench.py --cpu`` set it to run that path without one)."""
+
 
 class Assembler:
     """Collects the pieces of one array as they are read and builds the result."""
@@ -40,7 +44,10 @@ class Assembler:
         self.copying: list[tuple[Any, tuple[Any, ...]]] = []
         """Replicas of a box being copied on a copy thread, and their devices."""
         self.dtype = np.dtype(task.dtype)
-        self.on_cpu = all(d.platform == "cpu" for devices, _ in pieces for d in devices)
+        self.host_devices = all(d.platform == "cpu" for devices, _ in pieces for d in devices)
+        """Every device is a CPU: its arrays adopt host buffers."""
+        self.on_cpu = self.host_devices and not DEVICE_PATH_ON_CPU
+        """Assemble the CPU way: every buffer placed at once by :meth:`finish`."""
 
     def _cast(self, data: np.ndarray) -> np.ndarray:
         target = self.dtype
@@ -50,11 +57,13 @@ class Assembler:
             data = cast
         return data
 
-    def take(self, devices: tuple[Any, ...], data: np.ndarray) -> None:
+    def take(self, devices: tuple[Any, ...], data: np.ndarray) -> list[Any]:
+        """Take the values of one box for ``devices``; returns the device arrays whose
+        transfers from host buffers started now (they read ``data`` until they are ready)."""
         data = self._cast(data)
         if self.sharding is None:
             self.results[self.slot] = data
-            return
+            return []
 
         # A device array adopts an aligned buffer without a copy (CPU), so every device gets
         # its own: two devices sharing memory would clobber each other on donation.
@@ -64,23 +73,29 @@ class Assembler:
             # Made on a copy thread while this one goes on reading; finish() collects them.
             self.copying.append((on_copy_pool(_replicas_of, data, len(devices) - 1), devices[1:]))
             self.unplaced.append((data, devices[0]))
-        else:
+        elif self.host_devices:
             extras = [aligned_empty(data.shape, data.dtype) for _ in devices[1:]]
             parallel_copy([(extra, data) for extra in extras])
             self.unplaced.extend(zip([data, *extras], devices, strict=True))
+        else:  # (a transfer copies: one host buffer feeds every replica's)
+            self.unplaced.extend((data, device) for device in devices)
         # On CPU the buffer becomes the device memory, so placing the whole array in one call
-        # costs nothing extra; elsewhere place now, so host buffers stay within the budget.
+        # costs nothing extra; elsewhere place now: the transfers (asynchronous) run while the
+        # next boxes are read, and the reader counts their host buffers until they are done.
         if not self.on_cpu:
-            self._place()
+            return self._place()
+        return []
 
     def _collect_copies(self) -> None:
         for future, devices in self.copying:
             self.unplaced.extend(zip(future.result(), devices, strict=True))
         self.copying = []
 
-    def _place(self) -> None:
+    def _place(self) -> list[Any]:
+        """Start placing every buffer not yet placed; returns the new device arrays."""
         import jax
 
+        placed: list[Any] = []
         if self.unplaced:
             buffers, devices = zip(*self.unplaced, strict=True)
             # Into the memory the target sharding names (e.g. 'pinned_host' for offloaded state).
@@ -90,8 +105,10 @@ class Assembler:
                 targets = [
                     jax.sharding.SingleDeviceSharding(d, memory_kind=memory_kind) for d in devices
                 ]
-            self.placed.extend(jax.device_put(list(buffers), targets))
+            placed = list(jax.device_put(list(buffers), targets))
+            self.placed.extend(placed)
             self.unplaced = []
+        return placed
 
     def finish(self) -> None:
         if self.sharding is None:
@@ -149,17 +166,21 @@ class BroadcastAssembler(Assembler):
         self.data: dict[int, Any] = {}
         self.finished = False
 
-    def take(self, devices: tuple[Any, ...], data: np.ndarray) -> None:
+    def take(self, devices: tuple[Any, ...], data: np.ndarray) -> list[Any]:
         import jax
 
         data = self._cast(data)
         extras = [aligned_empty(data.shape, data.dtype) for _ in devices[1:]]
         parallel_copy([(extra, data) for extra in extras])
+        placed: list[Any] = []
         for buffer, device in zip([data, *extras], devices, strict=True):
             # Off CPU the shard goes to its device now, so host buffers stay within the budget.
-            self.data[device.id] = (
-                buffer if device.platform == "cpu" else jax.device_put(buffer, device)
-            )
+            if device.platform == "cpu":
+                self.data[device.id] = buffer
+            else:
+                self.data[device.id] = jax.device_put(buffer, device)
+                placed.append(self.data[device.id])
+        return placed
 
     def finish(self) -> None:
         if not self.finished:

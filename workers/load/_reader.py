@@ -126,6 +126,17 @@ class _DirectRead:
         return False
 
 
+def _ready(arrays: list[Any]) -> bool:
+    """Whether every transfer to ``arrays`` is done (no wait)."""
+    return all(a.is_ready() for a in arrays)
+
+
+def _wait(arrays: list[Any]) -> None:
+    """Wait until every transfer to ``arrays`` is done."""
+    for a in arrays:
+        a.block_until_ready()
+
+
 def _box_view(store: Any, box: tuple[tuple[int, int], ...]) -> Any:
     """The TensorStore view of ``box`` (indexing a TensorStore costs tens of microseconds: done
     only for reads that go through it)."""
@@ -146,13 +157,13 @@ class _TensorRead:
         self.nbytes = sum(out.nbytes for _, _, out in self.targets)
         self.futures = _safetensors.read_boxes(tensor, [(box, out) for _, box, out in self.targets])
 
-    def finish(self) -> int:
+    def finish(self) -> tuple[int, list[Any]]:
+        """Wait; the bytes read, and the device arrays whose transfers started."""
         futures_wait(self.futures)
         got = sum(f.result() for f in self.futures)
-        for devices, _, out in self.targets:
-            self.asm.take(devices, out)
+        placed = [a for devices, _, out in self.targets for a in self.asm.take(devices, out)]
         self.targets = []
-        return got
+        return got, placed
 
 
 @dataclass
@@ -173,7 +184,9 @@ class _Read:
 
 
 class BudgetedReader:
-    """Issues reads, keeping at most ``budget`` bytes of read buffers in flight.
+    """Issues reads, keeping at most ``budget`` bytes of read buffers in flight: reads not yet
+    done, and (on accelerators) boxes read whose transfers to their devices are not yet done
+    (a fast reader over a slow bus would otherwise hold ever more host memory).
 
     A box goes straight from its file into the destination buffer when the locator can find it
     (see :mod:`._direct`), otherwise through TensorStore. With recorded checksums every chunk a
@@ -200,6 +213,11 @@ class BudgetedReader:
         )  # with the locator
         self.inflight: collections.deque[_Read | _TensorRead] = collections.deque()
         self.inflight_bytes = 0
+        self.placing: collections.deque[tuple[list[Any], int]] = collections.deque()
+        """Device arrays being placed from host buffers (asynchronously), and those bytes."""
+        self.placing_bytes = 0
+        self.peak_bytes = 0
+        """The most bytes of reads and placements in flight at once."""
         self.bytes_read = 0
         self.progress = _progress.counter()
 
@@ -260,9 +278,7 @@ class BudgetedReader:
             whole = _checksum.aligned_box(box, checked.chunk_shape, checked.shape)
             if whole != box and direct is None:
                 nbytes += math.prod(b - a for a, b in whole) * dtype.itemsize
-        if self.budget is not None:
-            while self.inflight and self.inflight_bytes + nbytes + scratch > self.budget:
-                self._complete_one()
+        self._make_room(nbytes + scratch)
         if checked is not None:
             checked.prefetch(direct[1] if direct is not None else checked.box_values(whole))
         out = _memory.read_buffer(tuple(b - a for a, b in box), dtype)
@@ -284,6 +300,7 @@ class BudgetedReader:
             read.future = ts.array(read.staged).write(_box_view(store, whole))
         self.inflight.append(read)
         self.inflight_bytes += nbytes + scratch
+        self.peak_bytes = max(self.peak_bytes, self.inflight_bytes + self.placing_bytes)
 
     def read_tensor(self, tensor: _safetensors.Tensor, asm: Assembler) -> None:
         """Read every box ``asm`` needs of a safetensors tensor."""
@@ -293,17 +310,45 @@ class BudgetedReader:
                 * tensor.nbytes
                 // max(1, math.prod(tensor.shape))
             )
-            while self.inflight and self.inflight_bytes + needed > self.budget:
-                self._complete_one()
+            self._make_room(needed)
         read = _TensorRead(tensor, asm)
         self.inflight.append(read)
         self.inflight_bytes += read.nbytes
+        self.peak_bytes = max(self.peak_bytes, self.inflight_bytes + self.placing_bytes)
+
+    def _make_room(self, nbytes: int) -> None:
+        """Wait until ``nbytes`` more fit in the budget, or nothing else is in flight: first
+        for placements (only their end frees memory: a read done becomes a placement), then
+        for reads."""
+        if self.budget is None:
+            return
+        while self.inflight_bytes + self.placing_bytes + nbytes > self.budget:
+            if self.placing:
+                self._placed_one(block=not _ready(self.placing[0][0]))
+            elif self.inflight:
+                self._complete_one()
+            else:
+                return
+
+    def _placing(self, arrays: list[Any], nbytes: int) -> None:
+        if arrays:
+            self.placing.append((arrays, nbytes))
+            self.placing_bytes += nbytes
+
+    def _placed_one(self, block: bool) -> None:
+        """Forget the oldest placement (waiting until its transfers are done if ``block``)."""
+        arrays, nbytes = self.placing.popleft()
+        if block:
+            _wait(arrays)
+        self.placing_bytes -= nbytes
 
     def _complete_one(self) -> None:
         read = self.inflight.popleft()
         if isinstance(read, _TensorRead):
-            self.bytes_read += read.finish()
+            got, placed = read.finish()
+            self.bytes_read += got
             self.inflight_bytes -= read.nbytes
+            self._placing(placed, read.nbytes)
             if self.progress is not None:
                 self.progress(read.nbytes)
             return
@@ -335,8 +380,9 @@ class BudgetedReader:
                 array=asm.task.name,
                 path=self.directory,
             ) from e
-        asm.take(read.devices, read.out)
+        placed = asm.take(read.devices, read.out)
         self.inflight_bytes -= read.nbytes + read.scratch
+        self._placing(placed, read.out.nbytes)
         self.bytes_read += read.nbytes
         if self.progress is not None:
             self.progress(
