@@ -104,11 +104,34 @@ class SaveOptions:
     host memory a save adds then stays within the budget (plus TensorStore's small buffers),
     at the price of a longer blocking part. None: copy everything; 0: copy nothing (the whole
     write happens before ``save_async`` returns; only the commit runs in the background).
-    Counted for shards in host memory (CPU devices, NumPy leaves, pinned_host arrays); on
-    accelerators the device-to-host transfers are not budgeted. Plain ``save`` never copies."""
+    On accelerators every shard is copied to host memory to be written: there the budget bounds
+    the copies in host memory whose writes are not yet durable (the next copy waits for an
+    earlier write; one shard's part at a time when the budget is smaller), and ``save_async``
+    returns once the last copy is done. Plain ``save`` stages nothing (on accelerators it
+    copies each shard to host memory to write it, with no budget)."""
+
+    device_staging: Literal["auto", "pinned_host", "host_copy"] = "auto"
+    """How shards in accelerator memory reach host memory to be written. Each region a host
+    writes is copied into host memory of milepost's own (a replicated shard split among its
+    replicas: only its part, cut out on the device), every copy started before the first wait,
+    each written as soon as it arrives; nothing is cached on your arrays.
+
+    ``"auto"``: ``"pinned_host"`` on GPUs, ``"host_copy"`` on other accelerators (TPU
+    pinned-host buffers may carry device layouts, which NumPy unpacks with a second copy).
+    ``"pinned_host"``: a ``jax.device_put`` into the device's page-locked ``'pinned_host'``
+    memory (the fastest DMA; NumPy reads it in place); an error where a device offers none. On
+    GPUs that memory is XLA's pinned-host pool, which keeps what it allocated for the process's
+    lifetime and holds 64 GiB at most (``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB``): a save puts at
+    most half of that limit there, and copies the rest the ``"host_copy"`` way.
+    ``"host_copy"``: JAX's own copy (``copy_to_host_async``) into pageable memory, for hosts
+    short of page-locked memory. Shards on CPU devices are host memory already and are not
+    transferred, except under ``"pinned_host"`` (which runs the accelerator path on CPU)."""
 
     def __post_init__(self) -> None:
         check.flag(self.use_ocdbt, "SaveOptions.use_ocdbt")
+        check.one_of(
+            self.device_staging, "SaveOptions.device_staging", ("auto", "pinned_host", "host_copy")
+        )
         check.integer(
             self.host_staging_budget_bytes,
             "SaveOptions.host_staging_budget_bytes",

@@ -105,6 +105,9 @@ class SavePlan:
     timeout_secs: float | None = None
     """The staging's writes that it waits for (array creations, regions not copied) must be
     durable within this (a :class:`TimeoutError` naming them otherwise; None: no limit)."""
+    device_staging: str = "auto"
+    """How regions in accelerator memory reach host memory (``SaveOptions.device_staging``):
+    ``'auto'``, ``'pinned_host'`` or ``'host_copy'`` (:mod:`milepost.workers.save._device`)."""
 
 
 @dataclass(frozen=True, kw_only=True)

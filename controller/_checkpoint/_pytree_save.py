@@ -318,6 +318,7 @@ def stage_tree(
                 first_writer=first_writer,
                 writers=_options.writers_for(planned.options, host_bytes[p]),
                 staging_budget_bytes=planned.options.host_staging_budget_bytes,
+                device_staging=planned.options.device_staging,
                 timeout_secs=timeout,
             )
             for p, tasks in planned.host_tasks.items()
@@ -334,6 +335,7 @@ def stage_tree(
                 writers=_options.writers_for(planned.options, own_bytes),
                 first_writer=first_writer,
                 staging_budget_bytes=planned.options.host_staging_budget_bytes,
+                device_staging=planned.options.device_staging,
                 timeout_secs=timeout,
             )
             own = _hosts.controller_host().start_save(

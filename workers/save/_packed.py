@@ -34,6 +34,7 @@ from milepost.workers import _tensorstore as tsu
 from milepost.workers._boxes import Box
 from milepost.workers._checksum import Grid
 from milepost.workers._messages import ArraySpec, StoreSpec
+from milepost.workers.save._device import DevicePart
 
 PACK_LIMIT = 1 << 20
 """Shards of at most this many bytes are packed; larger ones are written by TensorStore (their
@@ -58,7 +59,8 @@ class _Shard:
     key: str
     name: str
     box: Box  # the shard's box in the array
-    data: np.ndarray  # the region's host view holding it (the caller's memory until copied)
+    data: np.ndarray | DevicePart  # the region's host view holding it (the caller's memory
+    # until copied), or the region on its way from device memory
     within: tuple[slice, ...]  # the shard's slices in ``data``
 
 
@@ -78,7 +80,9 @@ class Packer:
         self.data_bytes = 0
         """The bytes of their values."""
 
-    def add(self, spec: ArraySpec, box: Box, data: np.ndarray, room: int | None = None) -> int:
+    def add(
+        self, spec: ArraySpec, box: Box, data: np.ndarray | DevicePart, room: int | None = None
+    ) -> int:
         """Take the region ``box`` of ``spec`` (its values ``data``) if every shard of it may be
         packed (whole shards inside the array, uncompressed, of at most :data:`PACK_LIMIT`
         bytes, of an element type stored as its bytes) and its stored bytes fit in ``room``
@@ -102,7 +106,7 @@ class Packer:
         self.data_bytes += data.nbytes
         return size
 
-    def _packable(self, spec: ArraySpec, box: Box, data: np.ndarray) -> bool:
+    def _packable(self, spec: ArraySpec, box: Box, data: np.ndarray | DevicePart) -> bool:
         if spec.compression is not None or data.size == 0 or spec.dtype in _SUB_BYTE:
             return False
         if data.dtype.kind not in "biufcV" or not data.dtype.isnative or _BIG_ENDIAN:

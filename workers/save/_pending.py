@@ -51,17 +51,21 @@ class PendingSave:
         self._staged_bytes = 0
         self._packed: list[str] = []
         """The packed databases being written (:mod:`._packed`), each with its table."""
-        self._issuing: Any = None
-        """The job issuing the staging copies' writes (it adds to ``_inflight`` and
-        ``_checksums``): waited for before either is read."""
+        self._issuing: list[Future[Any]] = []
+        """The jobs issuing writes off the caller's thread (the staging copies', the device
+        copies'; they add to ``_inflight`` and ``_checksums``): waited for before either is
+        read."""
+        self._tracking = threading.Lock()
+        """Serializes what those jobs and the caller's thread add."""
 
     def track(self, future: Any, nbytes: int = 0, name: str = "") -> None:
         """Count a TensorStore future that may still write (an open, a write's commit), the
         bytes it writes and the array it writes to."""
-        assert self._inflight is not None
-        self._inflight.append(future)
-        self._names.append(name)
-        self._nbytes += nbytes
+        with self._tracking:
+            assert self._inflight is not None
+            self._inflight.append(future)
+            self._names.append(name)
+            self._nbytes += nbytes
 
     def checksum(
         self, spec: ArraySpec, box: Box, data: np.ndarray, database: str | None = None
@@ -69,7 +73,8 @@ class PendingSave:
         """Compute the checksums of the chunks of ``data`` (the region ``box``, written into
         ``database``) on the copy pool."""
         future = on_copy_pool(_checksum.region_crc32c, data, box, spec.chunk_shape)
-        self._checksums.append((database, spec.name, future))
+        with self._tracking:
+            self._checksums.append((database, spec.name, future))
         return future
 
     def packing(self, packer: _packed.Packer, job: Future[None], progress: Any = None) -> None:
@@ -102,9 +107,9 @@ class PendingSave:
         error.unsettled.append(self)
         return error
 
-    def issued_by(self, job: Future[None]) -> None:
+    def issued_by(self, job: Future[Any]) -> None:
         """``job`` issues writes (adding to what is tracked): waited for before the writes."""
-        self._issuing = job
+        self._issuing.append(job)
 
     def wait(self, timeout: float | None = None) -> SaveAck:
         with self._lock:
@@ -163,8 +168,8 @@ class PendingSave:
         only until every write is issued and its checksums computed; a failure settles the
         others first."""
         try:
-            if self._issuing is not None:
-                self._issuing.result(timeout=left())
+            for job in self._issuing:
+                job.result(timeout=left())
             if issued_only:
                 for _, _, future in self._checksums:
                     future.result(timeout=left())
@@ -229,8 +234,7 @@ class PendingSave:
         if timeout is None:
             timeout = _requests.budget_secs()
         deadline = time.monotonic() + timeout
-        if self._issuing is not None:
-            futures_wait([self._issuing], timeout=timeout)
+        futures_wait(self._issuing, timeout=timeout)
         for f in self._inflight or []:
             try:
                 f.result(timeout=max(0.0, deadline - time.monotonic()))

@@ -22,7 +22,7 @@ from milepost.workers._boxes import box_to_slices
 from milepost.workers._errors import from_tensorstore
 from milepost.workers._memory import on_copy_pool, parallel_copy
 from milepost.workers._messages import ArraySpec, Region, SavePlan, SaveTask
-from milepost.workers.save import _packed, _staging
+from milepost.workers.save import _device, _packed, _staging
 from milepost.workers.save._pending import PendingSave
 
 
@@ -55,7 +55,6 @@ def start_save(plan: SavePlan, sources: Sequence[Any]) -> PendingSave:
         )
         opens.append(_Opening(spec, create, context, pending, database))
     try:
-        _start_device_to_host(plan, sources)
         _issue_writes(plan, sources, parts, opens, pending)
     except BaseException as e:
         if isinstance(e, TimeoutError) and not str(e):  # the deadline: settled by the caller
@@ -154,6 +153,8 @@ def _split_among_writers(tasks: Sequence[SaveTask], writers: int) -> list[_Part]
 
 _Write = tuple[_Opening, tuple[tuple[int, int], ...], np.ndarray, ArraySpec]
 """(the array's opening, box, the data to write, its spec)."""
+_DeviceWrite = tuple[_Opening, tuple[tuple[int, int], ...], _device.DevicePart, ArraySpec]
+"""(the array's opening, box, the region on its way from device memory, its spec)."""
 
 
 def _issue_writes(
@@ -165,10 +166,15 @@ def _issue_writes(
 ) -> None:
     """Issue every region's write. Regions that may be the caller's memory are first copied
     into staging buffers of our own (with ``plan.copy``); with a staging budget, the regions
-    beyond it are written from the caller's memory instead, and waited for here."""
+    beyond it are written from the caller's memory instead, and waited for here. Regions in
+    accelerator memory are copied to host memory of our own (:mod:`._device`), all copies
+    started before any wait, each written as soon as it is in host memory."""
     writes: list[_Write] = []  # from memory that is ours, or that the caller lends us until durable
     blocking: list[_Write] = []  # from the caller's memory, durable before we return
     copies: list[tuple[_Write, np.ndarray]] = []  # (the write of a staging copy, the data to copy)
+    transfers = _device.Transfers()
+    from_devices: list[_DeviceWrite] = []  # written as each copy arrives in host memory
+    packed_parts: list[_device.DevicePart] = []  # packed: copied into the packed buffer
     room = plan.staging_budget_bytes
     packer = (
         _packed.Packer(plan.store, tsu.process_dir_name(plan.process_index, plan.first_writer))
@@ -181,14 +187,24 @@ def _issue_writes(
     for (_, task, regions), store in zip(parts, opens, strict=True):
         source = sources[task.source]
         shards = _shards_by_device(source)
+        mode = _device.mode_of(source, plan.device_staging)
         for region in regions:
-            data = _region_data(source, shards, region.device_id, region.index, task.spec)
+            data: np.ndarray | _device.DevicePart
+            if mode is not None and region.device_id >= 0:
+                shard = _shard_of(shards, region.device_id, task.spec)
+                data = transfers.add(shard, region.index, mode, task.spec)
+            else:
+                data = _region_data(source, shards, region.device_id, region.index, task.spec)
             packed_bytes = packer.add(task.spec, region.index, data, room) if packer else 0
             if packed_bytes:
                 room = None if room is None else room - packed_bytes
+                if isinstance(data, _device.DevicePart):
+                    packed_parts.append(data)
                 continue
             store.needed = True
-            if not (plan.copy and _may_alias_caller_memory(source, region.device_id)):
+            if isinstance(data, _device.DevicePart):
+                from_devices.append((store, region.index, data, task.spec))
+            elif not (plan.copy and _may_alias_caller_memory(source, region.device_id)):
                 writes.append((store, region.index, data, task.spec))
             elif room is None or data.nbytes <= room:
                 room = None if room is None else room - data.nbytes
@@ -211,6 +227,13 @@ def _issue_writes(
             )
         return written.commit, pending.checksum(spec, box, data, opening.database)
 
+    # The device copies start first (the packed ones, small, before the others): every copy
+    # the room allows runs while we go on.
+    transfers.start(packed_parts)
+    window = _device.Window(
+        transfers, [item[2] for item in from_devices], room if plan.copy else None
+    )
+    window.begin()
     packed_size = packer.layout() if packer is not None and packer.nbytes else 0
     if copies or packed_size:  # (the pool keeps only what this save's buffers will reuse)
         sizes = [data.nbytes for _, data in copies]
@@ -221,7 +244,7 @@ def _issue_writes(
         pending.hold(raw)
         packed = packer.copies(buffer)
         del buffer
-    if writes or blocking or not copies:
+    if writes or blocking or from_devices or not copies:
         # Writes issued here: every open first, so they run together (and the writes reach
         # TensorStore together: one by one, each after its array's open, a save's data spread
         # over more files). Only a save that stages everything opens off the caller's thread.
@@ -233,6 +256,23 @@ def _issue_writes(
     waits = [future for item in blocking for future in write(item)]
     for item in writes:
         write(item)
+    if from_devices:
+        # Each as soon as its copy is in host memory: the writes overlap the copies still
+        # running. The copies are ours: the caller's arrays are free once the last one is done.
+        of_part = {id(item[2]): item for item in from_devices}
+
+        def write_part(part: _device.DevicePart) -> Any:
+            opening, box, _, spec = of_part[id(part)]
+            return write((opening, box, part.host(), spec))[0]
+
+        def wait(future: Any) -> None:
+            future.result(timeout=pending.staging_left())
+
+        if window.room is None:  # issued on the copy pool: we only wait for the copies
+            pending.issued_by(on_copy_pool(window.write_all, write_part, wait))
+            window.wait_copies()
+        else:  # (a copy may wait for earlier writes to be durable)
+            window.write_all(write_part, wait)
     if copies:
         # Our own copies in aligned memory: TensorStore then references them until the writes
         # are durable instead of copying again, and the caller's arrays are free.
@@ -261,23 +301,13 @@ def _issue_writes(
         pending.issued_by(on_copy_pool(issue))
     elif packed:
         parallel_copy(packed)
+    for part in packed_parts:  # (their values are in the packed buffer now)
+        part.release()
     if packed:  # (written off the caller's thread, as the staged copies' writes are)
         assert packer is not None
         pending.packing(packer, on_copy_pool(packer.write), progress)
     for future in waits:
         future.result(timeout=pending.staging_left())
-
-
-def _start_device_to_host(plan: SavePlan, sources: Sequence[Any]) -> None:
-    """Start the device-to-host transfers of every shard we will write, so they overlap."""
-    for task in plan.tasks:
-        source = sources[task.source]
-        if not task.regions or isinstance(source, np.ndarray | np.generic):
-            continue
-        wanted = {r.device_id for r in task.regions}
-        for shard in source.addressable_shards:
-            if shard.device.id in wanted and shard.device.platform != "cpu":
-                shard.data.copy_to_host_async()
 
 
 def _may_alias_caller_memory(source: Any, device_id: int) -> bool:
@@ -297,6 +327,16 @@ def _shards_by_device(source: Any) -> dict[int, Any]:
     return {s.device.id: s for s in source.addressable_shards}
 
 
+def _shard_of(shards: dict[int, Any], device_id: int, spec: ArraySpec) -> Any:
+    shard = shards.get(device_id)
+    if shard is None:
+        raise ValueError(
+            f"array {spec.name!r}: the plan asks this host to write the shard on device "
+            f"{device_id}, which is not addressable here (addressable: {sorted(shards)})"
+        )
+    return shard
+
+
 def _region_data(
     source: Any,
     shards: dict[int, Any],
@@ -307,12 +347,7 @@ def _region_data(
     if device_id < 0:
         data = np.asarray(source)[box_to_slices(box)]
     else:
-        shard = shards.get(device_id)
-        if shard is None:
-            raise ValueError(
-                f"array {spec.name!r}: the plan asks this host to write the shard on device "
-                f"{device_id}, which is not addressable here (addressable: {sorted(shards)})"
-            )
+        shard = _shard_of(shards, device_id, spec)
         data = np.asarray(shard.data)
         offsets = [s.start or 0 for s in shard.index] if shard.index else []
         local = tuple(slice(a - o, b - o) for (a, b), o in zip(box, offsets, strict=True))
