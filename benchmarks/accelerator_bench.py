@@ -1,10 +1,11 @@
 """milepost on one accelerator, side by side with the floors the hardware sets and with Orbax.
 
 On the GPU machine (jax with CUDA, tensorstore, orbax-checkpoint, flax; no ray, no network),
-from the repository root, with ``wheels/`` holding the crc32c, click and zstandard wheels made
-as docs/index.md ("On a machine with no network") says, run this one line:
+from the repository root, with ``wheels/`` holding milepost's own wheel and the crc32c, click
+and zstandard wheels, made as docs/index.md ("On a machine with no network") says, run this one
+line (an editable install would need setuptools from the network):
 
-    pip install --no-deps wheels/*.whl -e . && python benchmarks/accelerator_bench.py --dir /tmp/ab
+    pip install --no-deps wheels/*.whl && python benchmarks/accelerator_bench.py --dir /tmp/ab
 
 (8 GiB of state, 3 repeats by default: ``--gib``, ``--repeats``. Each repeat writes and reads
 the state three times: on a disk slower than about 500 MB/s pass ``--gib 4``.)
