@@ -349,3 +349,38 @@ def test_forced_load_path_keeps_each_device_its_own_buffer(
         assert same_bits(got[k], v), k
     pointers = [s.data.unsafe_buffer_pointer() for s in got["replicated"].addressable_shards]
     assert len(set(pointers)) == len(pointers) == 8
+
+
+def test_host_views_copy_through_aliases_every_copy_started_first(
+    mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the peer tier stages a step with (``workers.peers``): off host memory, each shard is
+    copied through an array object of our own (JAX caches the host copy on the object it was
+    asked through: never the caller's), every copy started before the first view."""
+    from milepost.workers import _memory
+
+    events: list[tuple[str, int]] = []
+
+    class Probe:
+        def __init__(self, array: Any) -> None:
+            self.array = array
+
+        def copy_to_host_async(self) -> None:
+            events.append(("start", id(self.array)))
+
+        def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+            events.append(("view", id(self.array)))
+            return np.asarray(self.array)
+
+    x = jax.device_put(
+        np.arange(64 * 32, dtype=np.float32).reshape(64, 32), NamedSharding(mesh24, P("data"))
+    )
+    shards = [s.data for s in x.addressable_shards]
+    assert _memory.host_views(shards)[0] is not None and events == []  # CPU: as they are
+    monkeypatch.setattr(_memory, "in_host_memory", lambda array: False)
+    monkeypatch.setattr(_memory, "alias", Probe)
+    views = _memory.host_views(shards)
+    for view, shard in zip(views, x.addressable_shards, strict=True):
+        assert np.array_equal(view, np.asarray(x)[shard.index])
+    assert [e for e, _ in events] == ["start"] * 8 + ["view"] * 8
+    assert {i for _, i in events} == {id(s) for s in shards}

@@ -118,3 +118,31 @@ def parallel_copy(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
         futures_wait(running)  # all of them, even if a copy failed: none may run on after we return
     for helper in running:
         helper.result()
+
+
+def alias(array: Any) -> Any:
+    """A new array object over the same device buffer as single-device ``array`` (no copy).
+    JAX caches a host copy on the array object it was made through (``np.asarray``,
+    ``copy_to_host_async``): through an alias of our own, it never stays on the caller's."""
+    import jax
+
+    return jax.make_array_from_single_device_arrays(array.shape, array.sharding, [array])
+
+
+def host_views(shards: Sequence[Any]) -> list[np.ndarray]:
+    """NumPy views of single-device arrays: those in host memory as they are, the others copied
+    to host memory by JAX through aliases of our own (:func:`alias`), every copy started before
+    the first wait."""
+    on_host = [in_host_memory(s) for s in shards]
+    own = [s if host else alias(s) for s, host in zip(shards, on_host, strict=True)]
+    for s, host in zip(own, on_host, strict=True):
+        if not host:
+            s.copy_to_host_async()
+    return [np.asarray(s) for s in own]
+
+
+def in_host_memory(array: Any) -> bool:
+    """Whether ``array``'s buffers are host memory (CPU devices, or a host memory kind)."""
+    return all(d.platform == "cpu" for d in array.devices()) or getattr(
+        array.sharding, "memory_kind", None
+    ) in ("pinned_host", "unpinned_host")

@@ -17,7 +17,7 @@ import numpy as np
 
 from milepost.workers._checksum import crc32c
 from milepost.workers._keys import dtype_name, dtype_of, from_data, is_key, key_words, to_data
-from milepost.workers._memory import parallel_copy
+from milepost.workers._memory import host_views, parallel_copy
 from milepost.workers._messages import Index
 from milepost.workers._sharding import ShardingSpec
 from milepost.workers.peers._store import Box, Part, box_view
@@ -108,8 +108,8 @@ def stage(
         offset += n
     buffer = reuse if reuse is not None and reuse.nbytes == offset else np.empty(offset, np.uint8)
     pairs = []
-    for (_, _, shard), (_, _, start, n) in zip(pieces, boxes, strict=True):
-        src = np.asarray(shard)
+    sources = host_views([shard for _, _, shard in pieces])  # (off CPU: every copy started)
+    for src, (_, _, start, n) in zip(sources, boxes, strict=True):
         pairs.append((buffer[start : start + n].view(src.dtype).reshape(src.shape), src))
     parallel_copy(pairs)
     return Staged(

@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from milepost.workers._memory import alias
 from milepost.workers._messages import ArraySpec
 
 CUT_WINDOW_BYTES = 256 << 20
@@ -210,7 +211,7 @@ class Transfers:
                 cuts.append(part)
                 self._cut_bytes[part.device] += part.nbytes
             elif part.mode == "host_copy":
-                source = _alias(source)  # (the host copy is cached on this object, ours)
+                source = alias(source)  # (the host copy is cached on this object, ours)
             part._source = None
             self.started_bytes += part.nbytes
             if part.mode == "pinned_host":
@@ -303,13 +304,6 @@ def _device_put(sources: list[Any], targets: list[Any]) -> list[Any]:
     import jax
 
     return list(jax.device_put(sources, targets))
-
-
-def _alias(array: Any) -> Any:
-    """A new array object over the same device buffer (no copy)."""
-    import jax
-
-    return jax.make_array_from_single_device_arrays(array.shape, array.sharding, [array])
 
 
 def _cut(array: Any, local: tuple[slice, ...]) -> Any:
