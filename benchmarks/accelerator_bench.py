@@ -44,7 +44,6 @@ the whole run stays within 8 minutes).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import shutil
 import statistics
@@ -58,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _common import make_cold
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -193,53 +193,11 @@ def raw_to_device(host: list[np.ndarray], shards: list[Any]) -> float:
 
 # ------------------------------------------------------------------------------ the disk
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t] + [ctypes.c_int] * 3 + [ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 
-
-def _cached_bytes(file: str) -> int:
-    size = os.path.getsize(file)
-    if size == 0:
-        return 0
-    page = os.sysconf("SC_PAGE_SIZE")
-    fd = os.open(file, os.O_RDONLY)
-    try:
-        addr = _libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
-        if addr in (None, ctypes.c_void_p(-1).value):
-            return 0
-        try:
-            vec = (ctypes.c_ubyte * ((size + page - 1) // page))()
-            if _libc.mincore(addr, size, vec) != 0:
-                return 0
-            return int((np.frombuffer(vec, np.uint8) & 1).sum()) * page
-        finally:
-            _libc.munmap(addr, size)
-    finally:
-        os.close(fd)
-
-
-def make_cold(path: Path) -> tuple[int, bool]:
-    """Evict ``path``'s files from the page cache: (bytes still cached, drop_caches used)."""
-    files = [os.path.join(r, f) for r, _, names in os.walk(path) for f in names]
-    if path.is_file():
-        files = [str(path)]
-    for file in files:
-        fd = os.open(file, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1")
-        dropped = True
-    except OSError:
-        dropped = False
-    return sum(_cached_bytes(f) for f in files), dropped
+def cold(path: Path) -> tuple[int, bool]:
+    """Evict ``path`` from the page cache: (bytes still cached, drop_caches used)."""
+    report = make_cold(path)
+    return int(report["cached_bytes_after_evict"]), bool(report["drop_caches"])
 
 
 def disk_write(file: Path, host: list[np.ndarray]) -> float:
@@ -305,7 +263,7 @@ def milepost_round(
         out["save"] = time.perf_counter() - t
     cached = [a for v in state.values() for a in shards_of({"x": v}) if a._npy_value is not None]
     out["cached_on_caller"] = len(cached)
-    out["cached"], out["dropped"] = make_cold(path)
+    out["cached"], out["dropped"] = cold(path)
     _assemble.DEVICE_PATH_ON_CPU = forced
     try:
         t = time.perf_counter()
@@ -331,7 +289,7 @@ def orbax_round(base: Path, state: dict[str, Any], abstract: dict[str, Any]) -> 
         out["blocking"] = time.perf_counter() - t
         checkpointer.wait_until_finished()
         out["save"] = time.perf_counter() - t
-        out["cached"], out["dropped"] = make_cold(path)
+        out["cached"], out["dropped"] = cold(path)
         t = time.perf_counter()
         got = jax.block_until_ready(checkpointer.restore(path, abstract))
         out["load"] = time.perf_counter() - t
@@ -348,7 +306,7 @@ def one_repeat(base: Path, state: dict[str, Any], abstract: dict[str, Any], cpu:
     r["d2h_pinned"], r["pinned_in_place"] = raw_pinned_copy(shards)
     floor_file = base / "floor.bin"
     r["disk_write"] = disk_write(floor_file, host)
-    r["floor_cached"], r["floor_dropped"] = make_cold(floor_file)
+    r["floor_cached"], r["floor_dropped"] = cold(floor_file)
     r["disk_read"] = disk_read(floor_file)
     floor_file.unlink()
     r["h2d"] = raw_to_device(host, shards)

@@ -37,7 +37,6 @@ figures and the targets with PASS/FAIL.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import resource
@@ -56,6 +55,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import psutil
+from _common import make_cold
 
 if TYPE_CHECKING:
     import jax
@@ -162,67 +162,6 @@ def check(
 
 
 # ------------------------------------------------------------------------------ page cache, RSS
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [
-    ctypes.c_void_p,
-    ctypes.c_size_t,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_long,
-]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-_PROT_READ, _MAP_SHARED, _MAP_FAILED = 1, 1, ctypes.c_void_p(-1).value
-
-
-def _resident_bytes(file: str) -> int:
-    """How many bytes of ``file`` are in the page cache (mincore over a read-only mapping)."""
-    size = os.path.getsize(file)
-    if size == 0:
-        return 0
-    page = os.sysconf("SC_PAGE_SIZE")
-    fd = os.open(file, os.O_RDONLY)
-    try:
-        addr = _libc.mmap(None, size, _PROT_READ, _MAP_SHARED, fd, 0)
-        if addr in (None, _MAP_FAILED):
-            raise OSError(ctypes.get_errno(), f"mmap {file}")
-        try:
-            vec = (ctypes.c_ubyte * ((size + page - 1) // page))()
-            if _libc.mincore(addr, size, vec) != 0:
-                raise OSError(ctypes.get_errno(), f"mincore {file}")
-            return int((np.frombuffer(vec, np.uint8) & 1).sum()) * page
-        finally:
-            _libc.munmap(addr, size)
-    finally:
-        os.close(fd)
-
-
-def make_cold(path: str) -> Result:
-    """Evict ``path``'s files from the page cache; report how many of their bytes stay cached."""
-    files = [os.path.join(root, f) for root, _, names in os.walk(path) for f in names]
-    for file in files:
-        fd = os.open(file, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    try:  # needs root; the fadvise above is what we rely on
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1")
-        dropped = True
-    except OSError:
-        dropped = False
-    return {
-        "files": len(files),
-        "file_bytes": sum(os.path.getsize(f) for f in files),
-        "cached_bytes_after_evict": sum(_resident_bytes(f) for f in files),
-        "drop_caches": dropped,
-    }
 
 
 def _vm_hwm() -> int:
