@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -157,6 +158,28 @@ _DeviceWrite = tuple[_Opening, tuple[tuple[int, int], ...], _device.DevicePart, 
 """(the array's opening, box, the region on its way from device memory, its spec)."""
 
 
+@dataclass
+class _Regions:
+    """A host's regions of one save, sorted by how their bytes reach storage."""
+
+    packer: _packed.Packer | None
+    """Small shards, encoded into one packed database (None: not an OCDBT save)."""
+    room: int | None
+    """What is left of the staging budget (None: no budget)."""
+    writes: list[_Write] = field(default_factory=list)
+    """From memory that is ours, or that the caller lends us until durable."""
+    blocking: list[_Write] = field(default_factory=list)
+    """From the caller's memory, durable before we return (beyond the staging budget)."""
+    copies: list[tuple[_Write, np.ndarray]] = field(default_factory=list)
+    """Staged: (the write of a staging copy, the data to copy)."""
+    from_devices: list[_DeviceWrite] = field(default_factory=list)
+    """In accelerator memory: written as each copy arrives in host memory."""
+    packed_parts: list[_device.DevicePart] = field(default_factory=list)
+    """In accelerator memory and packed: copied into the packed buffer."""
+    transfers: _device.Transfers = field(default_factory=lambda: _device.Transfers())
+    """The device copies (the class looked up per save: tests record them)."""
+
+
 def _issue_writes(
     plan: SavePlan,
     sources: Sequence[Any],
@@ -169,21 +192,58 @@ def _issue_writes(
     beyond it are written from the caller's memory instead, and waited for here. Regions in
     accelerator memory are copied to host memory of our own (:mod:`._device`), all copies
     started before any wait, each written as soon as it is in host memory."""
-    writes: list[_Write] = []  # from memory that is ours, or that the caller lends us until durable
-    blocking: list[_Write] = []  # from the caller's memory, durable before we return
-    copies: list[tuple[_Write, np.ndarray]] = []  # (the write of a staging copy, the data to copy)
-    transfers = _device.Transfers()
-    from_devices: list[_DeviceWrite] = []  # written as each copy arrives in host memory
-    packed_parts: list[_device.DevicePart] = []  # packed: copied into the packed buffer
-    room = plan.staging_budget_bytes
-    packer = (
-        _packed.Packer(plan.store, tsu.process_dir_name(plan.process_index, plan.first_writer))
-        if plan.store.use_ocdbt
-        else None
+    regions = _sort_regions(plan, sources, parts, opens)
+    write = _writer(pending)
+    # The device copies start first (the packed ones, small, before the others): every copy
+    # the room allows runs while we go on.
+    regions.transfers.start(regions.packed_parts)
+    window = _device.Window(
+        regions.transfers,
+        [item[2] for item in regions.from_devices],
+        regions.room if plan.copy else None,
     )
-    # The arrays are opened by the first write into each: the staged copies' writes run off
-    # the caller's thread, so a save that stages everything neither opens nor waits for an open
-    # (creating arrays' headers cost milliseconds of a save's blocking part).
+    window.begin()
+    packed = _packed_copies(regions, pending)
+    if regions.writes or regions.blocking or regions.from_devices or not regions.copies:
+        # Writes issued here: every open first, so they run together (and the writes reach
+        # TensorStore together: one by one, each after its array's open, a save's data spread
+        # over more files). Only a save that stages everything opens off the caller's thread.
+        _start_opens(opens)
+    # The writes the caller waits for go first, so their I/O overlaps the copies. They and
+    # their checksums read the caller's memory, which is the caller's again once we return.
+    waits = [future for item in regions.blocking for future in write(item)]
+    for item in regions.writes:
+        write(item)
+    if regions.from_devices:
+        _write_from_devices(regions.from_devices, window, write, pending)
+    if regions.copies:
+        _write_staged(regions.copies, packed, opens, write, pending)
+    elif packed:
+        parallel_copy(packed)
+    for part in regions.packed_parts:  # (their values are in the packed buffer now)
+        part.release()
+    if packed:  # (written off the caller's thread, as the staged copies' writes are)
+        assert regions.packer is not None
+        pending.packing(regions.packer, on_copy_pool(regions.packer.write), _progress.counter())
+    for future in waits:
+        future.result(timeout=pending.staging_left())
+
+
+def _sort_regions(
+    plan: SavePlan, sources: Sequence[Any], parts: list[_Part], opens: list[_Opening]
+) -> _Regions:
+    """Every region of ``parts``, sorted (:class:`_Regions`); the packer takes the small ones.
+    An array is opened by the first write into it (``needed``): the staged copies' writes run
+    off the caller's thread, so a save that stages everything neither opens nor waits for an
+    open (creating arrays' headers cost milliseconds of a save's blocking part)."""
+    out = _Regions(
+        packer=(
+            _packed.Packer(plan.store, tsu.process_dir_name(plan.process_index, plan.first_writer))
+            if plan.store.use_ocdbt
+            else None
+        ),
+        room=plan.staging_budget_bytes,
+    )
     for (_, task, regions), store in zip(parts, opens, strict=True):
         source = sources[task.source]
         shards = _shards_by_device(source)
@@ -192,25 +252,32 @@ def _issue_writes(
             data: np.ndarray | _device.DevicePart
             if mode is not None and region.device_id >= 0:
                 shard = _shard_of(shards, region.device_id, task.spec)
-                data = transfers.add(shard, region.index, mode, task.spec)
+                data = out.transfers.add(shard, region.index, mode, task.spec)
             else:
                 data = _region_data(source, shards, region.device_id, region.index, task.spec)
-            packed_bytes = packer.add(task.spec, region.index, data, room) if packer else 0
+            room = out.room
+            packed_bytes = out.packer.add(task.spec, region.index, data, room) if out.packer else 0
             if packed_bytes:
-                room = None if room is None else room - packed_bytes
+                out.room = None if room is None else room - packed_bytes
                 if isinstance(data, _device.DevicePart):
-                    packed_parts.append(data)
+                    out.packed_parts.append(data)
                 continue
             store.needed = True
             if isinstance(data, _device.DevicePart):
-                from_devices.append((store, region.index, data, task.spec))
+                out.from_devices.append((store, region.index, data, task.spec))
             elif not (plan.copy and _may_alias_caller_memory(source, region.device_id)):
-                writes.append((store, region.index, data, task.spec))
+                out.writes.append((store, region.index, data, task.spec))
             elif room is None or data.nbytes <= room:
-                room = None if room is None else room - data.nbytes
-                copies.append(((store, region.index, data, task.spec), data))
+                out.room = None if room is None else room - data.nbytes
+                out.copies.append(((store, region.index, data, task.spec), data))
             else:
-                blocking.append((store, region.index, data, task.spec))
+                out.blocking.append((store, region.index, data, task.spec))
+    return out
+
+
+def _writer(pending: PendingSave) -> Callable[[_Write], Any]:
+    """Issues one region's write (the array opened first) and its checksum, tracked by
+    ``pending``: (the write's commit future, the checksum's future)."""
     progress = _progress.counter()
 
     def write(item: _Write) -> Any:
@@ -227,87 +294,85 @@ def _issue_writes(
             )
         return written.commit, pending.checksum(spec, box, data, opening.database)
 
-    # The device copies start first (the packed ones, small, before the others): every copy
-    # the room allows runs while we go on.
-    transfers.start(packed_parts)
-    window = _device.Window(
-        transfers, [item[2] for item in from_devices], room if plan.copy else None
-    )
-    window.begin()
+    return write
+
+
+def _start_opens(opens: list[_Opening]) -> None:
+    for opening in opens:
+        if opening.needed:
+            opening.start()
+
+
+def _packed_copies(regions: _Regions, pending: PendingSave) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The packed database's buffer, held by ``pending``, and the copies that fill it; the
+    staging pool keeps only what this save's buffers will reuse."""
+    packer = regions.packer
     packed_size = packer.layout() if packer is not None and packer.nbytes else 0
-    if copies or packed_size:  # (the pool keeps only what this save's buffers will reuse)
-        sizes = [data.nbytes for _, data in copies]
+    if regions.copies or packed_size:
+        sizes = [data.nbytes for _, data in regions.copies]
         _staging.POOL.keep_only([*sizes, packed_size] if packed_size else sizes)
-    packed: list[tuple[np.ndarray, np.ndarray]] = []
-    if packer is not None and packed_size:
-        buffer, raw = _staging.POOL.take((packed_size,), np.dtype(np.uint8))
-        pending.hold(raw)
-        packed = packer.copies(buffer)
-        del buffer
-    if writes or blocking or from_devices or not copies:
-        # Writes issued here: every open first, so they run together (and the writes reach
-        # TensorStore together: one by one, each after its array's open, a save's data spread
-        # over more files). Only a save that stages everything opens off the caller's thread.
-        for opening in opens:
-            if opening.needed:
-                opening.start()
-    # The writes the caller waits for go first, so their I/O overlaps the copies. They and
-    # their checksums read the caller's memory, which is the caller's again once we return.
-    waits = [future for item in blocking for future in write(item)]
-    for item in writes:
-        write(item)
-    if from_devices:
-        # Each as soon as its copy is in host memory: the writes overlap the copies still
-        # running. The copies are ours: the caller's arrays are free once the last one is done.
-        of_part = {id(item[2]): item for item in from_devices}
+    if packer is None or not packed_size:
+        return []
+    buffer, raw = _staging.POOL.take((packed_size,), np.dtype(np.uint8))
+    pending.hold(raw)
+    return packer.copies(buffer)
 
-        def write_part(part: _device.DevicePart) -> Any:
-            opening, box, _, spec = of_part[id(part)]
-            return write((opening, box, part.host(), spec))[0]
 
-        def wait(future: Any) -> None:
-            future.result(timeout=pending.staging_left())
+def _write_from_devices(
+    from_devices: list[_DeviceWrite],
+    window: _device.Window,
+    write: Callable[[_Write], Any],
+    pending: PendingSave,
+) -> None:
+    """Each region as soon as its copy is in host memory: the writes overlap the copies still
+    running. The copies are ours: the caller's arrays are free once the last one is done."""
+    of_part = {id(item[2]): item for item in from_devices}
 
-        if window.room is None:  # issued on the copy pool: we only wait for the copies
-            pending.issued_by(on_copy_pool(window.write_all, write_part, wait))
-            window.wait_copies()
-        else:  # (a copy may wait for earlier writes to be durable)
-            window.write_all(write_part, wait)
-    if copies:
-        # Our own copies in aligned memory: TensorStore then references them until the writes
-        # are durable instead of copying again, and the caller's arrays are free.
-        staged: list[_Write] = []
-        for (store, box, data, spec), _ in copies:
-            buffer, raw = _staging.POOL.take(data.shape, data.dtype)
-            pending.hold(raw)
-            staged.append((store, box, buffer, spec))
-        # Every copy before any write: the writes would compete with the copies for memory
-        # bandwidth and cores, and the copies are what the caller waits for (overlapping them
-        # on 2 cores cut the total by about what it added to the blocking part).
-        parallel_copy(
-            [(item[2], data) for item, (_, data) in zip(staged, copies, strict=True)] + packed
-        )
+    def write_part(part: _device.DevicePart) -> Any:
+        opening, box, _, spec = of_part[id(part)]
+        return write((opening, box, part.host(), spec))[0]
 
-        # The copies' writes read only our buffers: they are issued off the caller's thread
-        # (many writes and their checksum jobs cost milliseconds of the blocking part),
-        # after every open they wait for has started (so the opens run together).
-        def issue() -> None:
-            for opening in opens:
-                if opening.needed:
-                    opening.start()
-            for item in staged:
-                write(item)
-
-        pending.issued_by(on_copy_pool(issue))
-    elif packed:
-        parallel_copy(packed)
-    for part in packed_parts:  # (their values are in the packed buffer now)
-        part.release()
-    if packed:  # (written off the caller's thread, as the staged copies' writes are)
-        assert packer is not None
-        pending.packing(packer, on_copy_pool(packer.write), progress)
-    for future in waits:
+    def wait(future: Any) -> None:
         future.result(timeout=pending.staging_left())
+
+    if window.room is None:  # issued on the copy pool: we only wait for the copies
+        pending.issued_by(on_copy_pool(window.write_all, write_part, wait))
+        window.wait_copies()
+    else:  # (a copy may wait for earlier writes to be durable)
+        window.write_all(write_part, wait)
+
+
+def _write_staged(
+    copies: list[tuple[_Write, np.ndarray]],
+    packed: list[tuple[np.ndarray, np.ndarray]],
+    opens: list[_Opening],
+    write: Callable[[_Write], Any],
+    pending: PendingSave,
+) -> None:
+    """Copy into aligned staging buffers of our own (TensorStore then references them until
+    the writes are durable instead of copying again, and the caller's arrays are free), with
+    the packed copies; their writes are issued off the caller's thread."""
+    staged: list[_Write] = []
+    for (store, box, data, spec), _ in copies:
+        buffer, raw = _staging.POOL.take(data.shape, data.dtype)
+        pending.hold(raw)
+        staged.append((store, box, buffer, spec))
+    # Every copy before any write: the writes would compete with the copies for memory
+    # bandwidth and cores, and the copies are what the caller waits for (overlapping them
+    # on 2 cores cut the total by about what it added to the blocking part).
+    parallel_copy(
+        [(item[2], data) for item, (_, data) in zip(staged, copies, strict=True)] + packed
+    )
+
+    # The copies' writes read only our buffers: they are issued off the caller's thread
+    # (many writes and their checksum jobs cost milliseconds of the blocking part),
+    # after every open they wait for has started (so the opens run together).
+    def issue() -> None:
+        _start_opens(opens)
+        for item in staged:
+            write(item)
+
+    pending.issued_by(on_copy_pool(issue))
 
 
 def _may_alias_caller_memory(source: Any, device_id: int) -> bool:
