@@ -11,6 +11,8 @@ from milepost.colocated._hostgroup import (
 )
 from milepost.colocated._jax_internals import preemption_service_running, reachable_address
 from milepost.colocated._mcjax import MultiControllerHostGroup, default_group, set_primary_process
+from milepost.colocated._peer_transport import PeerRestoreAck, PeerTransport
+from milepost.colocated._process_peers import ProcessPeers
 from milepost.colocated._ray_group import RayHostGroup, Traffic
 from milepost.colocated._slice import Slice, SliceOptions
 from milepost.colocated._slice_peers import SlicePeers, choose_peers
@@ -23,7 +25,10 @@ __all__ = [
     "HostLoad",
     "LocalHostGroup",
     "MultiControllerHostGroup",
+    "PeerRestoreAck",
+    "PeerTransport",
     "PendingHostSave",
+    "ProcessPeers",
     "RayHostGroup",
     "RayNotInstalledError",
     "RemoteArray",

@@ -1,11 +1,13 @@
-"""The peer tier on a slice: each host keeps its shards of a step in its node's memory folder and
-sends a copy to peers on other nodes; a recovered slice rebuilds its arrays from those copies.
+"""The peer tier on a slice, on the hosts: each host keeps its shards of a step in its node's
+memory folder and sends a copy to peers on other nodes; a recovered slice rebuilds its arrays
+from those copies.
 
-Host side: :class:`PeerHost`, mixed into the host actor. Bytes move host to host (a Ray call
-from one host actor to another, its arguments and answers carried by Ray's object transfer
-between nodes), never through the controller, which sends plans and gets acks.
+Host side: :class:`PeerHost`, mixed into the host actor; the controller's side is
+``_slice_peers.SlicePeers``, which sends plans and gets acks. Bytes move host to host (a Ray
+call from one host actor to another, its arguments and answers carried by Ray's object transfer
+between nodes), never through the controller.
 
-Call order, for one peer save (``RayHostGroup.peer_save``):
+Call order, for one peer save (``SlicePeers.save``):
 
 1. every host ``peer_start``: copy its boxes to host memory (the caller's step blocks on this);
 2. in the background on each host: CRC32C every box, write the part into its node's folder,
@@ -14,7 +16,7 @@ Call order, for one peer save (``RayHostGroup.peer_save``):
 3. every host ``peer_wait`` (sent with ``peer_start``, in the ``wait`` group): answers once its
    own part and every copy of it are written, or with the error that stopped them.
 
-A recovery (``RayHostGroup.peer_restore``): each host of the new slice gets its part of the
+A recovery (``SlicePeers.restore``): each host of the new slice gets its part of the
 chosen step from its own node's folder, or from the host holding a copy (``peer_read``), checks
 it, keeps a copy in its own folder, and builds its arrays.
 """
@@ -29,6 +31,7 @@ from typing import Any
 import numpy as np
 
 import milepost.workers as workers
+from milepost.colocated._peer_transport import PeerRestoreAck
 from milepost.workers import peers
 
 PEER_GROUP = "peer"
@@ -75,16 +78,6 @@ class PeerSaveAck:
     nbytes: int
     copies: tuple[int, ...]
     """The hosts that wrote a copy."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class PeerRestoreAck:
-    host: int
-    nbytes: int
-    source: int | None
-    """The host whose copy was used (None: this host's own node folder)."""
-    skipped: tuple[str, ...]
-    """Why each source tried before it was not used."""
 
 
 class PeerHost:
@@ -237,6 +230,7 @@ class PeerHost:
                 nbytes=part.nbytes,
                 source=None if actor is None else source,
                 skipped=tuple(skipped),
+                leaves=part.leaves,
             )
         raise FileNotFoundError(
             f"host {self.index} found no good copy of its part of step {plan.step}: "

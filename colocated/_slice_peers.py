@@ -1,6 +1,8 @@
-"""The controller's side of a slice's peer tier: choose each host's peers, send the plans,
-gather the acks. What to keep and what to restore is decided above (``milepost.training``);
-the hosts' side is ``_ray_peers.PeerHost``.
+"""The peer tier's transport over a slice's Ray hosts, on the controller: :class:`SlicePeers`
+sends each host its plan and gathers the acks (a :class:`~._peer_transport.PeerTransport`; the
+runner that decides is ``milepost.training.peers``). The hosts' side is
+``_ray_peers.PeerHost``, in each host actor. :func:`choose_peers` picks the hosts that keep the
+copies of each part, for either transport.
 """
 
 from __future__ import annotations
@@ -11,15 +13,11 @@ from typing import Any
 
 import milepost.workers as workers
 from milepost.colocated._errors import HostError
-from milepost.colocated._handles import RemoteArray
+from milepost.colocated._handles import AbstractArray, RemoteArray, SliceSharding
+from milepost.colocated._peer_transport import PeerRestoreAck
 from milepost.colocated._ray_group import WAIT_GROUP, RayHostGroup
 from milepost.colocated._ray_host import Ref
-from milepost.colocated._ray_peers import (
-    PeerRestoreAck,
-    PeerRestorePlan,
-    PeerSaveAck,
-    PeerSavePlan,
-)
+from milepost.colocated._ray_peers import PeerRestorePlan, PeerSaveAck, PeerSavePlan
 from milepost.workers import peers
 
 
@@ -69,38 +67,59 @@ class PendingPeerSave:
 
 
 class SlicePeers:
-    """A slice's peer tier calls (node folders named by ``folder`` and ``run``)."""
+    """The peer tier of a slice's hosts (node folders named by ``folder`` and ``run``)."""
+
+    of_slice = True
 
     def __init__(self, group: RayHostGroup, folder: str, run: str) -> None:
         self.group = group
         self.folder = folder
         self.run = run
+        self._pending: PendingPeerSave | None = None
 
-    def nodes(self) -> list[str]:
+    @property
+    def hosts(self) -> int:
+        return self.group.hosts
+
+    @property
+    def healthy(self) -> bool:
+        return self.group.healthy
+
+    def record(self, leaf: Any) -> peers.ArrayRecord | None:
+        if not isinstance(leaf, RemoteArray) or not isinstance(leaf.sharding, SliceSharding):
+            return None
+        return peers.record_of(leaf, leaf.sharding.milepost_spec)
+
+    def abstract(self, record: peers.ArrayRecord) -> Any:
+        sharding = SliceSharding(self.group, record.sharding)
+        return AbstractArray(record.shape, workers.dtype_of(record.dtype), sharding)
+
+    def nodes(self, timeout: float) -> list[str]:
         return [ident["node"] for ident in self.group.identities()]
 
     def save(
         self,
         step: int,
-        sources: Sequence[Any],
-        copies: int,
-        timeout: float,
+        arrays: Sequence[Any],
+        leaves: Sequence[tuple[int, Any]],
+        copies_to: Sequence[Sequence[int]],
         keep: Sequence[int],
-    ) -> tuple[PendingPeerSave, int]:
-        """Every host copies its boxes of ``sources`` to host memory (this returns then, with
+        timeout: float,
+    ) -> tuple[str, int]:
+        """Every host copies its boxes of ``arrays`` to host memory (this returns then, with
         the bytes staged); each then removes from its node's folder every step but ``keep`` and
-        writes its part and its copies, in the background."""
+        writes its part and its copies, in the background. The leaves that are not arrays stay
+        with the controller."""
         group = self.group
         group.check_usable()
         refs = []
-        for k, s in enumerate(sources):
+        for k, s in enumerate(arrays):
             if getattr(s, "__milepost_host_group__", None) is not group:
                 raise TypeError(
                     f"array {k} ({type(s).__name__}) is not an array of this slice; the peer "
                     "tier keeps a slice's RemoteArrays"
                 )
             refs.append(Ref(s.id))
-        chosen = choose_peers(self.nodes(), copies)
         token = uuid.uuid4().hex
         starts = {}
         for i in range(group.hosts):
@@ -109,7 +128,7 @@ class SlicePeers:
                 run=self.run,
                 step=step,
                 hosts=group.hosts,
-                copies_to=tuple((j, group.actor(j)) for j in chosen[i]),
+                copies_to=tuple((j, group.actor(j)) for j in copies_to[i]),
                 keep=tuple(keep),
                 timeout_secs=timeout,
             )
@@ -119,7 +138,13 @@ class SlicePeers:
             for i in range(group.hosts)
         }
         staged = group.gather(starts, timeout, f"copying step {step} to host memory")
-        return PendingPeerSave(group, step, token, waits), sum(staged.values())
+        self._pending = PendingPeerSave(group, step, token, waits)
+        return token, sum(staged.values())
+
+    def wait_saved(self, timeout: float) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.wait(timeout)
 
     def held(self, timeout: float) -> list[list[peers.Held]]:
         """What each host's node folder holds, host by host."""
@@ -163,6 +188,9 @@ class SlicePeers:
             for k, r in enumerate(records)
         ]
         return arrays, [acks[i] for i in sorted(acks)]
+
+    def close(self) -> None:
+        """Nothing runs here between calls (the hosts own their background work)."""
 
 
 __all__ = ["PendingPeerSave", "SlicePeers", "choose_peers"]

@@ -16,7 +16,6 @@ from milepost.training._errors import (
 )
 from milepost.training._listing import list_steps
 from milepost.training._options import CheckpointerOptions
-from milepost.training._peers import PeerTier, Recovery
 from milepost.training._policies import (
     AnyOf,
     Continuous,
@@ -34,6 +33,7 @@ from milepost.training._policies import (
     SpecificSteps,
     StepInfo,
 )
+from milepost.training.peers import PeerTier, Recovery
 
 __all__ = [
     "AnyOf",

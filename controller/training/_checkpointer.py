@@ -39,13 +39,12 @@ from milepost.training._errors import (
 )
 from milepost.training._mirror import Mirror
 from milepost.training._options import CheckpointerOptions
-from milepost.training._peers import PeerTier, Recovery
 from milepost.training._policies import RetentionPolicy, SaveContext, SavePolicy
 from milepost.training._preemption import PreemptionWatch
-from milepost.training._recovery import PeerTiers
 from milepost.training._retention import Retention
 from milepost.training._state import StepState, check_step, plain_metrics
 from milepost.training._tier import Tier
+from milepost.training.peers import PeerTier, PeerTierRunner, Recovery
 from milepost.workers import ObjectPath, as_path
 
 log = logging.getLogger("milepost.training")
@@ -155,7 +154,7 @@ class Checkpointer:
             else None
         )
         self._peers = (
-            PeerTiers(self.options.peers, str(self.root), self._timeout)
+            PeerTierRunner(self.options.peers, str(self.root), self._timeout)
             if self.options.peers is not None
             else None
         )

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from milepost.training._peers import PeerTier
 from milepost.training._policies import (
     FixedInterval,
     KeepAll,
@@ -15,6 +14,7 @@ from milepost.training._policies import (
     RetentionPolicy,
     SavePolicy,
 )
+from milepost.training.peers import PeerTier
 from milepost.workers import as_path, check
 
 
