@@ -34,6 +34,7 @@ from milepost.training._policies import (
     StepInfo,
 )
 from milepost.training.peers import PeerTier, Recovery
+from milepost.workers.peers import PeerRun, UnsafeFolderError, clear_peer_runs, list_peer_runs
 
 __all__ = [
     "AnyOf",
@@ -49,6 +50,7 @@ __all__ = [
     "KeepLatest",
     "KeepUnion",
     "MirrorError",
+    "PeerRun",
     "PeerTier",
     "Preemption",
     "Recovery",
@@ -60,5 +62,8 @@ __all__ = [
     "StepExistsError",
     "StepInfo",
     "StepNotFoundError",
+    "UnsafeFolderError",
+    "clear_peer_runs",
+    "list_peer_runs",
     "list_steps",
 ]
