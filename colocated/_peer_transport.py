@@ -83,6 +83,11 @@ class PeerTransport(Protocol):
         ...
 
     @property
+    def slice(self) -> Any:
+        """The Slice these hosts form (a Recovery's), None for a job's own processes."""
+        ...
+
+    @property
     def healthy(self) -> bool:
         """Whether every host still lives (after a failure: whether to start again elsewhere)."""
         ...

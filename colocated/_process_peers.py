@@ -44,6 +44,7 @@ class ProcessPeers:
     ``folder``, ``run`` and ``node``, this process's node: its host name when None)."""
 
     of_slice = False
+    slice = None
     healthy = True
     """A process that failed makes every process raise the same HostError: none is replaced."""
 

@@ -16,7 +16,7 @@ import pickle
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import milepost.workers as workers
@@ -120,6 +120,9 @@ class RayHostGroup:
         """Hosts that died or hung in some call: nothing more is awaited from them."""
         self._counts = [0, 0, 0]  # messages, bytes to hosts, bytes from hosts
         self._lock = threading.Lock()
+        self.owner: Callable[[], Any] = lambda: None
+        """The Slice these hosts are (a weak reference the Slice sets): a recovery onto them
+        reports it."""
         self._released: collections.deque[str] = collections.deque()
         """Ids of handles the controller dropped; appended by finalizers (any thread, maybe in
         the middle of a call), sent to the hosts in one batch by the next call."""

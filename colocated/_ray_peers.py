@@ -53,6 +53,8 @@ class PeerSavePlan:
     """The steps the node folders keep (the newest recoverable one and this one): the others
     are removed before this part is written."""
     timeout_secs: float
+    leaves: tuple[tuple[int, Any], ...] = ()
+    """The saved tree's leaves that are JSON values, by leaf index: the part keeps them."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -108,6 +110,7 @@ class PeerHost:
             owner=self.index,
             token=token,
             hosts=plan.hosts,
+            leaves=plan.leaves,
             reuse=last[0].data if last is not None and last[1].done() else None,
         )
         root = self._peer_root(plan.folder, plan.run)

@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import math
 import uuid
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -101,6 +102,7 @@ class Slice:
         self._standby: Standby | None = None
         self.group = group
         """The slice's host group: every controller<->host message goes through it."""
+        group.owner = weakref.ref(self)
         self._pg = placement_group
 
     # -- construction ---------------------------------------------------------------------

@@ -14,7 +14,7 @@ from typing import Any
 import milepost.workers as workers
 from milepost.colocated._errors import HostError
 from milepost.colocated._handles import AbstractArray, RemoteArray, SliceSharding
-from milepost.colocated._peer_transport import PeerRestoreAck
+from milepost.colocated._peer_transport import PeerRestoreAck, json_leaves
 from milepost.colocated._ray_group import WAIT_GROUP, RayHostGroup
 from milepost.colocated._ray_host import Ref
 from milepost.colocated._ray_peers import PeerRestorePlan, PeerSaveAck, PeerSavePlan
@@ -85,10 +85,18 @@ class SlicePeers:
     def healthy(self) -> bool:
         return self.group.healthy
 
+    @property
+    def slice(self) -> Any:
+        """The Slice of these hosts (None once it is gone)."""
+        return self.group.owner()
+
     def record(self, leaf: Any) -> peers.ArrayRecord | None:
-        if not isinstance(leaf, RemoteArray) or not isinstance(leaf.sharding, SliceSharding):
+        sharding = getattr(leaf, "sharding", None)
+        if not isinstance(leaf, RemoteArray | AbstractArray) or not isinstance(
+            sharding, SliceSharding
+        ):
             return None
-        return peers.record_of(leaf, leaf.sharding.milepost_spec)
+        return peers.record_of(leaf, sharding.milepost_spec)
 
     def abstract(self, record: peers.ArrayRecord) -> Any:
         sharding = SliceSharding(self.group, record.sharding)
@@ -108,8 +116,9 @@ class SlicePeers:
     ) -> tuple[str, int]:
         """Every host copies its boxes of ``arrays`` to host memory (this returns then, with
         the bytes staged); each then removes from its node's folder every step but ``keep`` and
-        writes its part and its copies, in the background. The leaves that are not arrays stay
-        with the controller."""
+        writes its part and its copies, in the background. The parts keep the ``leaves`` that
+        are JSON values (a restarted controller finds them there); the others stay with the
+        runner."""
         group = self.group
         group.check_usable()
         refs = []
@@ -121,6 +130,7 @@ class SlicePeers:
                 )
             refs.append(Ref(s.id))
         token = uuid.uuid4().hex
+        kept, _ = json_leaves(leaves)
         starts = {}
         for i in range(group.hosts):
             plan = PeerSavePlan(
@@ -130,6 +140,7 @@ class SlicePeers:
                 hosts=group.hosts,
                 copies_to=tuple((j, group.actor(j)) for j in copies_to[i]),
                 keep=tuple(keep),
+                leaves=kept,
                 timeout_secs=timeout,
             )
             starts[i] = group.call(i, "peer_start", plan, refs, token)

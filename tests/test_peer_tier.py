@@ -566,3 +566,175 @@ def test_recovery_takes_the_newest_step_every_part_of_which_survives(
     ray_cluster: ClusterProcess, tmp_path: Path, case: str
 ) -> None:
     print(ray_cluster.run(_replication, str(tmp_path), case))
+
+
+# -- a restarted controller: its hosts ended with it, the nodes and their folders live on --------
+def _abstract(s: Any) -> dict[str, Any]:
+    """The saved tree as a restarted controller gives it: abstract arrays on its new slice."""
+    shardings = _shardings(s)
+    params = {k: mp.AbstractArray(v.shape, v.dtype, shardings[k]) for k, v in _expected(0).items()}
+    return {"params": params, "step": 0}
+
+
+def _parts_of(shm: Path, step: int) -> dict[int, int]:
+    """The bytes of each owner's part of ``step``, as the node folders hold it."""
+    out: dict[int, int] = {}
+    for run_dir in shm.glob("*/run-*"):
+        for h in peers.listing(run_dir):
+            if h.step == step:
+                out[h.owner] = h.nbytes
+    return out
+
+
+def test_a_restarted_controller_recovers_a_slice_from_node_memory(
+    ray_runtime: Any, tmp_path: Path
+) -> None:
+    """A controller whose slice's hosts ended (a notebook kernel restarted) and a new
+    Checkpointer of the same root: ``recover(abstract_state=...)`` on a new slice restores the
+    newest step every part of which the node folders hold, from memory, and the leaves that
+    are not arrays from the parts. On the session's one-node Ray runtime (copies=0); the
+    cluster test below kills a real controller process."""
+    root = tmp_path / "ckpt"
+    tier = PeerTier(copies=0, path=str(tmp_path / "shm" / "{node}"))
+    first = Checkpointer(root, save_policy=FixedInterval(interval=2), peers=tier)
+    try:
+        with mp.Slice.start(hosts=3, devices_per_host=2) as s:  # its hosts end with it
+            params = s.put(_expected(0), _shardings(s))
+            for step in (1, 2, 3):
+                params = s.run(_update, params)
+                first.save(step, {"params": params, "step": step})
+            first.wait()
+            assert first.steps == [2]
+        with mp.Slice.start(hosts=3, devices_per_host=2) as new:
+            with Checkpointer(root, save_policy=FixedInterval(interval=2), peers=tier) as again:
+                r = again.recover(abstract_state=_abstract(new))
+                assert (r.step, r.tier, r.slice) == (3, "peers", new), (r, r.notes)
+                parts = _parts_of(tmp_path / "shm", 3)
+                assert sorted(parts) == [0, 1, 2], parts
+                assert r.bytes_by_source == {"own node": sum(parts.values()), "peer": 0}
+                assert mp.io_stats(slice=new).bytes_read == 0  # nothing from storage
+                _check_state(new, r.state, 3)  # and "step" from the parts
+                params = _train(new, again, range(4, 5), r.state["params"])
+                again.wait()
+                _check_state(new, {"params": params, "step": 4}, 4)
+                assert again.steps == [2, 4]
+    finally:
+        first.close()
+
+
+_CONTROLLER = "@@controller@@"
+
+
+def _controller_process(address: str, tmp: str) -> None:
+    """A controller process of its own (run by the test below): a slice over 3 of the cluster's
+    nodes trains steps 1-5 with the peer tier (2 and 4 also to the root), prints its hosts'
+    pids, and waits to be killed."""
+    import json
+    import threading
+
+    s = mp.Slice.connect(
+        address=address,
+        hosts=3,
+        devices_per_host=2,
+        options=mp.SliceOptions(start_timeout_secs=120.0, timeout_secs=120.0),
+    )
+    tier = PeerTier(every_n_steps=1, copies=1, path=str(Path(tmp) / "shm" / "{node}"))
+    ckpt = Checkpointer(Path(tmp) / "ckpt", save_policy=FixedInterval(interval=2), peers=tier)
+    _train(s, ckpt, range(1, 6))
+    ckpt.wait()
+    pids = [ident["pid"] for ident in s.host_identities()]
+    print(_CONTROLLER + json.dumps({"pids": pids, "steps": ckpt.steps}), flush=True)
+    threading.Event().wait(600)  # until killed
+
+
+def _start_controller(cluster: LocalCluster, tmp: str) -> tuple[Any, dict[str, Any]]:
+    """The controller process, once it has saved (its report), or an error with its output."""
+    import json
+    import queue
+    import subprocess
+    import sys
+    import threading
+
+    code = "import sys; from tests.test_peer_tier import _controller_process as c; c(*sys.argv[1:])"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, cluster.cluster.address, tmp],
+        cwd=Path(__file__).resolve().parents[1],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    seen: list[str] = []
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            line = None
+        if line is None:
+            proc.kill()
+            raise AssertionError("the controller process did not save:\n" + "".join(seen[-60:]))
+        if line.startswith(_CONTROLLER):
+            return proc, json.loads(line[len(_CONTROLLER) :])
+        seen.append(line)
+
+
+def _until_ended(pids: list[int], timeout: float = 60.0) -> None:
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while any(psutil.pid_exists(p) for p in pids):
+        assert time.monotonic() < deadline, f"host processes {pids} outlived their controller"
+        time.sleep(0.2)
+
+
+def _restart_the_controller(cluster: LocalCluster, tmp: str) -> None:
+    import os
+    import signal
+
+    proc, saved = _start_controller(cluster, tmp)
+    assert saved["steps"] == [2, 4], saved
+    os.kill(proc.pid, signal.SIGKILL)  # the kernel dies; its hosts end with it
+    proc.wait(30)
+    _until_ended(saved["pids"])
+    print(f"controller {proc.pid} killed; its hosts {saved['pids']} ended", flush=True)
+    shm = Path(tmp) / "shm"
+    tier = PeerTier(every_n_steps=1, copies=1, path=str(shm / "{node}"))
+    s = cluster.slice(devices_per_host=2, hosts=3)  # a new slice over the live nodes
+    try:
+        with Checkpointer(
+            Path(tmp) / "ckpt", save_policy=FixedInterval(interval=2), peers=tier
+        ) as ckpt:
+            assert ckpt.steps == [2, 4]
+            t0 = time.monotonic()
+            r = ckpt.recover(abstract_state=_abstract(s))
+            print(f"restarted: {r} in {time.monotonic() - t0:.1f}s; notes {r.notes}", flush=True)
+            assert (r.step, r.tier, r.slice) == (5, "peers", s), (r, r.notes)
+            parts = _parts_of(shm, 5)
+            assert sorted(parts) == [0, 1, 2], parts
+            assert sum(r.bytes_by_source.values()) == sum(parts.values()), r.bytes_by_source
+            moved = mp.io_stats(slice=s)  # the new hosts' counters: the recovery's bytes only
+            assert moved.bytes_read == 0, moved  # nothing from storage
+            assert moved.bytes_between_hosts == r.bytes_by_source["peer"], moved
+            _check_state(s, r.state, 5)
+            params = _train(s, ckpt, range(6, 8), r.state["params"])  # and training goes on
+            ckpt.wait()
+            assert ckpt.steps == [2, 4, 6]
+            _check_state(s, {"params": params, "step": 7}, 7)
+    finally:
+        s.shutdown()
+
+
+@pytest.mark.slow
+def test_a_controller_killed_and_restarted_recovers_from_node_memory(
+    ray_cluster: ClusterProcess, tmp_path: Path
+) -> None:
+    print(ray_cluster.run(_restart_the_controller, str(tmp_path)))

@@ -647,9 +647,12 @@ class Checkpointer:
 
         On a slice, after a host or node of ``lost`` died: a new slice of its topology
         (:meth:`Slice.recover`) holding that step (``Recovery.slice``); saves in flight on the
-        lost slice are abandoned (nothing of theirs is committed). In a multi-controller job
-        restarted with a node replaced (or one process restarted), call it in every process
-        with the ``abstract_state`` to restore (as for :meth:`load`).
+        lost slice are abandoned (nothing of theirs is committed). Without ``lost``, the
+        newest step every part of which the node folders hold, restored onto the hosts of
+        ``abstract_state`` (the tree to restore, as for :meth:`load`): in a multi-controller job
+        restarted with a node replaced (or one process restarted), call it in every process; a
+        restarted controller (its slice's hosts ended with it, the nodes live on) starts a new
+        slice over the nodes and passes a tree of ``AbstractArray``s on it.
 
         >>> try:
         ...     state = s.run(train_step, state); ckpt.save(step, state)

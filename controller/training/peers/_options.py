@@ -55,11 +55,13 @@ class PeerTier:
 
 @dataclasses.dataclass(frozen=True)
 class Recovery:
-    """What :meth:`Checkpointer.recover` did: the new slice, the restored state and its step,
-    and where the bytes came from."""
+    """What :meth:`Checkpointer.recover` did: the slice, the restored state and its step, and
+    where the bytes came from."""
 
     slice: Slice | None
-    """The new slice (None in a multi-controller job, whose processes are the job's own)."""
+    """The slice holding the state: the new one ``recover(lost)`` started, or the one the
+    ``abstract_state`` is placed on (None in a multi-controller job or one process, whose
+    processes are the job's own)."""
     state: Any
     step: int
     tier: str
@@ -75,5 +77,6 @@ class Recovery:
 
 
 def run_name(root: str) -> str:
-    """The folder name of a run's peer tier: the same for every Checkpointer of ``root``."""
+    """The folder name of a run's peer tier: the same for every Checkpointer of ``root`` (a
+    restarted controller finds its run's parts by it)."""
     return "run-" + hashlib.sha256(root.encode()).hexdigest()[:16]

@@ -159,12 +159,14 @@ class PeerTierRunner:
             if self._transport is None or not self._transport.of_slice:
                 raise ValueError(
                     "this Checkpointer kept no step of a slice, so it knows no tree to recover; "
-                    "start a new slice (lost.recover()) and load(step, abstract_state)"
+                    "start a new slice (lost.recover()) and recover(abstract_state=...) onto "
+                    "it, or load(step, abstract_state)"
                 )
         elif abstract_state is None:
             raise ValueError(
-                "recover() without a lost slice restores this job's processes: pass "
-                "abstract_state=, the tree to restore (as for load)"
+                "recover() without a lost slice restores onto the hosts of abstract_state (this "
+                "job's processes, or a slice's): pass abstract_state=, the tree to restore (as "
+                "for load)"
             )
 
     def recover(
@@ -189,7 +191,7 @@ class PeerTierRunner:
             done = self._from_memory(transport, abstract_state, newest_stored, notes, t0)
             if done is None:
                 done = self._from_storage(transport, abstract_state, fallback, notes)
-            return Recovery(None, *done, tuple(notes))
+            return Recovery(transport.slice, *done, tuple(notes))
         for _attempt in range(3):
             new = lost.recover(refill=False)  # standby hosts start again after the restore
             transport = self._transport_for(new.group)
