@@ -25,6 +25,7 @@ from milepost import _checkpoint, _hosts
 from milepost.colocated import (
     HostError,
     HostGroup,
+    PeerRestoreAck,
     PeerTransport,
     ProcessPeers,
     RayHostGroup,
@@ -232,67 +233,80 @@ class PeerTierRunner:
         recorded (``abstract`` None), else of those the node folders hold, as ``abstract``."""
         held = transport.held(self.timeout)
         nodes = transport.nodes(self.timeout)
-        word = "host" if transport.of_slice else "process"
+        one, many = ("host", "hosts") if transport.of_slice else ("process", "processes")
         holders: dict[tuple[int, str], dict[int, list[int]]] = {}
         for host, parts in enumerate(held):
             for p in parts:
                 holders.setdefault((p.step, p.token), {}).setdefault(p.owner, []).append(host)
-        candidates: list[tuple[int, str, _Saved | None]]
-        records: list[peers.ArrayRecord] = []
-        place: list[int] = []  # where abstract's arrays are among its leaves
-        if abstract is None:
-            if not self._saved:
-                notes.append("the peer tier holds no step this Checkpointer saved")
-            candidates = [(s, saved.token, saved) for s, saved in self._saved.items()]
-        else:
-            if not any(held):
-                notes.append(f"no {word}'s node folder holds a step")
-            candidates = [(s, token, None) for s, token in holders]
-            records, place = _records(transport, abstract)
-        for step, token, saved in sorted(candidates, key=lambda c: c[0], reverse=True):
+        records, place = _records(transport, abstract) if abstract is not None else ([], [])
+        if abstract is not None and not any(held):
+            notes.append(f"no {one}'s node folder holds a step")
+        for step, token, saved in self._candidates(holders, abstract, notes):
             if newest_stored is not None and newest_stored > step:
                 notes.append(f"the stored step {newest_stored} is newer than step {step}")
                 return None
             owners = holders.get((step, token), {})
             missing = [o for o in range(transport.hosts) if o not in owners]
             if missing:
-                notes.append(f"step {step}: no copy of the parts of {word}s {missing} survives")
+                notes.append(f"step {step}: no copy of the parts of {many} {missing} survives")
                 continue
             sources = [_sources(owners[o], nodes, o) for o in range(transport.hosts)]
-            if saved is not None:
-                records = list(saved.records)
+            wanted = list(saved.records) if saved is not None else records
             try:
-                arrays, acks = transport.restore(step, token, records, sources, self.timeout)
+                arrays, acks = transport.restore(step, token, wanted, sources, self.timeout)
             except HostError as e:
                 if not transport.healthy:
                     raise
                 notes.append(f"step {step}: rebuilding it from node memory failed: {e}")
                 log.warning("recovery: %s", notes[-1])
                 continue
-            own = sum(a.nbytes for a in acks if a.source is None)
-            moved = sum(a.nbytes for a in acks if a.source is not None)
-            notes.extend(f"{word} {a.host}: passed over {s}" for a in acks for s in a.skipped)
-            self._recoverable = step
-            for later in [s for s in self._saved if s > step]:
-                del self._saved[later]
-            log.info(
-                "recovered step %s from node memory in %.1fs: %d bytes from the %ss' own nodes, "
-                "%d from peers (to %ss %s)",
-                step,
-                time.monotonic() - t0,
-                own,
-                word,
-                moved,
-                word,
-                [a.host for a in acks if a.source is not None],
-            )
             state = (
                 _unflatten(saved, arrays)
                 if saved is not None
                 else _fill(abstract, place, arrays, dict(acks[0].leaves))
             )
-            return state, step, "peers", {"own node": own, "peer": moved}
+            return self._restored(step, state, acks, (one, many), notes, t0)
         return None
+
+    def _candidates(
+        self, holders: dict[tuple[int, str], Any], abstract: Any, notes: list[str]
+    ) -> list[tuple[int, str, _Saved | None]]:
+        """The saves to try, newest step first: those this runner recorded (``abstract``
+        None), else those the node folders hold."""
+        if abstract is not None:
+            found: list[tuple[int, str, _Saved | None]] = [(s, t, None) for s, t in holders]
+            return sorted(found, key=lambda c: c[0], reverse=True)
+        if not self._saved:
+            notes.append("the peer tier holds no step this Checkpointer saved")
+        return [(s, self._saved[s].token, self._saved[s]) for s in sorted(self._saved)[::-1]]
+
+    def _restored(
+        self,
+        step: int,
+        state: Any,
+        acks: list[PeerRestoreAck],
+        words: tuple[str, str],
+        notes: list[str],
+        t0: float,
+    ) -> Restored:
+        """``step`` restored from node memory: the newest recoverable step from now on."""
+        own = sum(a.nbytes for a in acks if a.source is None)
+        moved = sum(a.nbytes for a in acks if a.source is not None)
+        notes.extend(f"{words[0]} {a.host}: passed over {s}" for a in acks for s in a.skipped)
+        self._recoverable = step
+        for later in [s for s in self._saved if s > step]:
+            del self._saved[later]
+        log.info(
+            "recovered step %s from node memory in %.1fs: %d bytes from own nodes, %d from "
+            "peers (to %s %s)",
+            step,
+            time.monotonic() - t0,
+            own,
+            moved,
+            words[1],
+            [a.host for a in acks if a.source is not None],
+        )
+        return state, step, "peers", {"own node": own, "peer": moved}
 
     def _abstract(self, transport: PeerTransport) -> Any:
         """The newest saved tree as an abstract tree on ``transport``'s hosts (for a load from
