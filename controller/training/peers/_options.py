@@ -8,7 +8,7 @@ import hashlib
 from typing import Any
 
 from milepost.colocated import Slice
-from milepost.workers import check
+from milepost.workers import check, peers
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -30,8 +30,9 @@ class PeerTier:
     copies: int = 1
     """Copies of each host's part on other nodes (the slice needs hosts on copies + 1 nodes);
     0 keeps each part on its own node only (it survives its host's process, not its node)."""
-    path: str = "/dev/shm/milepost"
-    """The folder on each node (node-local memory); ``{node}`` becomes the node's id."""
+    path: str = peers.DEFAULT_FOLDER
+    """The folder on each node (node-local memory, one per user by default); ``{user}``
+    becomes the user name of each host's process, ``{node}`` the node's id."""
     timeout_secs: float | None = None
     """Bounds each wait on the hosts (None: the Checkpointer's timeout)."""
     node: str | None = None
@@ -49,7 +50,7 @@ class PeerTier:
         if not self.path.startswith("/"):
             raise ValueError(
                 f"PeerTier.path={self.path!r} is not an absolute local folder; give a folder on "
-                "each node's memory, e.g. /dev/shm/milepost"
+                "each node's memory, e.g. /dev/shm/milepost-{user}"
             )
 
 
