@@ -35,6 +35,8 @@ A recovery:
    node), keeps a copy in its own folder; a :class:`HostError` if a host found no good copy;
 3. after a :class:`HostError`, ``healthy``: False when a host was lost (the runner starts again
    on a new slice).
+
+At the Checkpointer's ``close()``, once its saves are written: ``close(remove, timeout)``.
 """
 
 from __future__ import annotations
@@ -138,8 +140,9 @@ class PeerTransport(Protocol):
         names; the arrays (as this controller holds them) and every host's ack."""
         ...
 
-    def close(self) -> None:
-        """Stop what runs here for these hosts."""
+    def close(self, remove: bool, timeout: float) -> None:
+        """Stop what runs here for these hosts; every host removes this run's folder from its
+        node (``remove``; the last host of a node does) or lets go of it, kept for a restart."""
         ...
 
 

@@ -16,6 +16,7 @@ Every method is collective: every process calls it, in the same order.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import uuid
@@ -37,6 +38,8 @@ from milepost.workers import (
     dtype_of,
     peers,
 )
+
+log = logging.getLogger("milepost.peers")
 
 
 class ProcessPeers:
@@ -103,7 +106,7 @@ class ProcessPeers:
             return
         secret = os.urandom(16) if self.group.is_primary() else b""
         self._secret = self.group.broadcast("peer-tier:secret", secret, timeout)
-        self.root.mkdir(parents=True, exist_ok=True)
+        peers.make_run_folder(self.root)
         # listening only on the interface the job's processes reach each other through
         address = reachable_address() if self.count > 1 else "127.0.0.1"
         self._server = peers.PeerServer(
@@ -117,10 +120,20 @@ class ProcessPeers:
         self._connect(timeout)
         return list(self._nodes)
 
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            self._server = None
+    def close(self, remove: bool, timeout: float) -> None:
+        """Stop this process's server; remove the run's folder from this node (the last process
+        of the node does: ``remove``) or let go of it."""
+        if self._server is None:
+            return  # this process never used its node's folder
+        self._server.close()
+        self._server = None
+        try:
+            if remove:
+                peers.remove_run(self.root)
+            else:
+                peers.release_run(self.root)
+        except OSError as e:
+            log.warning("peer tier: %s left as it is: %s: %s", self.root, type(e).__name__, e)
 
     # -- saving ---------------------------------------------------------------------------
     def save(

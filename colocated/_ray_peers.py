@@ -181,6 +181,14 @@ class PeerHost:
         peers.write(root, part, data)
         return part.nbytes
 
+    def peer_close(self, folder: str, run: str, remove: bool, timeout: float) -> bool:
+        """Remove the run's folder from this node (True once gone; False: another process of
+        the run still holds it and removes it) or let go of it, after this host's peer-tier
+        writes in flight."""
+        root = self._peer_root(folder, run)
+        job = peers.remove_run if remove else peers.release_run
+        return workers.RUNTIME.pool("peer-tier", 1).submit(job, root).result(timeout) is not False
+
     def peer_list(self, folder: str, run: str) -> list[peers.Held]:
         """The complete parts in this host's node folder."""
         return peers.listing(self._peer_root(folder, run))

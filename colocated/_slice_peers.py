@@ -7,6 +7,7 @@ copies of each part, for either transport.
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -19,6 +20,8 @@ from milepost.colocated._ray_group import WAIT_GROUP, RayHostGroup
 from milepost.colocated._ray_host import Ref
 from milepost.colocated._ray_peers import PeerRestorePlan, PeerSaveAck, PeerSavePlan
 from milepost.workers import peers
+
+log = logging.getLogger("milepost.peers")
 
 
 def choose_peers(nodes: Sequence[str], copies: int) -> list[list[int]]:
@@ -200,8 +203,18 @@ class SlicePeers:
         ]
         return arrays, [acks[i] for i in sorted(acks)]
 
-    def close(self) -> None:
-        """Nothing runs here between calls (the hosts own their background work)."""
+    def close(self, remove: bool, timeout: float) -> None:
+        """Every host removes the run's folder from its node, or lets go of it (``remove``
+        False); nothing else runs here between calls. On a slice shut down or lost, nothing is
+        asked (the folders stay until ``milepost peers clear``)."""
+        doing = "removing its node's peer tier folder" if remove else "keeping its peer tier"
+        try:
+            self.group.check_usable()
+            self.group.all(
+                "peer_close", self.folder, self.run, remove, timeout, doing=doing, timeout=timeout
+            )
+        except HostError as e:
+            log.warning("peer tier: %s left as it is: %s", self.run, e)
 
 
 __all__ = ["PendingPeerSave", "SlicePeers", "choose_peers"]

@@ -160,7 +160,9 @@ def main(scenario: str, index: int, count: int, port: int, root: str) -> dict:
         import milepost as mp
         from milepost.training import PeerTier
 
-        tier = PeerTier(copies=1, path=f"{root}-shm/{{node}}", node=f"n{index // 2}")
+        tier = PeerTier(
+            copies=1, path=f"{root}-shm/{{node}}", node=f"n{index // 2}", keep_on_close=True
+        )
         with Checkpointer(root, save_policy=FixedInterval(interval=2), peers=tier) as ckpt:
             if scenario == "peers_save":
                 for step in (1, 2, 3):

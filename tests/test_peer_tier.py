@@ -172,6 +172,28 @@ def test_peers_are_on_other_nodes_and_never_together() -> None:
         choose_peers(["a", "a"], 1)
 
 
+def test_close_removes_the_runs_node_folder_unless_kept(tmp_path: Path) -> None:
+    """A run leaves nothing in node memory once its Checkpointer closes; ``keep_on_close``
+    keeps its folder for a restart (let go of: ``milepost peers clear`` may remove it)."""
+    import jax
+
+    w = jax.device_put(np.arange(64, dtype=np.float32))
+    for keep in (False, True):
+        shm = tmp_path / f"shm-{keep}"
+        tier = PeerTier(copies=0, path=str(shm), node="here", keep_on_close=keep)
+        policy = FixedInterval(interval=10)
+        with Checkpointer(tmp_path / f"ckpt-{keep}", save_policy=policy, peers=tier) as ckpt:
+            ckpt.save(1, {"w": w})
+            ckpt.wait()
+            (run_dir,) = shm.iterdir()
+            assert [h.step for h in peers.listing(run_dir)] == [1]
+            assert [r.live for r in peers.list_peer_runs(shm)] == [True]
+        assert [p.name for p in shm.iterdir()] == ([run_dir.name] if keep else [])
+        if keep:
+            (run,) = peers.list_peer_runs(shm)
+            assert (run.name, run.steps, run.live) == (run_dir.name, (1,), False), run
+
+
 def test_peer_tier_options_are_checked() -> None:
     with pytest.raises(ValueError, match="absolute"):
         PeerTier(path="shm/x")
@@ -179,6 +201,8 @@ def test_peer_tier_options_are_checked() -> None:
         PeerTier(copies=-1)
     with pytest.raises(TypeError, match="every_n_steps"):
         PeerTier(every_n_steps="2")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="keep_on_close"):
+        PeerTier(keep_on_close=1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="read-only"):
         Checkpointer("/tmp/x-never-written", read_only=True, peers=PeerTier())
 
@@ -196,7 +220,7 @@ def test_one_process_recovers_its_state_from_its_node_folder_after_a_restart(
     sharding = NamedSharding(mesh, P("data", "model"))
     w = jax.device_put(np.arange(64 * 32, dtype=np.float32).reshape(64, 32), sharding)
     key = jax.random.key(7)
-    tier = PeerTier(copies=0, path=str(tmp_path / "shm"), node="here")
+    tier = PeerTier(copies=0, path=str(tmp_path / "shm"), node="here", keep_on_close=True)
     with Checkpointer(tmp_path / "ckpt", save_policy=FixedInterval(interval=10), peers=tier) as c:
         for step in (1, 2, 3):
             c.save(step, {"w": w + step, "key": key, "step": step, "lr": 0.5})
@@ -583,6 +607,7 @@ def _parts_of(shm: Path, step: int) -> dict[int, int]:
         for h in peers.listing(run_dir):
             if h.step == step:
                 out[h.owner] = h.nbytes
+        peers.release_run(run_dir)  # (a listing holds the run: its hosts remove it at close)
     return out
 
 
@@ -618,6 +643,7 @@ def test_a_restarted_controller_recovers_a_slice_from_node_memory(
                 again.wait()
                 _check_state(new, {"params": params, "step": 4}, 4)
                 assert again.steps == [2, 4]
+            assert not list((tmp_path / "shm").glob("*/run-*"))  # closed: nothing left in RAM
     finally:
         first.close()
 

@@ -23,7 +23,8 @@ class PeerTier:
     (a RAM disk; ``{node}`` in it is replaced by the node's Ray id, for nodes that share a
     machine) and sends ``copies`` copies to hosts on other nodes. The durable root keeps its own
     save policy. The tier holds two steps of each part at most: the newest recoverable one, and
-    the one being saved."""
+    the one being saved. ``Checkpointer.close()`` removes the run's folders from the nodes'
+    memory unless ``keep_on_close``."""
 
     every_n_steps: int = 1
     """Keep every n-th step (the steps ``save`` is called with, counted from 0)."""
@@ -39,6 +40,10 @@ class PeerTier:
     """In a multi-controller job: this process's node name (None: its host name). Processes of
     one node share its folder and never keep each other's copies. A slice's hosts use their Ray
     node ids."""
+    keep_on_close: bool = False
+    """Keep the run's folders in the nodes' memory when the Checkpointer closes, for a restarted
+    job or controller to recover from (they stay until ``milepost peers clear`` or a later
+    Checkpointer of the root that does not keep them closes). False: ``close()`` removes them."""
 
     def __post_init__(self) -> None:
         check.integer(self.every_n_steps, "PeerTier.every_n_steps", minimum=1)
@@ -47,6 +52,7 @@ class PeerTier:
         check.number(self.timeout_secs, "PeerTier.timeout_secs", positive=True, optional=True)
         if self.node is not None:
             check.text(self.node, "PeerTier.node")
+        check.flag(self.keep_on_close, "PeerTier.keep_on_close")
         if not self.path.startswith("/"):
             raise ValueError(
                 f"PeerTier.path={self.path!r} is not an absolute local folder; give a folder on "

@@ -87,7 +87,7 @@ class PeerTierRunner:
                     + ("a slice's arrays" if current.of_slice else "this job's own arrays")
                     + "; a Checkpointer keeps the steps of one kind of state"
                 )
-            current.close()
+            # a new slice's: the old one's hosts are gone (or no longer hold this state)
         transport: PeerTransport
         if isinstance(group, RayHostGroup):
             transport = SlicePeers(group, self.tier.path, self.run)
@@ -149,8 +149,9 @@ class PeerTierRunner:
         log.debug("step %s is kept in node memory and on peers", step)
 
     def close(self) -> None:
+        """The hosts remove this run's node folders (unless the tier keeps them)."""
         if self._transport is not None:
-            self._transport.close()
+            self._transport.close(not self.tier.keep_on_close, self.timeout)
 
     # -- recovery -------------------------------------------------------------------------
     def check(self, lost: Slice | None, abstract_state: Any) -> None:
