@@ -336,7 +336,7 @@ def main() -> None:
         stream=sys.stdout,
     )
     logging.getLogger("milepost.slice").setLevel(logging.INFO)
-    logging.getLogger("milepost.training._peers").setLevel(logging.INFO)
+    logging.getLogger("milepost.training").setLevel(logging.INFO)  # the recovery's line
     t_start = time.monotonic()
 
     work = Path(tempfile.mkdtemp(prefix="mpb-peer-", dir=args.dir))
