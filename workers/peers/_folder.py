@@ -193,8 +193,9 @@ def open_tier(tier: Path, *, create: bool) -> int | None:
             except FileNotFoundError:
                 if not create:
                     return None
-                inner = open_dir(fd, name, here, create=True, tighten=False)
-                assert inner is not None
+                made = open_dir(fd, name, here, create=True, tighten=False)
+                assert made is not None
+                inner = made
             except OSError as e:
                 if e.errno in (errno.ELOOP, errno.ENOTDIR):  # (it changed since it was resolved)
                     raise refuse(here, _what_is(fd, name)) from None
