@@ -38,7 +38,6 @@ from milepost._cli._errors import (
     USAGE,
     CliError,
 )
-from milepost.workers import peers as worker_peers
 
 
 @dataclasses.dataclass
@@ -154,7 +153,7 @@ def _progress() -> Iterator[None]:
         yield
 
 
-def _console(stderr: bool = False) -> Any:
+def make_console(stderr: bool = False) -> Any:
     from rich.console import Console
 
     stream = sys.stderr if stderr else sys.stdout
@@ -164,7 +163,7 @@ def _console(stderr: bool = False) -> Any:
     return console
 
 
-def _print_json(value: Any) -> None:
+def print_json(value: Any) -> None:
     click.echo(json.dumps(value, indent=2, default=str))
 
 
@@ -190,9 +189,9 @@ def inspect_(path: str, as_json: bool) -> int:
 
     record = _describe.describe(path)
     if as_json:
-        _print_json(record)
+        print_json(record)
         return OK
-    console = _console()
+    console = make_console()
     facts = {"format": record["format"]}
     if record["committed"]:
         took = ""
@@ -274,9 +273,9 @@ def ls(root: str, local: str | None, as_json: bool) -> int:
 
     rows = training.list_steps(root, local)
     if as_json:
-        _print_json(rows)
+        print_json(rows)
         return OK
-    console = _console()
+    console = make_console()
     names = sorted({k for r in rows for k in r["metrics"]})
     table = [
         (
@@ -321,7 +320,7 @@ def verify(path: str, as_json: bool) -> int:
     with _progress():
         report = mp.verify(path)
     if as_json:
-        _print_json({**dataclasses.asdict(report), "path": str(report.path), "ok": report.ok})
+        print_json({**dataclasses.asdict(report), "path": str(report.path), "ok": report.ok})
     else:
         click.echo(str(report))
     return OK if report.ok else DAMAGED
@@ -350,7 +349,7 @@ def _json_cell(v: Any) -> Any:
 def _print_table(table: Any) -> None:
 
     rows = [tuple(table._cell(v) for v in row) for row in table.rows]
-    _console().print(_views.rich_table(table.columns, rows, right=()))
+    make_console().print(_views.rich_table(table.columns, rows, right=()))
 
 
 _BUDGET_OPTION = click.option(
@@ -392,7 +391,7 @@ def stats(
             ms.open(path, item=item).tree, where=where, memory_budget_bytes=_budget(budget_mib)
         )
     if as_json:
-        _print_json([{k: _json_cell(v) for k, v in row.items()} for row in table.as_dicts()])
+        print_json([{k: _json_cell(v) for k, v in row.items()} for row in table.as_dicts()])
     else:
         _print_table(table)
     return OK
@@ -417,7 +416,7 @@ def diff(a: str, b: str, item: str | None, budget_mib: int | None, as_json: bool
             memory_budget_bytes=_budget(budget_mib),
         )
     if as_json:
-        _print_json(
+        print_json(
             {
                 "equal": found.equal,
                 "only_a": list(found.only_a),
@@ -428,7 +427,7 @@ def diff(a: str, b: str, item: str | None, budget_mib: int | None, as_json: bool
             }
         )
     else:
-        console = _console()
+        console = make_console()
         console.print(
             f"{a} and {b}: {'equal' if found.equal else 'different'}", markup=False, soft_wrap=True
         )
@@ -615,153 +614,6 @@ def demo(directory: str | None, size_mib: int, devices: int, overwrite: bool) ->
         raise CliError(f"--size-mib {size_mib}: give a model size of at least 1 MiB")
 
     return _demo.run(directory, size_mib, devices, overwrite, _progress)
-
-
-# ------------------------------------------------------------------------------------------
-# peers: the runs a node's peer tier folder holds in memory
-# ------------------------------------------------------------------------------------------
-
-
-@cli.group("peers", short_help="The peer tier's runs in this node's memory: list, clear.")
-def peers_group() -> None:
-    """The runs the peer tier (Checkpointer(peers=PeerTier(...))) keeps in this node's memory
-    folder: list them with their size, steps and age, and clear the stale ones (no process
-    uses them).
-
-    FOLDER is the node's peer tier folder, as PeerTier(path=...) names it on this node
-    (default /dev/shm/milepost-{user}; {user} becomes your user name). It must be yours: a
-    folder another user owns or may write to is refused.
-
-    \b
-      milepost peers ls
-      milepost peers clear --older-than 1h
-    """
-
-
-_FOLDER_ARGUMENT = click.argument("folder", required=False, default=None)
-_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
-def _escaped(name: str) -> str:
-    """A file name as printed: escaped (``\\n``, ``\\x1b``, ``\\udcff``), nothing a terminal
-    or a markup reads (names come from a folder's listing)."""
-    from rich.markup import escape
-
-    return escape(ascii(name)[1:-1])
-
-
-def _age(secs: float) -> str:
-    minutes, hours, days = int(secs // 60), int(secs // 3600), int(secs // 86400)
-    if secs < 60:
-        return f"{secs:.0f} s"
-    if secs < 3600:
-        return f"{minutes} min"
-    if secs < 86400:
-        return f"{hours} h {minutes % 60} min"
-    return f"{days} d {hours % 24} h"
-
-
-def _seconds(text: str) -> float:
-    """--older-than: a number of seconds, or with a unit: 90s, 30m, 1h, 2d."""
-    unit = text[-1:].lower()
-    number = text[:-1] if unit in _DURATION_UNITS else text
-    try:
-        value = float(number) * _DURATION_UNITS.get(unit, 1)
-    except ValueError:
-        value = -1.0
-    if not math.isfinite(value) or value < 0:
-        raise CliError(f"--older-than {text}: give an age such as 90s, 30m, 1h or 2d (0: any age)")
-    return value
-
-
-def _runs_table(runs: list[Any]) -> Any:
-    rows = [
-        (
-            _escaped(r.name),
-            _views.human_bytes(r.nbytes),
-            ", ".join(str(s) for s in r.steps) or "-",
-            _age(r.age_secs),
-            "in use" if r.live else "-",
-        )
-        for r in runs
-    ]
-    return _views.rich_table(("run", "size", "steps", "age", "process"), rows, right=("size",))
-
-
-@command("ls", group=peers_group, short_help="The runs in this node's peer tier folder.")
-@_FOLDER_ARGUMENT
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON list (for scripts).")
-def peers_ls(folder: str | None, as_json: bool) -> int:
-    """The runs in the peer tier folder FOLDER of this node: each one's size in memory, the
-    steps it holds, how long since it last changed, and whether a process still uses it.
-    Nothing is changed."""
-
-    where = worker_peers.tier_folder(folder)
-    runs = training.list_peer_runs(where)
-    if as_json:
-        _print_json([{**dataclasses.asdict(r), "path": str(r.path)} for r in runs])
-        return OK
-    console = _console()
-    total = sum(r.nbytes for r in runs)
-    live = sum(r.live for r in runs)
-    console.print(
-        f"{_escaped(str(where))}: {len(runs)} runs, {_views.human_bytes(total)}"
-        + (f"; {live} in use" if live else ""),
-        markup=False,
-        soft_wrap=True,
-    )
-    if runs:
-        console.print(_runs_table(runs))
-    return OK
-
-
-@command("clear", group=peers_group, short_help="Remove the stale runs of the folder.")
-@_FOLDER_ARGUMENT
-@click.option(
-    "--older-than",
-    "older_than",
-    required=True,
-    metavar="AGE",
-    help="Only runs unchanged for this long: 90s, 30m, 1h, 2d (0: any age).",
-)
-@click.option("--yes", "-y", is_flag=True, help="Remove without asking.")
-@click.option("--dry-run", is_flag=True, help="Print what would be removed; remove nothing.")
-def peers_clear(folder: str | None, older_than: str, yes: bool, dry_run: bool) -> int:
-    """Remove the stale runs of the peer tier folder FOLDER of this node: those no process
-    uses (their job ended or was killed) and unchanged for --older-than. A run a process uses
-    is never removed. Asks first, unless --yes."""
-
-    secs = _seconds(older_than)
-    where = worker_peers.tier_folder(folder)
-    stale = training.clear_peer_runs(where, older_than_secs=secs, dry_run=True)
-    console = _console()
-    if not stale:
-        console.print(f"{_escaped(str(where))}: no stale run", markup=False, soft_wrap=True)
-        return OK
-    total = _views.human_bytes(sum(r.nbytes for r in stale))
-    console.print(
-        f"{_escaped(str(where))}: {len(stale)} stale runs, {total}", markup=False, soft_wrap=True
-    )
-    console.print(_runs_table(stale))
-    if dry_run:
-        return OK
-    if not yes and not _confirm(f"Remove these {len(stale)} runs?"):
-        click.echo("nothing removed")
-        return OK
-    removed = training.clear_peer_runs(where, older_than_secs=secs)
-    kept = len(stale) - len(removed)
-    click.echo(
-        f"removed {len(removed)} runs, {_views.human_bytes(sum(r.nbytes for r in removed))}"
-        + (f"; {kept} kept (in use again, or changed since)" if kept else "")
-    )
-    return OK
-
-
-def _confirm(question: str) -> bool:
-    try:
-        return click.confirm(question, default=False)
-    except click.exceptions.Abort:  # no answer: standard input closed, or Ctrl-C
-        raise CliError("nothing removed: no answer; pass --yes to remove without asking") from None
 
 
 # ------------------------------------------------------------------------------------------
