@@ -487,7 +487,7 @@ class Slice:
         hosts = "; ".join(
             f"host {r[0]}: {r[2]} pid {r[3]}, devices [{r[4]}]" for r in self._host_rows()
         )
-        return f"Slice({self.hosts} hosts x {devices}, {state}; {hosts})"
+        return workers.printable(f"Slice({self.hosts} hosts x {devices}, {state}; {hosts})")
 
     def _repr_html_(self) -> str:
         state = "healthy" if self.healthy else "unhealthy or shut down"

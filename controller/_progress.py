@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from milepost import _options, workers
-from milepost._views import human_bytes
+from milepost._views import human_bytes, printable
 from milepost.workers import ShardingSpec
 from milepost.workers import progress as sink
 
@@ -154,8 +154,9 @@ class Operation:
 
     # -- drawing ----------------------------------------------------------------------------
     def description(self) -> str:
+        """What the bar says: the operation and its folder's name (escaped: ``printable``)."""
         name = getattr(self.path, "name", "") or str(self.path)
-        return f"{self.kind} {name}"
+        return printable(f"{self.kind} {name}")
 
     def tick(self) -> None:
         """Draw if due (from the ticker thread, or when bytes arrive)."""
@@ -366,7 +367,7 @@ class _Terminal:
         with self.lock:
             if self.progress is None:
                 self.progress = Progress(
-                    TextColumn("{task.description}"),
+                    TextColumn("{task.description}", markup=False),
                     BarColumn(),
                     DownloadColumn(binary_units=True),
                     TransferSpeedColumn(),

@@ -70,7 +70,7 @@ class Handle(Generic[T]):
         return f"failed: {type(error).__name__}: {error}"
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({str(self.path)!r}, {self._state()})"
+        return f"{type(self).__name__}({str(self.path)!r}, {_views.printable(self._state())})"
 
     def _repr_html_(self) -> str:
         return _views.html_fields(

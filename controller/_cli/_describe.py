@@ -49,10 +49,11 @@ def describe(path: str | os.PathLike[str] | ObjectPath) -> dict[str, Any]:
     for name, part in meta.checkpointables.items():
         handler = meta.item_handlers.get(name) or (items[name].handler if name in items else None)
         entry: dict[str, Any] = {"handler": handler}
-        leaves = _views.flat_leaves(part)
+        paths = _views.leaf_paths(part)
+        leaves = [leaf for _, leaf in paths]
         if leaves or (name in items and items[name].is_pytree):
             entry["storage"] = _storage(items[name].folder) if name in items else ""
-            entry["leaves"] = [_views.leaf_record(leaf) for leaf in leaves]
+            entry["leaves"] = [_views.leaf_record(leaf, path) for path, leaf in paths]
             entry["totals"] = _totals(leaves)
             everything += leaves
         else:

@@ -6,6 +6,11 @@ prints its result, and returns its exit status (or raises; :func:`main` turns an
 line naming the problem and its fix, and an exit status). ``inspect`` and ``ls`` read metadata
 only; ``stats``, ``diff`` and ``convert`` go through :mod:`milepost.surgery` (a group of arrays at
 a time, never a whole checkpoint in memory).
+
+What a command prints from a file (names, metric keys and values, metadata, messages) goes
+through ``printable`` (control and bidirectional characters as visible escapes, ``\\x1b``) and
+reaches ``rich`` as text, never markup; names given back as printed (``--leaf``, ``--item``) are
+read through ``from_printable``.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import click
 import jax
 
 import milepost as mp
-from milepost import _views, training
+from milepost import _views, training, workers
 from milepost import surgery as ms
 from milepost._cli import _demo, _describe
 from milepost._cli._errors import (
@@ -157,10 +162,15 @@ def make_console(stderr: bool = False) -> Any:
     from rich.console import Console
 
     stream = sys.stderr if stderr else sys.stdout
-    console = Console(file=stream, highlight=False)
+    console = Console(file=stream, highlight=False, emoji=False)
     if not console.is_terminal:
-        console = Console(file=stream, highlight=False, width=200, color_system=None)
+        console = Console(file=stream, highlight=False, emoji=False, width=200, color_system=None)
     return console
+
+
+def say(console: Any, text: str) -> None:
+    """Print one line of text: escaped (``printable``), no markup, no emoji codes."""
+    console.print(_views.printable(text), markup=False, soft_wrap=True)
 
 
 def print_json(value: Any) -> None:
@@ -192,7 +202,7 @@ def inspect_(path: str, as_json: bool) -> int:
         print_json(record)
         return OK
     console = make_console()
-    facts = {"format": record["format"]}
+    facts = {"format": str(record["format"])}
     if record["committed"]:
         took = ""
         if record["init_timestamp_nsecs"] and record["commit_timestamp_nsecs"]:
@@ -205,20 +215,16 @@ def inspect_(path: str, as_json: bool) -> int:
         extra = f", {entry['storage']}" if entry.get("storage") else ""
         parts.append(f"{name} ({handler}{extra})")
     facts["checkpointables"] = ", ".join(parts)
-    facts["custom metadata"] = json.dumps(record["custom_metadata"], sort_keys=True, default=str)
+    facts["custom metadata"] = _json_line(record["custom_metadata"])
     if record["metrics"]:
-        facts["metrics"] = json.dumps(record["metrics"], sort_keys=True, default=str)
-    console.print(record["path"], markup=False, soft_wrap=True)
+        facts["metrics"] = _json_line(record["metrics"])
+    say(console, record["path"])
     width = max(len(k) for k in facts) + 1
     for key, value in facts.items():
-        console.print(f"  {key + ':':<{width}} {value}", markup=False, soft_wrap=True)
+        say(console, f"  {key + ':':<{width}} {value}")
     for name, entry in record["checkpointables"].items():
         if "leaves" not in entry:
-            console.print(
-                f"{name}: {_views.short_json(entry.get('value'), 200)}",
-                markup=False,
-                soft_wrap=True,
-            )
+            say(console, f"{name}: {_views.short_json(entry.get('value'), 200)}")
             continue
         t = entry["totals"]
         rows = [
@@ -234,19 +240,22 @@ def inspect_(path: str, as_json: bool) -> int:
             )
             for leaf in entry["leaves"]
         ]
-        console.print(
+        say(
+            console,
             f"{name}: {t['leaves']} leaves, {t['arrays']} arrays, {_views.human_bytes(t['bytes'])}",
-            markup=False,
-            soft_wrap=True,
         )
         console.print(_views.rich_table(_views.LEAF_COLUMNS, rows))
     t = record["totals"]
-    console.print(
+    say(
+        console,
         f"total: {t['leaves']} leaves, {t['arrays']} arrays, {_views.human_bytes(t['bytes'])}",
-        markup=False,
-        soft_wrap=True,
     )
     return OK
+
+
+def _json_line(value: Any) -> str:
+    """Metadata as one line of JSON, readable (accents and CJK kept) and escaped by ``say``."""
+    return json.dumps(value, sort_keys=True, default=str, ensure_ascii=False)
 
 
 # ------------------------------------------------------------------------------------------
@@ -295,7 +304,7 @@ def ls(root: str, local: str | None, as_json: bool) -> int:
     )
     if len(committed) != len(rows):
         title += f"; {len(rows) - len(committed)} not committed (never loaded)"
-    console.print(title, markup=False, soft_wrap=True)
+    say(console, title)
     console.print(
         _views.rich_table(
             ("step", "state", "tier", "size", "committed", *names), table, right=("step", "size")
@@ -322,7 +331,7 @@ def verify(path: str, as_json: bool) -> int:
     if as_json:
         print_json({**dataclasses.asdict(report), "path": str(report.path), "ok": report.ok})
     else:
-        click.echo(str(report))
+        click.echo(_views.printable(str(report), newlines=True))
     return OK if report.ok else DAMAGED
 
 
@@ -346,6 +355,10 @@ def _json_cell(v: Any) -> Any:
     return None if isinstance(v, float) and not math.isfinite(v) else v
 
 
+def _names(names: Any) -> str:
+    return ", ".join(_views.printable(n) for n in names)
+
+
 def _print_table(table: Any) -> None:
 
     rows = [tuple(table._cell(v) for v in row) for row in table.rows]
@@ -360,35 +373,70 @@ _BUDGET_OPTION = click.option(
     metavar="MIB",
     help="Array data held at once (default: 1024).",
 )
+
+
+def _as_printed(ctx: Any, param: Any, value: Any) -> Any:
+    """A name given as the command printed it: its escapes (``\\x1b``, ``\\u202e``) read back."""
+    if value is None:
+        return None
+    if isinstance(value, tuple):
+        return tuple(workers.from_printable(v) for v in value)
+    return workers.from_printable(value)
+
+
 _ITEM_OPTION = click.option(
-    "--item", default=None, help="Which checkpointable (default: the main tree, e.g. state)."
+    "--item",
+    default=None,
+    callback=_as_printed,
+    help="Which checkpointable (default: the main tree, e.g. state).",
+)
+_WHERE_OPTION = click.option(
+    "--where",
+    default=None,
+    metavar="REGEX",
+    help="Only the leaves whose path this regular expression matches (re.search; \\x1b and "
+    "\\u202e match those characters).",
+)
+_LEAF_OPTION = click.option(
+    "--leaf",
+    "leaves",
+    multiple=True,
+    callback=_as_printed,
+    metavar="PATH",
+    help="Only this leaf (repeatable; with --where, the leaves either picks): its path as the "
+    "tables print it (a '.' inside a key as \\., escapes such as \\x1b as shown), or its "
+    "storage name (the keys joined by '.').",
 )
 
 
 @command("stats", short_help="Per array: min, max, mean, std, NaN and Inf counts.")
 @click.argument("path")
-@click.option(
-    "--where",
-    default=None,
-    metavar="REGEX",
-    help="Only the leaves whose dotted path this regular expression matches.",
-)
+@_WHERE_OPTION
+@_LEAF_OPTION
 @_ITEM_OPTION
 @_BUDGET_OPTION
 @click.option(
     "--json", "as_json", is_flag=True, help="Print a JSON list (non-finite values as null)."
 )
 def stats(
-    path: str, where: str | None, item: str | None, budget_mib: int | None, as_json: bool
+    path: str,
+    where: str | None,
+    leaves: tuple[str, ...],
+    item: str | None,
+    budget_mib: int | None,
+    as_json: bool,
 ) -> int:
-    """Statistics of every array of the checkpoint at PATH (or those --where matches): min,
-    max, mean and standard deviation (of the finite values) and the counts of NaNs and Infs,
-    read and computed a group of arrays at a time."""
+    """Statistics of every array of the checkpoint at PATH (or those --where and --leaf
+    choose): min, max, mean and standard deviation (of the finite values) and the counts of
+    NaNs and Infs, read and computed a group of arrays at a time."""
 
     _exact_dtypes()
     with _progress():
         table = ms.stats(
-            ms.open(path, item=item).tree, where=where, memory_budget_bytes=_budget(budget_mib)
+            ms.open(path, item=item).tree,
+            where=where,
+            leaves=leaves or None,
+            memory_budget_bytes=_budget(budget_mib),
         )
     if as_json:
         print_json([{k: _json_cell(v) for k, v in row.items()} for row in table.as_dicts()])
@@ -400,19 +448,32 @@ def stats(
 @command("diff", short_help="Compare two checkpoints leaf by leaf; exit status 0 only when equal.")
 @click.argument("a")
 @click.argument("b")
+@_WHERE_OPTION
+@_LEAF_OPTION
 @_ITEM_OPTION
 @_BUDGET_OPTION
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def diff(a: str, b: str, item: str | None, budget_mib: int | None, as_json: bool) -> int:
-    """Compare the checkpoints A and B: the leaves only one of them has, and for every common
-    leaf whether shape, dtype and every value are equal (NaN equals NaN) and the largest
-    absolute difference. Exit status 0 when they are equal, 1 when they differ."""
+def diff(
+    a: str,
+    b: str,
+    where: str | None,
+    leaves: tuple[str, ...],
+    item: str | None,
+    budget_mib: int | None,
+    as_json: bool,
+) -> int:
+    """Compare the checkpoints A and B (every leaf, or those --where and --leaf choose): the
+    leaves only one of them has, and for every common leaf whether shape, dtype and every value
+    are equal (NaN equals NaN) and the largest absolute difference. Exit status 0 when they are
+    equal, 1 when they differ."""
 
     _exact_dtypes()
     with _progress():
         found = ms.diff(
             ms.open(a, item=item).tree,
             ms.open(b, item=item).tree,
+            where=where,
+            leaves=leaves or None,
             memory_budget_bytes=_budget(budget_mib),
         )
     if as_json:
@@ -428,14 +489,12 @@ def diff(a: str, b: str, item: str | None, budget_mib: int | None, as_json: bool
         )
     else:
         console = make_console()
-        console.print(
-            f"{a} and {b}: {'equal' if found.equal else 'different'}", markup=False, soft_wrap=True
-        )
+        say(console, f"{a} and {b}: {'equal' if found.equal else 'different'}")
         for side, names in (("A", found.only_a), ("B", found.only_b)):
             if names:
-                console.print(f"only in {side}: {', '.join(names)}", markup=False, soft_wrap=True)
+                say(console, f"only in {side}: {_names(names)}")
         if found.different:
-            console.print(f"different: {', '.join(found.different)}", markup=False, soft_wrap=True)
+            say(console, f"different: {_names(found.different)}")
         _print_table(found.table)
     return OK if found.equal else DAMAGED
 
@@ -511,7 +570,7 @@ def convert(
             summary = mp.safetensors.export(
                 src, dst, max_shard_bytes=max_shard_bytes, subtree=subtree, overwrite=overwrite
             )
-        click.echo(str(summary))
+        click.echo(_views.printable(str(summary), newlines=True))
         return OK
     if subtree is not None:
         raise CliError(
@@ -521,7 +580,7 @@ def convert(
     others = [name for name, entry in record["checkpointables"].items() if "leaves" not in entry]
     if others:
         raise CliError(
-            f"{src} has checkpointables that are not trees ({', '.join(others)}): convert "
+            f"{src} has checkpointables that are not trees ({_names(others)}): convert "
             "copies tree checkpointables only; load and save those with "
             "milepost.load_checkpointables / save_checkpointables"
         )
@@ -556,7 +615,10 @@ def convert(
     )
     layout = f"{to}, {compression}, {chunks}"
     click.echo(
-        f"converted {src} -> {out} ({layout}): {', '.join(names)}; {total} array bytes rewritten"
+        _views.printable(
+            f"converted {src} -> {out} ({layout}): {', '.join(names)}; {total} array bytes "
+            "rewritten"
+        )
     )
     return OK
 
@@ -635,11 +697,12 @@ def _exit_status(error: BaseException) -> int:
 
 
 def _one_line(error: BaseException) -> str:
+    """The error as one line, escaped (its message may name what a hostile file holds)."""
     message = " ".join(str(error).split()) or repr(error)
     if isinstance(error, KeyError) and error.args:
         message = str(error.args[0])
     name = "" if isinstance(error, CliError) else f"{type(error).__name__}: "
-    return f"{name}{message}"
+    return _views.printable(f"{name}{message}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -668,7 +731,7 @@ def _run(argv: list[str] | None) -> int:
         return INTERRUPTED
     except Exception as e:
         if _settings.debug:
-            traceback.print_exc()
+            click.echo(_views.printable(traceback.format_exc(), newlines=True), err=True, nl=False)
         hint = (
             "" if _settings.debug or isinstance(e, CliError) else " (--debug shows the traceback)"
         )

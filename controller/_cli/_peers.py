@@ -35,14 +35,6 @@ _FOLDER_ARGUMENT = click.argument("folder", required=False, default=None)
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
-def _escaped(name: str) -> str:
-    """A file name as printed: escaped (``\\n``, ``\\x1b``, ``\\udcff``), nothing a terminal
-    or a markup reads (names come from a folder's listing)."""
-    from rich.markup import escape
-
-    return escape(ascii(name)[1:-1])
-
-
 def _age(secs: float) -> str:
     minutes, hours, days = int(secs // 60), int(secs // 3600), int(secs // 86400)
     if secs < 60:
@@ -70,7 +62,7 @@ def _seconds(text: str) -> float:
 def _runs_table(runs: list[Any]) -> Any:
     rows = [
         (
-            _escaped(r.name),
+            _views.printable(r.name),
             _views.human_bytes(r.nbytes),
             ", ".join(str(s) for s in r.steps) or "-",
             _age(r.age_secs),
@@ -98,7 +90,7 @@ def peers_ls(folder: str | None, as_json: bool) -> int:
     total = sum(r.nbytes for r in runs)
     live = sum(r.live for r in runs)
     console.print(
-        f"{_escaped(str(where))}: {len(runs)} runs, {_views.human_bytes(total)}"
+        f"{_views.printable(str(where))}: {len(runs)} runs, {_views.human_bytes(total)}"
         + (f"; {live} in use" if live else ""),
         markup=False,
         soft_wrap=True,
@@ -129,11 +121,13 @@ def peers_clear(folder: str | None, older_than: str, yes: bool, dry_run: bool) -
     stale = training.clear_peer_runs(where, older_than_secs=secs, dry_run=True)
     console = make_console()
     if not stale:
-        console.print(f"{_escaped(str(where))}: no stale run", markup=False, soft_wrap=True)
+        console.print(f"{_views.printable(str(where))}: no stale run", markup=False, soft_wrap=True)
         return OK
     total = _views.human_bytes(sum(r.nbytes for r in stale))
     console.print(
-        f"{_escaped(str(where))}: {len(stale)} stale runs, {total}", markup=False, soft_wrap=True
+        f"{_views.printable(str(where))}: {len(stale)} stale runs, {total}",
+        markup=False,
+        soft_wrap=True,
     )
     console.print(_runs_table(stale))
     if dry_run:

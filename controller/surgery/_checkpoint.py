@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from milepost import _checkpoint, _hosts, _options
+from milepost import _checkpoint, _hosts, _options, workers
 from milepost import _format as fmt
 from milepost._tree import PLACEHOLDER, ValueType
 from milepost.colocated import Slice
@@ -32,7 +32,8 @@ class Checkpoint:
     tree: Any
     custom_metadata: dict[str, Any]
     leaf_meta: dict[str, _checkpoint.LeafMetadata]
-    """What ``milepost.metadata`` says of each stored array (write and chunk shapes)."""
+    """What ``milepost.metadata`` says of each stored array (write and chunk shapes), by its
+    storage name."""
 
     @property
     def arrays(self) -> dict[str, LazyArray]:
@@ -54,7 +55,7 @@ class Checkpoint:
         return out
 
     def __repr__(self) -> str:
-        rows = self.rows()
+        rows = [(workers.printable(n), s, d, w, b) for n, s, d, w, b in self.rows()]
         width = max((len(r[0]) for r in rows), default=4)
         lines = [
             f"Checkpoint({str(self.path)!r}, item={self.item!r}, "
@@ -63,17 +64,17 @@ class Checkpoint:
         lines += [
             f"  {n:<{width}}  {s:<16} {d:<10} {b / 2**20:>9.2f} MiB  {w}" for n, s, d, w, b in rows
         ]
-        return "\n".join(lines)
+        return workers.printable("\n".join(lines), newlines=True)
 
     def _repr_html_(self) -> str:
         cells = "".join(
-            f"<tr><td><code>{html.escape(n)}</code></td><td>{html.escape(s)}</td>"
-            f"<td>{html.escape(d)}</td><td>{html.escape(w)}</td>"
+            f"<tr><td><code>{workers.html_text(n)}</code></td><td>{html.escape(s)}</td>"
+            f"<td>{html.escape(d)}</td><td>{workers.html_text(w)}</td>"
             f"<td style='text-align:right'>{b / 2**20:.2f} MiB</td></tr>"
             for n, s, d, w, b in self.rows()
         )
         return (
-            f"<p><b>{html.escape(str(self.path))}</b> ({html.escape(self.item)}): "
+            f"<p><b>{workers.html_text(self.path)}</b> ({workers.html_text(self.item)}): "
             f"{len(self.arrays)} arrays, {self.nbytes / 2**20:.1f} MiB</p>"
             "<table><tr><th>leaf</th><th>shape</th><th>dtype</th><th>sharding</th>"
             f"<th>bytes</th></tr>{cells}</table>"
@@ -118,32 +119,36 @@ def open(
     name, folder, files, described, custom = _hosts.shared(
         placement.group, f"surgery-open:{root}", read, options.async_.timeout_secs
     )
+    described_leaves = flat(described)  # by path: the storage name is each LeafMetadata's name
     meta_by_name = {
-        n: m for n, m in flat(described).items() if isinstance(m, _checkpoint.LeafMetadata)
+        m.name: m for m in described_leaves.values() if isinstance(m, _checkpoint.LeafMetadata)
     }
     ck = Checkpoint(root, name, folder, files, placement, None, custom, meta_by_name)
     leaves: dict[str, Any] = {}
     scalars: dict[str, Any] = {}
-    for leaf_name, leaf in flat(described).items():
+    for path, leaf in described_leaves.items():
         if isinstance(leaf, _checkpoint.LeafMetadata) and leaf.value_type in (
             ValueType.JAX_ARRAY,
             ValueType.NP_ARRAY,
         ):
             spec = leaf.sharding if placement.usable(leaf.sharding, leaf.shape or ()) else None
-            leaves[leaf_name] = LazyArray(
-                Source(ck, leaf_name), leaf.shape or (), np.dtype(leaf.dtype), spec
+            leaves[path] = LazyArray(
+                Source(ck, leaf.name, path), leaf.shape or (), np.dtype(leaf.dtype), spec
             )
         elif isinstance(leaf, _checkpoint.LeafMetadata) and leaf.value_type is ValueType.STRING:
-            leaves[leaf_name] = files.strings.get(leaf_name, "")
+            leaves[path] = files.strings.get(leaf.name, "")
         elif isinstance(leaf, _checkpoint.LeafMetadata) and leaf.value_type is ValueType.SCALAR:
-            scalars[leaf_name] = np.empty(leaf.shape or (), leaf.dtype)
-            leaves[leaf_name] = None
+            scalars[path] = np.empty(leaf.shape or (), leaf.dtype)
+            leaves[path] = None
         else:
-            leaves[leaf_name] = leaf
+            leaves[path] = leaf
     if scalars:  # tiny: read now, by the controller
         abstract = nest({n: scalars.get(n, PLACEHOLDER) for n in leaves})
         got = flat(_checkpoint.load_checkpointables(root, {name: abstract}, partial=True)[name])
         for n in scalars:
-            leaves[n] = _checkpoint.to_scalar(np.asarray(got[n]), files.python_types.get(n), None)
+            stored = described_leaves[n].name
+            leaves[n] = _checkpoint.to_scalar(
+                np.asarray(got[n]), files.python_types.get(stored), None
+            )
     object.__setattr__(ck, "tree", nest(leaves))
     return ck

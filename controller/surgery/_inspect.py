@@ -3,15 +3,17 @@ computed by the hosts group by group (only a few numbers per leaf reach the cont
 
 from __future__ import annotations
 
-import html
 import math
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
-from milepost import _progress
+from milepost import _progress, workers
+from milepost._tree import storage_name_of
 from milepost.surgery._lazy import LazyArray, apply, flat
 from milepost.surgery._placement import Placement
 from milepost.surgery._run import (
@@ -49,9 +51,10 @@ class Table:
 
     @staticmethod
     def _cell(v: Any) -> str:
+        """A cell as text: floats to 6 significant digits, names escaped (``workers.printable``)."""
         if isinstance(v, float):
             return f"{v:.6g}"
-        return str(v)
+        return workers.printable(v)
 
     def __str__(self) -> str:
         cells = [self.columns, *[tuple(self._cell(v) for v in row) for row in self.rows]]
@@ -63,12 +66,12 @@ class Table:
     __repr__ = __str__
 
     def _repr_html_(self) -> str:
-        head = "".join(f"<th>{html.escape(c)}</th>" for c in self.columns)
+        head = "".join(f"<th>{workers.html_text(c)}</th>" for c in self.columns)
         body = "".join(
-            "<tr>" + "".join(f"<td>{html.escape(self._cell(v))}</td>" for v in row) + "</tr>"
+            "<tr>" + "".join(f"<td>{workers.html_text(self._cell(v))}</td>" for v in row) + "</tr>"
             for row in self.rows
         )
-        return f"<p><b>{html.escape(self.title)}</b></p><table><tr>{head}</tr>{body}</table>"
+        return f"<p><b>{workers.html_text(self.title)}</b></p><table><tr>{head}</tr>{body}</table>"
 
 
 def _replicated(placement: Placement) -> ShardingSpec:
@@ -114,28 +117,77 @@ def _summary(x: Any) -> Any:
     )
 
 
-def stats(tree: Any, *, where: str | None = None, memory_budget_bytes: int | None = None) -> Table:
-    """Per array: min, max, mean and std of its finite values, NaN and inf counts, and where it
-    lives; computed by the hosts, a group of leaves at a time.
+def chosen(
+    names: Sequence[str],
+    where: str | None,
+    leaves: Sequence[str] | None,
+    what: str,
+    kind: str = "leaf",
+) -> list[str]:
+    r"""The names (leaf paths) ``where`` matches (``re.search``) or ``leaves`` names, in their
+    order; all of them when both are None. Each of ``leaves`` is a leaf's path (as tables show
+    it: ``params.a\.b`` for the key ``a.b``) or its storage name (the keys joined by '.',
+    ``params.a.b``, which a checkpoint's leaves never share); one that names no leaf, or
+    ``where`` matching none, is a ValueError."""
+    if where is None and leaves is None:
+        return list(names)
+    hits: set[str] = set()
+    if where is not None:
+        try:
+            rx = re.compile(where)
+        except re.error as e:
+            raise ValueError(f"{what}: {where!r} is not a regular expression ({e})") from None
+        hits.update(n for n in names if rx.search(n))
+        if not hits:
+            raise ValueError(f"{what}: {where!r} matches no {kind} of the tree")
+    if isinstance(leaves, str):
+        raise TypeError(f"{what}: leaves is a list of leaf names, got the string {leaves!r}")
+    known = set(names)
+    plural = "leaves" if kind == "leaf" else f"{kind}s"
+    by_storage: dict[str, list[str]] = {}
+    for n in names:
+        by_storage.setdefault(storage_name_of(n), []).append(n)
+    for name in leaves or ():
+        found = [name] if name in known else by_storage.get(name, [])
+        if not found:
+            shown = ", ".join(workers.printable(n) for n in names[:8])
+            raise ValueError(
+                f"{what}: no {kind} is named {name!r} (the {plural} are {shown}"
+                f"{', ...' if len(names) > 8 else ''}); give a path as the tables show it, or "
+                "a storage name"
+            )
+        if len(found) > 1:
+            shown = ", ".join(workers.printable(n) for n in found)
+            raise ValueError(f"{what}: {name!r} is the storage name of {shown}; give one's path")
+        hits.add(found[0])
+    return [n for n in names if n in hits]
+
+
+def stats(
+    tree: Any,
+    *,
+    where: str | None = None,
+    leaves: Sequence[str] | None = None,
+    memory_budget_bytes: int | None = None,
+) -> Table:
+    r"""Per array: min, max, mean and std of its finite values, NaN and inf counts, and where it
+    lives; computed by the hosts, a group of leaves at a time. ``where`` (a regular expression
+    on each leaf's path) and ``leaves`` (paths, or storage names) choose the arrays: those
+    either picks; default all. A name in ``leaves`` that names no array is a ValueError.
 
     >>> ms.stats(ck.tree)
+    >>> ms.stats(ck.tree, leaves=[r"params.a\.b"])   # the key "a.b" under params
     """
-    import re
-
-    leaves = {
-        n: v
-        for n, v in flat(tree).items()
-        if isinstance(v, LazyArray) and (where is None or re.search(where, n))
-    }
-    if where is not None and not leaves:
-        raise ValueError(f"stats: {where!r} matches no array of the tree")
+    arrays = {n: v for n, v in flat(tree).items() if isinstance(v, LazyArray)}
+    picked = chosen(list(arrays), where, leaves, "stats", "array")
+    leaves_ = {n: arrays[n] for n in picked}
     computed = _run_small(
         "stats",
-        {n: apply("stats", _summary, (x,), where=repr(n)) for n, x in leaves.items() if x.size},
+        {n: apply("stats", _summary, (x,), where=repr(n)) for n, x in leaves_.items() if x.size},
         memory_budget_bytes or DEFAULT_BUDGET,
     )
     rows = []
-    for name, x in leaves.items():
+    for name, x in leaves_.items():
         s = computed.get(name)
         values: tuple[Any, ...] = (
             (*tuple(float(v) for v in s[:4]), int(s[4]), int(s[5]))
@@ -170,15 +222,18 @@ class Diff:
 
     def __str__(self) -> str:
         head = f"diff: {'equal' if self.equal else 'different'}"
-        extra = [f"only in a: {list(self.only_a)}"] if self.only_a else []
-        extra += [f"only in b: {list(self.only_b)}"] if self.only_b else []
+        extra = [
+            f"only in {w}: {', '.join(workers.printable(n) for n in names)}"
+            for w, names in (("a", self.only_a), ("b", self.only_b))
+            if names
+        ]
         return "\n".join([head, *extra, str(self.table)])
 
     __repr__ = __str__
 
     def _repr_html_(self) -> str:
         extra = "".join(
-            f"<p>only in {w}: <code>{html.escape(str(list(v)))}</code></p>"
+            f"<p>only in {w}: <code>{workers.html_text(', '.join(v))}</code></p>"
             for w, v in (("a", self.only_a), ("b", self.only_b))
             if v
         )
@@ -198,14 +253,26 @@ def _compare(a: Any, b: Any) -> Any:
     return jnp.stack([same.astype(jnp.float32), worst.astype(jnp.float32)])
 
 
-def diff(a: Any, b: Any, *, memory_budget_bytes: int | None = None) -> Diff:
+def diff(
+    a: Any,
+    b: Any,
+    *,
+    where: str | None = None,
+    leaves: Sequence[str] | None = None,
+    memory_budget_bytes: int | None = None,
+) -> Diff:
     """Compare two trees leaf by leaf: which names only one has, and for the common ones whether
     shape, dtype and every value are equal (NaNs equal to NaNs) and the largest absolute
-    difference; computed by the hosts.
+    difference; computed by the hosts. ``where`` and ``leaves`` compare only the leaves they
+    choose (as :func:`stats`'s, among the names of either tree).
 
     >>> ms.diff(ms.open(a).tree, ms.open(b).tree)
     """
     fa, fb = flat(a), flat(b)
+    if where is not None or leaves is not None:
+        keep = set(chosen(list({**fa, **fb}), where, leaves, "diff"))
+        fa = {n: v for n, v in fa.items() if n in keep}
+        fb = {n: v for n, v in fb.items() if n in keep}
     only_a = tuple(n for n in fa if n not in fb)
     only_b = tuple(n for n in fb if n not in fa)
     work: dict[str, LazyArray] = {}

@@ -7,7 +7,8 @@ leaf, before any byte moves. ``sharding`` is where the result would like to live
 :class:`~milepost.ShardingSpec` over global device ids, or None: let the engine choose).
 
 Trees are nested dicts (and lists) of lazy arrays and plain values (strings, scalars);
-operations address leaves by their names, the keys joined by '.', as the checkpoint stores them.
+operations address leaves by their paths: the keys joined by '.', as the checkpoint stores them,
+a '.' or '\\' inside a key written ``\\.`` or ``\\\\`` (``milepost._tree.path_of``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from milepost import workers
+from milepost._tree import path_of, path_parts
 from milepost.surgery._placement import fits
 from milepost.workers import ShardingSpec
 
@@ -31,10 +33,12 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, eq=False)
 class Source:
-    """Leaf ``name`` of the checkpoint ``checkpoint``, as stored."""
+    """Leaf ``name`` (its storage name) of the checkpoint ``checkpoint``, at ``path`` in its
+    tree (``milepost._tree.path_of``: the same for keys without '.')."""
 
     checkpoint: Checkpoint
     name: str
+    path: str
 
 
 @dataclass(frozen=True, eq=False)
@@ -93,7 +97,7 @@ class LazyArray:
     def describe(self) -> str:
         """How it is computed, e.g. ``cast(stack(/ckpt/1:params.layer0.w, ...))``."""
         if isinstance(self.expr, Source):
-            return f"{self.expr.checkpoint.path}:{self.expr.name}"
+            return f"{self.expr.checkpoint.path}:{self.expr.path}"
         inner = ", ".join(x.describe() for x in self.expr.inputs[:3]) + (
             ", ..." if len(self.expr.inputs) > 3 else ""
         )
@@ -101,7 +105,9 @@ class LazyArray:
 
     def __repr__(self) -> str:
         where = f", sharding={self.sharding.describe()}" if self.sharding is not None else ""
-        return f"LazyArray(shape={self.shape}, dtype={self.dtype}{where}, from={self.describe()})"
+        return workers.printable(
+            f"LazyArray(shape={self.shape}, dtype={self.dtype}{where}, from={self.describe()})"
+        )
 
     def renamed(self, history: str) -> LazyArray:
         """The same array with ``history`` appended (renames and selections keep the expression)."""
@@ -242,8 +248,9 @@ def with_entry(
 
 
 def flat(tree: Any) -> dict[str, Any]:
-    """``{'a.b.0': leaf}``: every leaf of nested dicts/lists/tuples by its name (keys joined by
-    '.'); empty containers are leaves."""
+    r"""``{'a.b.0': leaf}``: every leaf of nested dicts/lists/tuples by its path (keys joined by
+    '.', a '.' or '\' inside a key escaped: ``{"a.b": x}`` -> ``a\.b``); empty containers are
+    leaves."""
     out: dict[str, Any] = {}
 
     def walk(node: Any, prefix: str) -> None:
@@ -261,22 +268,24 @@ def flat(tree: Any) -> dict[str, Any]:
             return
         for key, child in items:
             key = str(key)
-            if "." in key or not key:
+            if not key:
                 raise ValueError(
-                    f"key {key!r} under {prefix or 'the root'!r}: surgery names leaves by keys "
-                    "joined with '.', so keys must be non-empty and contain no '.'"
+                    f"an empty key under {prefix or 'the root'!r}: an empty key cannot name a "
+                    "stored leaf; rename it"
                 )
-            walk(child, f"{prefix}.{key}" if prefix else key)
+            part = path_of((key,))
+            walk(child, f"{prefix}.{part}" if prefix else part)
 
     walk(tree, "")
     return out
 
 
 def nest(leaves: dict[str, Any]) -> dict[str, Any]:
-    """The nested tree of ``{'a.b.0': leaf}``; a node whose keys are 0..n-1 becomes a list."""
+    """The nested tree of ``{'a.b.0': leaf}`` (leaf paths, as :func:`flat` names them); a node
+    whose keys are 0..n-1 becomes a list."""
     root: dict[str, Any] = {}
     for name, value in leaves.items():
-        parts = name.split(".")
+        parts = path_parts(name)
         node = root
         for part in parts[:-1]:
             child = node.setdefault(part, {})

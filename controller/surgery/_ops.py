@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from milepost import workers
 from milepost.surgery._lazy import LazyArray, apply, check_cast, flat, nest, with_entry
 
 
@@ -25,7 +26,9 @@ def _compile(pattern: str, what: str) -> re.Pattern[str]:
 
 
 def _nothing_matched(what: str, pattern: str, names: Sequence[str]) -> ValueError:
-    shown = ", ".join(list(names)[:8]) + (", ..." if len(names) > 8 else "")
+    shown = ", ".join(workers.printable(n) for n in list(names)[:8]) + (
+        ", ..." if len(names) > 8 else ""
+    )
     return ValueError(
         f"{what}: {pattern!r} matches no leaf (the leaves are {shown}); fix the pattern"
     )

@@ -25,6 +25,7 @@ import tensorstore as ts
 from milepost import _checkpoint, _tree, workers
 from milepost import _format as fmt
 from milepost._errors import CorruptCheckpointError
+from milepost._tree import storage_name_of
 from milepost.surgery._lazy import LazyArray, Source, nest
 
 log = logging.getLogger("milepost.surgery")
@@ -35,8 +36,8 @@ _ARRAYS = (_tree.ValueType.JAX_ARRAY, _tree.ValueType.NP_ARRAY)
 
 
 def plan(arrays: dict[str, LazyArray], shardings_given: bool) -> tuple[Any, dict[str, str]] | None:
-    """(the source checkpoint, {old name: new name}) when the output is stored leaves of one
-    local OCDBT checkpoint, kept as they are; else None."""
+    """(the source checkpoint, {old storage name: new path}) when the output is stored leaves of
+    one local OCDBT checkpoint, kept as they are; else None."""
     sources = {name: x.expr for name, x in arrays.items() if isinstance(x.expr, Source)}
     if shardings_given or not arrays or len(sources) != len(arrays):
         return None
@@ -61,14 +62,18 @@ def plan(arrays: dict[str, LazyArray], shardings_given: bool) -> tuple[Any, dict
         leaf.value_type in _ARRAYS and name not in renames for name, leaf in ck.files.leaves.items()
     ):
         return None  # a stored array is dropped: its bytes must not stay in the output's files
-    moved_away = set(ck.files.leaves) - {o for o, n in renames.items() if o == n}
-    if set(renames.values()) & moved_away:
+    stored = {storage_name_of(n) for n in renames.values()}
+    if len(stored) != len(renames):
+        return None  # two paths, one storage name: the general path says which
+    moved_away = set(ck.files.leaves) - {o for o, n in renames.items() if o == storage_name_of(n)}
+    if stored & moved_away:
         return None  # a new name another stored key still holds until it is renamed itself
     return ck, renames
 
 
 def link_databases(ck: Any, renames: dict[str, str], directory: Path) -> None:
     """On the primary: the source's databases in ``directory``, renamed (no data copied)."""
+    renames = {old: storage_name_of(path) for old, path in renames.items()}
     source = Path(ck.folder)
     databases = sorted(p for p in source.iterdir() if p.name.startswith(workers.PROCESS_PREFIX))
     context = workers.new_context(directory)
@@ -152,7 +157,8 @@ def finish(
     src = ck.files
     keyed = {leaf.name: leaf for leaf in _tree.flatten(nest(dict.fromkeys(renames.values(), 0)))[0]}
     written = []
-    for old, new in renames.items():
+    for old, path in renames.items():
+        new = storage_name_of(path)
         saved = src.leaves[old]
         files.leaves[new] = fmt.SavedLeaf.of(keyed[new], saved.value_type, saved.write_shape)
         if old in src.shardings:
@@ -176,7 +182,8 @@ def finish(
             chunk_tables=("linked",) if src.chunk_tables else (),
         ),
     ]
-    files.leaves = {n: files.leaves[n] for n in order if n in files.leaves}
+    stored_order = [storage_name_of(n) for n in order]
+    files.leaves = {n: files.leaves[n] for n in stored_order if n in files.leaves}
     _checkpoint.finish_tree(directory, files.files, acks)
     log.info(
         "relinked %d arrays of %s into %s (no array bytes moved)", len(renames), ck.path, directory

@@ -24,6 +24,7 @@ import numpy as np
 
 from milepost import _api, _checkpoint, _hosts, _options, workers
 from milepost import _format as fmt
+from milepost._tree import storage_name_of
 from milepost.surgery import _lazy, _relink
 from milepost.surgery._lazy import LazyArray, Op, Source, flat, nest
 from milepost.surgery._placement import Placement
@@ -183,7 +184,7 @@ def load_inputs(program: Program, placement: Placement) -> list[Any]:
     for source, lazy in program.sources:
         spec = placement.spec_for(lazy.sharding, lazy.shape)
         ck = source.checkpoint
-        by_checkpoint.setdefault(id(ck), (ck, {}))[1][source.name] = placement.abstract(
+        by_checkpoint.setdefault(id(ck), (ck, {}))[1][source.path] = placement.abstract(
             lazy.shape, lazy.dtype, spec
         )
     loaded: dict[tuple[int, str], Any] = {}
@@ -194,7 +195,7 @@ def load_inputs(program: Program, placement: Placement) -> list[Any]:
         for name, value in flat(got).items():
             if name in wanted:
                 loaded[(key, name)] = value
-    return [loaded[(id(s.checkpoint), s.name)] for s, _ in program.sources]
+    return [loaded[(id(s.checkpoint), s.path)] for s, _ in program.sources]
 
 
 def compute(
@@ -304,7 +305,7 @@ class Job:
     specs: dict[str, ShardingSpec]
     budget: int
     order: list[str] = field(default_factory=list)
-    """Every leaf name of the output tree, in its order."""
+    """Every leaf path of the output tree, in its order."""
     shardings_given: bool = False
     relink: bool = True
     """Stored leaves only renamed or reordered (none dropped) may be relinked rather than
@@ -400,7 +401,8 @@ class Job:
             if writing is not None:
                 writing[0].settle()
             raise
-        files.leaves = {n: files.leaves[n] for n in self.order if n in files.leaves}
+        stored_order = [storage_name_of(n) for n in self.order]
+        files.leaves = {n: files.leaves[n] for n in stored_order if n in files.leaves}
         self.written["groups"] = len(parts)
         if call.group.is_primary():
             _checkpoint.finish_tree(directory, files.files, acks)
