@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,6 +99,42 @@ class Leaf:
     def tuple_key(self) -> str:
         """The key of this leaf in Orbax's ``tree_metadata``: ``str`` of the tuple of parts."""
         return str(tuple(k for k, _ in self.keys))
+
+
+def path_of(parts: Iterable[str]) -> str:
+    r"""A leaf's path: its keys joined by '.', a '.' or '\' inside a key written ``\.`` or
+    ``\\`` (``{"a.b": {"c": x}}`` -> ``a\.b.c``). For keys without either (every key of most
+    trees), the storage name; unlike the storage name, it tells ``{"a.b": x}`` from
+    ``{"a": {"b": x}}``, and :func:`path_parts` gives the keys back. How surgery, ``stats``,
+    ``diff`` and the command's tables name leaves."""
+    return ".".join(p.replace("\\", "\\\\").replace(".", "\\.") for p in parts)
+
+
+def path_parts(path: str) -> list[str]:
+    r"""The keys of a leaf's :func:`path_of` (``a\.b.c`` -> ``['a.b', 'c']``); a '\' before
+    anything but '.' or '\' is kept as it is."""
+    parts: list[str] = []
+    part: list[str] = []
+    i = 0
+    while i < len(path):
+        c = path[i]
+        if c == "\\" and path[i + 1 : i + 2] in (".", "\\"):
+            part.append(path[i + 1])
+            i += 2
+            continue
+        if c == ".":
+            parts.append("".join(part))
+            part = []
+        else:
+            part.append(c)
+        i += 1
+    parts.append("".join(part))
+    return parts
+
+
+def storage_name_of(path: str) -> str:
+    """The storage name of the leaf at ``path`` (:func:`path_of`): its keys joined by '.'."""
+    return path if "\\" not in path else ".".join(path_parts(path))
 
 
 def _key_part(entry: Any) -> tuple[str, int]:
