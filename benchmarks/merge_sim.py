@@ -24,7 +24,9 @@ checksums), each step apart, ``--commits`` times on the same databases (the medi
 
 * ``metadata``: ``_METADATA``, ``_sharding``, ``_milepost.json`` and ``array_metadatas/``
   (``_pytree_format.write_tree``);
-* ``merge``: the root OCDBT view referencing every per-process database (``workers.merge_ocdbt``);
+* ``merge``: the root OCDBT view referencing every per-process database (``workers.merge_ocdbt``),
+  with what confirms the data files after it (the databases' manifests, and every file the
+  view references, at least as long as its last value): ``confirm``, timed apart too;
 * ``checksums``: the checkpoint's own files and ``_milepost_checksums.json`` over every file but
   array data (``Checksums.compute``), then the commit marker;
 
@@ -71,6 +73,7 @@ import milepost as mp
 from milepost import _format as fmt
 from milepost import _format as tree_format
 from milepost import _options, _tree, workers
+from milepost._checkpoint import _pytree_save
 from milepost._tree import ValueType
 from milepost.workers import _tensorstore as tsu
 from milepost.workers.save import _packed
@@ -267,6 +270,27 @@ class SimGroup:
         return HostLoad([None] * len(plan.tasks), [])
 
 
+class _Timed:
+    """Seconds spent in ``workers.confirm_files`` (the commit's confirmation of the data
+    files: one listing per folder) since last read."""
+
+    def __init__(self) -> None:
+        self.secs = 0.0
+        self.real = tsu.confirm_files
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.real(*args, **kwargs)
+        finally:
+            self.secs += time.perf_counter() - t0
+
+
+CONFIRMED = _Timed()
+tsu.confirm_files = CONFIRMED  # (where merge_ocdbt finds it)
+workers.confirm_files = CONFIRMED  # (where the commit's own steps find it)
+
+
 def _commit(ckpt: Path, directory: Path, files: Any, acks: list[Any]) -> dict[str, float]:
     """One commit of the simulated save (the controller's work after the hosts' acks), each
     step timed."""
@@ -275,8 +299,10 @@ def _commit(ckpt: Path, directory: Path, files: Any, acks: list[Any]) -> dict[st
     tree_format.write_tree(directory, files, acks, "cpu")
     out["metadata_secs"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    workers.merge_ocdbt(directory)
+    workers.merge_ocdbt(directory, written=_pytree_save.database_manifests(acks))
     out["merge_secs"] = time.perf_counter() - t0
+    out["confirm_secs"] = CONFIRMED.secs
+    CONFIRMED.secs = 0.0
     t0 = time.perf_counter()
     # the checkpoint's own files, as _checkpoint_save.commit writes them
     fmt.write_file(ckpt / fmt.ORBAX_MARKER, b"")
@@ -539,7 +565,8 @@ def main() -> int:
             print(
                 f"H={hosts}: {res['databases']} databases written in {res['write_secs']:.1f} s; "
                 f"commit {res['commit_secs']:.2f} s (metadata {res['metadata_secs']:.2f}, "
-                f"merge {res['merge_secs']:.2f}, checksums {res['checksums_secs']:.2f}; the "
+                f"merge {res['merge_secs']:.2f} (confirm {res['confirm_secs']:.3f}), "
+                f"checksums {res['checksums_secs']:.2f}; the "
                 f"median of {' / '.join(f'{t:.2f}' for t in res['commit_runs'])} s); "
                 f"read + plan {res['read_plan_secs']:.2f} s; plans sent "
                 f"{res['plans_sent_mib']:.1f} MiB (pickled in {res['plans_pickle_secs']:.2f} s); "
@@ -568,7 +595,8 @@ def main() -> int:
         )
     )
     print(
-        f"{'H':>5} {'metadata s':>11} {'merge s':>8} {'checksums s':>12} {'commit s':>9} "
+        f"{'H':>5} {'metadata s':>11} {'merge s':>8} {'confirm s':>10} {'checksums s':>12} "
+        f"{'commit s':>9} "
         f"{'read+plan s':>12} {'metadata MiB':>13} {'RSS +MiB':>9} "
         f"{'plans sent MiB':>15} "
         f"{'mp.metadata s':>14} {'host index s':>13} {'host index +MiB':>16}"
@@ -576,7 +604,8 @@ def main() -> int:
     for r in results:
         print(
             f"{r['hosts']:>5} {r['metadata_secs']:>11.2f} {r['merge_secs']:>8.2f} "
-            f"{r['checksums_secs']:>12.2f} {r['commit_secs']:>9.2f} {r['read_plan_secs']:>12.2f} "
+            f"{r['confirm_secs']:>10.3f} {r['checksums_secs']:>12.2f} {r['commit_secs']:>9.2f} "
+            f"{r['read_plan_secs']:>12.2f} "
             f"{r['metadata_mib']:>13.2f} {r['rss_growth_mib']:>9.0f} {r['plans_sent_mib']:>15.1f} "
             f"{r['read_metadata_secs']:>14.2f} {r['index_secs']:>13.2f} "
             f"{r['index_rss_mib']:>16.0f}"

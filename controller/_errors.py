@@ -8,7 +8,12 @@ here.
 from __future__ import annotations
 
 from milepost.colocated import HostError, RayNotInstalledError
-from milepost.workers import CheckpointNotFoundError, CorruptCheckpointError
+from milepost.workers import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    HostMemoryError,
+    LostWriteError,
+)
 
 __all__ = [
     "CheckpointExistsError",
@@ -16,7 +21,9 @@ __all__ = [
     "CheckpointReplacedError",
     "CorruptCheckpointError",
     "HostError",
+    "HostMemoryError",
     "InvalidKeyError",
+    "LostWriteError",
     "RayNotInstalledError",
     "SaveInProgressError",
     "StructureMismatchError",

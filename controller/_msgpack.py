@@ -29,7 +29,7 @@ def flat(path: Path) -> _safetensors.Found:
     """Arrays and values of the msgpack file ``path`` by leaf name (key paths joined by '.')."""
     tensors: dict[str, workers.Tensor] = {}
     plain: dict[str, Any] = {}
-    for name, leaf in workers.msgpack_leaves(workers.read_msgpack(str(path)), str(path)).items():
+    for name, leaf in workers.read_msgpack_leaves(str(path)).items():
         if isinstance(leaf, workers.Tensor):
             tensors[name] = workers.Tensor(leaf.path, name, leaf.dtype, leaf.shape, leaf.offset)
         else:
@@ -54,7 +54,7 @@ def metadata(path: Path) -> _checkpoint.CheckpointMetadata:
     """What ``milepost.metadata`` says of a msgpack file: every leaf's shape and dtype (arrays),
     or its kind; no array bytes are read. The tree is the one checkpointable, ``default``."""
     entries: list[tuple[tuple[tuple[str, int], ...], Any]] = []
-    for name, leaf in workers.msgpack_leaves(workers.read_msgpack(str(path)), str(path)).items():
+    for name, leaf in workers.read_msgpack_leaves(str(path)).items():
         keys = tuple((part, _tree.KEY_DICT) for part in name.split("."))
         described: Any
         if isinstance(leaf, workers.Tensor):

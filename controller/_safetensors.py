@@ -124,6 +124,13 @@ def load_tensors(
     tensors, plain = _hosts.shared(group, f"tensors:{path}", read, timeout)
     held = [*tensors, *plain]
     if abstract is None:
+        clash = workers.declared.conflict(held)
+        if clash is not None:
+            raise StructureMismatchError(
+                f"{path} holds both {clash[0]!r} and {clash[1]!r}, so its names (key paths "
+                "joined by '.') do not nest into one tree; pass an abstract tree that names "
+                "the leaves to load (partial=True loads some of them)"
+            )
         targets = [
             (tuple((part, _tree.KEY_DICT) for part in name.split(".")), name, None) for name in held
         ]
@@ -330,11 +337,16 @@ def export(
         raise
 
     def commit() -> ExportSummary:
-        fmt.write_json(
-            staging / workers.SAFETENSORS_INDEX,
-            {"metadata": {"total_size": planned.total}, "weight_map": planned.weight_map},
-        )
-        fmt.fsync_dir(staging)
+        try:  # every file the hosts wrote is there, whole (one listing), or nothing is exported
+            workers.confirm_files(staging, _file_sizes(planned.plans, staging), "the export")
+            fmt.write_json(
+                staging / workers.SAFETENSORS_INDEX,
+                {"metadata": {"total_size": planned.total}, "weight_map": planned.weight_map},
+            )
+            fmt.fsync_dir(staging)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
         if out.exists() and overwrite:
             shutil.rmtree(out)
         os.rename(staging, out)
@@ -451,3 +463,13 @@ def _plan(
 
 def _nbytes(task: workers.LoadTask) -> int:
     return int(np.prod(task.shape, dtype=np.int64)) * np.dtype(task.dtype).itemsize
+
+
+def _file_sizes(plans: dict[Any, workers.ExportPlan], staging: Path) -> dict[str, int]:
+    """Each file of the export (from ``staging``) with its bytes: its header, its tensors."""
+    return {
+        Path(f.path).relative_to(staging).as_posix(): len(f.header)
+        + sum(_nbytes(t) for t in f.tensors)
+        for plan in plans.values()
+        for f in plan.files
+    }

@@ -10,6 +10,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from milepost import workers
 from milepost._errors import InvalidKeyError, StructureMismatchError
 
 PLACEHOLDER = ...
@@ -187,6 +188,12 @@ def flatten(tree: Any) -> tuple[list[Leaf], Any]:
         for i, part in enumerate(parts):
             _check_part(part, parts[:i])
         name = ".".join(parts) if parts else "_root"
+        if (why := workers.declared.name_problem(name)) is not None:
+            raise InvalidKeyError(
+                f"the leaf {name[:60]!r}... cannot be stored: its storage name (its keys joined "
+                f"by '.') {why[3:]}, and milepost reads no longer names back; shorten its keys "
+                "or nest the tree less deeply."
+            )
         if name in seen:
             raise InvalidKeyError(
                 f"tree keys {seen[name]!r} and {parts!r} both map to the storage name {name!r} "

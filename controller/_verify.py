@@ -9,8 +9,7 @@ is raised for what is damaged: the report lists it.
 
 from __future__ import annotations
 
-import contextlib
-import itertools
+import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
@@ -51,11 +50,11 @@ class VerifyReport:
             f"{self.files_checked} files, {self.arrays_checked} arrays, {self.chunks_checked} "
             f"chunks ({self.bytes_read / 2**20:.1f} MiB) checked"
         )
-        return "\n".join(
+        return "\n".join(  # one line each, escaped: problems name what a hostile file holds
             [
-                head,
-                *(f"  problem: {p}" for p in self.problems),
-                *(f"  note: {n}" for n in self.notes),
+                workers.printable(head),
+                *(f"  problem: {workers.printable(p)}" for p in self.problems),
+                *(f"  note: {workers.printable(n)}" for n in self.notes),
             ]
         )
 
@@ -159,6 +158,11 @@ def _plan(root: Path | ObjectPath, processes: Any, options: _options.Options) ->
     return out
 
 
+SHARED_BYTES = 64 << 20
+"""An array of at least this many bytes is checked by every host, each a share of its stored
+shards; a smaller one by one host (the one given the fewest bytes so far)."""
+
+
 def _plan_tree(
     directory: Path | ObjectPath, processes: Any, options: _options.Options, out: _Planned
 ) -> None:
@@ -169,10 +173,12 @@ def _plan_tree(
             for n, leaf in files.leaves.items()
             if leaf.value_type.is_array and n not in files.aggregated
         ]
-        headers = _checkpoint.array_headers(directory, files, arrays)
+        damaged: dict[str, Exception] = {}
+        headers = _checkpoint.array_headers(directory, files, arrays, damaged=damaged)
     except (ValueError, CheckpointNotFoundError) as e:
         out.problems.append(str(e))
         return
+    out.problems.extend(str(e) for e in damaged.values())  # (as load refuses them)
     for name, leaf in files.leaves.items():
         if (
             leaf.value_type is ValueType.STRING
@@ -181,67 +187,79 @@ def _plan_tree(
         ):
             out.problems.append(f"string leaf {name!r} is missing from {directory / fmt.STRINGS}")
     unchecked: list[str] = []
-    tasks: dict[Any, list[tuple[str, tuple[int, ...], int | None]]] = {p: [] for p in processes}
-    turn = itertools.cycle(list(processes))
-    for name in arrays:
+    given = dict.fromkeys(processes, 0)  # (bytes each host checks)
+    tasks: dict[Any, list[workers.VerifyTask]] = {p: [] for p in processes}
+    store = files.store(directory)
+    for name in (n for n in arrays if n not in damaged):
         out.arrays += 1
-        header = headers[name]
-        try:
-            shape = workers.header_shape(header)
-            chunk, _ = workers.header_chunks(header)
-        except (KeyError, TypeError, ValueError, IndexError) as e:
-            out.problems.append(f"the header of array {name!r} in {directory} is malformed ({e})")
-            continue
-        grid = [
-            tuple(g)
-            for g in itertools.product(
-                *(range(math.ceil(n / c)) for n, c in zip(shape, chunk, strict=True))
-            )
-        ]
-        with contextlib.suppress(KeyError, TypeError, ValueError):
-            out.nbytes += math.prod(shape) * _checkpoint.header_shape_dtype(header)[1].itemsize
-        if math.prod(shape) == 0:
-            grid = []
+        shape, dtype = _checkpoint.header_shape_dtype(headers[name])
+        inner, _ = workers.header_chunks(headers[name])
+        nbytes = math.prod(shape) * dtype.itemsize  # (declared.zarr_header: under 2**63)
+        out.nbytes += nbytes
         recorded = files.chunk_crc32c.get(name)
         if recorded is None:
             if not files.chunk_tables:  # (else the hosts check each against its writer's table)
                 unchecked.append(name)
         elif not files.chunk_tables:  # (with the tables it records only inline chunks)
-            missing = [g for g in grid if g not in recorded]
-            if missing:
-                out.problems.append(
-                    f"array {name!r}: {len(missing)} of its {len(grid)} chunks have no "
-                    f"recorded checksum (first: {missing[0]}); the checkpoint's "
-                    f"{fmt.MILEPOST_INFO} is damaged or incomplete"
-                )
-        for g in grid:  # round robin, so every host reads about the same
-            tasks[next(turn)].append((name, g, recorded.get(g) if recorded is not None else None))
+            _unrecorded(name, shape, inner, recorded, out)
+        task = workers.VerifyTask(
+            store=store,
+            name=name,
+            expected=None if recorded is None else tuple(recorded.items()),
+            fill_missing=files.fill_missing,
+            chunk_tables=files.chunk_tables,
+        )
+        _assign(task, nbytes, tasks, given)
     if unchecked:
         out.notes.append(
             f"{len(unchecked)} array(s) in {directory.name} have no recorded chunk "
             f"checksums (written by Orbax or an older milepost; e.g. {unchecked[0]!r}): "
             "their chunks were read but cannot be verified"
         )
-    store = files.store(directory)
-    for process, entries in tasks.items():
-        by_array: dict[str, list[tuple[tuple[int, ...], int | None]]] = {}
-        for name, g, crc in entries:
-            by_array.setdefault(name, []).append((g, crc))
-        mine = tuple(
-            workers.VerifyTask(
-                store=store,
-                name=name,
-                chunks=tuple(g for g, _ in chunks),
-                expected=None
-                if files.chunk_crc32c.get(name) is None
-                else tuple((g, c) for g, c in chunks if c is not None),
-                fill_missing=files.fill_missing,
-                chunk_tables=files.chunk_tables,
-            )
-            for name, chunks in by_array.items()
-        )
+    for process, mine in tasks.items():
         previous = out.plans.get(process)
         out.plans[process] = workers.VerifyPlan(
-            tasks=(previous.tasks if previous is not None else ()) + mine,
+            tasks=(previous.tasks if previous is not None else ()) + tuple(mine),
             memory_budget_bytes=options.loading.memory_budget_bytes,
         )
+
+
+def _assign(
+    task: workers.VerifyTask,
+    nbytes: int,
+    tasks: dict[Any, list[workers.VerifyTask]],
+    given: dict[Any, int],
+) -> None:
+    """Give an array of ``nbytes`` to the hosts: a share to each if it is large, else whole to
+    the host given the fewest bytes so far."""
+    hosts = list(tasks)
+    if nbytes >= SHARED_BYTES and len(hosts) > 1:
+        for k, p in enumerate(hosts):
+            tasks[p].append(dataclasses.replace(task, share=(k, len(hosts))))
+            given[p] += nbytes // len(hosts)
+        return
+    p = min(hosts, key=given.__getitem__)
+    tasks[p].append(task)
+    given[p] += nbytes
+
+
+def _unrecorded(
+    name: str,
+    shape: tuple[int, ...],
+    chunk: tuple[int, ...],
+    recorded: dict[tuple[int, ...], int],
+    out: _Planned,
+) -> None:
+    """Report the chunks of the array's grid that ``recorded`` (``_milepost.json``'s checksums)
+    lacks: counted, the first found by walking the grid no further than the entries there are
+    (the grid a header declares may be far larger than what was written)."""
+    grid = tuple(-(-n // c) for n, c in zip(shape, chunk, strict=True))
+    total = 0 if 0 in shape else math.prod(grid)
+    inside = sum(all(i < g for i, g in zip(at, grid, strict=False)) for at in recorded)
+    if total <= inside:
+        return
+    first = next(g for g in workers.grid_indices(grid) if g not in recorded)
+    out.problems.append(
+        f"array {name!r}: {total - inside} of its {total} chunks have no recorded checksum "
+        f"(first: {first}); the checkpoint's {fmt.MILEPOST_INFO} is damaged or incomplete"
+    )

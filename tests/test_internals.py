@@ -4,6 +4,7 @@ that changes any of it fails here, by name, instead of in a load."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -66,8 +67,16 @@ def test_a_changed_shard_index_is_named(
 
 def test_errors_without_a_status_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_ts_internals, "status_of", lambda error: None)
+    problems = _ts_internals.check()  # (then a lost data file is not told either)
+    assert "status code" in problems[0], problems
+
+
+def test_a_changed_error_for_a_lost_data_file_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save's host that finds a data file of its own database gone or cut short names it
+    (LostWriteError) from TensorStore's words: a release that words it otherwise is named."""
+    monkeypatch.setattr(_ts_internals, "_UNREAD", re.compile("Nothing like this"))
     (problem,) = _ts_internals.check()
-    assert "status code" in problem
+    assert "cut short no longer names it" in problem
 
 
 def test_a_moved_coordination_client_is_named(monkeypatch: pytest.MonkeyPatch) -> None:

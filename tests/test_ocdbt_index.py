@@ -228,4 +228,4 @@ def test_a_btree_reaching_one_node_twice_is_refused(tmp_path: Path, spelling: st
         numpy_walk(folder, ["a"])
     kv = ts.KvStore.open({"driver": "file", "path": f"{tmp_path}/"}).result()
     with pytest.raises(fmt.FormatError, match="twice"):
-        _ocdbt_merge._load_sources(kv, ["ocdbt.process_0"])
+        _ocdbt_merge._load_sources(kv, ["ocdbt.process_0"], tmp_path)

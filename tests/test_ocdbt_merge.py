@@ -133,10 +133,10 @@ def test_root_leaves_stay_near_a_mebibyte_and_a_written_database_names_its_files
         assert len(data_file) == len("0123abcd.0000")
     _ocdbt_merge.write_root(tmp_path, names, tsu.ROOT_OCDBT_CONFIG)
     kv = ts.KvStore.open(f"file://{tmp_path}/").result()
-    hosts = _ocdbt_merge._load_sources(kv, names)
+    hosts = _ocdbt_merge._load_sources(kv, names, tmp_path)
     assert [len(h.leaves) for h in hosts] == [1, 1, 1, 1]
     (root,) = _ocdbt_merge._load_sources(
-        ts.KvStore.open(f"file://{tmp_path.parent}/").result(), [tmp_path.name]
+        ts.KvStore.open(f"file://{tmp_path.parent}/").result(), [tmp_path.name], tmp_path.parent
     )
     sizes = [leaf.size for leaf in root.leaves]
     assert len(sizes) >= 2 and max(sizes) < 1.25 * 2**20, sizes

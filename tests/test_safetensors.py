@@ -208,9 +208,7 @@ def test_bad_headers_are_clear_errors(tmp_path: Path, how: str) -> None:
     path = tmp_path / "m.safetensors"
     safetensors_numpy.save_file({"w": np.ones((8, 8), np.float32)}, str(path))
     corrupt(path, how)
-    with pytest.raises(
-        mp.CorruptCheckpointError, match=r"m\.safetensors is not a valid safetensors file"
-    ):
+    with pytest.raises(mp.CorruptCheckpointError, match=r"m\.safetensors: .* damaged or crafted"):
         mp.load(path)
 
 

@@ -4,6 +4,7 @@ refused before anything is written."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -21,8 +22,8 @@ import milepost as mp
 from milepost.workers import _paths
 from tests import _subproc
 from tests._faulty_proxy import FaultyProxy, faulty_proxy
-from tests._helpers import assert_tree_equal, gate_merge
-from tests._object_stores import new_s3_bucket, s3_endpoint  # noqa: F401  (a fixture)
+from tests._helpers import assert_tree_equal, gate_merge, tensorstore_writes_only
+from tests._object_stores import new_gcs_bucket, new_s3_bucket, s3_endpoint  # noqa: F401
 
 
 @pytest.fixture
@@ -106,10 +107,11 @@ def test_a_write_acknowledged_and_not_kept_is_never_called_committed(
         ckpt.save(1, tree(1), force=True)
         rule = proxy.fail("PUT", f"/2/{lost}", "drop-write", count=100)
         with pytest.raises(
-            BackgroundSaveError, match=r"(?s)(acknowledged writes of|does not read back)"
+            BackgroundSaveError,
+            match=r"(?s)(acknowledged writes of|does not read back|is missing before the commit)",
         ) as failed:
             ckpt.save(2, tree(2), force=True)
-        assert isinstance(failed.value.__cause__, OSError)
+        assert isinstance(failed.value.__cause__, mp.LostWriteError)
         assert rule.hits >= 1
         rule.left = 0
         assert ckpt.steps == [1]
@@ -118,7 +120,7 @@ def test_a_write_acknowledged_and_not_kept_is_never_called_committed(
         assert ckpt.steps == [1, 2]
         assert_tree_equal(ckpt.load(2), tree(2))
     proxy.fail("PUT", "/3/commit_success.txt", "drop-write")
-    with pytest.raises(OSError, match="acknowledged writes"):
+    with pytest.raises(mp.LostWriteError, match="acknowledged writes"):
         mp.save(f"{url}/3", {"x": 1})
     with pytest.raises(mp.CheckpointNotFoundError):
         mp.load(f"{url}/3")
@@ -432,3 +434,177 @@ def test_transient_failures_are_retried_and_every_value_is_exact(
     assert fault != "away" or proxy.refused >= 1  # the loop met the server away
     mp.save(f"{url}/9", {"x": 9})
     assert_tree_equal(mp.load(f"{url}/9"), {"x": 9})
+
+
+# ------------------------------------------------------------------------------------------
+# A data file lost before the commit: every kind a save writes, on S3, GCS and a local disk
+# ------------------------------------------------------------------------------------------
+
+_LOST_DATA_FILES = {
+    # kind: (the lost file, matched in the key; the least bytes of its write)
+    "packed": (r"/state/ocdbt\.process_0\.p/d/[0-9a-f]{8}\.0000$", 0),  # milepost's own shards
+    "packed-table": (r"/state/ocdbt\.process_0\.p/d/[0-9a-f]{8}\.0001$", 0),  # their checksums
+    "tensorstore": (r"/state/ocdbt\.process_0/d/[0-9a-f]+$", 100_000),  # TensorStore's values
+    "zarr3": (r"/state/w/c/1/0$", 0),  # a plain zarr3 chunk file (SaveOptions(use_ocdbt=False))
+}
+
+
+def _lossy_tree(kind: str, mesh: Any) -> dict[str, Any]:
+    """A tree whose save writes a data file of ``kind`` (see _LOST_DATA_FILES)."""
+    w = np.arange(512 * 512, dtype=np.float32).reshape(512, 512)
+    return {"w": jax.device_put(w, NamedSharding(mesh, P("data"))), "x": np.arange(5)}
+
+
+@contextlib.contextmanager
+def _saving(kind: str) -> Iterator[None]:
+    """Saves in this block write ``kind`` (TensorStore's databases only, or plain zarr3)."""
+    with contextlib.ExitStack() as stack:
+        if kind == "tensorstore":
+            stack.enter_context(tensorstore_writes_only())
+        if kind == "zarr3":
+            stack.enter_context(mp.Context(saving=mp.SaveOptions(use_ocdbt=False)))
+        yield
+
+
+@pytest.fixture(params=["s3", "gs"])
+def lossy_store(
+    request: Any, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[str, str, FaultyProxy]]:
+    """A fresh location on the S3 or the GCS emulator behind a fault-injecting proxy: its URL,
+    the method of an object's write there, and the proxy."""
+    if request.param == "s3":
+        endpoint, _ = request.getfixturevalue("s3_endpoint")
+        with faulty_proxy(endpoint) as p:
+            monkeypatch.setenv("AWS_ENDPOINT_URL", p.url)
+            yield f"s3://{new_s3_bucket(endpoint)}/run", "PUT", p
+    else:
+        endpoint = request.getfixturevalue("gcs_endpoint")
+        with faulty_proxy(endpoint) as p:
+            monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", p.url)
+            yield f"gs://{new_gcs_bucket(endpoint)}/run", "POST", p
+
+
+@pytest.mark.parametrize("kind", list(_LOST_DATA_FILES))
+def test_a_data_file_write_acknowledged_and_not_kept_fails_the_save(
+    lossy_store: tuple[str, str, FaultyProxy], kind: str, mesh24: Any
+) -> None:
+    """The store answers success for the write of one data file and drops it. The save fails
+    with a LostWriteError naming that object, before its commit marker: nothing is listed or
+    loads, and the path takes the next save (before: the save reported success, the step was
+    listed as committed, and its load failed)."""
+    from milepost.training import Checkpointer
+
+    root, write, proxy = lossy_store
+    url = f"{root}/1"
+    pattern, least = _LOST_DATA_FILES[kind]
+    tree = _lossy_tree(kind, mesh24)
+    rule = proxy.fail(write, "", "drop-write", pattern=pattern, min_bytes=least)
+    with _saving(kind), pytest.raises(mp.LostWriteError) as lost:
+        mp.save(url, tree)
+    assert rule.hits == 1 and rule.keys is not None
+    (dropped,) = rule.keys  # ("/<bucket>/run/1/state/...")
+    assert lost.value.path is not None and lost.value.found_bytes is None
+    assert lost.value.path.endswith(dropped.split("/", 2)[2]), (lost.value.path, dropped)
+    assert dropped.split("/", 2)[2] in str(lost.value)
+    assert not _paths.as_path(f"{url}/commit_success.txt").exists()
+    with pytest.raises(mp.CheckpointNotFoundError):
+        mp.load(url)
+    with Checkpointer(root) as ckpt:
+        assert ckpt.steps == []
+    with _saving(kind):
+        mp.save(url, tree)  # the path is not blocked
+    assert_tree_equal(mp.load(url), tree)
+
+
+def _damage_after_the_hosts_wrote(
+    monkeypatch: pytest.MonkeyPatch, tmp: Path, pattern: str, how: str
+) -> list[str]:
+    """Once the host's writes are durable (its pending save answered, before the commit looks
+    at the folder), delete or cut to half the largest file below ``tmp`` matching ``pattern``
+    (the path from ``tmp``, with a leading '/'). Returns the files damaged (one)."""
+    import re
+
+    from milepost.workers.save import PendingSave
+
+    real = PendingSave.wait
+    damaged: list[str] = []
+
+    def wait(self: Any, timeout: float | None = None) -> Any:
+        ack = real(self, timeout)
+        found = [
+            p
+            for p in tmp.rglob("*")
+            if p.is_file() and re.search(pattern, "/" + p.relative_to(tmp).as_posix())
+        ]
+        if found and not damaged:
+            victim = max(found, key=lambda p: p.stat().st_size)
+            damaged.append(victim.relative_to(tmp).as_posix())
+            if how == "delete":
+                victim.unlink()
+            else:
+                os.truncate(victim, victim.stat().st_size // 2)
+        return ack
+
+    monkeypatch.setattr(PendingSave, "wait", wait)
+    return damaged
+
+
+@pytest.mark.parametrize("how", ["delete", "truncate"])
+@pytest.mark.parametrize("kind", list(_LOST_DATA_FILES))
+def test_a_data_file_removed_or_cut_on_a_local_disk_fails_the_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mesh24: Any, kind: str, how: str
+) -> None:
+    """A data file removed or cut short after the host wrote it, before the commit: the save
+    fails with a LostWriteError naming it (and, cut, its size and the size needed), nothing is
+    committed, and the temporary directory is removed (before: committed, and its load
+    failed)."""
+    final = tmp_path / "1"
+    tmp = tmp_path / "1.orbax-checkpoint-tmp"
+    pattern, _ = _LOST_DATA_FILES[kind]
+    damaged = _damage_after_the_hosts_wrote(
+        monkeypatch, tmp, pattern.replace("/state", "^/state"), how
+    )
+    with _saving(kind), pytest.raises(mp.LostWriteError) as lost:
+        mp.save(final, _lossy_tree(kind, mesh24))
+    (victim,) = damaged
+    assert lost.value.path == str(tmp / victim)
+    if how == "delete":
+        assert lost.value.found_bytes is None
+    else:
+        assert lost.value.found_bytes is not None
+        assert lost.value.found_bytes < lost.value.expected_bytes
+    assert os.listdir(tmp_path) == []  # not committed; the temporary directory removed
+    with pytest.raises(mp.CheckpointNotFoundError):
+        mp.load(final)
+
+
+@pytest.mark.parametrize("how", ["delete", "truncate"])
+def test_a_safetensors_file_removed_or_cut_fails_the_export(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mesh24: Any, how: str
+) -> None:
+    """A safetensors file of an export (milepost.safetensors.export, milepost convert --to
+    safetensors) removed or cut short after its host wrote it: the export fails with a
+    LostWriteError naming it; no folder appears, and its staging folder is removed."""
+    from milepost.workers.jobs import _export
+
+    ckpt = tmp_path / "ckpt"
+    mp.save(ckpt, _lossy_tree("packed", mesh24))
+    real = _export._safetensors.write_file
+    damaged: list[str] = []
+
+    def write_file(path: str, header: bytes, arrays: Any) -> int:
+        written = real(path, header, arrays)
+        if not damaged:
+            damaged.append(path)
+            if how == "delete":
+                os.unlink(path)
+            else:
+                os.truncate(path, os.path.getsize(path) - 1)
+        return written
+
+    monkeypatch.setattr(_export._safetensors, "write_file", write_file)
+    out = tmp_path / "export"
+    with pytest.raises(mp.LostWriteError) as lost:
+        mp.safetensors.export(ckpt, out, max_shard_bytes=1 << 16)
+    assert lost.value.path == damaged[0]
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]

@@ -9,16 +9,20 @@ This package imports neither ``milepost`` (the controller) nor ``milepost.coloca
 """
 
 from milepost.workers import _check as check
+from milepost.workers import _declared as declared
 from milepost.workers import _progress as progress
-from milepost.workers._checksum import crc32c, grid_key, parse_grid_key
+from milepost.workers._checksum import crc32c, grid_indices, grid_key, parse_grid_key
 from milepost.workers._chunk_tables import FORMAT as CHUNK_TABLES_FORMAT
 from milepost.workers._chunk_tables import TABLE_PREFIX as CHUNK_TABLE_PREFIX
 from milepost.workers._chunk_tables import decode as decode_chunk_table
 from milepost.workers._chunk_tables import encode as encode_chunk_table
 from milepost.workers._chunk_tables import present as has_chunk_tables
+from milepost.workers._confirm import confirm_files
 from milepost.workers._errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    HostMemoryError,
+    LostWriteError,
     StillWritingError,
     from_tensorstore,
 )
@@ -45,6 +49,7 @@ from milepost.workers._messages import (
 )
 from milepost.workers._msgpack import flat_leaves as msgpack_leaves
 from milepost.workers._msgpack import is_msgpack_tree
+from milepost.workers._msgpack import read_leaves as read_msgpack_leaves
 from milepost.workers._msgpack import read_tree as read_msgpack
 from milepost.workers._msgpack import read_tree_bytes as read_msgpack_bytes
 from milepost.workers._paths import (
@@ -136,10 +141,12 @@ __all__ = [
     "ExportFile",
     "ExportPlan",
     "HostIoStats",
+    "HostMemoryError",
     "Index",
     "LoadAck",
     "LoadPlan",
     "LoadTask",
+    "LostWriteError",
     "ObjectPath",
     "PendingSave",
     "PendingWrite",
@@ -164,8 +171,10 @@ __all__ = [
     "as_path",
     "check",
     "configure_storage",
+    "confirm_files",
     "context_for",
     "crc32c",
+    "declared",
     "decode_chunk_table",
     "dtype_name",
     "dtype_of",
@@ -173,6 +182,7 @@ __all__ = [
     "fresh_reads",
     "from_printable",
     "from_tensorstore",
+    "grid_indices",
     "grid_key",
     "has_chunk_tables",
     "header_chunks",
@@ -205,6 +215,7 @@ __all__ = [
     "read_kvstore",
     "read_msgpack",
     "read_msgpack_bytes",
+    "read_msgpack_leaves",
     "read_safetensors_header",
     "reading_once",
     "run_job",

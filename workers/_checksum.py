@@ -74,6 +74,27 @@ def values_crc32c(array: np.ndarray) -> int:
     return value
 
 
+def grid_indices(counts: Iterable[int]) -> Iterator[Grid]:
+    """Every index of a grid of ``counts`` per dimension, in C order, one at a time and in
+    constant memory (``itertools.product`` first makes a tuple of each range: a crafted header's
+    grid of 2**30 by 2**30 would be eight gigabytes before the first index)."""
+    dims = tuple(counts)
+    if any(n <= 0 for n in dims):
+        return
+    index = [0] * len(dims)
+    while True:
+        yield tuple(index)
+        axis = len(dims) - 1
+        while axis >= 0:
+            index[axis] += 1
+            if index[axis] < dims[axis]:
+                break
+            index[axis] = 0
+            axis -= 1
+        if axis < 0:
+            return
+
+
 def chunk_boxes(
     box: tuple[tuple[int, int], ...], chunk_shape: tuple[int, ...]
 ) -> Iterator[tuple[Grid, tuple[slice, ...]]]:

@@ -31,6 +31,7 @@ from typing import Any
 import tensorstore as ts
 
 from milepost.workers import _checksum
+from milepost.workers import _declared as declared
 from milepost.workers._errors import CorruptCheckpointError, from_tensorstore
 from milepost.workers._messages import StoreSpec
 from milepost.workers._paths import context_for, is_local, kvstore
@@ -75,7 +76,9 @@ def decode(database: str, data: bytes, where: str) -> dict[str, dict[tuple[int, 
             path=where,
         )
     try:
-        table = json.loads(body)
+        table = declared.mapping(
+            declared.loads(body, where, "a chunk checksum table"), where, "a chunk checksum table"
+        )
         if table.get("format") != FORMAT:
             raise ValueError(f"format {table.get('format')!r}, not {FORMAT}")
         if table.get("database") != database:
@@ -86,10 +89,16 @@ def decode(database: str, data: bytes, where: str) -> dict[str, dict[tuple[int, 
                 "an earlier checkpoint.",
                 path=where,
             )
-        return {
-            str(name): {_checksum.parse_grid_key(k): int(crc) for k, crc in chunks.items()}
-            for name, chunks in table["chunks"].items()
-        }
+        grids: dict[str, tuple[int, ...]] = {}  # (the same keys recur in every array)
+        out: dict[str, dict[tuple[int, ...], int]] = {}
+        for name, chunks in declared.mapping(table["chunks"], where, "chunks").items():
+            mine = out[name] = {}
+            for key, crc in declared.mapping(chunks, where, f"chunks[{name!r}]").items():
+                grid = grids.get(key)
+                if grid is None:
+                    grid = grids[key] = declared.grid_key(key, where, f"chunks[{name!r}]")
+                mine[grid] = declared.integer(crc, where, f"chunks[{name!r}]", maximum=2**32 - 1)
+        return out
     except CorruptCheckpointError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as e:

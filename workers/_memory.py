@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from milepost.workers import _readpool
+from milepost.workers._errors import HostMemoryError
 from milepost.workers._runtime import RUNTIME, Pool
 
 T = TypeVar("T")
@@ -51,7 +52,18 @@ def read_buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
             return _readpool.POOL.take(nbytes).view(dtype).reshape(shape)
         except OSError:  # e.g. vm.max_map_count reached: NumPy's allocator still works
             pass
-    return aligned_empty(shape, dtype)
+    try:
+        return aligned_empty(shape, dtype)
+    except MemoryError:
+        raise HostMemoryError(
+            f"this host cannot allocate {nbytes:,} bytes to read a box of shape {shape} "
+            f"({dtype.name}). If the array is that large, load a part of the tree "
+            "(partial=True) or onto more hosts; if it is not, its header declares more than "
+            "the checkpoint holds: `milepost verify` reports what is missing",
+            shape=shape,
+            dtype=dtype.name,
+            nbytes=nbytes,
+        ) from None
 
 
 _COPY_BLOCK_BYTES = 32 << 20

@@ -121,6 +121,9 @@ class WrittenArray:
     """``(chunk grid index, CRC32C of its values)`` of every chunk this host wrote."""
     random_key_impl: str | None = None
     """For typed PRNG keys: their implementation (Orbax's ``ext_metadata.random_key_impl``)."""
+    shard_bytes: int = 0
+    """Plain zarr3 folders, uncompressed: the bytes of each chunk file (a shard: its values and
+    index), which the commit confirms; 0 where unknown (compressed: at least the index)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -203,14 +206,17 @@ class LoadAck:
 
 @dataclass(frozen=True, kw_only=True)
 class VerifyTask:
-    """The chunks of one array a host reads and checks."""
+    """One array a host checks: the chunks of its share of the shards storage holds (never of
+    the shards its header declares: those are counted, not walked)."""
 
     store: StoreSpec
     name: str
-    chunks: tuple[tuple[int, ...], ...]
-    """Chunk-grid indices to check."""
+    share: tuple[int, int] = (0, 1)
+    """``(k, n)``: this host checks the k-th, (k+n)-th... of the array's stored shards in key
+    order; the host with ``k == 0`` also reports the shards missing from storage."""
     expected: tuple[tuple[tuple[int, ...], int], ...] | None = None
-    """Their recorded checksums; None: none recorded (the chunks are only read)."""
+    """The chunks' recorded checksums, by chunk-grid index; None: none recorded (the chunks are
+    only read)."""
     fill_missing: bool = False
     chunk_tables: bool = False
     """The checksums are in the writers' tables (:mod:`._chunk_tables`), read by the host."""

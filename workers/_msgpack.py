@@ -16,23 +16,23 @@ named by the file, only the dtypes below.
 
 from __future__ import annotations
 
-import math
 import os
 import struct
 from typing import Any
 
 import numpy as np
 
+from milepost.workers import _declared as declared
+from milepost.workers._declared import ZARR3_DTYPES
 from milepost.workers._errors import CorruptCheckpointError
 from milepost.workers._iostats import count_read
 from milepost.workers._safetensors import Tensor, numpy_dtype
-from milepost.workers._tensorstore import ZARR3_DTYPES
 
 DTYPES = ZARR3_DTYPES
 """The dtypes an array of a msgpack checkpoint may have: those milepost stores (Flax refuses
 object and structured dtypes when it writes; milepost refuses every other name when it reads)."""
 CHUNKED = "__msgpack_chunked_array__"
-MAX_DEPTH = 256
+MAX_DEPTH = declared.MAX_DEPTH
 _ARRAY, _COMPLEX, _SCALAR = 1, 2, 3
 
 
@@ -99,37 +99,52 @@ def read_tree_bytes(data: bytes, where: str) -> Any:
     return tree
 
 
-def flat_leaves(tree: Any, where: str) -> dict[str, Any]:
-    """The leaves of a msgpack tree by name: key paths joined by '.' (list items by their
-    index); an empty map or list is a leaf. Two key paths that join to one name (``{"a.b": x}``
-    beside ``{"a": {"b": y}}``) are a CorruptCheckpointError: neither could be told apart."""
-    out: dict[str, Any] = {}
+def read_leaves(path: str) -> dict[str, Any]:
+    """:func:`flat_leaves` of :func:`read_tree`: the leaves of the msgpack file ``path``."""
+    return flat_leaves(read_tree(path), path, os.path.getsize(path))
 
-    def walk(node: Any, parts: tuple[str, ...]) -> None:
+
+def flat_leaves(tree: Any, where: str, file_bytes: int = 0) -> dict[str, Any]:
+    """The leaves of a msgpack tree by name: key paths joined by '.' (list items by their
+    index); an empty map or list is a leaf (but for the root: an empty tree has no leaves). Two
+    key paths that join to one name (``{"a.b": x}`` beside ``{"a": {"b": y}}``), or a leaf's
+    name that another's starts with (``{"a": x}`` beside ``{"a.b": y}``), are a
+    CorruptCheckpointError: the leaves could not be told apart, or the tree rebuilt. So is a
+    name beyond :mod:`._declared`'s bounds, or names that together come to more than its
+    :class:`~._declared.NameBudget` for a file of ``file_bytes``. Each name is made once from
+    its parent's, and checked once: time and memory in proportion to the names made."""
+    out: dict[str, Any] = {}
+    budget = declared.NameBudget(file_bytes, where)
+    stack: list[tuple[str | None, Any]] = [(None, tree)]
+    while stack:  # (depth first, children in order: the leaves come in the file's order)
+        prefix, node = stack.pop()
         if isinstance(node, dict | list) and node:
             items = node.items() if isinstance(node, dict) else enumerate(node)
+            children = []
             for key, child in items:
-                walk(child, (*parts, str(key)))
-            return
-        name = ".".join(parts) if parts else "_root"
+                name = str(key) if prefix is None else f"{prefix}.{key}"
+                budget.spend(name)  # (before the next is made: never past the budget)
+                children.append((declared.name(name, where, "a leaf's name"), child))
+            stack.extend(reversed(children))
+            continue
+        if prefix is None and isinstance(node, dict | list):  # (an empty tree: no leaves)
+            break
+        name = "_root" if prefix is None else prefix
         if name in out:
             raise CorruptCheckpointError(
                 f"{where}: two key paths both name the leaf {name!r} (milepost joins key parts "
-                "with '.'), so neither can be loaded by name; rename one in the file's tree"
+                "with '.'), so neither can be loaded by name; rename one in the file's tree",
+                path=where,
             )
         out[name] = node
-
-    walk(tree, ())
-    for name in out:  # {"a": {}} or {"a.b": x} beside {"a": {"b": {"c": y}}}
-        head = name
-        while "." in head:
-            head = head.rpartition(".")[0]
-            if head in out:
-                raise CorruptCheckpointError(
-                    f"{where}: the leaf {head!r} is also the start of the leaf {name!r} "
-                    "(milepost joins key parts with '.'), so the tree cannot be rebuilt; "
-                    "rename one in the file's tree"
-                )
+    clash = declared.conflict(out)
+    if clash is not None:  # {"a": {}} or {"a.b": x} beside {"a": {"b": {"c": y}}}
+        raise CorruptCheckpointError(
+            f"{where}: the leaf {clash[0]!r} is also the start of the leaf {clash[1]!r} "
+            "(milepost joins key parts with '.'), so the tree cannot be rebuilt; "
+            "rename one in the file's tree",
+            path=where,
+        )
     return out
 
 
@@ -260,24 +275,21 @@ class _Walker:
         b = self.take(1)[0]
         if b != 0x93:
             raise self.bad("an array is not the triple (shape, dtype, bytes)")
+        at = self.pos
         shape = self.value(MAX_DEPTH - 2)
-        if (
-            not isinstance(shape, list)
-            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)
-            or math.prod(max(n, 1) for n in shape) >= 1 << 62
-            or (scalar and shape)
-        ):
-            raise self.bad(f"an {'array scalar' if scalar else 'array'}'s shape is {shape!r}")
+        if scalar and shape != []:
+            raise self.bad(f"an array scalar's shape is {declared.shown(shape)}, not []")
+        field = f"the shape of the array at byte {at}"
+        shape = declared.shape(shape, self.path, field)
         name = self.value(MAX_DEPTH)
         name = name.decode("ascii", "replace") if isinstance(name, bytes) else name
-        if name not in DTYPES:
-            raise self.bad(f"an array's dtype is {name!r}, which milepost does not read")
+        declared.dtype(name, DTYPES, self.path, f"the dtype of the array at byte {at}")
         kind = self.take(1)[0]
         if kind not in (0xC4, 0xC5, 0xC6):
             raise self.bad("an array's data is not a byte string")
         n = self.number({0xC4: "B", 0xC5: "H", 0xC6: "I"}[kind])
         dtype = numpy_dtype(name)
-        expected = math.prod(shape) * dtype.itemsize
+        expected = declared.nbytes(shape, dtype.itemsize, self.path, field)
         if n != expected:
             raise self.bad(f"an array of shape {tuple(shape)} {name} has {n} bytes, not {expected}")
         if scalar:

@@ -31,6 +31,7 @@ import tensorstore as ts
 import zstandard
 
 from milepost.workers import _ocdbt_format as fmt
+from milepost.workers._confirm import confirm_files
 from milepost.workers._errors import CorruptCheckpointError
 from milepost.workers._ocdbt_keys import (
     BLOCK,
@@ -42,7 +43,7 @@ from milepost.workers._ocdbt_keys import (
 )
 from milepost.workers._paths import context_for, kvstore
 from milepost.workers._runtime import RUNTIME, Pool
-from milepost.workers._ts_internals import leads_out
+from milepost.workers._ts_internals import leads_out, status_of
 
 ZSTD = zstandard.ZstdCompressionParameters.from_level(
     19, strategy=zstandard.STRATEGY_BTOPT, chain_log=16, hash_log=16, search_log=1
@@ -86,8 +87,9 @@ def _read(kv: Any, key: str, ref: fmt.Ref | None = None) -> ts.Future[Any]:
     return kv.read(key, byte_range=slice(ref.offset, ref.offset + ref.length))
 
 
-def _load_sources(kv: Any, names: list[str]) -> list[_Source]:
-    """Every database's leaves, read level by level (all databases' nodes of a level at once)."""
+def _load_sources(kv: Any, names: list[str], directory: Any) -> list[_Source]:
+    """Every database's leaves, read level by level (all databases' nodes of a level at once).
+    A node whose file is missing or cut short is a :class:`LostWriteError` naming the file."""
     manifests = [_read(kv, f"{n}/manifest.ocdbt") for n in names]
     sources = [_Source(n, []) for n in names]
     # (source, key prefix, node ref, expected height), for the level being read
@@ -106,9 +108,16 @@ def _load_sources(kv: Any, names: list[str]) -> list[_Source]:
         reads = [_read(kv, _under(names[i], ref.path), ref) for i, _, ref, _ in level]
         below: list[tuple[int, bytes, fmt.Ref, int]] = []
         for (i, prefix, ref, height), future in zip(level, reads, strict=True):
-            got = future.result()
+            try:
+                got = future.result()
+            except ValueError as e:  # (past the end of its file: cut short)
+                if status_of(e) != "OUT_OF_RANGE":
+                    raise
+                got = None
             where = f"{names[i]}/{ref.path}@{ref.offset}"
-            if got.state != "value" or len(got.value) != ref.length:
+            if got is None or got.state != "value" or len(got.value) != ref.length:
+                # (the listing names the file and its size; presence only on object stores)
+                confirm_files(directory, {_under(names[i], ref.path): ref.offset + ref.length})
                 raise fmt.FormatError(f"{where}: the node is missing or cut short")
             data = bytes(got.value)
             found, entries, size = fmt.peek_node(data, ref, where)
@@ -144,6 +153,9 @@ class _Merged:
     order: np.ndarray
     long: dict[int, bytes] = field(default_factory=dict)
     """The keys longer than the rows of ``keys`` (cut there), whole, by row."""
+    sizes: dict[str, int] = field(default_factory=dict)
+    """Each data file of ``paths``, with the bytes it must at least hold: the end of the last
+    value in it (what the commit confirms before it calls the checkpoint committed)."""
     path_rows: tuple[np.ndarray, np.ndarray] = field(init=False)
     """``paths`` as :func:`padded` rows and lengths: each leaf's data file table is some of
     them (at 4,096 hosts, every leaf names about 4,096 files)."""
@@ -207,6 +219,9 @@ def _merge(sources: list[_Source], pool: Pool | None = None) -> _Merged:
         del e, leaf
     if at != n:
         raise fmt.FormatError(f"the leaves held {at} entries where their headers said {n}")
+    # (now, while each database's values lie in runs of rows: 13 ms at 8 M keys)
+    ends = _ends(files, offsets, lengths, len(paths))
+    file_ends = {path: int(ends[i]) for path, i in paths.items()}
     inline = inline[:blob_at]
     # Rows as wide as all keys but the longest few: at 4,096 hosts x 2,000 arrays the longest
     # are the hosts' tables' (43 bytes against 29), and every byte of width is 8 MB of rows.
@@ -250,7 +265,22 @@ def _merge(sources: list[_Source], pool: Pool | None = None) -> _Merged:
         paths=ordered,
         order=order,
         long=long,
+        sizes=file_ends,
     )
+
+
+def _ends(files: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, count: int) -> np.ndarray:
+    """Where the last value in each of ``count`` data files ends (by file id; inline values,
+    id -1, left out), from columns in which a file's values lie in runs of rows (one maximum
+    per run, then per file), a block at a time."""
+    out = np.zeros(count + 1, np.uint64)  # (the last: id -1)
+    for lo in range(0, len(files), BLOCK):
+        block = files[lo : lo + BLOCK]
+        ends = offsets[lo : lo + BLOCK].astype(np.uint64)
+        ends += lengths[lo : lo + BLOCK]
+        runs = np.flatnonzero(np.concatenate(([True], block[1:] != block[:-1])))
+        np.maximum.at(out, block[runs], np.maximum.reduceat(ends, runs))
+    return out[:count]
 
 
 def _fitting(column: np.ndarray, values: np.ndarray) -> np.ndarray:
@@ -424,23 +454,25 @@ def _leaf(m: _Merged, lo: int, hi: int, level: fmt.Compression) -> tuple[bytes, 
     return node, bytes(keys[0, : key_lengths[0]]), decoded, indirect
 
 
-def write_root(directory: Any, children: list[str], config: dict[str, Any]) -> None:
+def write_root(directory: Any, children: list[str], config: dict[str, Any]) -> dict[str, int]:
     """Write the root view in ``directory`` over the databases in its sub-folders
     ``children`` (names), with the root configuration ``config``. Raises
     :class:`~._ocdbt_format.FormatError` before writing anything if a database is not in a
-    form this writer reads."""
+    form this writer reads. Returns every data file the root view references (its own
+    included, paths from ``directory``), each with the bytes it must at least hold."""
     kv = ts.KvStore.open(kvstore(directory), context=context_for(directory)).result()
     if kv.read("manifest.ocdbt").result().state == "value":
         raise fmt.FormatError("the folder already has a root view (merged with TensorStore)")
     # (milepost's runtime pool, not concurrent.futures: a save the interpreter's exit waits
     # for still commits, and concurrent.futures takes no work then)
     with RUNTIME.scoped("merge", _THREADS) as pool:
-        merged = _merge(_load_sources(kv, children), pool)
+        merged = _merge(_load_sources(kv, children, directory), pool)
         data_file = f"d/{os.urandom(16).hex()}"
         leaf_bytes = _leaf_bytes(merged.paths, int(config["max_decoded_node_bytes"]))
         data, root, height, stats = _tree(merged, config, data_file, pool, leaf_bytes)
     kv.write(data_file, data).result()
     kv.write("manifest.ocdbt", _manifest(config, root, height, stats)).result()
+    return {**merged.sizes, data_file: len(data)}
 
 
 def write_database(

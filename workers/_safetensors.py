@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from milepost.workers import _declared as declared
 from milepost.workers._errors import CorruptCheckpointError
 from milepost.workers._iostats import count_read, count_write
 from milepost.workers._runtime import RUNTIME, Pool
@@ -78,67 +79,80 @@ def numpy_dtype(name: str) -> Any:
 
 
 def read_header(path: str) -> tuple[dict[str, Tensor], dict[str, str]]:
-    """The tensors of one file and its ``__metadata__``; a malformed header is a
-    CorruptCheckpointError naming the file and what is wrong."""
-
-    def bad(why: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"{path} is not a valid safetensors file: {why}")
-
+    """The tensors of one file and its ``__metadata__``. The header must be what the reference
+    implementation reads (at most ``MAX_HEADER`` bytes of UTF-8 JSON, a string map as
+    ``__metadata__``, each tensor a known dtype, a shape of non-negative integers and
+    ``data_offsets`` that hold exactly its bytes, the tensors back to back from the start of
+    the data to the end of the file) and what :mod:`._declared` allows (no key twice, names
+    within bounds); anything else is a CorruptCheckpointError naming the file and the field."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            raise bad("it is shorter than its 8-byte header length")
+            raise declared.bad(path, "its header length", "is cut short (under 8 bytes)")
         (n,) = struct.unpack("<Q", head)
         if n > MAX_HEADER or 8 + n > size:
-            raise bad(f"its header claims {n} bytes (the file has {size})")
+            raise declared.bad(
+                path,
+                "its header length",
+                f"is {n} bytes (at most {MAX_HEADER}; the file has {size})",
+            )
         raw = f.read(n)
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise bad(f"its header is not UTF-8 JSON ({e})") from e
-    if not isinstance(header, dict):
-        raise bad("its header is not a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise bad("its __metadata__ is not a mapping of strings to strings")
+    header = declared.mapping(declared.loads(raw, path, "its header"), path, "its header")
+    metadata = header.pop("__metadata__", None)
+    metadata = {} if metadata is None else declared.strings(metadata, path, "__metadata__")
     base = 8 + n
     tensors: dict[str, Tensor] = {}
-    spans = []
+    spans: list[tuple[int, int, str]] = []
     for name, info in header.items():
-        try:
-            code, shape, (begin, end) = (
-                info["dtype"],
-                tuple(int(d) for d in info["shape"]),
-                info["data_offsets"],
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise bad(f"tensor {name!r} lacks dtype, shape or data_offsets ({e})") from e
-        if code not in DTYPES:
-            raise bad(
-                f"tensor {name!r} has dtype {code!r}, which milepost does "
-                f"not read (it reads {', '.join(DTYPES)})"
-            )
-        tensor = Tensor(
-            path=path, name=name, dtype=DTYPES[code], shape=shape, offset=base + int(begin)
-        )
-        if (
-            any(d < 0 for d in shape)
-            or int(end) - int(begin) != tensor.nbytes
-            or base + int(end) > size
-        ):
-            raise bad(
-                f"tensor {name!r}: data_offsets {[begin, end]} do not "
-                f"hold a {code} tensor of shape {list(shape)}"
-            )
+        tensor, begin, end = _tensor(path, name, info, base)
         tensors[name] = tensor
-        spans.append((int(begin), int(end)))
+        spans.append((begin, end, name))
     covered = 0
-    for begin, end in sorted(spans):
+    for begin, end, name in sorted(spans):
         if begin != covered:
-            raise bad("its tensors' data_offsets leave gaps or overlap")
+            raise declared.bad(
+                path,
+                f"the data_offsets of tensor {name!r}",
+                f"begin at {begin}, where the tensors before end at {covered}: the tensors must "
+                "lie back to back, without gaps or overlaps",
+                array=name,
+            )
         covered = end
-    return tensors, {str(k): str(v) for k, v in metadata.items()}
+    if base + covered != size:
+        raise declared.bad(
+            path,
+            "its tensors' data_offsets",
+            f"end {size - base - covered} bytes before the end of the file: the reference "
+            "safetensors refuses bytes after the last tensor",
+        )
+    return tensors, metadata
+
+
+def _tensor(path: str, name: str, info: Any, base: int) -> tuple[Tensor, int, int]:
+    """One entry of a header: the tensor, and its data_offsets (checked against its shape)."""
+    declared.name(name, path, "a tensor's name")
+    info = declared.mapping(info, path, f"tensor {name!r}")
+    code = declared.dtype(info.get("dtype"), DTYPES, path, f"the dtype of {name!r}", array=name)
+    shape = declared.shape(info.get("shape"), path, f"the shape of {name!r}", array=name)
+    nbytes = declared.nbytes(
+        shape, numpy_dtype(DTYPES[code]).itemsize, path, f"the shape of {name!r}", array=name
+    )
+    offsets = info.get("data_offsets")
+    field = f"the data_offsets of {name!r}"
+    if not isinstance(offsets, list) or len(offsets) != 2:
+        raise declared.bad(path, field, f"are {declared.shown(offsets)}, not [begin, end]")
+    begin = declared.integer(offsets[0], path, field)
+    end = declared.integer(offsets[1], path, field)
+    if end - begin != nbytes:
+        raise declared.bad(
+            path,
+            field,
+            f"{[begin, end]} do not hold a {code} tensor of shape {list(shape)} ({nbytes} bytes)",
+            array=name,
+        )
+    tensor = Tensor(path=path, name=name, dtype=DTYPES[code], shape=shape, offset=base + begin)
+    return tensor, begin, end
 
 
 def header_bytes(

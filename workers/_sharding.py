@@ -12,11 +12,14 @@ import functools
 import json
 import math
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from milepost.workers import _declared as declared
+
 AxisEntry = str | tuple[str, ...] | None
+AXIS_TYPES = ("Auto", "Explicit", "Manual")
+"""JAX's ``jax.sharding.AxisType`` names."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,16 +74,28 @@ class ShardingSpec:
             )
         if len(set(device_ids)) != len(device_ids):
             raise ValueError(f"mesh device ids must be distinct, got {device_ids}")
+        if len(axis_names) != len(mesh_shape) or len(set(axis_names)) != len(axis_names):
+            raise ValueError(
+                f"a mesh of shape {mesh_shape} needs as many distinct axis names, got "
+                f"{declared.shown(list(axis_names))}"
+            )
+        if not all(isinstance(a, str) for a in axis_names):
+            raise ValueError(f"mesh axis names must be strings: {declared.shown(list(axis_names))}")
+        # JAX's Mesh default is Auto for every axis; spell it out so equal shardings compare
+        # equal.
+        types = tuple(str(t).rsplit(".", 1)[-1] for t in axis_types) or ("Auto",) * len(axis_names)
+        if len(types) != len(axis_names) or not set(types) <= set(AXIS_TYPES):
+            raise ValueError(
+                f"a mesh's axis types must be one of {list(AXIS_TYPES)} per axis, got "
+                f"{declared.shown(list(axis_types))}"
+            )
         return ShardingSpec(
             kind="named",
             mesh_shape=tuple(mesh_shape),
             axis_names=tuple(axis_names),
             device_ids=tuple(int(d) for d in device_ids),
             spec=_normalized(spec, tuple(axis_names)),
-            # JAX's Mesh default is Auto for every axis; spell it out so equal shardings compare
-            # equal.
-            axis_types=tuple(str(t).rsplit(".", 1)[-1] for t in axis_types)
-            or ("Auto",) * len(axis_names),
+            axis_types=types,
         )
 
     def with_spec(self, spec: tuple[AxisEntry, ...] | list[Any]) -> ShardingSpec:
@@ -205,24 +220,28 @@ class ShardingSpec:
         )
 
     @staticmethod
-    def from_orbax_json(text: str) -> ShardingSpec:
-        d: Mapping[str, Any] = json.loads(text)
+    def from_orbax_json(text: str, where: str = "a sharding") -> ShardingSpec:
+        """The sharding of Orbax's JSON ``text`` (read from ``where``). One of a kind milepost
+        does not know is a ValueError or KeyError; one that breaks
+        :mod:`._declared`'s rules (a mesh of more devices than it allows, ...) a
+        CorruptCheckpointError."""
+        d = declared.mapping(declared.loads(text, where, "a sharding"), where, "a sharding")
         kind = d.get("sharding_type")
         if kind == "SingleDeviceSharding":
             out = ShardingSpec.single(device_id_of(str(d["device_str"])))
         elif kind == "NamedSharding":
+            shape = declared.shape(d["shape"], where, "the mesh shape", minimum=1)
+            size = declared.devices(shape, where, "the mesh shape")
             ids: list[int] = []
             if "device_mesh" in d:
-                _flatten_ids(d["device_mesh"]["mesh"], ids)
+                _flatten_ids(d["device_mesh"]["mesh"], ids, where)
             else:  # Orbax before 0.6 recorded no devices: it lays the mesh over jax.devices()
-                ids = list(range(math.prod(int(n) for n in d["shape"])))
+                ids = list(range(size))
             spec = tuple(
                 tuple(e) if isinstance(e, list) else e for e in d.get("partition_spec", [])
             )
             types = tuple(d.get("axis_types") or ())
-            out = ShardingSpec.named(
-                tuple(d["shape"]), tuple(d["axis_names"]), tuple(ids), spec, types
-            )
+            out = ShardingSpec.named(shape, tuple(d["axis_names"]), tuple(ids), spec, types)
         else:
             raise ValueError(f"unsupported saved sharding type {kind!r}")
         memory_kind = d.get("memory_kind")
@@ -247,13 +266,18 @@ def _normalized(spec: Any, axis_names: tuple[str, ...]) -> tuple[AxisEntry, ...]
     """A PartitionSpec's entries as ShardingSpec keeps them (None, an axis name, or a tuple of
     names), every name one of ``axis_names``."""
     norm: list[AxisEntry] = []
+    used: set[str] = set()
     for entry in spec:
         names = _axes(entry)
         for n in names:
-            if n not in axis_names:
+            if not isinstance(n, str) or n not in axis_names:
                 raise ValueError(
-                    f"PartitionSpec names mesh axis {n!r}, but the mesh has axes {axis_names}"
+                    f"PartitionSpec names mesh axis {declared.shown(n)}, but the mesh has axes "
+                    f"{axis_names}"
                 )
+            if n in used:
+                raise ValueError(f"PartitionSpec names mesh axis {n!r} twice")
+            used.add(n)
         norm.append(
             None
             if not names
@@ -282,12 +306,21 @@ def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(coords))
 
 
-def _flatten_ids(node: Any, out: list[int]) -> None:
-    if isinstance(node, dict):
-        out.append(int(node["id"]))
-    else:
-        for child in node:
-            _flatten_ids(child, out)
+def _flatten_ids(mesh: Any, out: list[int], where: str) -> None:
+    """The device ids of Orbax's nested ``device_mesh`` lists, in row-major order."""
+    stack = [mesh]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            out.append(declared.integer(node["id"], where, "a device id"))
+        elif isinstance(node, list):
+            stack.extend(reversed(node))
+        else:
+            raise ValueError(f"a device mesh holds {declared.shown(node)}")
+        if len(out) + len(stack) > declared.MAX_DEVICES:
+            raise declared.bad(
+                where, "the device mesh", f"lists over {declared.MAX_DEVICES} devices"
+            )
 
 
 @functools.lru_cache(maxsize=1024)

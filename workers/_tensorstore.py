@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import tensorstore as ts
 
-from milepost.workers import _ocdbt_merge
+from milepost.workers import _declared, _ocdbt_merge
+from milepost.workers._confirm import confirm_files, root_sizes
+from milepost.workers._declared import ZARR3_DTYPES as ZARR3_DTYPES
 from milepost.workers._errors import CorruptCheckpointError, from_tensorstore
 from milepost.workers._messages import ArraySpec, StoreSpec
 from milepost.workers._ocdbt_format import FormatError
@@ -120,37 +121,6 @@ def _array_kvstore(kvstore: dict[str, Any], name: str) -> dict[str, Any]:
 # Arrays
 # ------------------------------------------------------------------------------------------
 
-ZARR3_DTYPES = frozenset(
-    {
-        "bool",
-        "int2",
-        "int4",
-        "int8",
-        "int16",
-        "int32",
-        "int64",
-        "uint8",
-        "uint16",
-        "uint32",
-        "uint64",
-        "float4_e2m1fn",
-        "float8_e3m4",
-        "float8_e4m3fn",
-        "float8_e4m3fnuz",
-        "float8_e4m3b11fnuz",
-        "float8_e5m2",
-        "float8_e5m2fnuz",
-        "float8_e8m0fnu",
-        "float16",
-        "bfloat16",
-        "float32",
-        "float64",
-        "complex64",
-        "complex128",
-    }
-)
-"""NumPy dtype names that TensorStore's zarr3 driver can store."""
-
 
 def create_spec(kvstore: dict[str, Any], spec: ArraySpec) -> dict[str, Any]:
     inner: list[dict[str, Any]] = [{"name": "bytes", "configuration": {"endian": "little"}}]
@@ -205,9 +175,13 @@ def open_spec(
     }
 
 
-def read_array_headers(store: StoreSpec, names: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """The ``zarr.json`` of each named array (small reads through the root view). An array
-    whose header is missing is a :class:`CorruptCheckpointError` naming it."""
+def read_array_headers(
+    store: StoreSpec, names: Sequence[str], damaged: dict[str, Exception] | None = None
+) -> dict[str, dict[str, Any]]:
+    """The ``zarr.json`` of each named array (small reads through the root view), each checked
+    (:func:`._declared.zarr_header`). An array whose header is missing or breaks those rules
+    is a :class:`CorruptCheckpointError` naming it, raised, or kept in ``damaged`` (by name)
+    when given (``verify`` goes on with the others)."""
     if not names:
         return {}
     try:
@@ -228,19 +202,14 @@ def read_array_headers(store: StoreSpec, names: Sequence[str]) -> dict[str, dict
                 array=name,
                 path=store.directory,
             )
+        where = f"{store.directory}/{header_key(store, name)}"
         try:
-            header = json.loads(result.value)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CorruptCheckpointError(
-                f"the header of array {name!r} in {store.directory} is not JSON ({e}); the "
-                "checkpoint is damaged. Load an earlier checkpoint."
-            ) from e
-        if not isinstance(header, dict):
-            raise CorruptCheckpointError(
-                f"the header of array {name!r} in {store.directory} is not "
-                "a JSON object; the checkpoint is damaged"
-            )
-        out[name] = header
+            header = _declared.loads(bytes(result.value), where, f"the header of array {name!r}")
+            out[name] = _declared.zarr_header(header, name, where)
+        except CorruptCheckpointError as e:
+            if damaged is None:
+                raise
+            damaged[name] = e
     return out
 
 
@@ -265,9 +234,15 @@ MERGE_BATCH_KEYS = 1 << 19
 batch in memory, not the whole root view's (at 4,096 hosts x 2,000 arrays, 8 M keys)."""
 
 
-def merge_ocdbt(directory: Any) -> None:
+def merge_ocdbt(directory: Any, written: Mapping[str, int] | None = None) -> None:
     """Make the root OCDBT view in ``directory`` reference every per-process database
-    (``ocdbt.process_*``); no data is copied, only B-tree entries.
+    (``ocdbt.process_*``); no data is copied, only B-tree entries. Then confirm that every data
+    file the view references is there, at least as long as its last value's end, and so is
+    every file of ``written`` (paths from ``directory``, with the bytes each must at least
+    hold: the hosts' manifests, as a database whose manifest was lost merges as an empty one),
+    in one listing per folder (:func:`~._confirm.confirm_files`), or raise
+    :class:`~._errors.LostWriteError` naming one that is not: a view that calls for data the
+    storage lost is never committed.
 
     With many databases the key space is cut into ranges of about :data:`MERGE_BATCH_KEYS` keys
     (estimated from one database's keys: hosts write about the same arrays), each merged
@@ -278,10 +253,15 @@ def merge_ocdbt(directory: Any) -> None:
     if not children:
         return
     try:
-        _ocdbt_merge.write_root(directory, [c.name for c in children], ROOT_OCDBT_CONFIG)
-        return
-    except FormatError:
-        pass  # (a form the direct writer does not read: TensorStore merges, or says what's wrong)
+        sizes = _ocdbt_merge.write_root(directory, [c.name for c in children], ROOT_OCDBT_CONFIG)
+    except FormatError:  # (a form the direct writer does not read: TensorStore merges, or says
+        _merge_with_tensorstore(directory, children)  # what is wrong)
+        sizes = root_sizes(directory)
+    confirm_files(directory, {**sizes, **(written or {})})
+
+
+def _merge_with_tensorstore(directory: Any, children: list[Path] | list[ObjectPath]) -> None:
+    """The root view merged by TensorStore: in key ranges, a transaction each."""
     context = new_context(directory)
     parent = ts.KvStore.open(
         ocdbt_kvstore(directory, writable=True, config=ROOT_OCDBT_CONFIG), context=context

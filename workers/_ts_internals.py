@@ -12,7 +12,10 @@
 - **The words of its errors.** TensorStore raises ``ValueError`` for everything: the absl
   status code starts the message (``NOT_FOUND: ...``), a full disk says "No space left on
   device", a full quota "Disk quota exceeded", and some decoding failures carry no status but
-  these words: "Error decoding", "Error reading", "ZSTD_", "Invalid key".
+  these words: "Error decoding", "Error reading", "ZSTD_", "Invalid key". A read of a value's
+  data file that is gone or cut short says ``Error reading Byte range [a, b) of "<key>"``
+  (S3), ``of gs://<bucket>/<key>`` (GCS) or ``of local file "<path>"`` (a disk); cut short,
+  ``... is not valid for value of size n``.
 
 :func:`check` verifies the first two against the TensorStore installed (and the status prefix of
 the third): a release that changes any of them fails a test that names what changed, instead of
@@ -175,6 +178,27 @@ def says_damaged(error: BaseException) -> bool:
     return _DAMAGE.search(str(error)) is not None
 
 
+_UNREAD = re.compile(
+    r"Error reading Byte range \[\d+, (\d+)\) of (?:local file )?"
+    r"(?:\"([^\"]+)\"|([a-z][a-z0-9+.-]*://\S+?)(?=:\s|\s|$))"
+)
+_SIZE = re.compile(r"is not valid for value of size (\d+)")
+
+
+def unread_file(error: BaseException) -> tuple[str, int, int | None] | None:
+    """For the error of a read of a value's data file that is missing (``NOT_FOUND``) or cut
+    short (``OUT_OF_RANGE``): the file (its key in its bucket, a URL, or a local path), the
+    bytes the read needed, and the bytes it holds (None: missing or unknown); else None."""
+    status = status_of(error)
+    found = _UNREAD.findall(str(error))
+    if status not in ("NOT_FOUND", "OUT_OF_RANGE") or not found:
+        return None
+    end, quoted, url = found[-1]  # (the innermost read)
+    name = quoted or url
+    size = _SIZE.search(str(error)) if status == "OUT_OF_RANGE" else None
+    return name, int(end), int(size.group(1)) if size else None
+
+
 # ------------------------------------------------------------------------------------------
 # The check
 # ------------------------------------------------------------------------------------------
@@ -260,4 +284,29 @@ def check() -> list[str]:
         except ValueError as e:
             if status_of(e) is None:
                 problems.append(f"TensorStore's errors no longer start with a status code: {e}")
+        problems += _check_unread(spec, where.path)
     return problems
+
+
+def _check_unread(spec: dict[str, Any], data_file: str) -> list[str]:
+    """That reading a shard whose data file is cut short, then gone, names that file."""
+    fresh = {**spec, "recheck_cached_data": False}
+    for cut in (True, False):
+        if cut:
+            os.truncate(data_file, 8)
+        else:
+            os.unlink(data_file)
+        try:
+            ts.open(fresh, open=True).result().read().result()
+        except ValueError as e:
+            found = unread_file(e)
+            if found is None or os.path.realpath(found[0]) != os.path.realpath(data_file):
+                return [
+                    f"a read of a data file {'cut short' if cut else 'gone'} no longer "
+                    f"names it as milepost finds it: {str(e)[:300]}"
+                ]
+            if cut and found[2] != 8:
+                return [f"a read of a data file cut short no longer says its size: {e}"[:300]]
+        else:
+            return [f"a read of a data file {'cut short' if cut else 'gone'} no longer fails"]
+    return []

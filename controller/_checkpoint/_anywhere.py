@@ -26,7 +26,7 @@ from typing import Any
 
 from milepost import _format as fmt
 from milepost._errors import StructureMismatchError
-from milepost.workers import ObjectPath, ShardingSpec
+from milepost.workers import CorruptCheckpointError, ObjectPath, ShardingSpec
 
 log = logging.getLogger("milepost")
 
@@ -51,12 +51,17 @@ class SavedShardings:
         (None: as saved)."""
         self._memory_said: set[str] = set()
 
-    def sharding(self, name: str, message: str) -> ShardingSpec:
+    def sharding(
+        self, name: str, message: str, shape: tuple[int, ...] | None = None
+    ) -> ShardingSpec:
         """Leaf ``name``'s saved sharding as placed here; ``message``: the error when none was
-        saved."""
+        saved. ``shape``: the array's, from its header, which the saved sharding must divide
+        (they were written together: a sharding that does not is damage)."""
         spec = self._files.shardings.get(name)
         if spec is None:
             raise StructureMismatchError(message)
+        if shape is not None:
+            self._check_fits(spec, name, shape)
         key = (
             id(spec.device_ids),
             spec.kind,
@@ -70,6 +75,20 @@ class SavedShardings:
         if known is None:
             known = self._done[key] = (spec.device_ids, self._place(spec, name))
         return spec if known[1] is None else known[1]
+
+    def _check_fits(self, spec: ShardingSpec, name: str, shape: tuple[int, ...]) -> None:
+        try:
+            spec.shard_shape(shape)
+        except ValueError as e:
+            where = self._directory / (self._files.sharding_files or (fmt.SHARDING,))[0]
+            raise CorruptCheckpointError(
+                f"{where}: the sharding recorded for array {name!r} does not fit the shape "
+                f"{list(shape)} its header gives ({e}); the checkpoint is damaged or crafted. "
+                "Load an earlier checkpoint.",
+                array=name,
+                path=str(where),
+                field="sharding",
+            ) from None
 
     def _place(self, spec: ShardingSpec, name: str) -> ShardingSpec | None:
         """``spec`` placed here (None: as saved), checked with the group."""

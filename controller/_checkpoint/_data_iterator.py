@@ -179,7 +179,7 @@ class DataIteratorHandler:
                 "Load an earlier checkpoint"
             )
         raw = fmt.read_checked(path, WHAT)
-        value = fmt.parse_json(path, raw, WHAT)
+        value = fmt.parse_json(path, raw, WHAT, user_data=True)
         try:
             abstract.set_state(raw if isinstance(abstract.get_state(), bytes) else value)
         except Exception as e:

@@ -167,7 +167,7 @@ class JsonHandler:
     def _read(self, directory: Path | ObjectPath) -> Any:
         for name in (self.filename, "metadata"):
             if (directory / name).exists():
-                return fmt.read_json(directory / name, "JSON checkpointable")
+                return fmt.read_json(directory / name, "JSON checkpointable", user_data=True)
         raise FileNotFoundError(
             f"{directory} has no {self.filename}: it was not saved by a JSON handler"
         )

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -158,7 +157,9 @@ def _identity(root: Path | ObjectPath, *, fresh: bool = False) -> tuple[Any, ...
                 return (*where, "no metadata file")
         else:  # object stores: the generation of the commit marker, which every save writes anew
             where = ((root / fmt.COMMIT_MARKER).generation(),)
-        meta = json.loads((root / fmt.CHECKPOINT_METADATA).read_bytes())
+        meta = workers.declared.loads(
+            (root / fmt.CHECKPOINT_METADATA).read_bytes(), str(root), "it", user_data=True
+        )
         stamps = (
             (meta.get("init_timestamp_nsecs"), meta.get("commit_timestamp_nsecs"))
             if isinstance(meta, dict)
@@ -246,33 +247,37 @@ class CheckpointMetadata:
             facts["metrics"] = _views.short_json(self.metrics)
         return facts
 
-    def _tables(self) -> list[tuple[str, list[Any]]]:
+    def _tables(self) -> list[tuple[str, list[tuple[str, ...]]]]:
+        """(title, rows) per pytree checkpointable (each leaf named by its path)."""
         out = []
         for name, part in self.checkpointables.items():
-            leaves = _views.flat_leaves(part)
-            if leaves:
-                n, arrays, nbytes = _views.totals(leaves)
+            paths = _views.leaf_paths(part)
+            if paths:
+                n, arrays, nbytes = _views.totals([leaf for _, leaf in paths])
                 out.append(
-                    (f"{name}: {n} leaves, {arrays} arrays, {_views.human_bytes(nbytes)}", leaves)
+                    (
+                        f"{name}: {n} leaves, {arrays} arrays, {_views.human_bytes(nbytes)}",
+                        [_views.leaf_row(leaf, path) for path, leaf in paths],
+                    )
                 )
         return out
 
     def __repr__(self) -> str:
         lines = [f"CheckpointMetadata({str(self.path)!r})"]
-        lines += [f"  {k}: {v}" for k, v in self._facts().items() if k != "path"]
+        lines += [
+            f"  {_views.printable(k)}: {_views.printable(v)}"
+            for k, v in self._facts().items()
+            if k != "path"
+        ]
         text = "\n".join(lines)
-        for title, leaves in self._tables():
-            text += "\n" + _views.text_table(
-                _views.LEAF_COLUMNS, [_views.leaf_row(leaf) for leaf in leaves], title=title
-            )
+        for title, rows in self._tables():
+            text += "\n" + _views.text_table(_views.LEAF_COLUMNS, rows, title=title)
         return text
 
     def _repr_html_(self) -> str:
         out = _views.html_fields("CheckpointMetadata", self._facts())
-        for title, leaves in self._tables():
-            out += _views.html_table(
-                _views.LEAF_COLUMNS, [_views.leaf_row(leaf) for leaf in leaves], title=title
-            )
+        for title, rows in self._tables():
+            out += _views.html_table(_views.LEAF_COLUMNS, rows, title=title)
         return out
 
 

@@ -87,19 +87,28 @@ def header_shape_dtype(header: dict[str, Any]) -> tuple[tuple[int, ...], np.dtyp
 
 
 def array_headers(
-    directory: Path | ObjectPath, files: fmt.TreeFiles, names: list[str]
+    directory: Path | ObjectPath,
+    files: fmt.TreeFiles,
+    names: list[str],
+    damaged: dict[str, Exception] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """The ``zarr.json`` of each named array: through the root view with OCDBT (whose B-tree
-    carries checksums), else as files (checked against the checkpoint's file checksums)."""
+    carries checksums), else as files (checked against the checkpoint's file checksums); each
+    checked as :func:`milepost.workers.declared.zarr_header` says. ``damaged``: where to keep
+    the error of each header that is not (by name) instead of raising it."""
     store = files.store(directory)
     if files.use_ocdbt:
-        return workers.read_array_headers(store, names)
+        return workers.read_array_headers(store, names, damaged)
     out = {}
     for name in names:
+        where = directory / workers.header_key(store, name)
         try:
-            out[name] = fmt.read_json_object(
-                directory / workers.header_key(store, name), f"the header of array {name!r}"
-            )
+            header = fmt.read_json_object(where, f"the header of array {name!r}")
+            out[name] = workers.declared.zarr_header(header, name, str(where))
+        except CorruptCheckpointError as e:
+            if damaged is None:
+                raise
+            damaged[name] = e
         except CheckpointNotFoundError as e:
             raise CorruptCheckpointError(
                 f"array {name!r} is listed in {directory / fmt.TREE_METADATA} but its data is "
@@ -235,6 +244,7 @@ def _task(
                 name,
                 f"array {name!r} was saved without a sharding milepost can rebuild; pass an "
                 "abstract tree (jax.ShapeDtypeStruct with a sharding) to load it",
+                shape,
             )
     elif _is_abstract_array(abstract):
         if tuple(abstract.shape) != shape:
@@ -249,6 +259,7 @@ def _task(
             sharding = saved.sharding(
                 name,
                 f"leaf {name!r} has no sharding in the abstract tree and none was saved; give one",
+                shape,
             )
         elif getattr(sharding, "milepost_spec", None) is not None:  # a slice sharding: ids only
             sharding = sharding.milepost_spec

@@ -37,6 +37,7 @@ log = logging.getLogger("milepost")
 
 CONTROLLER = _hosts.CONTROLLER
 """Name of the store the controller writes its own (host-memory) leaves into."""
+PROCESS = workers.PROCESS_PREFIX
 
 SCALAR_TYPES = (bool, int, float, complex, np.generic)
 
@@ -429,8 +430,37 @@ class PendingTree:
 def finish_tree(
     directory: Path | ObjectPath, files: fmt.TreeFiles, acks: list[workers.SaveAck]
 ) -> None:
-    """On the primary, once every write landed: the format files, then one OCDBT root view."""
+    """On the primary, once every write landed: the format files, then one OCDBT root view.
+    Every data file the tree needs is confirmed there, whole (one listing per folder), or
+    :class:`~milepost.workers.LostWriteError` names one that is not, before any commit: the
+    hosts' databases' manifests and what the root view references (with the merge), and plain
+    zarr3 chunk files."""
     platform = jax.devices()[0].platform if jax.device_count() else "cpu"
     fmt.write_tree(directory, files, acks, platform)
     if files.use_ocdbt:
-        workers.merge_ocdbt(directory)
+        workers.merge_ocdbt(directory, written=database_manifests(acks))
+    else:
+        workers.confirm_files(directory, _chunk_files(acks))
+
+
+def database_manifests(acks: list[workers.SaveAck]) -> dict[str, int]:
+    """The manifest of every database the hosts say they wrote chunks into (confirmed with
+    what the merged view references: one whose manifest was lost merges as an empty one)."""
+    databases = {d for ack in acks for d in ack.chunk_tables}
+    manifests = [f"{d}/{fmt.OCDBT_MANIFEST}" for d in databases if d.startswith(PROCESS)]
+    return dict.fromkeys(sorted(manifests), 1)
+
+
+def _chunk_files(acks: list[workers.SaveAck]) -> dict[str, int]:
+    """Plain zarr3 folders: each chunk file (shard) the hosts wrote, with its bytes as the host
+    reported them, else (compressed) at least its index's (16 a chunk, a CRC32C: at its end)."""
+    out: dict[str, int] = {}
+    for ack in acks:
+        for array in ack.arrays:
+            shape = zip(array.write_shape, array.chunk_shape, strict=True)
+            per_shard = [w // c if c else 1 for w, c in shape]
+            size = array.shard_bytes or 16 * math.prod(per_shard) + 4
+            for grid, _ in array.chunk_crc32c:
+                shard = [i // n for i, n in zip(grid, per_shard, strict=True)]
+                out[f"{array.name}/{'/'.join(['c', *map(str, shard)])}"] = size
+    return out

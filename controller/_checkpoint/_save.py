@@ -432,12 +432,13 @@ def commit(
                     if isinstance(h, PyTreeHandler):
                         needed += [f"{name}/{f}" for f in _pytree_load.confirm_written(tmp / name)]
             except (OSError, ValueError) as e:
-                raise OSError(
+                raise workers.LostWriteError(
                     errno.EIO,
                     f"the save to {final} does not read back ({type(e).__name__}: {e}); the "
                     "storage may have dropped a write it acknowledged. Nothing was committed, "
                     "and what this save wrote is removed. Save again, and check the storage path",
                     str(final),
+                    path=str(final),
                 ) from e
         checksums = fmt.Checksums.compute(tmp)  # every file but array chunks (they carry theirs)
     checksums.write()

@@ -712,10 +712,13 @@ def main(argv: list[str] | None = None) -> int:
     _settings = Settings()
     logger = logging.getLogger("milepost")
     saved = (logger.handlers[:], logger.level, logger.propagate)
+    x64 = bool(jax.config.read("jax_enable_x64"))
     try:
         return _run(argv)
-    finally:  # called in a process that goes on (a test, a notebook): leave its logging as it was
+    finally:  # called in a process that goes on (a test, a notebook): leave its logging and
+        # JAX's x64 mode (stats, diff and convert turn it on) as they were
         logger.handlers[:], logger.level, logger.propagate = saved
+        jax.config.update("jax_enable_x64", x64)
 
 
 def _run(argv: list[str] | None) -> int:

@@ -27,12 +27,14 @@ from milepost._format._files import CHECKSUMS, OCDBT_MANIFEST, OWNER_FILE, write
 from milepost.workers import ObjectPath
 
 
-def read_json(path: Path | ObjectPath, what: str) -> Any:
+def read_json(path: Path | ObjectPath, what: str, *, user_data: bool = False) -> Any:
     """The JSON in ``path``: a missing file is a :class:`CheckpointNotFoundError`, one that is
-    not UTF-8 JSON (or fails its recorded checksum) a :class:`CorruptCheckpointError`, both
-    naming the file."""
+    not UTF-8 JSON by :func:`milepost.workers.declared.loads`' rules (or fails its recorded
+    checksum) a :class:`CorruptCheckpointError`, both naming the file. ``user_data``: a file of
+    values a user gave (metrics, custom metadata, a JSON checkpointable), whose ``NaN`` and
+    ``Infinity`` are kept."""
     raw = _read(path, what)
-    value = parse_json(path, raw, what)
+    value = parse_json(path, raw, what, user_data=user_data)
     checksums = _VERIFYING.get()
     if checksums is not None:  # well-formed, but is it what was committed?
         checksums.check(path, raw)
@@ -66,26 +68,10 @@ def _read(path: Path | ObjectPath, what: str) -> bytes:
         ) from e
 
 
-def parse_json(path: Path | ObjectPath, raw: bytes, what: str) -> Any:
-    """``raw`` (read from ``path``) as UTF-8 JSON; a :class:`CorruptCheckpointError` naming the
-    file if it is not."""
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise CorruptCheckpointError(
-            f"{what} {path} is not UTF-8 text (byte {e.start}); the checkpoint is damaged. "
-            "Load an earlier checkpoint, or re-save this one."
-        ) from e
-    except json.JSONDecodeError as e:
-        raise CorruptCheckpointError(
-            f"{what} {path} is truncated or not JSON ({e.msg} at char {e.pos}); the checkpoint is "
-            "damaged. Load an earlier checkpoint, or re-save this one."
-        ) from e
-    except RecursionError:
-        raise CorruptCheckpointError(
-            f"{what} {path} nests deeper than JSON can be read here; the checkpoint is damaged "
-            "or crafted. Load an earlier checkpoint."
-        ) from None
+def parse_json(path: Path | ObjectPath, raw: bytes, what: str, *, user_data: bool = False) -> Any:
+    """``raw`` (read from ``path``) as JSON (:func:`milepost.workers.declared.loads`); a
+    :class:`CorruptCheckpointError` naming the file if it is not."""
+    return workers.declared.loads(raw, str(path), what, user_data=user_data)
 
 
 def present(path: Path | ObjectPath) -> bool:
@@ -100,9 +86,11 @@ def verified() -> bool:
     return _VERIFYING.get() is not None
 
 
-def read_json_object(path: Path | ObjectPath, what: str) -> dict[str, Any]:
+def read_json_object(
+    path: Path | ObjectPath, what: str, *, user_data: bool = False
+) -> dict[str, Any]:
     """Like :func:`read_json`, for files that must hold a JSON object."""
-    value = read_json(path, what)
+    value = read_json(path, what, user_data=user_data)
     if not isinstance(value, dict):
         raise CorruptCheckpointError(
             f"{what} {path} is not a JSON object (it holds a {type(value).__name__}); the "
@@ -235,7 +223,7 @@ class Checksums:
             "checkpoint can be trusted. Load an earlier checkpoint."
         )
         try:
-            data = json.loads(raw.decode("utf-8"))
+            data = workers.declared.loads(raw, str(path), "the file checksums")
             if _canonical(data) != raw:  # written in canonical form: any other byte is damage
                 raise damaged
             recorded = data.pop("self_crc32c")
@@ -254,6 +242,7 @@ class Checksums:
             TypeError,
             AttributeError,
             IndexError,
+            OverflowError,
         ) as e:
             raise damaged from e
         return Checksums(root, files, crc32)

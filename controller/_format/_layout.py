@@ -18,11 +18,11 @@ exist; ``item_handlers`` says which handler wrote each.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from milepost import workers
 from milepost._errors import CheckpointNotFoundError, CorruptCheckpointError
 from milepost._format._checksums import read_json_object
 from milepost._format._files import (
@@ -123,7 +123,7 @@ def _own_metadata(path: Path | ObjectPath) -> Any:
     except OSError:
         return _UNREADABLE
     try:
-        return json.loads(raw)
+        return workers.declared.loads(raw, str(path / CHECKPOINT_METADATA), "it", user_data=True)
     except ValueError:
         return _UNREADABLE
 
@@ -329,11 +329,20 @@ def _handler_of(files: frozenset[str]) -> str | None:
 
 
 def read_checkpoint_metadata(path: Path | ObjectPath) -> dict[str, Any]:
-    """``_CHECKPOINT_METADATA`` of a committed checkpoint (``{}`` for a bare v0 one)."""
+    """``_CHECKPOINT_METADATA`` of a committed checkpoint (``{}`` for a bare v0 one): its
+    timestamps integers (or absent), its metrics and custom metadata objects (or absent)."""
     require_checkpoint(path)
     if not (path / CHECKPOINT_METADATA).exists():
         return {}
-    return read_json_object(path / CHECKPOINT_METADATA, "checkpoint metadata")
+    where = path / CHECKPOINT_METADATA
+    meta = read_json_object(where, "checkpoint metadata", user_data=True)
+    for stamp in ("init_timestamp_nsecs", "commit_timestamp_nsecs"):
+        if meta.get(stamp) is not None:
+            workers.declared.integer(meta[stamp], str(where), stamp)
+    for part in ("metrics", "custom_metadata"):
+        if meta.get(part) is not None:
+            workers.declared.mapping(meta[part], str(where), part)
+    return meta
 
 
 def main_tree(path: Path | ObjectPath, found: dict[str, Item]) -> str:

@@ -39,7 +39,7 @@ from milepost._format._files import (
     write_json,
 )
 from milepost._format._shardings import read_shardings, write_shardings
-from milepost._tree import Leaf, ValueType, unsafe_part
+from milepost._tree import KEY_SEQUENCE, Leaf, ValueType, unsafe_part
 from milepost.workers import ObjectPath, ShardingSpec
 
 Keys = tuple[tuple[str, int], ...]
@@ -247,30 +247,7 @@ def _read(directory: Path | ObjectPath) -> TreeFiles:
             f"{directory / TREE_METADATA} has no 'tree_metadata'; "
             "the checkpoint is damaged or not a pytree"
         )
-    leaves: dict[str, SavedLeaf] = {}
-    for entry, item in meta["tree_metadata"].items():
-        keys = tuple(
-            (str(k["key"]) if isinstance(k["key"], int) else k["key"], int(k["key_type"]))
-            for k in item["key_metadata"]
-        )
-        for key, _ in keys:
-            if (why := unsafe_part(key)) is not None:
-                raise CorruptCheckpointError(
-                    f"{directory / TREE_METADATA} names a leaf with the key {key!r} (entry "
-                    f"{entry!r}), which cannot be a storage name ({why}); the checkpoint is "
-                    "damaged or crafted, and nothing was read from it"
-                )
-        value = item["value_metadata"]
-        raw = value["value_type"]
-        write_shape = value.get("write_shape")
-        name = ".".join(k for k, _ in keys) if keys else "_root"
-        leaves[name] = SavedLeaf(
-            name,
-            keys,
-            ValueType.parse(raw),
-            str(raw),
-            tuple(int(n) for n in write_shape) if write_shape else None,
-        )
+    leaves = _leaves(directory / TREE_METADATA, meta["tree_metadata"])
     info = (
         read_json_object(directory / MILEPOST_INFO, "milepost info")
         if present(directory / MILEPOST_INFO)
@@ -278,22 +255,25 @@ def _read(directory: Path | ObjectPath) -> TreeFiles:
     )
     shardings, sharding_files = read_shardings(directory, info)
     strings = (
-        read_json_object(directory / STRINGS, "string leaves")
+        workers.declared.strings(
+            read_json_object(directory / STRINGS, "string leaves"),
+            str(directory / STRINGS),
+            "the string leaves",
+        )
         if present(directory / STRINGS)
         else {}
     )
-    grids: dict[str, tuple[int, ...]] = {}  # the same grid keys recur in every array
-
-    def grid(key: str) -> tuple[int, ...]:
-        found = grids.get(key)
-        if found is None:
-            found = grids[key] = workers.parse_grid_key(key)
-        return found
-
-    checksums = {
-        name: {grid(key): int(crc) for key, crc in chunks.items()}
-        for name, chunks in info.get("chunk_crc32c", {}).items()
-    }
+    checksums = _chunk_checksums(directory / MILEPOST_INFO, info.get("chunk_crc32c", {}))
+    for part in ("python_types", "random_key_impl"):
+        if part in info:
+            workers.declared.strings(info[part], str(directory / MILEPOST_INFO), part)
+    for name, kind in info.get("python_types", {}).items():
+        if kind.startswith("np.") and kind[3:] not in workers.declared.ZARR3_DTYPES:
+            raise workers.declared.bad(
+                str(directory / MILEPOST_INFO),
+                f"python_types[{workers.declared.shown(name)}]",
+                f"is {workers.declared.shown(kind)}, not a NumPy scalar type milepost saves",
+            )
     tables = info.get("chunk_crc32c_tables")
     if tables is not None and tables != workers.CHUNK_TABLES_FORMAT:
         raise ValueError(
@@ -304,6 +284,12 @@ def _read(directory: Path | ObjectPath) -> TreeFiles:
     use_ocdbt = (
         bool(meta["use_ocdbt"]) if "use_ocdbt" in meta else present(directory / OCDBT_MANIFEST)
     )
+    if not use_ocdbt:  # (each array a folder named after its leaf)
+        for name, leaf in leaves.items():
+            if leaf.value_type.is_array:
+                workers.declared.folder_name(
+                    name, str(directory / TREE_METADATA), "an array's name"
+                )
     if not tables and use_ocdbt and present(directory / OCDBT_MANIFEST):
         # A milepost checkpoint's databases hold checksum tables that _milepost.json does not
         # mention (edited, or crafted): its chunks are checked against them all the same.
@@ -334,6 +320,90 @@ def _read(directory: Path | ObjectPath) -> TreeFiles:
     )
 
 
+def _leaves(path: Path | ObjectPath, tree_metadata: dict[str, Any]) -> dict[str, SavedLeaf]:
+    """The leaves ``_METADATA`` (at ``path``) lists, by storage name: each key a string or an
+    integer that is safe as part of a storage name, each name within
+    :mod:`milepost.workers.declared`'s bounds, no name twice and no leaf inside another."""
+    where = str(path)
+    leaves: dict[str, SavedLeaf] = {}
+    for entry, item in tree_metadata.items():
+        field = f"the entry {workers.declared.shown(entry)}"
+        item = workers.declared.mapping(item, where, field)
+        listed = item["key_metadata"]
+        if not isinstance(listed, list) or len(listed) > workers.declared.MAX_NAME_PARTS:
+            raise workers.declared.bad(
+                where,
+                f"{field}'s key_metadata",
+                f"is not a list of at most {workers.declared.MAX_NAME_PARTS} keys",
+            )
+        keys = tuple(_key(where, field, k) for k in listed)
+        value = workers.declared.mapping(item["value_metadata"], where, f"{field}'s value_metadata")
+        raw = value["value_type"]
+        write_shape = value.get("write_shape")
+        name = ".".join(k for k, _ in keys) if keys else "_root"
+        workers.declared.name(name, where, f"{field}'s name")
+        if name in leaves:
+            raise workers.declared.bad(where, f"{field}'s name", f"{name!r} names two leaves")
+        leaves[name] = SavedLeaf(
+            name,
+            keys,
+            ValueType.parse(raw),
+            str(raw),
+            workers.declared.shape(write_shape, where, f"{field}'s write_shape")
+            if write_shape
+            else None,
+        )
+    clash = workers.declared.conflict_of_paths(tuple(k for k, _ in s.keys) for s in leaves.values())
+    if clash is not None:
+        raise workers.declared.bad(
+            where, "tree_metadata", f"holds the leaf {clash[0]} and the leaf {clash[1]} inside it"
+        )
+    return leaves
+
+
+def _key(where: str, field: str, entry: Any) -> tuple[str, int]:
+    """One entry of a leaf's ``key_metadata``: its key (an integer as a string) and key type."""
+    entry = workers.declared.mapping(entry, where, f"{field}'s key_metadata")
+    key = entry["key"]
+    if isinstance(key, int) and not isinstance(key, bool):
+        key = str(key)
+    if (why := unsafe_part(key)) is not None:
+        raise CorruptCheckpointError(
+            f"{where} names a leaf with the key {workers.declared.shown(key)} ({field}), which "
+            f"cannot be a storage name ({why}); the checkpoint is damaged or crafted, and "
+            "nothing was read from it",
+            path=where,
+            field="key_metadata",
+        )
+    key_type = workers.declared.integer(entry["key_type"], where, f"{field}'s key_type")
+    if key_type == KEY_SEQUENCE and not (key.isascii() and key.isdigit()):
+        raise workers.declared.bad(
+            where,
+            f"{field}'s key_metadata",
+            f"gives the key {workers.declared.shown(key)} as a list index",
+        )
+    return key, key_type
+
+
+def _chunk_checksums(
+    path: Path | ObjectPath, recorded: Any
+) -> dict[str, dict[tuple[int, ...], int]]:
+    """``"chunk_crc32c"`` of ``_milepost.json`` (at ``path``): per array, each chunk's grid
+    index and CRC32C."""
+    where = str(path)
+    grids: dict[str, tuple[int, ...]] = {}  # the same grid keys recur in every array
+    out: dict[str, dict[tuple[int, ...], int]] = {}
+    for name, chunks in workers.declared.mapping(recorded, where, "chunk_crc32c").items():
+        field = f"chunk_crc32c[{workers.declared.shown(name)}]"
+        mine = out[name] = {}
+        for key, crc in workers.declared.mapping(chunks, where, field).items():
+            found = grids.get(key)
+            if found is None:
+                found = grids[key] = workers.declared.grid_key(key, where, field)
+            mine[found] = workers.declared.integer(crc, where, field, maximum=2**32 - 1)
+    return out
+
+
 PLACEHOLDER_PREFIX = "PLACEHOLDER://"
 """How Orbax's aggregate file marks a leaf whose value lies elsewhere."""
 
@@ -345,9 +415,8 @@ def _aggregated(directory: Path | ObjectPath, leaves: dict[str, SavedLeaf]) -> d
     if not present(directory / AGGREGATE):
         return {}
     path = directory / AGGREGATE
-    found = workers.msgpack_leaves(
-        workers.read_msgpack_bytes(path.read_bytes(), str(path)), str(path)
-    )
+    raw = path.read_bytes()
+    found = workers.msgpack_leaves(workers.read_msgpack_bytes(raw, str(path)), str(path), len(raw))
     out: dict[str, Any] = {}
     for name, value in found.items():
         if isinstance(value, str) and value.startswith(PLACEHOLDER_PREFIX):

@@ -16,6 +16,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from milepost import workers
 from milepost._errors import CorruptCheckpointError
 from milepost._format._checksums import present, read_json_object
 from milepost._format._files import MILEPOST_INFO, SHARDING, write_file
@@ -67,8 +68,10 @@ def read_shardings(
                 )
             if text not in parsed:
                 try:
-                    parsed[text] = ShardingSpec.from_orbax_json(text)
-                except (ValueError, KeyError):
+                    parsed[text] = ShardingSpec.from_orbax_json(text, str(directory / SHARDING))
+                except CorruptCheckpointError:
+                    raise
+                except (ValueError, KeyError, TypeError):
                     parsed[text] = (
                         None  # a sharding kind we do not know: loading it needs an abstract tree
                     )
@@ -166,6 +169,8 @@ def orbax_sharding_text(
 
 
 _AXIS_TYPES = ("Auto", "Explicit", "Manual")
+_MAX_ID = 2**62
+"""The largest device id or mesh dimension a recorded sharding may hold."""
 
 
 def read_compact_shardings(raw: Any, path: Path | ObjectPath) -> dict[str, ShardingSpec]:
@@ -181,7 +186,11 @@ def read_compact_shardings(raw: Any, path: Path | ObjectPath) -> dict[str, Shard
 
     def integer(value: Any, what: str, minimum: int) -> int:
         if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-            raise bad(f"{what} is {value!r}, not an integer of at least {minimum}")
+            raise bad(
+                f"{what} is {workers.declared.shown(value)}, not an integer of at least {minimum}"
+            )
+        if value > _MAX_ID:
+            raise bad(f"{what} is {workers.declared.shown(value)}, more than {_MAX_ID}")
         return value
 
     def strings(value: Any, what: str) -> tuple[str, ...]:
@@ -211,6 +220,7 @@ def read_compact_shardings(raw: Any, path: Path | ObjectPath) -> dict[str, Shard
         if not isinstance(shape_raw, list):
             raise bad(f"the shape of {where} is {_shown(shape_raw)}, not a list")
         shape = tuple(integer(n, f"a dimension of {where}", 1) for n in shape_raw)
+        size = workers.declared.devices(shape, str(path), f"the shape of {where}")
         names = strings(mesh.get("axis_names"), f"the axis names of {where}")
         types = strings(mesh.get("axis_types"), f"the axis types of {where}")
         if len(names) != len(shape) or len(types) != len(shape):
@@ -226,6 +236,8 @@ def read_compact_shardings(raw: Any, path: Path | ObjectPath) -> dict[str, Shard
         if isinstance(ids_raw, dict) and set(ids_raw) == {"start", "count"}:
             start = integer(ids_raw["start"], f"the first device id of {where}", 0)
             count = integer(ids_raw["count"], f"the device count of {where}", 1)
+            if count != size:
+                raise bad(f"{where} of shape {list(shape)} lists {count} device ids, not {size}")
             ids = tuple(range(start, start + count))
         elif isinstance(ids_raw, list):
             ids = tuple(integer(d, f"a device id of {where}", 0) for d in ids_raw)

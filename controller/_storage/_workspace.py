@@ -475,12 +475,13 @@ class ObjectWorkspace:
         if problems:
             with contextlib.suppress(Exception):
                 (self.final / fmt.COMMIT_MARKER).unlink(missing_ok=True)
-            raise OSError(
+            raise workers.LostWriteError(
                 errno.EIO,
                 f"the storage acknowledged writes of {problems} to {self.final} but does not "
                 "hold them now (a proxy or gateway that drops writes?); nothing was committed, "
                 "and what this save wrote is removed. Save again, and check the storage path",
                 str(self.final),
+                path=str(self.final / problems[0]),
             )
 
     def publish(self) -> None:

@@ -73,7 +73,9 @@ class Tier:
         for p in steps:
             try:
                 meta = (
-                    fmt.read_json(p / fmt.CHECKPOINT_METADATA, "checkpoint metadata")
+                    fmt.read_json(
+                        p / fmt.CHECKPOINT_METADATA, "checkpoint metadata", user_data=True
+                    )
                     if isinstance(p, ObjectPath) or (p / fmt.CHECKPOINT_METADATA).exists()
                     else {}  # a step from before Orbax wrote that file
                 )

@@ -9,6 +9,7 @@ import threading
 import time
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -17,10 +18,13 @@ import tensorstore as ts
 from milepost.workers import _checksum, _chunk_tables, _requests
 from milepost.workers import _tensorstore as tsu
 from milepost.workers._boxes import Box
-from milepost.workers._errors import StillWritingError, from_tensorstore
+from milepost.workers._confirm import lost_write
+from milepost.workers._errors import LostWriteError, StillWritingError, from_tensorstore
 from milepost.workers._keys import dtype_of
 from milepost.workers._memory import on_copy_pool
 from milepost.workers._messages import ArraySpec, SaveAck, SavePlan, WrittenArray
+from milepost.workers._paths import as_path
+from milepost.workers._ts_internals import unread_file
 from milepost.workers.save import _packed, _staging
 
 
@@ -149,6 +153,7 @@ class PendingSave:
                         chunk_shape=t.spec.chunk_shape,
                         chunk_crc32c=tuple(sorted(checksums.get(t.spec.name, ()))),
                         random_key_impl=t.spec.random_key_impl,
+                        shard_bytes=0 if self._plan.store.use_ocdbt else _shard_bytes(t.spec),
                     )
                     for t in self._plan.tasks
                     # One host per array reports it (the one writing its header), and hosts
@@ -182,7 +187,7 @@ class PendingSave:
                 # within the storage's request budget), on a thread of its choice.
                 raise self._late(timeout) from None
             self._settle()  # no write may land after the caller cleans up
-            mapped = from_tensorstore(
+            mapped = _lost(e, self._plan.store.directory) or from_tensorstore(
                 e, "writing the checkpoint's arrays", self._plan.store.directory
             )
             if mapped is e:
@@ -273,3 +278,29 @@ def _may_be_inline(spec: ArraySpec) -> bool:
         return True
     limit = int(tsu.OCDBT_CONFIG["max_inline_value_bytes"])  # type: ignore[call-overload]
     return math.prod(spec.write_shape) * itemsize <= 2 * limit
+
+
+def _shard_bytes(spec: ArraySpec) -> int:
+    """An uncompressed zarr3 shard's bytes as TensorStore writes it: every inner chunk (each
+    stored, zeros too), then the index (16 bytes a chunk) and its CRC32C; 0 if compressed."""
+    if spec.compression is not None:
+        return 0
+    shape = zip(spec.write_shape, spec.chunk_shape, strict=True)
+    chunks = math.prod(w // c if c else 1 for w, c in shape)
+    values = math.prod(spec.chunk_shape) * np.dtype(dtype_of(spec.dtype)).itemsize
+    return chunks * (values + 16) + 4
+
+
+def _lost(error: BaseException, directory: str) -> LostWriteError | None:
+    """A write that failed reading back a data file of its own database (TensorStore reads
+    the B-tree it extends): that file, which this save wrote, is missing or cut short."""
+    found = unread_file(error)
+    if found is None:
+        return None
+    name, needed, size = found
+    where = as_path(directory)
+    if "://" in name or isinstance(where, Path):
+        path = name
+    else:  # (a key in the bucket)
+        path = f"{where.scheme}://{where.bucket}/{name}"
+    return lost_write(path, needed, size, "this save (writing its arrays)")
