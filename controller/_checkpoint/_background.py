@@ -11,9 +11,14 @@ loads' barriers in the same order). Each is registered with its owner (:data:`SA
 
 - ``milepost.wait_for_saves()`` waits for every save in flight in this process;
 - an interpreter exit with saves or loads in flight waits for them (each at most its timeout)
-  and logs which it waits for; one that still does not finish is logged as abandoned (nothing
-  of a save is committed then: its temporary directory stays, and is never loaded), one that
-  fails is logged with its error. Then it stops every milepost thread
+  and logs which it waits for; one that fails is logged with its error. When it stops waiting
+  for a save (its timeout ran out, or Ctrl-C), it asks the save to stop (the save's ``stop``):
+  one that had not begun its commit never begins it, and is logged as abandoned (nothing of it
+  is committed; its temporary directory is removed once its writes stop, or by the next save
+  of the path); one whose commit marker is being written is waited for (at most its timeout,
+  or the storage's request budget if longer; a second Ctrl-C stops that) and logged as
+  committed or failed, or, if it is still committing then, as not known. After a Ctrl-C the
+  saves and loads after it are not waited for. Then it stops every milepost thread
   (``milepost.workers.RUNTIME``).
 
 A process killed outright (SIGKILL) cannot wait: atomic commit is what keeps that safe.
@@ -36,11 +41,24 @@ log = logging.getLogger("milepost")
 T = TypeVar("T")
 
 
+INTERRUPTED = "the exit was interrupted (Ctrl-C)"
+
+
 class _Job:
-    def __init__(self, name: str, timeout: float, future: futures.Future[Any]) -> None:
+    def __init__(
+        self,
+        name: str,
+        timeout: float,
+        future: futures.Future[Any],
+        stop: Callable[[], str | None] | None,
+    ) -> None:
         self.name = name
         self.timeout = timeout
         self.future = future
+        self.stop = stop
+        """Called when an exit stops waiting for the job: None when it will commit nothing (it
+        had not begun its commit, and now never does), else why its outcome is still to come
+        (its commit is under way). None: a job that commits nothing (a load, a cleanup)."""
 
 
 class Background:
@@ -55,13 +73,22 @@ class Background:
         self._abandoned = abandoned
         self._lock = threading.Lock()
         self._running: list[_Job] = []
+        self._unknown: list[tuple[str, _Job]] = []
+        """Jobs an exit stopped waiting for while their commit was under way."""
         self._threads = workers.RUNTIME.pool(kind, threads)
 
-    def submit(self, name: str, fn: Callable[[], T], timeout: float) -> futures.Future[T]:
+    def submit(
+        self,
+        name: str,
+        fn: Callable[[], T],
+        timeout: float,
+        stop: Callable[[], str | None] | None = None,
+    ) -> futures.Future[T]:
         """Run ``fn`` on a thread of the pool; ``name`` (the path) and ``timeout`` (its longest
-        wait) say what an exit waits for and how long."""
+        wait) say what an exit waits for and how long; ``stop`` is how an exit that stops
+        waiting for it abandons it (see :class:`_Job`)."""
         future: futures.Future[T] = futures.Future()
-        entry = _Job(name, timeout, future)
+        entry = _Job(name, timeout, future, stop)
 
         def run() -> None:
             try:
@@ -109,34 +136,123 @@ class Background:
                 )
             futures.wait(running, timeout=left)
 
-    def wait_at_exit(self) -> None:
-        """Wait for the jobs in flight, each at most its timeout, and log how each ended."""
+    def wait_at_exit(self, interrupted: bool = False) -> bool:
+        """Wait for the jobs in flight, each at most its timeout, and log how each ended. Once
+        the wait is interrupted (Ctrl-C; ``interrupted``: an earlier wait was), stop each job
+        still running without waiting for it. Returns whether the exit was interrupted."""
         with self._lock:
             running = list(self._running)
         for job in running:
             if job.future.done():
                 continue
             what = f"{self._doing} {job.name}"
-            log.warning(
-                "the interpreter is exiting; waiting (at most %gs) for %s to end", job.timeout, what
+            why = INTERRUPTED
+            if not interrupted:
+                try:
+                    log.warning(
+                        "the interpreter is exiting; waiting (at most %gs) for %s to end",
+                        job.timeout,
+                        what,
+                    )
+                    if _wait(job.future, job.timeout):
+                        if (error := job.future.exception()) is not None:
+                            _failed(what, error, "")
+                        continue
+                    why = f"it did not finish within {job.timeout:g}s before the interpreter exited"
+                except KeyboardInterrupt:
+                    interrupted = True
+            interrupted = self._stop(job, what, why) or interrupted
+        return interrupted
+
+    def _stop(self, job: _Job, what: str, why: str) -> bool:
+        """Stop waiting for ``job`` (``why``) and log what became of it: abandoned before its
+        commit, or, its commit under way, its outcome (waited for at most its timeout or the
+        storage's request budget, unless Ctrl-C is pressed again). Returns whether it was."""
+        if job.stop is None:
+            if not job.future.done():
+                log.error("abandoned %s: %s%s", what, why, self._abandoned)
+            return False
+        going_on = job.stop()
+        if going_on is None:
+            log.error(
+                "abandoned %s: %s, and it had not begun its commit; nothing of it was committed "
+                "(its temporary directory is removed once its writes stop, or else by the next "
+                "save of the path; it is never loaded)",
+                what,
+                why,
             )
-            try:
-                job.future.result(timeout=job.timeout)
-            except futures.TimeoutError:
-                log.error(
-                    "abandoned %s: it did not finish within %gs before the interpreter exited%s",
+            return False
+        # What is left are a few storage requests (the marker, reading back, the rename): each
+        # ends within the storage's request budget.
+        bound = max(job.timeout, workers.storage_budget_secs())
+        again = False
+        try:
+            if not job.future.done():
+                log.warning(
+                    "%s: %s, but %s; waiting (at most %gs) for its outcome",
                     what,
-                    job.timeout,
-                    self._abandoned,
+                    why,
+                    going_on,
+                    bound,
                 )
-            except BaseException as e:
-                log.error(
-                    "%s failed while the interpreter exited: %s: %s",
-                    what,
-                    type(e).__name__,
-                    e,
-                    exc_info=e,
-                )
+            done = _wait(job.future, bound)
+        except KeyboardInterrupt:
+            done, again = False, True
+        if done:
+            if (error := job.future.exception()) is not None:
+                _failed(what, error, "; nothing of it was committed")
+            else:
+                log.warning("committed %s before the interpreter exited", what)
+            return False
+        log.error(
+            "the interpreter exits before the outcome of %s is known (%s): it may or may not be "
+            "committed; check it with `milepost verify %s`",
+            what,
+            going_on,
+            job.name,
+        )
+        self._unknown.append((what, job))
+        return again
+
+    def log_late_outcomes(self) -> None:
+        """Once milepost's threads ended: the outcome of each job whose outcome an exit did not
+        know, if it has one now."""
+        for what, job in self._unknown:
+            if not job.future.done():
+                continue
+            if (error := job.future.exception()) is not None:
+                _failed(what, error, "; nothing of it was committed")
+            else:
+                log.warning("committed %s after all, as milepost's threads ended", what)
+
+
+_TICK = 0.1
+"""How often an exit's wait wakes to let a Ctrl-C through."""
+
+
+def _wait(future: futures.Future[Any], timeout: float) -> bool:
+    """Whether ``future`` ended within ``timeout`` seconds (its own ``TimeoutError``, if it
+    failed with one, is not taken for this wait's). Waits in ticks: the kernel may hand a Ctrl-C's
+    SIGINT to a thread other than the main one, and Python raises ``KeyboardInterrupt`` there
+    only once it runs again."""
+    deadline = time.monotonic() + timeout
+    while not future.done():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        futures.wait([future], timeout=min(left, _TICK))
+    return True
+
+
+def _failed(what: str, e: BaseException, outcome: str) -> None:
+    log.error(
+        "%s failed while the interpreter exited%s: %s: %s",
+        what,
+        outcome,
+        type(e).__name__,
+        e,
+        exc_info=e,
+    )
 
 
 SAVES = Background("save", None, doing="the save to", abandoned="; nothing of it was committed")
@@ -158,11 +274,15 @@ def _watch_exit() -> None:
 
 
 def _at_exit() -> None:
-    """Wait for the saves, then the loads, in flight (each at most its timeout), then stop every
-    milepost thread."""
-    SAVES.wait_at_exit()
-    LOADS.wait_at_exit()
-    workers.RUNTIME.stop()
+    """Wait for the saves, then the loads, in flight (each at most its timeout; after a Ctrl-C
+    none more), then stop every milepost thread (a Ctrl-C stops that wait too), and log the
+    outcome of the saves it stopped waiting for mid-commit, if they have one by then."""
+    try:
+        LOADS.wait_at_exit(SAVES.wait_at_exit())
+        workers.RUNTIME.stop()
+        SAVES.log_late_outcomes()
+    except KeyboardInterrupt:
+        log.error("the interpreter exits without waiting for milepost's threads (Ctrl-C)")
 
 
 def wait_for_saves(timeout: float | None = None) -> None:

@@ -160,7 +160,8 @@ def start_save(
         raise
     if asynchronous:
         op.blocked()
-        return SaveHandle(final, SAVES.submit(str(final), save.finish, save.timeout), op)
+        job = SAVES.submit(str(final), save.finish, save.timeout, save.stop_at_exit)
+        return SaveHandle(final, job, op)
     future: futures.Future[Path | ObjectPath] = futures.Future()
     future.set_result(save.finish())
     return SaveHandle(final, future, op)
@@ -202,6 +203,11 @@ class _Save:
         """Writes still in flight when a wait ran out of time: settled in the background, and
         the workspace removed after them, so the caller hears of the timeout at once."""
         self.init_ns = 0
+        self._marking: bool | None = None
+        """True once the primary is about to write the commit marker (the save commits, or
+        fails), False once an interpreter exit abandoned it before then (it never writes the
+        marker); whichever comes first holds."""
+        self._marking_lock = threading.Lock()
 
     @property
     def local(self) -> bool:
@@ -292,7 +298,34 @@ class _Save:
             with _in_flight_lock:
                 _in_flight.discard(final)
 
+    def stop_at_exit(self) -> str | None:
+        """An interpreter exit stops waiting for this save: None if it had not begun to write
+        its commit marker (now it never does: nothing of it is committed), else why its outcome
+        is still to come."""
+        if not self.group.is_primary():
+            return "the primary controller process decides whether it is committed"
+        with self._marking_lock:
+            if self._marking is None:
+                self._marking = False
+            marking = self._marking
+        return "its commit marker is being written" if marking else None
+
+    def _mark(self) -> None:
+        """Right before the commit marker: from here the save commits (or fails), unless an
+        interpreter exit abandoned it first."""
+        with self._marking_lock:
+            if self._marking is None:
+                self._marking = True
+            marking = self._marking
+        if not marking:
+            raise InterruptedError(
+                f"the save to {self.final} was abandoned as the interpreter exited, before its "
+                "commit: nothing of it was committed"
+            )
+
     def commit(self) -> None:
+        if self._marking is False:  # abandoned at exit: no checksums for a commit never made
+            self._mark()
         try:
             commit(
                 self.tmp,
@@ -302,6 +335,7 @@ class _Save:
                 self.custom_json,
                 self.metrics_json,
                 self.workspace,
+                self._mark,
             )
         except Exception as e:  # a write that failed because the workspace was removed says so
             explained = self.workspace.explain(e)
@@ -402,8 +436,10 @@ def commit(
     custom_json: str,
     metrics: Any,
     workspace: LocalWorkspace | ObjectWorkspace,
+    mark: Callable[[], None],
 ) -> None:
-    """Write the checkpoint's own files into the workspace, the commit marker last, and make it
+    """Write the checkpoint's own files into the workspace, the commit marker last (``mark()``
+    right before it: it raises if the save was abandoned), and make it
     visible (``workspace.publish``: the rename into place, or nothing more on object stores).
     The workspace is checked to be still this save's after the tree metadata, before the marker
     and at the rename."""
@@ -443,6 +479,7 @@ def commit(
         checksums = fmt.Checksums.compute(tmp)  # every file but array chunks (they carry theirs)
     checksums.write()
     workspace.check("before the commit marker", record=tmp)
+    mark()
     fmt.write_file(tmp / fmt.COMMIT_MARKER, f"Checkpoint commit was successful to {final}")
     # Then the marker, the checksums and what they must list are read back, or the save fails
     # and is removed (the marker first).
