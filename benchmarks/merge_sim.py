@@ -25,8 +25,8 @@ checksums), each step apart, ``--commits`` times on the same databases (the medi
 * ``metadata``: ``_METADATA``, ``_sharding``, ``_milepost.json`` and ``array_metadatas/``
   (``_pytree_format.write_tree``);
 * ``merge``: the root OCDBT view referencing every per-process database (``workers.merge_ocdbt``),
-  with what confirms the data files after it (the databases' manifests, and every file the
-  view references, at least as long as its last value): ``confirm``, timed apart too;
+  with what confirms the data files before it (the databases' manifests) and after it (every
+  file the view references, at least as long as its last value): ``confirm``, timed apart too;
 * ``checksums``: the checkpoint's own files and ``_milepost_checksums.json`` over every file but
   array data (``Checksums.compute``), then the commit marker;
 
@@ -299,7 +299,8 @@ def _commit(ckpt: Path, directory: Path, files: Any, acks: list[Any]) -> dict[st
     tree_format.write_tree(directory, files, acks, "cpu")
     out["metadata_secs"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    workers.merge_ocdbt(directory, written=_pytree_save.database_manifests(acks))
+    _pytree_save.confirm_databases(directory, acks)
+    workers.merge_ocdbt(directory)
     out["merge_secs"] = time.perf_counter() - t0
     out["confirm_secs"] = CONFIRMED.secs
     CONFIRMED.secs = 0.0

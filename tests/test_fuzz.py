@@ -536,14 +536,19 @@ def _pack_with_twice(doc: Any) -> bytes:
     return encode(doc)
 
 
+UNDECIDED = object()
+"""Flax's answer depends on its release: before 0.12.8 it refuses integer map keys
+(msgpack's ``strict_map_key``), later ones read them, as milepost does."""
+
+
 def reference_msgpack(data: bytes) -> Any:
-    """What Flax restores from the bytes (None: it refuses them)."""
+    """What Flax restores from the bytes (None: it refuses them; UNDECIDED: see there)."""
     from flax import serialization
 
     try:
         return serialization.msgpack_restore(data)
-    except Exception:
-        return None
+    except Exception as e:
+        return UNDECIDED if "strict_map_key" in str(e) else None
 
 
 @pytest.mark.parametrize("variant", rounds(800))
@@ -562,7 +567,9 @@ def test_fuzz_flax_msgpack(tmp_path: Path, msgpack_bytes: bytes, variant: tuple[
                 failures.add(i, what, problem)
         if error is None:
             want = reference_msgpack(data)
-            if want is None:
+            if want is UNDECIDED:
+                pass
+            elif want is None:
                 failures.add(i, what, "loaded, but Flax refuses the file")
             elif diff := difference(got, want):
                 failures.add(i, what, f"loaded otherwise than Flax restores it: {diff}")

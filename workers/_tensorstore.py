@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -234,13 +234,11 @@ MERGE_BATCH_KEYS = 1 << 19
 batch in memory, not the whole root view's (at 4,096 hosts x 2,000 arrays, 8 M keys)."""
 
 
-def merge_ocdbt(directory: Any, written: Mapping[str, int] | None = None) -> None:
+def merge_ocdbt(directory: Any) -> None:
     """Make the root OCDBT view in ``directory`` reference every per-process database
     (``ocdbt.process_*``); no data is copied, only B-tree entries. Then confirm that every data
-    file the view references is there, at least as long as its last value's end, and so is
-    every file of ``written`` (paths from ``directory``, with the bytes each must at least
-    hold: the hosts' manifests, as a database whose manifest was lost merges as an empty one),
-    in one listing per folder (:func:`~._confirm.confirm_files`), or raise
+    file the view references is there, at least as long as its last value's end (one listing
+    per folder: :func:`~._confirm.confirm_files`), or raise
     :class:`~._errors.LostWriteError` naming one that is not: a view that calls for data the
     storage lost is never committed.
 
@@ -257,7 +255,7 @@ def merge_ocdbt(directory: Any, written: Mapping[str, int] | None = None) -> Non
     except FormatError:  # (a form the direct writer does not read: TensorStore merges, or says
         _merge_with_tensorstore(directory, children)  # what is wrong)
         sizes = root_sizes(directory)
-    confirm_files(directory, {**sizes, **(written or {})})
+    confirm_files(directory, sizes)
 
 
 def _merge_with_tensorstore(directory: Any, children: list[Path] | list[ObjectPath]) -> None:

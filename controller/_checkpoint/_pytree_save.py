@@ -433,22 +433,24 @@ def finish_tree(
     """On the primary, once every write landed: the format files, then one OCDBT root view.
     Every data file the tree needs is confirmed there, whole (one listing per folder), or
     :class:`~milepost.workers.LostWriteError` names one that is not, before any commit: the
-    hosts' databases' manifests and what the root view references (with the merge), and plain
-    zarr3 chunk files."""
+    hosts' databases' manifests before the merge, what the root view references by the merge,
+    and plain zarr3 chunk files."""
     platform = jax.devices()[0].platform if jax.device_count() else "cpu"
     fmt.write_tree(directory, files, acks, platform)
     if files.use_ocdbt:
-        workers.merge_ocdbt(directory, written=database_manifests(acks))
+        confirm_databases(directory, acks)
+        workers.merge_ocdbt(directory)
     else:
         workers.confirm_files(directory, _chunk_files(acks))
 
 
-def database_manifests(acks: list[workers.SaveAck]) -> dict[str, int]:
-    """The manifest of every database the hosts say they wrote chunks into (confirmed with
-    what the merged view references: one whose manifest was lost merges as an empty one)."""
+def confirm_databases(directory: Path | ObjectPath, acks: list[workers.SaveAck]) -> None:
+    """The manifest of every database the hosts say they wrote chunks into is there, before
+    the merge (one whose manifest was lost would merge as an empty database): a listing of its
+    own, as the merge's readers are TensorStore's and any caller's (tests wrap it)."""
     databases = {d for ack in acks for d in ack.chunk_tables}
     manifests = [f"{d}/{fmt.OCDBT_MANIFEST}" for d in databases if d.startswith(PROCESS)]
-    return dict.fromkeys(sorted(manifests), 1)
+    workers.confirm_files(directory, dict.fromkeys(sorted(manifests), 1))
 
 
 def _chunk_files(acks: list[workers.SaveAck]) -> dict[str, int]:
