@@ -508,13 +508,13 @@ class Follower(LocalHostGroup):
 def test_a_non_primary_process_takes_the_primarys_listing_and_decisions(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    group = Follower(
-        {"open": (True, ({5: {"loss": 1.0}, 10: {}}, {})), "should-save": (True, (True, True))}
-    )
+    listing = ({5: {"loss": 1.0}, 10: {}}, {}, {5: "5", 10: "checkpoint_10"}, {}, ("run", 4))
+    group = Follower({"open": (True, listing), "should-save": (True, (True, True))})
     monkeypatch.setattr(_dispatch, "_default_group", lambda: group)
     root = tmp_path / "r"
     with Checkpointer(root, save_policy=FixedInterval(interval=1000)) as ckpt:
         assert ckpt.steps == [5, 10] and ckpt.latest == 10
+        assert ckpt.path(10) == root / "checkpoint_10" and ckpt.path(11) == root / "run_0011"
         assert not root.exists(), "only the primary lists and creates the root"
         assert (
             ckpt.should_save(11) and ckpt.preempted

@@ -277,10 +277,16 @@ def _json_line(value: Any) -> str:
 )
 def ls(root: str, local: str | None, as_json: bool) -> int:
     """The steps of the training root ROOT (a Checkpointer's folder, or an Orbax
-    CheckpointManager's): committed or not, which tier holds each, its size on disk (local
-    folders), when it was committed, and its metrics."""
+    CheckpointManager's, its steps named 10, 000010 or checkpoint_000010): committed or not,
+    which tier holds each, its size on disk (local folders), when it was committed, and its
+    metrics. A checkpoint is not a root: `milepost inspect` reads it."""
 
-    rows = training.list_steps(root, local)
+    try:
+        rows = training.list_steps(root, local)
+    except training.NotATrainingRootError as e:
+        raise CliError(
+            f"{e.path} is a checkpoint, not a root of steps: run `milepost inspect {e.path}`"
+        ) from e
     if as_json:
         print_json(rows)
         return OK

@@ -10,8 +10,10 @@ from milepost.training._checkpointer import Checkpointer
 from milepost.training._errors import (
     BackgroundSaveError,
     MirrorError,
+    NotATrainingRootError,
     StepBusyError,
     StepExistsError,
+    StepNamingError,
     StepNotFoundError,
 )
 from milepost.training._listing import list_steps
@@ -50,6 +52,7 @@ __all__ = [
     "KeepLatest",
     "KeepUnion",
     "MirrorError",
+    "NotATrainingRootError",
     "PeerRun",
     "PeerTier",
     "Preemption",
@@ -61,6 +64,7 @@ __all__ = [
     "StepBusyError",
     "StepExistsError",
     "StepInfo",
+    "StepNamingError",
     "StepNotFoundError",
     "UnsafeFolderError",
     "clear_peer_runs",

@@ -35,9 +35,11 @@ from milepost.training._errors import (
     BackgroundSaveError,
     StepBusyError,
     StepExistsError,
+    StepNamingError,
     StepNotFoundError,
 )
 from milepost.training._mirror import Mirror
+from milepost.training._naming import PLAIN, StepNaming, naming_of
 from milepost.training._options import CheckpointerOptions
 from milepost.training._policies import RetentionPolicy, SaveContext, SavePolicy
 from milepost.training._preemption import PreemptionWatch
@@ -50,6 +52,10 @@ from milepost.workers import ObjectPath, as_path
 log = logging.getLogger("milepost.training")
 
 T = TypeVar("T")
+_Listing = tuple[
+    dict[int, dict[str, Any]], dict[int, dict[str, Any]], dict[int, str], dict[int, str], Any
+]
+"""What the primary lists: each tier's steps (metrics), their folders' names, and the naming."""
 STATE = "state"
 DATA_ITER = "data_iter"
 
@@ -81,6 +87,13 @@ class Checkpointer:
     the local step and raises :class:`MirrorError` on the next call; a Checkpointer opened on
     folders holding unmirrored steps mirrors them.
 
+    Step folders are named ``<step>``, or as Orbax's ``step_prefix`` and
+    ``step_format_fixed_length`` name them (``checkpoint_000010``): steps of every such naming
+    are listed, loaded and retained, and new steps are named as the root's committed steps are,
+    or as ``step_prefix`` and ``step_format_fixed_length`` say (either given: both apply, the
+    other None meaning none). A writing Checkpointer on a root whose steps are named several
+    ways needs them (:class:`StepNamingError` says so); two folders of one step are an error.
+
     ``read_only=True`` (an eval watcher, a notebook looking at a run) lists and loads but never
     writes or deletes anything. A writing Checkpointer removes what an unfinished save or
     deletion left behind only once it holds that step's writer lock, so a save running in
@@ -104,6 +117,8 @@ class Checkpointer:
         local_keep: RetentionPolicy | None = None,
         mirror_timeout_secs: float | None = None,
         peers: PeerTier | None = None,
+        step_prefix: str | None = None,
+        step_format_fixed_length: int | None = None,
     ) -> None:
         given: dict[str, Any] = {"save_policy": save_policy, "keep": keep}
         self.options = CheckpointerOptions(
@@ -116,6 +131,8 @@ class Checkpointer:
             local_keep=local_keep,
             mirror_timeout_secs=mirror_timeout_secs,
             peers=peers,
+            step_prefix=step_prefix,
+            step_format_fixed_length=step_format_fixed_length,
         )
         self.root = as_path(root)
         self.local: Path | None = self.options.local_path()
@@ -142,6 +159,8 @@ class Checkpointer:
         lease_secs = context.saving.lease_secs
         self._durable = Tier(self.root, lease_secs)
         self._fast = Tier(self.local, lease_secs) if self.local is not None else None
+        for tier in self._tiers():
+            tier.naming = self._given_naming() or PLAIN
         self._state = StepState(self._timeout)
         self._retention = Retention(
             self._state, self._durable, self._fast, self.keep, self.local_keep, self._primary
@@ -164,10 +183,8 @@ class Checkpointer:
         self._preempted = False
         self._closed = False
 
-        durable, fast = self._shared("open", self._open_on_primary)
+        self._adopt(self._shared("open", self._open_on_primary))
         with self._state.cond:
-            self._state.durable = {int(k): dict(v) for k, v in durable.items()}
-            self._state.local = {int(k): dict(v) for k, v in fast.items()}
             unmirrored = sorted(set(self._state.local) - set(self._state.durable))
         if self._mirror is not None and not self.read_only:
             for step in unmirrored:  # a mirror that did not finish
@@ -210,20 +227,61 @@ class Checkpointer:
         )
 
     # -- listing ------------------------------------------------------------------------
-    def _open_on_primary(self) -> tuple[dict[int, dict[str, Any]], dict[int, dict[str, Any]]]:
-        fast = self._fast.open(self.read_only) if self._fast is not None else {}
-        return self._durable.open(self.read_only), fast
+    def _tiers(self) -> list[Tier]:
+        return [self._durable] if self._fast is None else [self._durable, self._fast]
 
-    def _scan(self) -> tuple[dict[int, dict[str, Any]], dict[int, dict[str, Any]]]:
-        return self._durable.scan(), (self._fast.scan() if self._fast is not None else {})
+    def _given_naming(self) -> StepNaming | None:
+        o = self.options
+        if o.step_prefix is None and o.step_format_fixed_length is None:
+            return None
+        return StepNaming(o.step_prefix, o.step_format_fixed_length)
+
+    def _open_on_primary(self) -> _Listing:
+        fast = self._fast.open(self.read_only) if self._fast is not None else {}
+        return self._listed(self._durable.open(self.read_only), fast)
+
+    def _scan(self) -> _Listing:
+        fast = self._fast.scan() if self._fast is not None else {}
+        return self._listed(self._durable.scan(), fast)
+
+    def _listed(self, durable: dict[int, Any], fast: dict[int, Any]) -> _Listing:
+        """The tiers' listing, with the naming of new steps: the one given, else the one of
+        the committed steps (StepNamingError, when writing, if they have several)."""
+        local_names = self._fast.names if self._fast is not None else {}
+        naming = self._given_naming() or naming_of(
+            {*self._durable.names.values(), *local_names.values()}
+        )
+        if naming is None and self.read_only:
+            naming = PLAIN  # names no step
+        if naming is None:
+            names = {**self._durable.names, **local_names}
+            newest = {naming_of([names[s]]): names[s] for s in sorted(names)}
+            latest = naming_of([names[max(names)]])
+            raise StepNamingError(
+                self.root,
+                tuple(newest.values()),
+                f"the steps of {self.root} are named more than one way "
+                f"({', '.join(repr(n) for n in newest.values())}), so new steps' names are not "
+                f"known: pass step_prefix= and step_format_fixed_length= (the latest step's "
+                f"naming: {latest}), or open it with read_only=True",
+            )
+        return durable, fast, self._durable.names, local_names, (naming.prefix, naming.fixed_length)
+
+    def _adopt(self, listing: _Listing) -> None:
+        """The primary's listing, in this process: the steps, their folders, the naming."""
+        durable, fast, durable_names, local_names, (prefix, length) = listing
+        for tier, names in ((self._durable, durable_names), (self._fast, local_names)):
+            if tier is not None:
+                tier.names = {int(k): str(v) for k, v in names.items()}
+                tier.naming = StepNaming(prefix, length)
+        with self._state.cond:
+            self._state.durable = {int(k): dict(v) for k, v in durable.items()}
+            self._state.local = {int(k): dict(v) for k, v in fast.items()}
 
     def reload(self) -> None:
         """Wait for saves in flight, then list the root again (steps written by another job)."""
         self.wait()
-        durable, fast = self._shared("reload", self._scan)
-        with self._state.cond:
-            self._state.durable = {int(k): dict(v) for k, v in durable.items()}
-            self._state.local = {int(k): dict(v) for k, v in fast.items()}
+        self._adopt(self._shared("reload", self._scan))
 
     @property
     def steps(self) -> list[int]:
@@ -245,15 +303,16 @@ class Checkpointer:
             return sorted(self._state.durable)
 
     def path(self, step: int) -> Path | ObjectPath:
-        """Where ``step`` is (or would be) stored durably: ``root/<step>``."""
-        return self.root / str(check_step(step))
+        """Where ``step`` is (or would be) stored durably: ``root/<step>`` (or the folder the
+        root's step naming gives it, e.g. ``root/checkpoint_000010``)."""
+        return self._durable.step(check_step(step))
 
     def _where(self, step: int) -> Path | ObjectPath:
         """Where to read ``step``: its local copy when there is one."""
         with self._state.cond:
-            if self.local is not None and step in self._state.local:
-                return self.local / str(step)
-        return self.root / str(step)
+            if self._fast is not None and step in self._state.local:
+                return self._fast.step(step)
+        return self._durable.step(step)
 
     # -- deciding -----------------------------------------------------------------------
     def preempt(self) -> None:
@@ -379,7 +438,7 @@ class Checkpointer:
             self._decision = None
             self._last_save_start = time.monotonic()
         try:
-            target = self.local / str(step) if self.local is not None else self.path(step)
+            target = (self._fast or self._durable).step(step)
             group = _hosts.host_group_for(_checkpoint.all_leaves(checkpointables))
             handle = _api.save_checkpointables_async(
                 target, checkpointables, custom_metadata=custom_metadata, metrics=metrics_

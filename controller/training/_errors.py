@@ -44,3 +44,30 @@ class MirrorError(BackgroundSaveError):
         self.local = local
         self.root = root
         self.__cause__ = cause
+
+
+class StepNamingError(ValueError):
+    """The step folders of ``root`` do not say one thing: two folders hold one step, or a
+    writing Checkpointer must choose among several namings (``names``: examples of each)."""
+
+    def __init__(self, root: Any, names: tuple[str, ...], message: str) -> None:
+        super().__init__(message)
+        self.root = root
+        self.names = names
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.root, self.names, str(self))
+
+
+class NotATrainingRootError(ValueError):
+    """``path`` is one checkpoint, not a root of step folders (list_steps, ``milepost ls``)."""
+
+    def __init__(self, path: Any) -> None:
+        super().__init__(
+            f"{path} is a checkpoint, not a root of steps: read it with milepost.metadata or "
+            "milepost.load (the command: milepost inspect), or list the root that holds it"
+        )
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.path,)

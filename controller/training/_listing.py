@@ -1,6 +1,8 @@
 """What a training root holds, step by step, read without opening a Checkpointer (what
 ``milepost ls`` prints): committed steps and what unfinished saves or deletions left, in the
-durable root and in a local tier."""
+durable root and in a local tier. Steps of every naming (``10``, ``000010``,
+``checkpoint_000010``: see :mod:`._naming`) are listed; an uncommitted folder or a leftover only
+when it is plain or of a prefix the committed steps have."""
 
 from __future__ import annotations
 
@@ -12,7 +14,15 @@ from typing import Any
 from milepost import _format as fmt
 from milepost import _views
 from milepost._errors import CheckpointNotFoundError
-from milepost.training._tier import DELETING_SUFFIX, Tier, is_leftover_of_step, is_step_name
+from milepost.training._errors import NotATrainingRootError
+from milepost.training._naming import step_of
+from milepost.training._tier import (
+    DELETING_SUFFIX,
+    Tier,
+    is_leftover_of_step,
+    is_step_of,
+    known_prefixes,
+)
 from milepost.workers import ObjectPath, as_path
 
 
@@ -34,30 +44,49 @@ def _entries(root: Any) -> dict[int, list[tuple[Any, str]]]:
     out: dict[int, list[tuple[Any, str]]] = {}
     if not root.exists():
         return out
+    tier = Tier(root, 60.0)
     if isinstance(root, Path):
+        committed = tier.committed_names()
+        ours = known_prefixes(committed)
         for p in sorted(root.iterdir()):
             name = p.name
-            if is_step_name(name) and p.is_dir():
-                out.setdefault(int(name), []).append(
-                    (p, "committed" if fmt.is_committed(p) else "uncommitted")
+            if is_step_of(name, ours) and p.is_dir():
+                out.setdefault(_step(name), []).append(
+                    (p, "committed" if name in committed else "uncommitted")
                 )
-            elif is_leftover_of_step(name):
+            elif is_leftover_of_step(name, ours):
                 what = "being deleted" if DELETING_SUFFIX in name else "unfinished save"
-                out.setdefault(int(name.partition(".")[0]), []).append((p, what))
+                out.setdefault(_step(name.partition(".")[0]), []).append((p, what))
         return out
-    committed, folders = Tier(root, 60.0).listing()
-    for name in sorted(folders, key=int):
-        out.setdefault(int(name), []).append(
-            (root / name, "committed" if name in committed else "uncommitted")
-        )
+    committed, folders = tier.listing()
+    ours = known_prefixes(committed)
+    for name in sorted(folders, key=_step):
+        if is_step_of(name, ours):
+            out.setdefault(_step(name), []).append(
+                (root / name, "committed" if name in committed else "uncommitted")
+            )
     return out
+
+
+def _step(name: str) -> int:
+    step = step_of(name)
+    assert step is not None
+    return step
+
+
+def _is_checkpoint(path: Any) -> bool:
+    """One checkpoint (its own metadata files, or a commit marker), not a root of steps."""
+    own = (fmt.CHECKPOINT_METADATA, fmt.TREE_METADATA, fmt.COMMIT_MARKER)
+    return any((path / name).is_file() for name in own)
 
 
 def list_steps(
     root: str | os.PathLike[str] | ObjectPath, local: str | os.PathLike[str] | None = None
 ) -> list[dict[str, Any]]:
     """Every step folder of a training root (and of its local tier): committed or not, which
-    tier holds it, its size, commit time and metrics. Oldest first; nothing is written."""
+    tier holds it, its size, commit time and metrics. Oldest first; nothing is written.
+    Steps of every naming are listed (``10``, ``000010``, ``checkpoint_000010``), each row
+    with its folders' paths. ``NotATrainingRootError`` if ``root`` is one checkpoint."""
     tiers = [("durable", as_path(root))]
     if local is not None:
         tiers.insert(0, ("local", as_path(local)))
@@ -65,6 +94,9 @@ def list_steps(
         raise CheckpointNotFoundError(
             f"no training root at {tiers[-1][1]}: the folder does not exist. Check the path."
         )
+    for _, where in tiers:
+        if where.exists() and _is_checkpoint(where):
+            raise NotATrainingRootError(where)
     rows: dict[int, dict[str, Any]] = {}
     for tier, where in tiers:
         for step, found in _entries(where).items():

@@ -44,6 +44,10 @@ class Mirror:
             self.state.mirrors[step] = group
         self._worker.submit()
 
+    def _local_step(self, step: int) -> Any:
+        assert self.retention.fast is not None
+        return self.retention.fast.step(step)
+
     def stop(self, timeout: float) -> None:
         self._worker.stop(timeout)
 
@@ -62,8 +66,8 @@ class Mirror:
                 # A mirror a killed process left may still hold its lease: wait for it to expire.
                 _copy.copy_with(
                     group,
-                    self.local / str(step),
-                    self.root / str(step),
+                    self._local_step(step),
+                    self.retention.durable.step(step),
                     overwrite=False,
                     timeout=self.timeout,
                     options=self.options,

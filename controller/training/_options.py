@@ -47,6 +47,12 @@ class CheckpointerOptions:
     """How long a mirror may take (None: ``timeout_secs``)."""
     peers: PeerTier | None = None
     """Keep steps in the slice's node memory and on peer hosts (see :class:`PeerTier`)."""
+    step_prefix: str | None = None
+    """New step folders are named ``<step_prefix>_<step>`` (Orbax's ``step_prefix``)."""
+    step_format_fixed_length: int | None = None
+    """New step folders' numbers are zero-padded to this many digits (Orbax's option of that
+    name). Neither given: new steps are named as the root's committed steps are (``<step>``
+    in an empty root)."""
 
     def __post_init__(self) -> None:
         check.instance(
@@ -72,6 +78,15 @@ class CheckpointerOptions:
         check.number(self.timeout_secs, "timeout_secs", positive=True, optional=True, expect=None)
         check.flag(self.read_only, "read_only")
         check.number(self.mirror_timeout_secs, "mirror_timeout_secs", positive=True, optional=True)
+        check.text(self.step_prefix, "step_prefix", optional=True)
+        if self.step_prefix is not None and ("." in self.step_prefix or "/" in self.step_prefix):
+            raise ValueError(
+                f"step_prefix={self.step_prefix!r} holds '.' or '/'; a step folder is named "
+                "<step_prefix>_<step>: pass a prefix without them (e.g. 'checkpoint')"
+            )
+        check.integer(
+            self.step_format_fixed_length, "step_format_fixed_length", minimum=1, optional=True
+        )
         if self.peers is not None:
             check.instance(self.peers, "peers", PeerTier, "a PeerTier(every_n_steps=..., ...)")
             if self.read_only:

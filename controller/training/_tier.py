@@ -1,9 +1,11 @@
-"""A place where a Checkpointer keeps its steps: ``<path>/<step>/`` folders, in a local folder
-or under an object-store prefix. The durable root is one; the optional local tier another.
+"""A place where a Checkpointer keeps its steps: a folder per step (``<step>``, or the names
+Orbax's step name formats give: see :mod:`._naming`), in a local folder or under an
+object-store prefix. The durable root is one; the optional local tier another.
 
 Only the primary lists and deletes. A step counts once it is committed; what an unfinished
 save or deletion left is removed only when no live process owns it (its lock, or in an object
-store its lease), so a save running in another process is never touched.
+store its lease), so a save running in another process is never touched. Only names of a
+naming the tier knows (plain, its own, its committed steps') are ever removed.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from typing import Any
 
 from milepost import _checkpoint, _storage
 from milepost import _format as fmt
-from milepost.training._errors import StepBusyError
+from milepost.training._errors import StepBusyError, StepNamingError
+from milepost.training._naming import PLAIN, StepNaming, is_leftover_name, parse, step_of
 from milepost.workers import ObjectPath
 
 log = logging.getLogger("milepost.training")
@@ -23,29 +26,37 @@ log = logging.getLogger("milepost.training")
 DELETING_SUFFIX = ".milepost-deleting"
 
 
-def is_step_name(name: str) -> bool:
-    return name.isdigit() and str(int(name)) == name
+def known_prefixes(committed: set[str], naming: StepNaming = PLAIN) -> set[str | None]:
+    """The prefixes whose folders are steps of a root holding the ``committed`` step names:
+    none (plain), ``naming``'s, and theirs."""
+    found = {p[0] for p in map(parse, committed) if p is not None}
+    return {None, naming.prefix} | found
 
 
-def is_leftover_of_step(name: str) -> bool:
-    """``<step>.orbax-checkpoint-tmp[...]`` or ``<step>.milepost-deleting``."""
-    for marker in (fmt.TMP_SUFFIX, DELETING_SUFFIX):
-        head, found, _ = name.partition(marker)
-        if found and is_step_name(head):
-            return True
-    return False
+def is_leftover_of_step(name: str, prefixes: set[str | None]) -> bool:
+    """``<step name>.orbax-checkpoint-tmp[...]`` or ``<step name>.milepost-deleting``."""
+    return is_leftover_name(name, (fmt.TMP_SUFFIX, DELETING_SUFFIX), prefixes)
+
+
+def is_step_of(name: str, prefixes: set[str | None]) -> bool:
+    found = parse(name)
+    return found is not None and found[0] in prefixes
 
 
 class Tier:
     def __init__(self, path: Path | ObjectPath, lease_secs: float) -> None:
         self.path = path
         self.lease_secs = lease_secs
+        self.naming = PLAIN
+        """How new steps are named (the Checkpointer sets it from its options or the root)."""
+        self.names: dict[int, str] = {}
+        """Committed step -> its folder's name, as last listed (a step not there: ``naming``)."""
 
     def __str__(self) -> str:
         return str(self.path)
 
     def step(self, step: int) -> Path | ObjectPath:
-        return self.path / str(step)
+        return self.path / self.names.get(step, self.naming.name(step))
 
     # -- listing ------------------------------------------------------------------------
     def open(self, read_only: bool) -> dict[int, dict[str, Any]]:
@@ -61,16 +72,36 @@ class Tier:
             self.remove_uncommitted()
         return self.scan()
 
-    def scan(self) -> dict[int, dict[str, Any]]:
-        out: dict[int, dict[str, Any]] = {}
+    def committed_names(self) -> set[str]:
+        """Names of the committed step folders (of any naming)."""
         if not self.path.exists():
-            return out
-        steps: list[Path | ObjectPath]
+            return set()
         if isinstance(self.path, Path):
-            steps = [p for p in self.path.iterdir() if is_step_name(p.name) and fmt.is_committed(p)]
-        else:
-            steps = [self.path / name for name in self.listing()[0]]
-        for p in steps:
+            return {
+                p.name
+                for p in self.path.iterdir()
+                if step_of(p.name) is not None and fmt.is_committed(p)
+            }
+        return self.listing()[0]
+
+    def scan(self) -> dict[int, dict[str, Any]]:
+        """The committed steps with their metrics; ``names`` says their folders.
+        StepNamingError if two folders hold one step."""
+        names: dict[int, str] = {}
+        for name in sorted(self.committed_names()):
+            step = step_of(name)
+            assert step is not None
+            if step in names:
+                raise StepNamingError(
+                    self.path,
+                    (names[step], name),
+                    f"step {step} is in two folders of {self.path}: {names[step]!r} and "
+                    f"{name!r}; move one of them out of the root (or delete it)",
+                )
+            names[step] = name
+        out: dict[int, dict[str, Any]] = {}
+        for step, name in names.items():
+            p = self.path / name
             try:
                 meta = (
                     fmt.read_json(
@@ -83,7 +114,8 @@ class Tier:
                 log.warning("ignoring step %s: %s", p.name, e)
                 continue
             metrics = meta.get("metrics") if isinstance(meta, dict) else None
-            out[int(p.name)] = dict(metrics) if isinstance(metrics, dict) else {}
+            out[step] = dict(metrics) if isinstance(metrics, dict) else {}
+        self.names = {step: names[step] for step in out}
         return out
 
     def listing(self) -> tuple[set[str], set[str]]:
@@ -97,13 +129,13 @@ class Tier:
         committed, folders, leased = set(), set(), set()
         for key in self.path.keys():
             head, _, rest = key.partition("/")
-            if rest and is_step_name(head):
+            if rest and step_of(head) is not None:
                 folders.add(head)
                 if rest == fmt.COMMIT_MARKER:
                     committed.add(head)
             elif not rest and head.endswith(_storage.LEASE_SUFFIX):
                 name = head.removesuffix(_storage.LEASE_SUFFIX)
-                if is_step_name(name):
+                if step_of(name) is not None:
                     leased.add(name)
         return committed, folders, leased
 
@@ -115,6 +147,9 @@ class Tier:
         busy = _checkpoint.saves_in_flight(self.path)  # saves of this process: not leftovers
         if not isinstance(self.path, Path):
             committed, folders, leased = self._listing()
+            ours = known_prefixes(committed, self.naming)
+            folders = {name for name in folders if is_step_of(name, ours)}
+            leased = {name for name in leased if is_step_of(name, ours)}
             for name in sorted(leased - folders - busy):  # a failed save's, expired: no debris
                 if _storage.remove_expired_lease(self.path / name):
                     log.info("removed the expired lease of %s", self.path / name)
@@ -127,10 +162,14 @@ class Tier:
                 else:
                     log.info("left %s alone: a live save owns it", self.path / name)
             return
+        ours = known_prefixes(self.committed_names(), self.naming)
         for p in sorted(self.path.iterdir()):
             name = p.name
             partial = (
-                is_step_name(name) and p.is_dir() and not p.is_symlink() and not fmt.is_committed(p)
+                is_step_of(name, ours)
+                and p.is_dir()
+                and not p.is_symlink()
+                and not fmt.is_committed(p)
             )
             if partial and fmt.is_foreign_unfinished(p):
                 log.warning("left %s alone: another program's save that has not finished", p)
@@ -138,11 +177,10 @@ class Tier:
             making = (
                 name.startswith(".")
                 and _storage.NEW_MARKER in name
-                and is_step_name(name[1:].partition(".")[0])
+                and is_step_of(name[1:].partition(".")[0], ours)
             )
-            if not (
-                partial or making or (is_leftover_of_step(name) and (p.is_dir() or p.is_symlink()))
-            ):
+            leftover = is_leftover_of_step(name, ours) and (p.is_dir() or p.is_symlink())
+            if not (partial or making or leftover):
                 continue
             if name.lstrip(".").partition(".")[0] in busy:
                 continue
@@ -178,6 +216,7 @@ class Tier:
                 )
             return
         if not path.exists():
+            self.names.pop(step, None)
             return
         lock = _storage.try_lock(path)
         if lock is None:
@@ -192,6 +231,7 @@ class Tier:
                 _storage.remove_tree(trash)
             os.rename(path, trash)
             _storage.remove_tree(trash)
+        self.names.pop(step, None)
 
     def _delete_objects(self, steps: list[int]) -> list[int]:
         """Object stores: delete committed steps, all at once. Under each step's lease, the
@@ -219,4 +259,6 @@ class Tier:
         finally:
             for _, workspace in owned:
                 workspace.release()
+        for step, _ in owned:
+            self.names.pop(step, None)
         return [step for step, _ in owned]
