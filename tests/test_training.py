@@ -156,6 +156,37 @@ def test_retention_policies() -> None:
         KeepBest(n=1, metric="x", mode="best")  # type: ignore[arg-type]
 
 
+def test_keep_best_by_a_function() -> None:
+    infos = [
+        StepInfo(step=1, metrics={"loss": 4.0, "acc": 0.5}),
+        StepInfo(step=2, metrics={"loss": 1.0}),  # no acc: the fn raises KeyError
+        StepInfo(step=3, metrics={"loss": 2.0, "acc": 0.9}),
+        StepInfo(step=4, metrics={"loss": 3.0, "acc": "n/a"}),  # TypeError
+        StepInfo(step=5, metrics={"loss": 0.5, "acc": float("inf")}),  # not finite
+        StepInfo(step=6, metrics={"loss": 9.0, "acc": 0.1}),
+    ]
+    gap = KeepBest(n=2, fn=lambda m: m["loss"] - m["acc"])
+    assert gap.ranked(infos) == [3, 1, 6] and gap.keep(infos) == {1, 3}
+    assert KeepBest(n=1, fn=lambda m: m["acc"] * 2, mode="max").keep(infos) == {3}
+    assert KeepBest(n=9, fn=lambda m: str(m["loss"])).keep(infos) == set()  # not a number
+    assert KeepBest(n=9, fn=lambda m: m["loss"] > 1).keep(infos) == set()  # a bool is none
+    assert KeepBest(n=1, fn=lambda m: np.float32(m["loss"])).keep(infos) == {5}
+
+    def boom(m: Any) -> float:
+        raise RuntimeError("a bug of the fn is not a missing metric")
+
+    with pytest.raises(RuntimeError, match="bug"):
+        KeepBest(n=1, fn=boom).keep(infos)
+    for both_or_neither in (
+        lambda: KeepBest(n=1, metric="loss", fn=lambda m: m["loss"]),
+        lambda: KeepBest(n=1),
+    ):
+        with pytest.raises(ValueError, match="exactly one of metric= .* and fn="):
+            both_or_neither()
+    with pytest.raises(TypeError, match="not a function"):
+        KeepBest(n=1, fn="loss")  # type: ignore[arg-type]
+
+
 # -- saving, listing, loading --------------------------------------------------------------
 
 
@@ -216,6 +247,41 @@ def test_keep_best_reads_metrics_back_and_never_drops_latest(
         again.save(4, tree(mesh24, 4), metrics={"loss": 2.0})
         again.wait()
         assert again.steps == [1, 4]  # step 1's loss was read back from its _CHECKPOINT_METADATA
+
+
+def test_keep_best_fn_and_best_step_in_a_loop(tmp_path: Path, mesh24: jax.sharding.Mesh) -> None:
+    metrics: dict[int, dict[str, float]] = {
+        0: {"loss": 5.0, "acc": 0.2},
+        1: {"loss": 1.0},  # no acc: fn raises KeyError, never among the best
+        2: {"loss": 3.0, "acc": 0.6},
+        3: {"loss": 2.0, "acc": 0.9},
+        4: {"loss": 4.0, "acc": 0.4},
+    }
+    best = KeepBest(n=2, fn=lambda m: m["acc"], mode="max")
+    with Checkpointer(tmp_path / "r", keep=best) as ckpt:
+        assert ckpt.best_step() is None  # no step yet
+        for s, m in metrics.items():
+            ckpt.save(s, tree(mesh24, s), metrics=m)
+        ckpt.wait()
+        assert ckpt.steps == [2, 3, 4] and ckpt.best_step() == 3  # 2 and 3 best, 4 the latest
+    keep = KeepUnion(KeepLatest(n=1), KeepBest(n=1, fn=lambda m: m["loss"] / m["acc"]))
+    with Checkpointer(tmp_path / "r", keep=keep) as again:  # metrics read back from disk
+        assert again.best_step() == 3  # 2.0/0.9 < 3.0/0.6 < 4.0/0.4
+        again.save(5, tree(mesh24, 5), metrics={"loss": 0.1, "acc": 0.5})
+        again.wait()
+        assert again.steps == [5] and again.best_step() == 5
+    with Checkpointer(tmp_path / "m", keep=KeepBest(n=1, metric="loss")) as low:
+        for s, loss in ((0, 3.0), (1, 1.0), (2, 2.0)):
+            low.save(s, tree(mesh24, s), metrics={"loss": loss})
+        low.wait()
+        assert low.best_step() == 1
+    with Checkpointer(tmp_path / "m", keep=KeepBest(n=1, metric="loss", mode="max")) as high:
+        assert high.best_step() == 2  # of the steps kept (1, 2), the highest loss
+    with Checkpointer(tmp_path / "m", keep=KeepBest(n=1, metric="acc")) as unscored:
+        assert unscored.best_step() is None
+    with Checkpointer(tmp_path / "m", keep=KeepLatest(n=3)) as no_best:
+        with pytest.raises(ValueError, match="keep=KeepBest"):
+            no_best.best_step()
 
 
 def test_policies_in_a_loop(

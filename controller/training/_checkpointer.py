@@ -41,7 +41,13 @@ from milepost.training._errors import (
 from milepost.training._mirror import Mirror
 from milepost.training._naming import PLAIN, StepNaming, naming_of
 from milepost.training._options import CheckpointerOptions
-from milepost.training._policies import RetentionPolicy, SaveContext, SavePolicy
+from milepost.training._policies import (
+    RetentionPolicy,
+    SaveContext,
+    SavePolicy,
+    StepInfo,
+    keep_best_in,
+)
 from milepost.training._preemption import PreemptionWatch
 from milepost.training._retention import Retention
 from milepost.training._state import StepState, check_step, plain_metrics
@@ -301,6 +307,23 @@ class Checkpointer:
         """Steps committed in ``root`` (with a local tier: the ones mirrored)."""
         with self._state.cond:
             return sorted(self._state.durable)
+
+    def best_step(self) -> int | None:
+        """The best committed step by the :class:`KeepBest` in ``keep`` (else in
+        ``local_retention``; inside a :class:`KeepUnion` too, the first one), as Orbax's
+        ``best_step()``; None when no committed step has a score. A ValueError when neither
+        policy has a KeepBest."""
+        policy = keep_best_in(self.keep) or keep_best_in(self.local_keep)
+        if policy is None:
+            raise ValueError(
+                f"best_step() ranks steps by the Checkpointer's KeepBest, and {self.root} is "
+                f"open with keep={self.keep!r}: open it with keep=KeepBest(n=..., metric=...) "
+                "(or KeepUnion(..., KeepBest(...)))"
+            )
+        with self._state.cond:
+            metrics = {**self._state.local, **self._state.durable}
+        ranked = policy.ranked([StepInfo(step=s, metrics=metrics[s]) for s in sorted(metrics)])
+        return ranked[0] if ranked else None
 
     def path(self, step: int) -> Path | ObjectPath:
         """Where ``step`` is (or would be) stored durably: ``root/<step>`` (or the folder the

@@ -7,8 +7,10 @@ Compose save policies with :class:`AnyOf` and retention policies with :class:`Ke
 
 from __future__ import annotations
 
+import math
+import numbers
 import signal
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -250,30 +252,64 @@ class KeepEvery:
 
 @dataclass(frozen=True, kw_only=True)
 class KeepBest:
-    """The ``n`` best steps by ``metric`` (saved with ``save(..., metrics={metric: value})``);
-    ``mode='min'`` keeps the smallest values. Steps without a numeric value of the metric are
-    never among the best; of equal values the newer step wins."""
+    """The ``n`` best steps by ``metric`` (saved with ``save(..., metrics={metric: value})``) or
+    by ``fn`` (a step's metrics -> its score, as Orbax's ``best_fn``); give exactly one of the
+    two. ``mode='min'`` keeps the smallest values.
+
+    Steps without a score are never among the best: with ``metric``, a step whose value of it is
+    missing, not a number, or NaN; with ``fn``, a step for which ``fn`` raises KeyError or
+    TypeError (a metric missing or of another kind) or returns anything but a finite number. Of
+    equal scores the newer step wins.
+
+    >>> KeepBest(n=3, fn=lambda m: m["accuracy"] - m["loss"], mode="max")
+    """
 
     n: int
-    metric: str
+    metric: str | None = None
+    fn: Callable[[Mapping[str, Any]], float] | None = None
     mode: Literal["min", "max"] = "min"
 
     def __post_init__(self) -> None:
         _keeps_nothing("KeepBest", self.n)
-        check.text(self.metric, "KeepBest.metric (the metric's name)", error=ValueError)
+        if (self.metric is None) == (self.fn is None):
+            raise ValueError(
+                "KeepBest needs exactly one of metric= (a metric's name, e.g. metric='loss') and "
+                "fn= (a step's metrics -> its score, e.g. fn=lambda m: m['loss']); got "
+                + ("both" if self.fn is not None else "neither")
+            )
+        if self.fn is None:
+            check.text(self.metric, "KeepBest.metric (the metric's name)", error=ValueError)
+        elif not callable(self.fn):
+            raise TypeError(
+                f"KeepBest.fn is {self.fn!r}, not a function: pass a step's metrics -> its "
+                "score, e.g. fn=lambda m: m['loss']"
+            )
         check.one_of(self.mode, "KeepBest.mode", ("min", "max"))
 
-    def keep(self, steps: Sequence[StepInfo]) -> set[int]:
-        scored = [
-            (float(v), s.step)
-            for s in steps
-            if isinstance(v := s.metrics.get(self.metric), int | float)
-            and not isinstance(v, bool)
-            and v == v
-        ]
+    def score(self, metrics: Mapping[str, Any]) -> float | None:
+        """The score of a step with these metrics (None: it has none, so it is never best)."""
+        if self.fn is None:
+            v = metrics.get(self.metric or "")
+            if isinstance(v, int | float) and not isinstance(v, bool) and v == v:
+                return float(v)
+            return None
+        try:
+            v = self.fn(metrics)
+        except (KeyError, TypeError):
+            return None
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+            return None
+        return float(v)
+
+    def ranked(self, steps: Sequence[StepInfo]) -> list[int]:
+        """The steps that have a score, best first (of equal scores, the newer first)."""
+        scored = [(v, s.step) for s in steps if (v := self.score(s.metrics)) is not None]
         sign = 1.0 if self.mode == "min" else -1.0
         scored.sort(key=lambda vs: (sign * vs[0], -vs[1]))
-        return {step for _, step in scored[: self.n]}
+        return [step for _, step in scored]
+
+    def keep(self, steps: Sequence[StepInfo]) -> set[int]:
+        return set(self.ranked(steps)[: self.n])
 
 
 @dataclass(frozen=True)
@@ -298,3 +334,14 @@ class KeepUnion:
         for p in self.policies:
             out |= set(p.keep(steps))
         return out
+
+
+def keep_best_in(policy: Any) -> KeepBest | None:
+    """The first :class:`KeepBest` inside ``policy`` (through :class:`KeepUnion`), if any."""
+    if isinstance(policy, KeepBest):
+        return policy
+    if isinstance(policy, KeepUnion):
+        for p in policy.policies:
+            if (found := keep_best_in(p)) is not None:
+                return found
+    return None
