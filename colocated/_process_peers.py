@@ -26,6 +26,7 @@ from typing import Any
 
 import jax
 
+from milepost.colocated._errors import HostError
 from milepost.colocated._hostgroup import HostGroup
 from milepost.colocated._jax_internals import reachable_address
 from milepost.colocated._mcjax import MultiControllerHostGroup
@@ -96,8 +97,8 @@ class ProcessPeers:
             if value is None:  # an agreement only (every process passes None)
                 return [None] * self.count
             return list(self.group.broadcast(f"peer-tier:{name}", values, timeout))
-        if error is not None:
-            raise error
+        if error is not None:  # one process: the same HostError many processes would raise
+            raise HostError(f"process 0 failed {name}: {type(error).__name__}: {error}") from error
         return [value]
 
     def _connect(self, timeout: float) -> None:

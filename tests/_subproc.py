@@ -38,3 +38,38 @@ def rss():
 """
 """For snippets that measure their own memory: ``hwm()`` (the peak resident set, which writing
 5 to ``/proc/self/clear_refs`` resets) and ``rss()`` (the resident set now), in bytes."""
+
+
+class Lines:
+    """The lines a child process prints, read by a thread of the test's own so that every wait
+    for one is bounded: ``next(timeout)`` fails the test (with what the child wrote to stderr)
+    instead of hanging when the child stops printing."""
+
+    def __init__(self, child: subprocess.Popen[str]) -> None:
+        import queue
+        import threading
+
+        assert child.stdout is not None
+        self._child = child
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        stdout = child.stdout
+
+        def pump() -> None:
+            for line in stdout:
+                self._lines.put(line.rstrip("\n"))
+            self._lines.put(None)
+
+        threading.Thread(target=pump, daemon=True, name="test-child-stdout").start()
+
+    def next(self, timeout: float) -> str:
+        import queue
+
+        try:
+            line = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"the child printed no line within {timeout} s") from None
+        if line is None:
+            code = self._child.wait(30)
+            err = self._child.stderr.read() if self._child.stderr is not None else ""
+            raise AssertionError(f"the child ended (exit {code}) without a line: {err[-3000:]}")
+        return line

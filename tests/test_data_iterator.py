@@ -349,6 +349,56 @@ def test_a_failed_load_leaves_the_iterator_where_it_was(tmp_path: Path) -> None:
     assert fresh.get_state() == {"seed": 0, "position": 2}
 
 
+class _ReplaceWhileLoading:
+    """A handler for the JSON checkpointable ``meta`` whose load replaces the whole checkpoint
+    folder (a copy under the same path: another folder, as an overwrite leaves), as another
+    process's overwrite would while this load runs."""
+
+    def __init__(self, path: Path, typestr: str) -> None:
+        self.path, self.typestr = path, typestr
+
+    def is_handleable(self, obj: Any) -> bool:
+        return False
+
+    def save(self, directory: Any, obj: Any, call: Any) -> None:
+        raise AssertionError("only loads")
+
+    def load(self, directory: Any, abstract: Any, call: Any) -> Any:
+        shutil.move(self.path, self.path.with_name("moved"))
+        shutil.copytree(self.path.with_name("moved"), self.path)
+        return {}
+
+    def metadata(self, directory: Any) -> Any:
+        return None
+
+
+@pytest.mark.parametrize("order", ["iterator last", "iterator first"])
+def test_a_load_that_ends_in_checkpoint_replaced_leaves_the_iterator_where_it_was(
+    tmp_path: Path, order: str
+) -> None:
+    """The checkpoint is replaced while its parts load: the load raises CheckpointReplacedError
+    and the iterator passed to it has not moved (it is restored only once the checkpoint is
+    known not to have been replaced)."""
+    it = Counter(seed=7)
+    for _ in range(5):
+        next(it)
+    path = mp.save_checkpointables(
+        tmp_path / "c", {"state": {"x": np.arange(4)}, "meta": {"k": 1}, "data_iter": it}
+    )
+    typestr = mp.metadata(path).item_handlers["meta"]
+    fresh = Counter(seed=0)
+    next(fresh)
+    wanted: dict[str, Any] = {"state": None, "meta": None, "data_iter": fresh}
+    if order == "iterator first":
+        wanted = {"data_iter": fresh, "state": None, "meta": None}
+    with mp.Context(handlers=[(_ReplaceWhileLoading(path, typestr), "meta")]):
+        with pytest.raises(mp.CheckpointReplacedError, match="replaced or deleted"):
+            mp.load_checkpointables(path, wanted)
+    assert fresh.get_state() == {"seed": 0, "position": 1}
+    got = mp.load_checkpointables(path, {"data_iter": fresh, "meta": None})
+    assert got["data_iter"] is fresh and fresh.get_state() == {"seed": 7, "position": 5}
+
+
 def test_an_iterator_that_cannot_take_the_state_is_named(tmp_path: Path) -> None:
     it = Counter(seed=7)
     path = mp.save_checkpointables(tmp_path / "c", {"state": {"x": 1}, "data_iter": it})

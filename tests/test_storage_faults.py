@@ -383,10 +383,11 @@ def test_a_checkpointer_loop_survives_a_stalled_step(
         stderr=subprocess.PIPE,
         text=True,
     )
+    lines = _subproc.Lines(child)  # every wait for the child bounded: a regression fails
     try:
-        assert child.stdout is not None and child.stdin is not None
-        first = json.loads(child.stdout.readline() or "null")
-        assert first == {"2": "TimeoutError", "steps": [0, 1]}, child.stderr.read()
+        assert child.stdin is not None
+        first = json.loads(lines.next(300))
+        assert first == {"2": "TimeoutError", "steps": [0, 1]}, first
         proxy.release()
         deadline = time.monotonic() + 60
         while rule.forwarded < rule.hits and time.monotonic() < deadline:
@@ -396,8 +397,8 @@ def test_a_checkpointer_loop_survives_a_stalled_step(
         assert any(k.startswith("run/2/") for k in bucket.keys())  # the late writes
         child.stdin.write("go\n")
         child.stdin.flush()
-        second = json.loads(child.stdout.readline() or "null")
-        assert second == {"steps": [1, 3]}, child.stderr.read()
+        second = json.loads(lines.next(300))
+        assert second == {"steps": [1, 3]}, second
         assert child.wait(60) == 0
     finally:
         child.kill()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -159,6 +160,13 @@ class DataIteratorHandler:
         return _StateWrite(directory, raw, call.group, call.options.async_.timeout_secs)
 
     def load(self, directory: Path | ObjectPath, abstract: Any, call: LoadCall) -> Any:
+        return self.prepare(directory, abstract, call)()
+
+    def prepare(
+        self, directory: Path | ObjectPath, abstract: Any, call: LoadCall
+    ) -> Callable[[], Any]:
+        """Read and check this process's state file now; the function returned restores the
+        iterator in place (the loader calls it once the whole checkpoint is known good)."""
         if not isinstance(abstract, DataIterator):
             raise TypeError(
                 f"{directory.name!r} holds a data iterator's state, restored in place: pass the "
@@ -180,15 +188,20 @@ class DataIteratorHandler:
             )
         raw = fmt.read_checked(path, WHAT)
         value = fmt.parse_json(path, raw, WHAT, user_data=True)
-        try:
-            abstract.set_state(raw if isinstance(abstract.get_state(), bytes) else value)
-        except Exception as e:
-            raise StructureMismatchError(
-                f"the iterator passed for {directory.name!r} could not take the state saved in "
-                f"{path} ({type(e).__name__}: {e}); pass an iterator of the kind that was saved "
-                "(the same dataset and pipeline). It may be left partly restored: make a new one"
-            ) from e
-        return abstract
+
+        def restore() -> Any:
+            try:
+                abstract.set_state(raw if isinstance(abstract.get_state(), bytes) else value)
+            except Exception as e:
+                raise StructureMismatchError(
+                    f"the iterator passed for {directory.name!r} could not take the state saved "
+                    f"in {path} ({type(e).__name__}: {e}); pass an iterator of the kind that was "
+                    "saved (the same dataset and pipeline). It may be left partly restored: make "
+                    "a new one"
+                ) from e
+            return abstract
+
+        return restore
 
     def metadata(self, directory: Path | ObjectPath) -> Any:
         """How many processes saved their iterator's state (one file each)."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -69,38 +69,67 @@ def load_checkpointables(
             f"checkpoint {root} has no checkpointable(s) {unknown}; it has {sorted(items)}"
         )
     call = LoadCall(options=options, group=group, partial=partial)
-    out = {}
-    try:
-        with fmt.verifying(checksums):
-            # Objects restored in place (data iterators, stateful ones) last: a part that fails
-            # to load leaves them as they were.
-            in_place = [
-                n for n, a in wanted.items() if hasattr(a, "set_state") or hasattr(a, "load")
-            ]
-            order = [n for n in wanted if n not in in_place] + in_place
-            for name in order:
-                abstract = wanted[name]
-                handler = resolve_for_load(name, items[name].handler, abstract, options.handlers)
-                folder = items[name].folder
-                _hosts.shared(
-                    group,
-                    f"check-files:{folder}",
-                    functools.partial(_check_own_files, folder, handler, checksums),
-                    timeout,
-                )
+    out: dict[str, Any] = {}
+    # Objects restored in place (data iterators, stateful objects) last, and only once every
+    # other part loaded and the checkpoint is known not to have been replaced meanwhile: a load
+    # that fails, or ends in CheckpointReplacedError, leaves them as they were.
+    in_place = [n for n, a in wanted.items() if hasattr(a, "set_state") or hasattr(a, "load")]
+    restores: list[tuple[str, Callable[[], Any], bool]] = []
+    with _replaced_on_error(root, identity), fmt.verifying(checksums):
+        for name in [n for n in wanted if n not in in_place] + in_place:
+            abstract = wanted[name]
+            handler = resolve_for_load(name, items[name].handler, abstract, options.handlers)
+            folder = items[name].folder
+            _hosts.shared(
+                group,
+                f"check-files:{folder}",
+                functools.partial(_check_own_files, folder, handler, checksums),
+                timeout,
+            )
+            if name not in in_place:
                 out[name] = handler.load(folder, abstract, call)
-    except Exception as e:
-        if _identity(root, fresh=True) != identity:  # local: the other processes may not be here
-            raise _replaced(root) from e
-        raise
-    out = {name: out[name] for name in wanted}
+            elif hasattr(handler, "prepare"):  # reads now, restores once the check passed
+                restores.append((name, handler.prepare(folder, abstract, call), False))
+            else:  # an object that reads its folder itself: after the check, checked again
+                restores.append(
+                    (name, functools.partial(handler.load, folder, abstract, call), True)
+                )
     # Every byte came from the checkpoint that was there when the load started, or it was
     # replaced (an overwrite, a deletion) meanwhile and the result may mix two: refuse it.
-    if _hosts.shared(
-        group, f"ckpt-changed:{root}", lambda: _identity(root, fresh=True) != identity, timeout
-    ):
+    _check_unchanged(group, root, identity, timeout)
+    if restores:
+        with _replaced_on_error(root, identity), fmt.verifying(checksums):
+            for name, restore, _ in restores:
+                out[name] = restore()
+        if any(reads for _, _, reads in restores):
+            _check_unchanged(group, root, identity, timeout, "after restoring in place")
+    return {name: out[name] for name in wanted}
+
+
+@contextlib.contextmanager
+def _replaced_on_error(root: Path | ObjectPath, identity: tuple[Any, ...]) -> Iterator[None]:
+    """A failure inside is CheckpointReplacedError when the checkpoint changed meanwhile (this
+    process's own look: the other processes may not be here)."""
+    try:
+        yield
+    except Exception as e:
+        if _identity(root, fresh=True) != identity:
+            raise _replaced(root) from e
+        raise
+
+
+def _check_unchanged(
+    group: Any,
+    root: Path | ObjectPath,
+    identity: tuple[Any, ...],
+    timeout: float | None,
+    when: str = "",
+) -> None:
+    def changed() -> bool:
+        return _identity(root, fresh=True) != identity
+
+    if _hosts.shared(group, f"ckpt-changed:{root}{when}", changed, timeout):
         raise _replaced(root)
-    return out
 
 
 def _check_own_files(
