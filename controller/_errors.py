@@ -7,6 +7,8 @@ here.
 
 from __future__ import annotations
 
+from typing import Any
+
 from milepost.colocated import HostError, RayNotInstalledError
 from milepost.workers import (
     CheckpointNotFoundError,
@@ -25,6 +27,7 @@ __all__ = [
     "InvalidKeyError",
     "LostWriteError",
     "RayNotInstalledError",
+    "SaveCancelledError",
     "SaveInProgressError",
     "StructureMismatchError",
     "TemporaryDirectoryRemovedError",
@@ -42,6 +45,22 @@ class CheckpointReplacedError(CheckpointNotFoundError):
 
 class SaveInProgressError(CheckpointExistsError):
     """Another save to the same path is still in flight in this process."""
+
+
+class SaveCancelledError(RuntimeError):
+    """The save to ``path`` was cancelled (``SaveHandle.cancel()``, ``Checkpointer.cancel()``)
+    before its commit: it never committed, and what it wrote was removed (its writes stopped
+    first). Raised by the cancelled handle's ``result()``; save again to write the checkpoint."""
+
+    def __init__(self, path: Any) -> None:
+        super().__init__(
+            f"the save to {path} was cancelled before its commit: nothing of it was committed, "
+            "and what it wrote was removed once its writes stopped. Save again to write it"
+        )
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.path,)
 
 
 class TemporaryDirectoryRemovedError(FileNotFoundError):

@@ -31,7 +31,7 @@ from milepost._checkpoint._calls import SaveCall, as_pending
 from milepost._checkpoint._handle import Handle
 from milepost._checkpoint._handlers import PyTreeHandler, holds_no_tree, resolve_for_save
 from milepost._checkpoint._pytree_save import PendingTree
-from milepost._errors import InvalidKeyError, SaveInProgressError
+from milepost._errors import InvalidKeyError, SaveCancelledError, SaveInProgressError
 from milepost._storage import LEASE_SUFFIX, NEW_MARKER, LocalWorkspace, ObjectWorkspace, for_path
 from milepost.colocated import HostGroup
 from milepost.workers import ObjectPath, as_path
@@ -72,7 +72,8 @@ def _wait_for_cleanup(final: Path | ObjectPath) -> None:
 class SaveHandle(Handle[Path | ObjectPath]):
     """The background part of a save. ``result()`` waits for the commit and re-raises its
     failure on your thread; ``add_done_callback(fn)`` calls ``fn(handle)`` when it ends
-    (:func:`milepost.wait_for_saves` returns only after the callbacks ran).
+    (:func:`milepost.wait_for_saves` returns only after the callbacks ran); ``cancel()`` stops
+    it before its commit, if it is not too late.
 
     >>> handle = milepost.save_async("/ckpt/200", state)
     >>> handle
@@ -85,6 +86,38 @@ class SaveHandle(Handle[Path | ObjectPath]):
     _doing = "save to"
     _moved = "written"
     _ended = "committed"
+
+    def __init__(
+        self,
+        path: Path | ObjectPath,
+        future: futures.Future[Path | ObjectPath],
+        operation: _progress.Operation | None = None,
+        cancel: Callable[[], bool] | None = None,
+    ) -> None:
+        super().__init__(path, future, operation)
+        self._cancel = cancel
+
+    def cancel(self) -> bool:
+        """Cancel the save unless its commit has begun; never waits. Returns True if it is
+        cancelled (now, or by an earlier call): it never commits, and once its writes in flight
+        stop (they are not cut short: host jobs, TensorStore and a slice's hosts finish theirs)
+        everything it wrote is removed, its temporary directory included (on an object store,
+        its objects and its lease); then :meth:`result` raises
+        :class:`~milepost.SaveCancelledError`, and the path can be saved again. Returns False
+        if it is too late, as ``concurrent.futures.Future.cancel`` does: the save has ended
+        (committed or failed, not cancelled), or it has begun to write its commit marker (then
+        it ends as it would have). A blocking ``save``'s handle has ended. With several
+        controller processes the primary's ``cancel()`` decides (every process's ``result()``
+        then raises the same error); on the others it does nothing and returns False until the
+        save ended cancelled."""
+        if self._future.done():
+            return isinstance(self._future.exception(), SaveCancelledError)
+        return self._cancel is not None and self._cancel()
+
+    def _state(self) -> str:
+        if self._future.done() and isinstance(self._future.exception(), SaveCancelledError):
+            return "cancelled: nothing of it was committed, and what it wrote was removed"
+        return super()._state()
 
 
 def check_name(name: str) -> None:
@@ -161,7 +194,7 @@ def start_save(
     if asynchronous:
         op.blocked()
         job = SAVES.submit(str(final), save.finish, save.timeout, save.stop_at_exit)
-        return SaveHandle(final, job, op)
+        return SaveHandle(final, job, op, save.cancel)
     future: futures.Future[Path | ObjectPath] = futures.Future()
     future.set_result(save.finish())
     return SaveHandle(final, future, op)
@@ -203,10 +236,14 @@ class _Save:
         """Writes still in flight when a wait ran out of time: settled in the background, and
         the workspace removed after them, so the caller hears of the timeout at once."""
         self.init_ns = 0
+        self.clean = True
+        """No write of the save failed: once they all ended, nothing of it can land later."""
         self._marking: bool | None = None
         """True once the primary is about to write the commit marker (the save commits, or
-        fails), False once an interpreter exit abandoned it before then (it never writes the
-        marker); whichever comes first holds."""
+        fails), False once an interpreter exit or :meth:`cancel` abandoned it before then (it
+        never writes the marker); whichever comes first holds."""
+        self._cancelled = False
+        """It was abandoned by :meth:`cancel` (``_marking`` is False)."""
         self._marking_lock = threading.Lock()
 
     @property
@@ -279,6 +316,8 @@ class _Save:
             done = 0
             deadline = time.monotonic() + timeout  # one timeout for all of the parts
             try:
+                # Cancelled meanwhile or not, every write is waited for: none may land after the
+                # workspace is removed, or it would recreate it.
                 for part in self.pending:
                     part.wait(max(0.0, deadline - time.monotonic()))
                     done += 1
@@ -289,6 +328,11 @@ class _Save:
                 # A write that failed because the workspace was removed from outside says so.
                 own = isinstance(self.pending[done], PendingTree)  # milepost's own tree
                 failure = self.workspace.explain(e, own) if self.prepared else e
+                self.clean = False
+            if failure is not None and self._cancelled:  # what cancel() promised
+                cancelled = SaveCancelledError(final)
+                cancelled.__cause__ = failure
+                failure = cancelled
             # The primary commits, or reports why not; every process gets the same outcome.
             agree(group, f"commit:{final}", failure, timeout, then=self.commit)
         except BaseException:
@@ -310,13 +354,26 @@ class _Save:
             marking = self._marking
         return "its commit marker is being written" if marking else None
 
+    def cancel(self) -> bool:
+        """Abandon the save unless it has begun to write its commit marker (see
+        :meth:`SaveHandle.cancel`): True if it is abandoned by this call or an earlier one."""
+        if not self.group.is_primary():
+            return False
+        with self._marking_lock:
+            if self._marking is None:
+                self._marking = False
+                self._cancelled = True
+            return self._cancelled
+
     def _mark(self) -> None:
         """Right before the commit marker: from here the save commits (or fails), unless an
-        interpreter exit abandoned it first."""
+        interpreter exit or :meth:`cancel` abandoned it first."""
         with self._marking_lock:
             if self._marking is None:
                 self._marking = True
             marking = self._marking
+        if not marking and self._cancelled:
+            raise SaveCancelledError(self.final)
         if not marking:
             raise InterruptedError(
                 f"the save to {self.final} was abandoned as the interpreter exited, before its "
@@ -324,7 +381,7 @@ class _Save:
             )
 
     def commit(self) -> None:
-        if self._marking is False:  # abandoned at exit: no checksums for a commit never made
+        if self._marking is False:  # abandoned: no checksums for a commit never made
             self._mark()
         try:
             commit(
@@ -370,7 +427,12 @@ class _Save:
         self.prepared = False
         error = sys.exc_info()[1]
         if not self.unsettled:
-            left = self.workspace.abandon()
+            # A cancelled save whose every write ended as it should leaves nothing (its lease
+            # included); another failure may leave writes the storage applies late, and so may
+            # the other processes of a multi-controller job.
+            clean = self._cancelled and self.clean
+            clean = clean and _hosts.controller_process(self.group)[1] == 1
+            left = self.workspace.abandon(clean=clean)
             if left is not None and error is not None:
                 error.add_note(left)
             return

@@ -229,7 +229,9 @@ class LocalWorkspace:
             ) from e
         raise self._removed(problem, "right after the rename, which was undone")
 
-    def abandon(self) -> None:
+    def abandon(self, clean: bool = False) -> None:
+        """Remove the temporary directory (``clean``: every write into it ended; alike here,
+        since a late write is taken care of by the directory's lock)."""
         if self.lock is not None:
             if self.intact is None or self.intact.holds(self.dir):
                 _ownership.remove_tree(self.dir)
@@ -487,12 +489,14 @@ class ObjectWorkspace:
     def publish(self) -> None:
         self.release()
 
-    def abandon(self) -> str | None:
+    def abandon(self, clean: bool = False) -> str | None:
         """A failed save: remove what it wrote, and leave its lease behind, expired. A write
         the storage applies after the save gave up on it (a request it answered too late)
         then lands under a lease of a save that is gone: the next save of the path takes the
-        lease over and removes it, instead of refusing objects no save owns. Returns what was
-        left where, for the save's error."""
+        lease over and removes it, instead of refusing objects no save owns. ``clean`` (a
+        cancelled save whose every write ended as it should: none can land late): the lease
+        is removed too, once what it wrote is. Returns what was left where, for the save's
+        error."""
         left = None
         if self.lease is not None and self._lost is None:
             left = (
@@ -508,7 +512,11 @@ class ObjectWorkspace:
                     "the next save of the path takes it over and removes them."
                 )
                 log.warning("%s", left)
-            self._expire()
+                clean = False
+            if clean:  # nothing can land late: release() removes the lease as well
+                left = None
+            else:
+                self._expire()
         self.release()
         return left
 

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from milepost import _api, _checkpoint, _hosts, _options, _views
+from milepost._errors import SaveCancelledError
 from milepost.colocated import HostGroup, Slice
 from milepost.training._errors import (
     BackgroundSaveError,
@@ -480,6 +481,38 @@ class Checkpointer:
             self.wait()
         return True
 
+    def cancel(self, step: int | None = None) -> list[int]:
+        """Cancel the saves in flight whose commit has not begun (``step``: only that step's);
+        never waits. Returns the steps cancelled, in order (empty if there was none, or each
+        had begun its commit and goes on).
+
+        A cancelled step never commits: once its writes in flight stop, everything it wrote is
+        removed (see :meth:`milepost.SaveHandle.cancel`); it is never in :attr:`steps`,
+        retention never counts it, and it is no failure (no later call raises for it). Saves
+        whose commit has begun, mirrors and retention go on. :meth:`wait` waits until the
+        cancelled saves have removed what they wrote; the next save waits for them as for any
+        save in flight (``max_in_flight``), and may save a cancelled step again. With several
+        controller processes it is collective: the primary decides, and every process gets
+        its answer."""
+        if step is not None:
+            step = check_step(step)
+        self._check_open()
+        state = self._state
+
+        def on_primary() -> list[int]:
+            with state.cond:
+                handles = [
+                    (s, h)
+                    for s, h in sorted(state.in_flight.items())
+                    if h is not None and (step is None or s == step)
+                ]
+            return [s for s, h in handles if h.cancel()]
+
+        cancelled = self._shared("cancel", on_primary)
+        if cancelled and self._primary:
+            log.info("cancelled the saves of steps %s in %s", cancelled, self.root)
+        return cancelled
+
     def _check_free(self, step: int) -> None:
         if step in self._state.in_flight:
             raise StepExistsError(
@@ -500,6 +533,12 @@ class Checkpointer:
         state = self._state
         try:
             handle.result(0)
+        except SaveCancelledError:
+            log.info("the save of step %s was cancelled; what it wrote is removed", step)
+            with state.cond:
+                state.in_flight.pop(step, None)
+                state.cond.notify_all()
+            return
         except BaseException as e:
             log.error("the save of step %s failed: %s: %s", step, type(e).__name__, e)
             with state.cond:
