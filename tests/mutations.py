@@ -155,6 +155,19 @@ MUTATIONS = (
         ),
     ),
     Mutation(
+        name="cancel-still-commits",
+        promise="a cancelled save never commits, and nothing of it is left",
+        edits=(
+            (
+                "controller/_checkpoint/_save.py",
+                "            if self._marking is None:\n                self._marking = False\n"
+                "                self._cancelled = True\n",
+                "            if self._marking is None:\n                self._cancelled = True\n",
+            ),
+        ),
+        tests=("tests/test_cancel.py",),
+    ),
+    Mutation(
         name="iterator-restored-before-the-check",
         promise="a load that fails or meets a replaced checkpoint leaves the iterator as it was",
         edits=(
