@@ -122,7 +122,7 @@ def _check_unchanged(
     group: Any,
     root: Path | ObjectPath,
     identity: tuple[Any, ...],
-    timeout: float | None,
+    timeout: float,
     when: str = "",
 ) -> None:
     def changed() -> bool:

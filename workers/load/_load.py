@@ -10,6 +10,7 @@ as many far-apart parts of that order at once as threads read: :func:`._direct.s
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -53,23 +54,72 @@ def load(plan: LoadPlan, process_index: int | str = 0) -> tuple[list[Any], LoadA
 def _load(
     plan: LoadPlan, process_index: int | str, broadcasts: Broadcasts
 ) -> tuple[list[Any], LoadAck]:
+    """The phases of a host's load, in order: open every array while the B-tree is walked,
+    choose the read order, plan each array's pieces, read them within the memory budget,
+    assemble."""
     _check_device_dtypes(plan.tasks)
+    opened = _open(plan)
+    order = _order(plan, opened.locator, broadcasts)
+    results: list[Any] = [None] * len(plan.tasks)
+    assemblers = _assemblers(plan, order, results, broadcasts)
+    sizes = [
+        [math.prod(b - a for a, b in box) * asm.dtype.itemsize for _, box in asm.pieces]
+        for asm in assemblers
+    ]
+    reader = BudgetedReader(
+        plan.memory_budget_bytes,
+        plan.store.directory,
+        opened.locator,
+        sum(map(sum, sizes)),
+        sum(map(len, sizes)),
+        direct=opened.direct,
+    )
+    try:
+        _read(plan, opened, order, assemblers, sizes, reader, broadcasts)
+    finally:
+        reader.close()
+    for asm in assemblers:
+        asm.finish()
+    for i, task in enumerate(plan.tasks):
+        if task.random_key_impl is not None:
+            results[i] = _keys.from_data(results[i], task.random_key_impl)
+    return results, LoadAck(
+        process_index=process_index, bytes_read=reader.bytes_read, arrays=len(results)
+    )
+
+
+@dataclasses.dataclass
+class _Opened:
+    """Every array opened, and what is known of where its chunks lie."""
+
+    stores: list[Any]
+    metadatas: list[Any]
+    locator: _locator.Locator | None
+    """The B-tree walk's answers (None when neither direct reads nor checksum tables need it)."""
+    direct: bool
+    """Pieces are read straight from the local data files."""
+    layouts: list[ShardLayout | None]
+    tables: ChunkTables | None
+
+
+def _open(plan: LoadPlan) -> _Opened:
+    """Open every array with TensorStore while the OCDBT B-tree is walked for the files its
+    chunks lie in (needed for direct reads, and to find each chunk's writer for its checksum
+    table: no check is skipped for want of the walk)."""
     opens = _start_opens(plan)
     direct = plan.direct_reads and is_local(plan.store.directory)  # straight from local files only
-    # The chunks' writers (for their checksum tables) are found by the same walk.
     tabled = any(t.chunk_tables for t in plan.tasks)
     locator = _locator.Locator(plan.store) if direct or tabled else None
     walk_failed: Exception | None = None
     if locator is not None:
-        # Walk the B-tree while TensorStore opens the arrays (every array's chunks: which of
-        # them can be read directly is known once they are open).
+        # Every array's chunks: which of them can be read directly is known once they are open.
         try:
             locator.index([t.name for t in plan.tasks if t.tensor is None])
         except Exception as e:  # (a damaged database: the opens below report it, or the walk again)
             walk_failed = e
             locator = _locator.Locator(plan.store)
     stores = _finish_opens(plan, opens)
-    if walk_failed is not None and tabled:  # (no check may be skipped for want of the walk)
+    if walk_failed is not None and tabled:
         if isinstance(walk_failed, CorruptCheckpointError):
             raise walk_failed
         raise CorruptCheckpointError(
@@ -78,7 +128,6 @@ def _load(
             "checkpoint.",
             path=plan.store.directory,
         ) from walk_failed
-    tables = ChunkTables(plan.store) if tabled else None
     metadatas = [tsu.zarr_metadata(s) if s is not None else None for s in stores]
     layouts: list[ShardLayout | None] = [None] * len(stores)
     if locator is not None and direct:
@@ -90,13 +139,27 @@ def _load(
             locator.index([layout.name for layout in layouts if layout is not None])
         else:
             direct = False
-    results: list[Any] = [None] * len(plan.tasks)
-    assemblers: list[Assembler] = []
-    waiting: list[
-        Assembler
-    ] = []  # broadcast arrays whose collectives run once their reads are done
-    # Arrays of the same shape and sharding (the layers of a model) share one device layout.
-    layouts_seen: dict[Any, Any] = {}
+    tables = ChunkTables(plan.store) if tabled else None
+    return _Opened(stores, metadatas, locator, direct, layouts, tables)
+
+
+def _order(plan: LoadPlan, locator: _locator.Locator | None, broadcasts: Broadcasts) -> list[int]:
+    """The arrays in the order their data lies in the files (front to back, file by file), so
+    the reads of neighbouring arrays are sequential (and coalesce) instead of jumping around
+    each file in tree order. Collectives (load-and-broadcast) keep plan order."""
+    order = list(range(len(plan.tasks)))
+    if locator is not None and not broadcasts.pending:
+        unknown = ("", -1)
+        order.sort(key=lambda i: locator.first_location(plan.tasks[i].name) or unknown)
+    return order
+
+
+def _assemblers(
+    plan: LoadPlan, order: list[int], results: list[Any], broadcasts: Broadcasts
+) -> list[Assembler]:
+    """Per array, in read order, what assembles it from its pieces (one per distinct box this
+    host's devices hold) into ``results``."""
+    layouts_seen: dict[Any, Any] = {}  # the layers of a model share one device layout
 
     def boxes_of(sharding: Any, shape: tuple[int, ...]) -> Any:
         try:
@@ -107,13 +170,7 @@ def _load(
             found = layouts_seen[sharding, shape] = addressable_boxes(sharding, shape)
             return found
 
-    order = list(range(len(plan.tasks)))
-    if locator is not None and not broadcasts.pending:
-        # Read the arrays in the order their data lies in the files (front to back, file by
-        # file), so the reads of neighbouring arrays are sequential (and coalesce) instead of
-        # jumping around each file in tree order. Collectives (load-and-broadcast) keep plan order.
-        unknown = ("", -1)
-        order.sort(key=lambda i: locator.first_location(plan.tasks[i].name) or unknown)
+    assemblers: list[Assembler] = []
     for i in order:
         task = plan.tasks[i]
         if task.sharding is None:
@@ -129,19 +186,26 @@ def _load(
                 pieces, _ = addressable_boxes(sharding, task.shape, readers)
                 asm = BroadcastAssembler(task, sharding, results, i, pieces, broadcasts)
         assemblers.append(asm)
-    sizes = [
-        [math.prod(b - a for a, b in box) * asm.dtype.itemsize for _, box in asm.pieces]
-        for asm in assemblers
+    return assemblers
+
+
+def _read(
+    plan: LoadPlan,
+    opened: _Opened,
+    order: list[int],
+    assemblers: list[Assembler],
+    sizes: list[list[int]],
+    reader: BudgetedReader,
+    broadcasts: Broadcasts,
+) -> None:
+    """Issue every piece's read and wait for them all. With load-and-broadcast, array by array
+    in plan order, the collectives of the arrays before one running while its reads are in
+    flight; otherwise in the units :func:`_read_order` makes, each a boundary of the reader."""
+    stores, layouts = opened.stores, opened.layouts
+    checks = [
+        _checked(plan.tasks[i], stores[i], opened.metadatas[i], opened.tables, opened.locator)
+        for i in order
     ]
-    reader = BudgetedReader(
-        plan.memory_budget_bytes,
-        plan.store.directory,
-        locator,
-        sum(map(sum, sizes)),
-        sum(map(len, sizes)),
-        direct=direct,
-    )
-    checks = [_checked(plan.tasks[i], stores[i], metadatas[i], tables, locator) for i in order]
 
     def issue(k: int, pieces: Sequence[int]) -> None:
         """Issue the reads of pieces ``pieces`` of the ``k``-th array in read order."""
@@ -154,32 +218,20 @@ def _load(
             devices, box = asm.pieces[p]
             reader.read(stores[i], layouts[i], box, asm, devices, checks[k])
 
-    try:
-        if broadcasts.pending:
-            for k, asm in enumerate(assemblers):
-                issue(k, range(len(asm.pieces)))
-                # The collectives of the arrays before this one run while its reads are in
-                # flight.
-                for earlier in waiting:
-                    reader.complete(earlier)
-                    earlier.finish()
-                waiting = [asm] if isinstance(asm, BroadcastAssembler) else []
-        else:
-            for unit in _read_order(plan, order, assemblers, sizes, layouts, reader):
-                for k, p in unit:
-                    issue(k, [p])
-                reader.boundary()
-        reader.drain()
-    finally:
-        reader.close()
-    for asm in assemblers:
-        asm.finish()
-    for i, task in enumerate(plan.tasks):
-        if task.random_key_impl is not None:
-            results[i] = _keys.from_data(results[i], task.random_key_impl)
-    return results, LoadAck(
-        process_index=process_index, bytes_read=reader.bytes_read, arrays=len(results)
-    )
+    if broadcasts.pending:
+        waiting: list[Assembler] = []  # broadcast arrays whose collectives run after their reads
+        for k, asm in enumerate(assemblers):
+            issue(k, range(len(asm.pieces)))
+            for earlier in waiting:
+                reader.complete(earlier)
+                earlier.finish()
+            waiting = [asm] if isinstance(asm, BroadcastAssembler) else []
+    else:
+        for unit in _read_order(plan, order, assemblers, sizes, layouts, reader):
+            for k, p in unit:
+                issue(k, [p])
+            reader.boundary()
+    reader.drain()
 
 
 def _read_order(

@@ -182,110 +182,119 @@ def box_reads(layout: ShardLayout, box: Box, whole_chunks: bool = False) -> list
     """
     if not box or any(b <= a for a, b in box):
         return None
-    shape = layout.shard_shape
-    chunk = layout.chunk
-    itemsize = layout.dtype.itemsize
-    chunk_nbytes = math.prod(chunk) * itemsize
-    sep = layout.separator
-    per_shard = tuple(s // c for s, c in zip(shape, chunk, strict=True))
-    chunks = math.prod(per_shard)
+    shape, chunk = layout.shard_shape, layout.chunk
     if all(a % s == 0 and b - a == s for (a, b), s in zip(box, shape, strict=True)) and (
         not layout.chunk_shape or _contiguous([(0, c) for c in chunk], shape)
     ):
-        # exactly one saved shard (the usual case) of one chunk, or of chunks that lie one after
-        # another in it (row bands): each whole chunk into its range of the box
-        grid = tuple(a // s for (a, _), s in zip(box, shape, strict=True))
-        key = layout.name + "/c" + "".join(sep + str(g) for g in grid)
-        if not layout.chunk_shape:
-            return [
-                BoxRead(
-                    key=key,
-                    offset_in_chunk=0,
-                    chunk_nbytes=chunk_nbytes,
-                    offset_in_box=0,
-                    nbytes=chunk_nbytes,
-                    grid=grid,
-                )
-            ]
-        first = [g * k for g, k in zip(grid, per_shard, strict=True)]
-        return [
-            BoxRead(
-                key=key,
-                offset_in_chunk=0,
-                chunk_nbytes=chunk_nbytes,
-                offset_in_box=i * chunk_nbytes,
-                nbytes=chunk_nbytes,
-                grid=tuple(f + j for f, j in zip(first, inner, strict=True)),
-                chunk=i,
-                chunks=chunks,
-            )
-            for i, inner in enumerate(itertools.product(*(range(k) for k in per_shard)))
-        ]
-    box_shape = tuple(b - a for a, b in box)
+        return _one_shard(layout, box)
     spans = [range(a // c, (b - 1) // c + 1) for (a, b), c in zip(box, chunk, strict=True)]
     if math.prod(len(r) for r in spans) > _MAX_PIECES:
         return None
     pieces = []
     for grid in itertools.product(*spans):
-        if (
-            whole_chunks
-            and layout.shape
-            and any((g + 1) * c > n for g, c, n in zip(grid, chunk, layout.shape, strict=True))
-        ):
+        piece = _piece(layout, box, grid, whole_chunks)
+        if piece is None:
             return None
-        # the piece: box ∩ chunk, in global coordinates
-        piece = [
-            (max(a, g * c), min(b, (g + 1) * c))
-            for (a, b), g, c in zip(box, grid, chunk, strict=True)
-        ]
-        in_chunk = tuple(
-            (a - g * c, b - g * c) for (a, b), g, c in zip(piece, grid, chunk, strict=True)
-        )
-        in_box = tuple((a - ba, b - ba) for (a, b), (ba, _) in zip(piece, box, strict=True))
-        shard_grid = [g // k for g, k in zip(grid, per_shard, strict=True)]
-        position = _offset([(g % k, 0) for g, k in zip(grid, per_shard, strict=True)], per_shard)
-        nbytes = math.prod(b - a for a, b in piece) * itemsize
-        whole = all(r == (0, c) for r, c in zip(in_chunk, chunk, strict=True))
-        key = layout.name + "/c" + "".join(sep + str(g) for g in shard_grid)
-        if _contiguous(in_chunk, chunk) and (whole or not whole_chunks):
-            offset_in_chunk = _offset(in_chunk, chunk) * itemsize
-            if _contiguous(in_box, box_shape):
-                pieces.append(
-                    BoxRead(
-                        key=key,
-                        offset_in_chunk=offset_in_chunk,
-                        chunk_nbytes=chunk_nbytes,
-                        offset_in_box=_offset(in_box, box_shape) * itemsize,
-                        nbytes=nbytes,
-                        grid=tuple(grid),
-                        chunk=position,
-                        chunks=chunks,
-                    )
-                )
-                continue
-            read_shape = tuple(b - a for a, b in in_chunk)
-            within = None
-        else:  # the whole chunk, of which the box keeps a part
-            offset_in_chunk, read_shape, within = 0, chunk, in_chunk
-        full = within or tuple((0, n) for n in read_shape)
-        pieces.append(
+        pieces.append(piece)
+    return pieces
+
+
+def _one_shard(layout: ShardLayout, box: Box) -> list[BoxRead]:
+    """Exactly one saved shard (the usual case) of one chunk, or of chunks that lie one after
+    another in it (row bands): each whole chunk into its range of the box."""
+    shape, chunk = layout.shard_shape, layout.chunk
+    chunk_nbytes = math.prod(chunk) * layout.dtype.itemsize
+    per_shard = tuple(s // c for s, c in zip(shape, chunk, strict=True))
+    grid = tuple(a // s for (a, _), s in zip(box, shape, strict=True))
+    key = layout.name + "/c" + "".join(layout.separator + str(g) for g in grid)
+    if not layout.chunk_shape:
+        return [
             BoxRead(
+                key=key,
+                offset_in_chunk=0,
+                chunk_nbytes=chunk_nbytes,
+                offset_in_box=0,
+                nbytes=chunk_nbytes,
+                grid=grid,
+            )
+        ]
+    first = [g * k for g, k in zip(grid, per_shard, strict=True)]
+    return [
+        BoxRead(
+            key=key,
+            offset_in_chunk=0,
+            chunk_nbytes=chunk_nbytes,
+            offset_in_box=i * chunk_nbytes,
+            nbytes=chunk_nbytes,
+            grid=tuple(f + j for f, j in zip(first, inner, strict=True)),
+            chunk=i,
+            chunks=math.prod(per_shard),
+        )
+        for i, inner in enumerate(itertools.product(*(range(k) for k in per_shard)))
+    ]
+
+
+def _piece(
+    layout: ShardLayout, box: Box, grid: tuple[int, ...], whole_chunks: bool
+) -> BoxRead | None:
+    """The read of the inner chunk at ``grid`` for ``box``: the range the box needs when that is
+    one range of the chunk (and ``whole_chunks`` allows it), else the whole chunk with the box's
+    part placed; None when the chunk must be read whole but reaches past the array's edge."""
+    chunk, itemsize = layout.chunk, layout.dtype.itemsize
+    if (
+        whole_chunks
+        and layout.shape
+        and any((g + 1) * c > n for g, c, n in zip(grid, chunk, layout.shape, strict=True))
+    ):
+        return None
+    chunk_nbytes = math.prod(chunk) * itemsize
+    per_shard = tuple(s // c for s, c in zip(layout.shard_shape, chunk, strict=True))
+    box_shape = tuple(b - a for a, b in box)
+    # the piece: box ∩ chunk, in global coordinates
+    piece = [
+        (max(a, g * c), min(b, (g + 1) * c)) for (a, b), g, c in zip(box, grid, chunk, strict=True)
+    ]
+    in_chunk = tuple(
+        (a - g * c, b - g * c) for (a, b), g, c in zip(piece, grid, chunk, strict=True)
+    )
+    in_box = tuple((a - ba, b - ba) for (a, b), (ba, _) in zip(piece, box, strict=True))
+    shard_grid = [g // k for g, k in zip(grid, per_shard, strict=True)]
+    position = _offset([(g % k, 0) for g, k in zip(grid, per_shard, strict=True)], per_shard)
+    nbytes = math.prod(b - a for a, b in piece) * itemsize
+    whole = all(r == (0, c) for r, c in zip(in_chunk, chunk, strict=True))
+    key = layout.name + "/c" + "".join(layout.separator + str(g) for g in shard_grid)
+    if _contiguous(in_chunk, chunk) and (whole or not whole_chunks):
+        offset_in_chunk = _offset(in_chunk, chunk) * itemsize
+        if _contiguous(in_box, box_shape):
+            return BoxRead(
                 key=key,
                 offset_in_chunk=offset_in_chunk,
                 chunk_nbytes=chunk_nbytes,
+                offset_in_box=_offset(in_box, box_shape) * itemsize,
                 nbytes=nbytes,
                 grid=tuple(grid),
-                scatter=in_box,
                 chunk=position,
-                chunks=chunks,
-                read_nbytes=math.prod(read_shape) * itemsize,
-                read_shape=read_shape,
-                within=within,
-                in_place=_run_bytes(full, read_shape, in_box, box_shape, itemsize)
-                >= _IN_PLACE_RUN_BYTES,
+                chunks=math.prod(per_shard),
             )
-        )
-    return pieces
+        read_shape = tuple(b - a for a, b in in_chunk)
+        within = None
+    else:  # the whole chunk, of which the box keeps a part
+        offset_in_chunk, read_shape, within = 0, chunk, in_chunk
+    full = within or tuple((0, n) for n in read_shape)
+    return BoxRead(
+        key=key,
+        offset_in_chunk=offset_in_chunk,
+        chunk_nbytes=chunk_nbytes,
+        nbytes=nbytes,
+        grid=tuple(grid),
+        scatter=in_box,
+        chunk=position,
+        chunks=math.prod(per_shard),
+        read_nbytes=math.prod(read_shape) * itemsize,
+        read_shape=read_shape,
+        within=within,
+        in_place=_run_bytes(full, read_shape, in_box, box_shape, itemsize) >= _IN_PLACE_RUN_BYTES,
+    )
 
 
 def _contiguous(sub: Sequence[tuple[int, int]], shape: tuple[int, ...]) -> bool:
