@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from milepost import _api, _checkpoint, _hosts, _options, _views
+from milepost import _format as fmt
 from milepost.colocated import HostGroup, Slice
 from milepost.training._errors import (
     BackgroundSaveError,
@@ -45,11 +46,10 @@ from milepost.training._policies import (
     RetentionPolicy,
     SaveContext,
     SavePolicy,
-    StepInfo,
     keep_best_in,
 )
 from milepost.training._preemption import PreemptionWatch
-from milepost.training._retention import Retention
+from milepost.training._retention import Retention, step_infos
 from milepost.training._state import StepState, check_step, plain_metrics
 from milepost.training._tier import Tier
 from milepost.training.peers import PeerTier, PeerTierRunner, Recovery
@@ -59,9 +59,15 @@ log = logging.getLogger("milepost.training")
 
 T = TypeVar("T")
 _Listing = tuple[
-    dict[int, dict[str, Any]], dict[int, dict[str, Any]], dict[int, str], dict[int, str], Any
+    dict[int, dict[str, Any]],
+    dict[int, dict[str, Any]],
+    dict[int, str],
+    dict[int, str],
+    Any,
+    dict[int, int],
 ]
-"""What the primary lists: each tier's steps (metrics), their folders' names, and the naming."""
+"""What the primary lists: each tier's steps (metrics), their folders' names, the naming, and
+the steps' commit times."""
 STATE = "state"
 DATA_ITER = "data_iter"
 
@@ -271,11 +277,13 @@ class Checkpointer:
                 f"known: pass step_prefix= and step_format_fixed_length= (the latest step's "
                 f"naming: {latest}), or open it with read_only=True",
             )
-        return durable, fast, self._durable.names, local_names, (naming.prefix, naming.fixed_length)
+        times = {**(self._fast.times if self._fast is not None else {}), **self._durable.times}
+        naming_ = (naming.prefix, naming.fixed_length)
+        return durable, fast, self._durable.names, local_names, naming_, times
 
     def _adopt(self, listing: _Listing) -> None:
         """The primary's listing, in this process: the steps, their folders, the naming."""
-        durable, fast, durable_names, local_names, (prefix, length) = listing
+        durable, fast, durable_names, local_names, (prefix, length), times = listing
         for tier, names in ((self._durable, durable_names), (self._fast, local_names)):
             if tier is not None:
                 tier.names = {int(k): str(v) for k, v in names.items()}
@@ -283,6 +291,7 @@ class Checkpointer:
         with self._state.cond:
             self._state.durable = {int(k): dict(v) for k, v in durable.items()}
             self._state.local = {int(k): dict(v) for k, v in fast.items()}
+            self._state.times = {int(k): int(v) for k, v in times.items()}
 
     def reload(self) -> None:
         """Wait for saves in flight, then list the root again (steps written by another job)."""
@@ -322,7 +331,8 @@ class Checkpointer:
             )
         with self._state.cond:
             metrics = {**self._state.local, **self._state.durable}
-        ranked = policy.ranked([StepInfo(step=s, metrics=metrics[s]) for s in sorted(metrics)])
+            times = dict(self._state.times)
+        ranked = policy.ranked(step_infos(metrics, times))
         return ranked[0] if ranked else None
 
     def path(self, step: int) -> Path | ObjectPath:
@@ -499,7 +509,7 @@ class Checkpointer:
         failure for the next call to raise, and ask for retention (and its mirror)."""
         state = self._state
         try:
-            handle.result(0)
+            where = handle.result(0)
         except BaseException as e:
             log.error("the save of step %s failed: %s: %s", step, type(e).__name__, e)
             with state.cond:
@@ -513,7 +523,9 @@ class Checkpointer:
             )
         else:
             log.info("saved step %s to %s%s", step, self.root, shown)
+        committed_ns = _commit_time(where)
         with state.cond:  # one change: committed, its mirror and retention asked for
+            state.times[step] = committed_ns
             if self._mirror is not None:
                 state.local[step] = metrics
                 self._mirror.request(step, group)
@@ -552,6 +564,8 @@ class Checkpointer:
                         with state.cond:
                             steps.pop(step, None)
                             state.unmirrored.discard(step)
+                with state.cond:
+                    state.times.pop(step, None)
 
         self._shared(f"delete:{step}", on_primary)
         if self._primary:
@@ -560,6 +574,7 @@ class Checkpointer:
             with state.cond:
                 state.durable.pop(step, None)
                 state.local.pop(step, None)
+                state.times.pop(step, None)
 
     # -- loading ------------------------------------------------------------------------
     def _protect(self, step: int | None) -> int:
@@ -863,3 +878,18 @@ class Checkpointer:
     def _repr_html_(self) -> str:
         title, columns, rows = self._table()
         return _views.html_table(columns, rows, title=title)
+
+
+def _commit_time(step: Path | ObjectPath) -> int:
+    """The commit time the committed ``step``'s metadata records (nanoseconds since the epoch);
+    where it cannot be read (a local tier of another host), this process's clock now, a moment
+    after the commit."""
+    try:
+        meta = fmt.read_json(step / fmt.CHECKPOINT_METADATA, "checkpoint metadata", user_data=True)
+        stamp = meta.get("commit_timestamp_nsecs") if isinstance(meta, dict) else None
+    except (OSError, ValueError) as e:
+        log.debug("the commit time of %s is not readable (%s); using the clock", step, e)
+        stamp = None
+    if isinstance(stamp, int) and not isinstance(stamp, bool):
+        return stamp
+    return time.time_ns()
