@@ -7,6 +7,7 @@
 
 from milepost import safetensors, training
 from milepost._api import (
+    delete_checkpointable,
     load,
     load_async,
     load_checkpointables,
@@ -33,6 +34,7 @@ from milepost._checkpoint import (
 )
 from milepost._copy import CopyReport, copy
 from milepost._errors import (
+    CheckpointableNotFoundError,
     CheckpointExistsError,
     CheckpointNotFoundError,
     CheckpointReplacedError,
@@ -40,6 +42,7 @@ from milepost._errors import (
     HostError,
     HostMemoryError,
     InvalidKeyError,
+    LastCheckpointableError,
     LostWriteError,
     RayNotInstalledError,
     SaveInProgressError,
@@ -63,6 +66,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointReplacedError",
     "CheckpointableHandler",
+    "CheckpointableNotFoundError",
     "Context",
     "CopyReport",
     "CorruptCheckpointError",
@@ -74,6 +78,7 @@ __all__ = [
     "InvalidKeyError",
     "IoStats",
     "JsonHandler",
+    "LastCheckpointableError",
     "LeafMetadata",
     "LoadHandle",
     "LoadOptions",
@@ -97,6 +102,7 @@ __all__ = [
     "VerifyReport",
     "configure_storage",
     "copy",
+    "delete_checkpointable",
     "io_stats",
     "load",
     "load_async",

@@ -576,6 +576,45 @@ class Checkpointer:
                 state.local.pop(step, None)
                 state.times.pop(step, None)
 
+    def delete_checkpointable(self, step: int, name: str) -> None:
+        """Delete the checkpointable ``name`` of the committed ``step`` (e.g. its
+        ``"data_iter"``), in every tier that holds the step, as
+        :func:`milepost.delete_checkpointable` does: atomically, the rest of the step loading
+        and verifying as before.
+
+        ``CheckpointableNotFoundError`` lists the checkpointables the step has;
+        ``LastCheckpointableError`` says to ``delete(step)`` instead; ``StepBusyError`` while
+        the step is being saved, mirrored or loaded; ``PermissionError`` when read-only."""
+        step = check_step(step)
+        self._check_writable("delete checkpointables")
+        state = self._state
+        state.raise_failure()
+
+        def on_primary() -> None:
+            with self._retention.lock:  # retention deletes no step meanwhile
+                with state.cond:
+                    self._check_idle(step, "deleting a checkpointable of it")
+                    held = ((state.local, self._fast), (state.durable, self._durable))
+                    tiers = [t for steps, t in held if t is not None and step in steps]
+                for tier in tiers:
+                    _checkpoint.drop_checkpointable(tier.step(step), name)
+
+        self._shared(f"delete-checkpointable:{step}:{name}", on_primary)
+        log.info("deleted the checkpointable %r of step %s of %s", name, step, self.root)
+
+    def _check_idle(self, step: int, doing: str) -> None:
+        """StepBusyError unless the committed ``step`` is free (hold ``state.cond``);
+        StepNotFoundError unless it is committed."""
+        state = self._state
+        if step in state.in_flight or step in state.mirrors:
+            raise StepBusyError(f"step {step} is being saved or mirrored; wait() before {doing}")
+        if state.loading[step]:
+            raise StepBusyError(f"step {step} is being loaded; try {doing} after the load returns")
+        if step not in state.committed():
+            raise StepNotFoundError(
+                f"no committed step {step} in {self.root} (steps: {sorted(state.committed())})"
+            )
+
     # -- loading ------------------------------------------------------------------------
     def _protect(self, step: int | None) -> int:
         """Resolve ``step`` (None: the latest) on the primary and keep retention away from it
