@@ -55,11 +55,18 @@ from milepost._options import AsyncOptions, Context, LoadOptions, ProgressOption
 from milepost._tree import PLACEHOLDER
 from milepost._verify import VerifyReport, verify
 from milepost.colocated import AbstractArray, RemoteArray, Slice, SliceOptions
-from milepost.workers import PendingWrite, ShardingSpec, StorageOptions, configure_storage
+from milepost.workers import (
+    AdaptiveStagingBudget,
+    PendingWrite,
+    ShardingSpec,
+    StorageOptions,
+    configure_storage,
+)
 
 __all__ = [
     "PLACEHOLDER",
     "AbstractArray",
+    "AdaptiveStagingBudget",
     "AsyncOptions",
     "CheckpointExistsError",
     "CheckpointMetadata",
