@@ -203,8 +203,8 @@ class RetentionPolicy(Protocol):
     """Which committed steps to keep: after each commit (and mirror) a Checkpointer asks
     ``keep(steps)`` on a background thread and deletes the others, on the primary process.
 
-    Implement it for a rule of your own; it sees each step's number and the metrics saved with
-    it. Whatever it answers, the Checkpointer never deletes the latest step, a step being saved,
+    Implement it for a rule of your own; it sees each step's number, the metrics saved with it
+    and its commit time. Whatever it answers, the Checkpointer never deletes the latest step, a step being saved,
     loaded or mirrored, or the only copy of a step still to reach the durable root. Combine
     policies with :class:`KeepUnion`.
 
