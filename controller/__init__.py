@@ -7,6 +7,7 @@
 
 from milepost import safetensors, training
 from milepost._api import (
+    delete_checkpointable,
     load,
     load_async,
     load_checkpointables,
@@ -33,6 +34,7 @@ from milepost._checkpoint import (
 )
 from milepost._copy import CopyReport, copy
 from milepost._errors import (
+    CheckpointableNotFoundError,
     CheckpointExistsError,
     CheckpointNotFoundError,
     CheckpointReplacedError,
@@ -40,6 +42,7 @@ from milepost._errors import (
     HostError,
     HostMemoryError,
     InvalidKeyError,
+    LastCheckpointableError,
     LostWriteError,
     RayNotInstalledError,
     SaveCancelledError,
@@ -53,17 +56,25 @@ from milepost._options import AsyncOptions, Context, LoadOptions, ProgressOption
 from milepost._tree import PLACEHOLDER
 from milepost._verify import VerifyReport, verify
 from milepost.colocated import AbstractArray, RemoteArray, Slice, SliceOptions
-from milepost.workers import PendingWrite, ShardingSpec, StorageOptions, configure_storage
+from milepost.workers import (
+    AdaptiveStagingBudget,
+    PendingWrite,
+    ShardingSpec,
+    StorageOptions,
+    configure_storage,
+)
 
 __all__ = [
     "PLACEHOLDER",
     "AbstractArray",
+    "AdaptiveStagingBudget",
     "AsyncOptions",
     "CheckpointExistsError",
     "CheckpointMetadata",
     "CheckpointNotFoundError",
     "CheckpointReplacedError",
     "CheckpointableHandler",
+    "CheckpointableNotFoundError",
     "Context",
     "CopyReport",
     "CorruptCheckpointError",
@@ -75,6 +86,7 @@ __all__ = [
     "InvalidKeyError",
     "IoStats",
     "JsonHandler",
+    "LastCheckpointableError",
     "LeafMetadata",
     "LoadHandle",
     "LoadOptions",
@@ -99,6 +111,7 @@ __all__ = [
     "VerifyReport",
     "configure_storage",
     "copy",
+    "delete_checkpointable",
     "io_stats",
     "load",
     "load_async",

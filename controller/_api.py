@@ -167,6 +167,24 @@ def _primary() -> bool:
     return _hosts.host_group_for([]).is_primary()
 
 
+def delete_checkpointable(path: PathLike, name: str) -> None:
+    """Delete the checkpointable ``name`` (e.g. ``"dataset"``) of the committed checkpoint at
+    ``path``, atomically: a reader sees the checkpoint with it or without it, never in between;
+    the rest still loads, and verifies, exactly as before. Timestamps, metrics and custom
+    metadata are kept.
+
+    Its files go; the others are hard-linked into a new folder swapped in with one rename
+    (copied where hard links cannot be made). Raises :class:`CheckpointableNotFoundError` (its
+    message lists the checkpointables there are), :class:`LastCheckpointableError` for the
+    only one (delete the checkpoint instead), :class:`CheckpointExistsError` while a save of
+    the path (or a deletion of it) holds it, and ``NotImplementedError`` on an object store.
+    With several controller processes, call it in every process; the primary does it.
+
+    >>> milepost.delete_checkpointable("/ckpt/300", "dataset")
+    """
+    _checkpoint.delete_checkpointable(path, name)
+
+
 def load_checkpointables(
     path: PathLike, checkpointables: Mapping[str, Any] | None = None, *, partial: bool = False
 ) -> dict[str, Any]:

@@ -21,10 +21,12 @@ __all__ = [
     "CheckpointExistsError",
     "CheckpointNotFoundError",
     "CheckpointReplacedError",
+    "CheckpointableNotFoundError",
     "CorruptCheckpointError",
     "HostError",
     "HostMemoryError",
     "InvalidKeyError",
+    "LastCheckpointableError",
     "LostWriteError",
     "RayNotInstalledError",
     "SaveCancelledError",
@@ -83,3 +85,33 @@ class UnsupportedLeafError(TypeError):
 
 class InvalidKeyError(ValueError):
     """A tree key cannot be used as a storage name."""
+
+
+class CheckpointableNotFoundError(KeyError):
+    """The checkpoint has no checkpointable of that name; ``names`` are the ones it has."""
+
+    def __init__(self, path: object, name: str, names: tuple[str, ...], message: str) -> None:
+        super().__init__(message)
+        self.path = str(path)
+        self.name = name
+        self.names = names
+        self.message = message
+
+    def __str__(self) -> str:  # not KeyError's repr of the message
+        return self.message
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return type(self), (self.path, self.name, self.names, self.message)
+
+
+class LastCheckpointableError(ValueError):
+    """Deleting the checkpointable would leave the checkpoint with none (or the checkpoint
+    records no checkpointables to delete one of): delete the checkpoint, or the step."""
+
+    def __init__(self, path: object, name: str, message: str) -> None:
+        super().__init__(message)
+        self.path = str(path)
+        self.name = name
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return type(self), (self.path, self.name, str(self))

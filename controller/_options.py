@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from milepost.workers import check
+from milepost.workers import AdaptiveStagingBudget, check
 
 AUTO_WRITERS = 4
 """The most OCDBT databases a host writes under ``ocdbt_writers_per_host="auto"``."""
@@ -110,6 +110,12 @@ class SaveOptions:
     returns once the last copy is done. Plain ``save`` stages nothing (on accelerators it
     copies each shard to host memory to write it, with no budget)."""
 
+    adaptive_staging: AdaptiveStagingBudget | None = None
+    """A host staging budget that adapts to the saves, instead of the fixed
+    ``host_staging_budget_bytes`` (give one of the two): each host's next save of a
+    checkpointable stages within ``headroom`` times the most bytes its last one held in staging,
+    within ``[min_bytes, max_bytes]`` (see :class:`~milepost.AdaptiveStagingBudget`)."""
+
     device_staging: Literal["auto", "pinned_host", "host_copy"] = "auto"
     """How shards in accelerator memory reach host memory to be written. Each region a host
     writes is copied into host memory of milepost's own (a replicated shard split among its
@@ -138,6 +144,18 @@ class SaveOptions:
             minimum=0,
             optional=True,
         )
+        if self.adaptive_staging is not None:
+            check.instance(
+                self.adaptive_staging,
+                "SaveOptions.adaptive_staging",
+                AdaptiveStagingBudget,
+                "an AdaptiveStagingBudget or None",
+            )
+            if self.host_staging_budget_bytes is not None:
+                raise ValueError(
+                    "SaveOptions has both host_staging_budget_bytes (a fixed budget) and "
+                    "adaptive_staging (one that adapts); give one of the two"
+                )
         check.seconds(self.lease_secs, "SaveOptions.lease_secs")
         check.seconds(self.wait_for_writer_secs, "SaveOptions.wait_for_writer_secs", zero=True)
         check.flag(self.replica_parallel, "SaveOptions.replica_parallel")

@@ -574,12 +574,14 @@ class Follower(LocalHostGroup):
 def test_a_non_primary_process_takes_the_primarys_listing_and_decisions(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    listing = ({5: {"loss": 1.0}, 10: {}}, {}, {5: "5", 10: "checkpoint_10"}, {}, ("run", 4))
+    names = {5: "5", 10: "checkpoint_10"}
+    listing = ({5: {"loss": 1.0}, 10: {}}, {}, names, {}, ("run", 4), {5: 1_000_000})
     group = Follower({"open": (True, listing), "should-save": (True, (True, True))})
     monkeypatch.setattr(_dispatch, "_default_group", lambda: group)
     root = tmp_path / "r"
     with Checkpointer(root, save_policy=FixedInterval(interval=1000)) as ckpt:
         assert ckpt.steps == [5, 10] and ckpt.latest == 10
+        assert ckpt._state.times == {5: 1_000_000}  # commit times, for KeepRecent
         assert ckpt.path(10) == root / "checkpoint_10" and ckpt.path(11) == root / "run_0011"
         assert not root.exists(), "only the primary lists and creates the root"
         assert (

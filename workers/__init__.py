@@ -76,6 +76,7 @@ from milepost.workers._safetensors import Tensor, numpy_dtype
 from milepost.workers._safetensors import header_bytes as safetensors_header
 from milepost.workers._safetensors import read_header as read_safetensors_header
 from milepost.workers._sharding import ShardingSpec
+from milepost.workers._staging_budget import AdaptiveStagingBudget
 from milepost.workers._tensorstore import (
     PROCESS_PREFIX,
     ZARR3_DTYPES,
@@ -130,6 +131,7 @@ __all__ = [
     "SAFETENSORS_INDEX",
     "STORAGE_ENV_VARS",
     "ZARR3_DTYPES",
+    "AdaptiveStagingBudget",
     "ArraySpec",
     "BoxPlan",
     "CheckpointNotFoundError",

@@ -80,9 +80,9 @@ def number(
         or (positive and value <= 0)
         or (minimum is not None and value < minimum)
     ):
-        bound = "positive and finite" if positive else f"a finite number >= {minimum:g}"
-        if minimum is None and not positive:
-            bound = "finite"
+        bound = "positive and finite" if positive else "finite"
+        if minimum is not None and not positive:
+            bound = f"a finite number >= {minimum:g}"
         _fail(what, value, expect or bound, ValueError, error)
     return value
 

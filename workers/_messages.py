@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from milepost.workers._keys import key_words
 from milepost.workers._safetensors import Tensor
 from milepost.workers._sharding import ShardingSpec
+from milepost.workers._staging_budget import AdaptiveStagingBudget
 
 _TOKEN = re.compile(r"[0-9a-f]{8}")
 
@@ -102,6 +103,9 @@ class SavePlan:
     staging_budget_bytes: int | None = None
     """With ``copy``: copy at most this many bytes; write the other regions from the caller's
     memory and return only once they are durable (None: copy every region)."""
+    adaptive_staging: AdaptiveStagingBudget | None = None
+    """With ``copy``: the budget is the one this host's earlier saves of the checkpointable
+    lead to (``staging_budget_bytes`` is then not used)."""
     timeout_secs: float | None = None
     """The staging's writes that it waits for (array creations, regions not copied) must be
     durable within this (a :class:`TimeoutError` naming them otherwise; None: no limit)."""

@@ -4,6 +4,7 @@ checkpointable handlers, and the pytree checkpointable (its save plan and its lo
 from milepost._checkpoint._background import LOADS, SAVES, wait_for_saves
 from milepost._checkpoint._calls import Deferred, LoadCall, SaveCall, as_pending
 from milepost._checkpoint._data_iterator import DataIterator, DataIteratorHandler
+from milepost._checkpoint._drop import delete_checkpointable, drop_checkpointable
 from milepost._checkpoint._handlers import (
     CheckpointableHandler,
     JsonHandler,
@@ -78,7 +79,9 @@ __all__ = [
     "as_pending",
     "auto_chunk_shape",
     "concrete_sharding",
+    "delete_checkpointable",
     "device_boxes",
+    "drop_checkpointable",
     "finish_tree",
     "header_shape_dtype",
     "host_array_spec",

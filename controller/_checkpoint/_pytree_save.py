@@ -319,6 +319,7 @@ def stage_tree(
                 first_writer=first_writer,
                 writers=_options.writers_for(planned.options, host_bytes[p]),
                 staging_budget_bytes=planned.options.host_staging_budget_bytes,
+                adaptive_staging=planned.options.adaptive_staging,
                 device_staging=planned.options.device_staging,
                 timeout_secs=timeout,
             )
@@ -336,6 +337,7 @@ def stage_tree(
                 writers=_options.writers_for(planned.options, own_bytes),
                 first_writer=first_writer,
                 staging_budget_bytes=planned.options.host_staging_budget_bytes,
+                adaptive_staging=planned.options.adaptive_staging,
                 device_staging=planned.options.device_staging,
                 timeout_secs=timeout,
             )

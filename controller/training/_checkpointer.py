@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from milepost import _api, _checkpoint, _hosts, _options, _views
+from milepost import _format as fmt
 from milepost._errors import SaveCancelledError
 from milepost.colocated import HostGroup, Slice
 from milepost.training._errors import (
@@ -46,11 +47,10 @@ from milepost.training._policies import (
     RetentionPolicy,
     SaveContext,
     SavePolicy,
-    StepInfo,
     keep_best_in,
 )
 from milepost.training._preemption import PreemptionWatch
-from milepost.training._retention import Retention
+from milepost.training._retention import Retention, step_infos
 from milepost.training._state import StepState, check_step, plain_metrics
 from milepost.training._tier import Tier
 from milepost.training.peers import PeerTier, PeerTierRunner, Recovery
@@ -60,9 +60,15 @@ log = logging.getLogger("milepost.training")
 
 T = TypeVar("T")
 _Listing = tuple[
-    dict[int, dict[str, Any]], dict[int, dict[str, Any]], dict[int, str], dict[int, str], Any
+    dict[int, dict[str, Any]],
+    dict[int, dict[str, Any]],
+    dict[int, str],
+    dict[int, str],
+    Any,
+    dict[int, int],
 ]
-"""What the primary lists: each tier's steps (metrics), their folders' names, and the naming."""
+"""What the primary lists: each tier's steps (metrics), their folders' names, the naming, and
+the steps' commit times."""
 STATE = "state"
 DATA_ITER = "data_iter"
 
@@ -272,11 +278,13 @@ class Checkpointer:
                 f"known: pass step_prefix= and step_format_fixed_length= (the latest step's "
                 f"naming: {latest}), or open it with read_only=True",
             )
-        return durable, fast, self._durable.names, local_names, (naming.prefix, naming.fixed_length)
+        times = {**(self._fast.times if self._fast is not None else {}), **self._durable.times}
+        naming_ = (naming.prefix, naming.fixed_length)
+        return durable, fast, self._durable.names, local_names, naming_, times
 
     def _adopt(self, listing: _Listing) -> None:
         """The primary's listing, in this process: the steps, their folders, the naming."""
-        durable, fast, durable_names, local_names, (prefix, length) = listing
+        durable, fast, durable_names, local_names, (prefix, length), times = listing
         for tier, names in ((self._durable, durable_names), (self._fast, local_names)):
             if tier is not None:
                 tier.names = {int(k): str(v) for k, v in names.items()}
@@ -284,6 +292,7 @@ class Checkpointer:
         with self._state.cond:
             self._state.durable = {int(k): dict(v) for k, v in durable.items()}
             self._state.local = {int(k): dict(v) for k, v in fast.items()}
+            self._state.times = {int(k): int(v) for k, v in times.items()}
 
     def reload(self) -> None:
         """Wait for saves in flight, then list the root again (steps written by another job)."""
@@ -323,7 +332,8 @@ class Checkpointer:
             )
         with self._state.cond:
             metrics = {**self._state.local, **self._state.durable}
-        ranked = policy.ranked([StepInfo(step=s, metrics=metrics[s]) for s in sorted(metrics)])
+            times = dict(self._state.times)
+        ranked = policy.ranked(step_infos(metrics, times))
         return ranked[0] if ranked else None
 
     def path(self, step: int) -> Path | ObjectPath:
@@ -532,7 +542,7 @@ class Checkpointer:
         failure for the next call to raise, and ask for retention (and its mirror)."""
         state = self._state
         try:
-            handle.result(0)
+            where = handle.result(0)
         except SaveCancelledError:
             log.info("the save of step %s was cancelled; what it wrote is removed", step)
             with state.cond:
@@ -552,7 +562,9 @@ class Checkpointer:
             )
         else:
             log.info("saved step %s to %s%s", step, self.root, shown)
+        committed_ns = _commit_time(where)
         with state.cond:  # one change: committed, its mirror and retention asked for
+            state.times[step] = committed_ns
             if self._mirror is not None:
                 state.local[step] = metrics
                 self._mirror.request(step, group)
@@ -591,6 +603,8 @@ class Checkpointer:
                         with state.cond:
                             steps.pop(step, None)
                             state.unmirrored.discard(step)
+                with state.cond:
+                    state.times.pop(step, None)
 
         self._shared(f"delete:{step}", on_primary)
         if self._primary:
@@ -599,6 +613,46 @@ class Checkpointer:
             with state.cond:
                 state.durable.pop(step, None)
                 state.local.pop(step, None)
+                state.times.pop(step, None)
+
+    def delete_checkpointable(self, step: int, name: str) -> None:
+        """Delete the checkpointable ``name`` of the committed ``step`` (e.g. its
+        ``"data_iter"``), in every tier that holds the step, as
+        :func:`milepost.delete_checkpointable` does: atomically, the rest of the step loading
+        and verifying as before.
+
+        ``CheckpointableNotFoundError`` lists the checkpointables the step has;
+        ``LastCheckpointableError`` says to ``delete(step)`` instead; ``StepBusyError`` while
+        the step is being saved, mirrored or loaded; ``PermissionError`` when read-only."""
+        step = check_step(step)
+        self._check_writable("delete checkpointables")
+        state = self._state
+        state.raise_failure()
+
+        def on_primary() -> None:
+            with self._retention.lock:  # retention deletes no step meanwhile
+                with state.cond:
+                    self._check_idle(step, "deleting a checkpointable of it")
+                    held = ((state.local, self._fast), (state.durable, self._durable))
+                    tiers = [t for steps, t in held if t is not None and step in steps]
+                for tier in tiers:
+                    _checkpoint.drop_checkpointable(tier.step(step), name)
+
+        self._shared(f"delete-checkpointable:{step}:{name}", on_primary)
+        log.info("deleted the checkpointable %r of step %s of %s", name, step, self.root)
+
+    def _check_idle(self, step: int, doing: str) -> None:
+        """StepBusyError unless the committed ``step`` is free (hold ``state.cond``);
+        StepNotFoundError unless it is committed."""
+        state = self._state
+        if step in state.in_flight or step in state.mirrors:
+            raise StepBusyError(f"step {step} is being saved or mirrored; wait() before {doing}")
+        if state.loading[step]:
+            raise StepBusyError(f"step {step} is being loaded; try {doing} after the load returns")
+        if step not in state.committed():
+            raise StepNotFoundError(
+                f"no committed step {step} in {self.root} (steps: {sorted(state.committed())})"
+            )
 
     # -- loading ------------------------------------------------------------------------
     def _protect(self, step: int | None) -> int:
@@ -902,3 +956,18 @@ class Checkpointer:
     def _repr_html_(self) -> str:
         title, columns, rows = self._table()
         return _views.html_table(columns, rows, title=title)
+
+
+def _commit_time(step: Path | ObjectPath) -> int:
+    """The commit time the committed ``step``'s metadata records (nanoseconds since the epoch);
+    where it cannot be read (a local tier of another host), this process's clock now, a moment
+    after the commit."""
+    try:
+        meta = fmt.read_json(step / fmt.CHECKPOINT_METADATA, "checkpoint metadata", user_data=True)
+        stamp = meta.get("commit_timestamp_nsecs") if isinstance(meta, dict) else None
+    except (OSError, ValueError) as e:
+        log.debug("the commit time of %s is not readable (%s); using the clock", step, e)
+        stamp = None
+    if isinstance(stamp, int) and not isinstance(stamp, bool):
+        return stamp
+    return time.time_ns()

@@ -7,6 +7,7 @@ Compose save policies with :class:`AnyOf` and retention policies with :class:`Ke
 
 from __future__ import annotations
 
+import datetime
 import math
 import numbers
 import signal
@@ -192,6 +193,9 @@ class StepInfo:
 
     step: int
     metrics: Mapping[str, Any] = field(default_factory=dict)
+    time: datetime.datetime | None = None
+    """When the step was committed (its ``_CHECKPOINT_METADATA``'s ``commit_timestamp_nsecs``,
+    in UTC; Orbax's ``time``); None when its metadata records no commit time."""
 
 
 @runtime_checkable
@@ -199,10 +203,10 @@ class RetentionPolicy(Protocol):
     """Which committed steps to keep: after each commit (and mirror) a Checkpointer asks
     ``keep(steps)`` on a background thread and deletes the others, on the primary process.
 
-    Implement it for a rule of your own; it sees each step's number and the metrics saved with
-    it. Whatever it answers, the Checkpointer never deletes the latest step, a step being saved,
-    loaded or mirrored, or the only copy of a step still to reach the durable root. Combine
-    policies with :class:`KeepUnion`.
+    Implement it for a rule of your own; it sees each step's number, the metrics saved with it
+    and its commit time. Whatever it answers, the Checkpointer never deletes the latest step, a
+    step being saved, loaded or mirrored, or the only copy of a step still to reach the durable
+    root. Combine policies with :class:`KeepUnion`.
 
     >>> @dataclasses.dataclass(frozen=True)
     ... class KeepFirst:
@@ -310,6 +314,62 @@ class KeepBest:
 
     def keep(self, steps: Sequence[StepInfo]) -> set[int]:
         return set(self.ranked(steps)[: self.n])
+
+
+def _utc_now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.UTC)
+
+
+@dataclass(frozen=True, kw_only=True)
+class KeepRecent:
+    """The steps committed within the last ``duration`` (a ``datetime.timedelta``, or a number
+    of seconds), as Orbax's ``LatestDuration``: the oldest step whose commit time (its
+    metadata's ``commit_timestamp_nsecs``: :attr:`StepInfo.time`) is at most ``duration`` ago,
+    and every step after it (a newer step without a recorded time too).
+
+    Retention runs after each commit, so a step ages out at the first commit after it is
+    older than ``duration``; the latest step is always kept. Compose it with
+    :class:`KeepUnion` (``KeepUnion(KeepRecent(duration=timedelta(days=1)),
+    KeepEvery(n=10_000))``).
+
+    >>> KeepRecent(duration=datetime.timedelta(hours=24))
+    """
+
+    duration: datetime.timedelta
+    """How far back to keep (seconds given are turned into a timedelta)."""
+    _clock: Callable[[], datetime.datetime] = field(default=_utc_now, repr=False, compare=False)
+
+    def __init__(
+        self,
+        *,
+        duration: datetime.timedelta | float,
+        _clock: Callable[[], datetime.datetime] = _utc_now,
+    ) -> None:
+        if isinstance(duration, datetime.timedelta):
+            window = duration
+        else:
+            seconds = check.number(
+                duration,
+                "KeepRecent.duration",
+                positive=True,
+                error=ValueError,
+                expect="a positive datetime.timedelta or number of seconds",
+            )
+            window = datetime.timedelta(seconds=seconds)
+        if window <= datetime.timedelta(0):
+            raise ValueError(
+                f"KeepRecent.duration must be positive (less would keep only the latest step), "
+                f"got {duration!r}; e.g. duration=datetime.timedelta(hours=24)"
+            )
+        object.__setattr__(self, "duration", window)
+        object.__setattr__(self, "_clock", _clock)
+
+    def keep(self, steps: Sequence[StepInfo]) -> set[int]:
+        now = self._clock()
+        for i, s in enumerate(steps):
+            if s.time is not None and now - s.time <= self.duration:
+                return {t.step for t in steps[i:]}
+        return set()
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ the only copy of a step that is still to reach the durable root."""
 
 from __future__ import annotations
 
+import datetime
 import logging
 import threading
 from collections.abc import Mapping
@@ -17,9 +18,31 @@ from milepost.training._worker import Worker
 log = logging.getLogger("milepost.training")
 
 
-def doomed(policy: RetentionPolicy, steps: Mapping[int, Any], spared: set[int]) -> list[int]:
+EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
+
+
+def utc_time(nsecs: int) -> datetime.datetime:
+    """Nanoseconds since the epoch as a UTC datetime (to the microsecond, truncated)."""
+    return EPOCH + datetime.timedelta(microseconds=nsecs // 1000)
+
+
+def step_infos(steps: Mapping[int, Any], times: Mapping[int, int]) -> list[StepInfo]:
+    """``steps`` (step -> metrics) as a policy sees them, oldest first, with their commit
+    times (``times``: step -> nanoseconds since the epoch)."""
+    return [
+        StepInfo(step=s, metrics=steps[s], time=utc_time(times[s]) if s in times else None)
+        for s in sorted(steps)
+    ]
+
+
+def doomed(
+    policy: RetentionPolicy,
+    steps: Mapping[int, Any],
+    spared: set[int],
+    times: Mapping[int, int] | None = None,
+) -> list[int]:
     """The steps ``policy`` lets go, but the latest and ``spared``."""
-    infos = [StepInfo(step=s, metrics=steps[s]) for s in sorted(steps)]
+    infos = step_infos(steps, times or {})
     if not infos:
         return []
     wanted = set(policy.keep(infos))
@@ -70,23 +93,29 @@ class Retention:
             with self.lock:
                 with state.cond:
                     busy = set(state.in_flight) | set(state.loading) | set(state.mirrors)
-                    gone = doomed(self.keep, state.durable, busy)
+                    gone = doomed(self.keep, state.durable, busy, state.times)
                     # The local tier keeps every step not yet durable: rotation must never
                     # delete the only copy that is to reach root.
                     durable = set(state.durable) | (
                         set(state.local) - set(state.mirrors) - state.unmirrored
                     )
                     gone_local = doomed(
-                        self.local_keep, state.local, busy | (set(state.local) - durable)
+                        self.local_keep,
+                        state.local,
+                        busy | (set(state.local) - durable),
+                        state.times,
                     )
-                    letting_go = doomed(self.keep, state.durable, set()) + doomed(
-                        self.local_keep, state.local, set()
+                    letting_go = doomed(self.keep, state.durable, set(), state.times) + doomed(
+                        self.local_keep, state.local, set(), state.times
                     )
                     state.gc_deferred = any(s in state.loading for s in letting_go)
                     for s in gone:
                         del state.durable[s]
                     for s in gone_local:
                         del state.local[s]
+                    for s in set(gone) | set(gone_local):
+                        if s not in state.committed():
+                            state.times.pop(s, None)
                 if not self.primary:
                     return
                 for tier, steps in ((self.durable, gone), (self.fast, gone_local)):

@@ -50,6 +50,9 @@ class StepState:
         """Committed steps in root (durable), with their metrics."""
         self.local: dict[int, Metrics] = {}
         """Committed steps in the local tier."""
+        self.times: dict[int, int] = {}
+        """Committed step -> its commit time (its metadata's ``commit_timestamp_nsecs``; one
+        step's copies in both tiers share it). A step without one is not there."""
         self.in_flight: dict[int, Any] = {}
         """Steps being saved: their handles (None while the save is starting)."""
         self.mirrors: dict[int, Any] = {}

@@ -51,6 +51,8 @@ class Tier:
         """How new steps are named (the Checkpointer sets it from its options or the root)."""
         self.names: dict[int, str] = {}
         """Committed step -> its folder's name, as last listed (a step not there: ``naming``)."""
+        self.times: dict[int, int] = {}
+        """Committed step -> its commit time (``commit_timestamp_nsecs``), as last listed."""
 
     def __str__(self) -> str:
         return str(self.path)
@@ -100,6 +102,7 @@ class Tier:
                 )
             names[step] = name
         out: dict[int, dict[str, Any]] = {}
+        times: dict[int, int] = {}
         for step, name in names.items():
             p = self.path / name
             try:
@@ -115,7 +118,11 @@ class Tier:
                 continue
             metrics = meta.get("metrics") if isinstance(meta, dict) else None
             out[step] = dict(metrics) if isinstance(metrics, dict) else {}
+            stamp = meta.get("commit_timestamp_nsecs") if isinstance(meta, dict) else None
+            if isinstance(stamp, int) and not isinstance(stamp, bool):
+                times[step] = stamp
         self.names = {step: names[step] for step in out}
+        self.times = times
         return out
 
     def listing(self) -> tuple[set[str], set[str]]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -23,7 +23,7 @@ from milepost.workers._boxes import box_to_slices
 from milepost.workers._errors import from_tensorstore
 from milepost.workers._memory import on_copy_pool, parallel_copy
 from milepost.workers._messages import ArraySpec, Region, SavePlan, SaveTask
-from milepost.workers.save import _device, _packed, _staging
+from milepost.workers.save import _adaptive, _device, _packed, _staging
 from milepost.workers.save._pending import PendingSave
 
 
@@ -32,8 +32,15 @@ def start_save(plan: SavePlan, sources: Sequence[Any]) -> PendingSave:
 
     With ``plan.copy`` the return means every region's bytes are in host buffers of our own, so
     the caller may delete, donate or overwrite its arrays. Without it TensorStore references the
-    caller's memory until :meth:`PendingSave.wait` returns.
+    caller's memory until :meth:`PendingSave.wait` returns. With ``plan.adaptive_staging`` the
+    budget is the one this host's earlier saves of the checkpointable lead to, and this save's
+    peak sets the next one's.
     """
+    adaptive = plan.adaptive_staging if plan.copy else None
+    name = plan.store.directory.rstrip("/").rpartition("/")[2]
+    if adaptive is not None:
+        bound = _adaptive.REGULATOR.bound(adaptive, name, plan.process_index)
+        plan = replace(plan, staging_budget_bytes=bound)
     context = tsu.new_context(plan.store.directory)
     tasks = [t for t in plan.tasks if t.regions or t.create]
     parts = _split_among_writers(tasks, plan.writers if plan.store.use_ocdbt else 1)
@@ -56,7 +63,7 @@ def start_save(plan: SavePlan, sources: Sequence[Any]) -> PendingSave:
         )
         opens.append(_Opening(spec, create, context, pending, database))
     try:
-        _issue_writes(plan, sources, parts, opens, pending)
+        held = _issue_writes(plan, sources, parts, opens, pending)
     except BaseException as e:
         if isinstance(e, TimeoutError) and not str(e):  # the deadline: settled by the caller
             raise pending.staging_timeout() from None
@@ -65,6 +72,8 @@ def start_save(plan: SavePlan, sources: Sequence[Any]) -> PendingSave:
         if mapped is e:
             raise
         raise mapped from e
+    if adaptive is not None:
+        _adaptive.REGULATOR.record(adaptive, name, plan.process_index, held)
     return pending
 
 
@@ -186,12 +195,15 @@ def _issue_writes(
     parts: list[_Part],
     opens: list[_Opening],
     pending: PendingSave,
-) -> None:
+) -> int:
     """Issue every region's write. Regions that may be the caller's memory are first copied
     into staging buffers of our own (with ``plan.copy``); with a staging budget, the regions
     beyond it are written from the caller's memory instead, and waited for here. Regions in
     accelerator memory are copied to host memory of our own (:mod:`._device`), all copies
-    started before any wait, each written as soon as it is in host memory."""
+    started before any wait, each written as soon as it is in host memory.
+
+    Returns the most bytes held in staging at once, under a budget: the staged and packed
+    copies (held until durable) and the device copies' peak (0 without a budget)."""
     regions = _sort_regions(plan, sources, parts, opens)
     write = _writer(pending)
     # The device copies start first (the packed ones, small, before the others): every copy
@@ -227,6 +239,10 @@ def _issue_writes(
         pending.packing(regions.packer, on_copy_pool(regions.packer.write), _progress.counter())
     for future in waits:
         future.result(timeout=pending.staging_left())
+    budget = plan.staging_budget_bytes if plan.copy else None
+    if budget is None or regions.room is None:
+        return 0
+    return budget - regions.room + regions.transfers.peak_bytes
 
 
 def _sort_regions(
