@@ -176,120 +176,145 @@ _MAX_ID = 2**62
 def read_compact_shardings(raw: Any, path: Path | ObjectPath) -> dict[str, ShardingSpec]:
     """The shardings of :func:`compact_shardings`'s form (``raw``, as read from ``path``); any
     entry that is not of that form is a :class:`CorruptCheckpointError` saying which and why."""
-
-    def bad(what: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(
-            f'{path} records the arrays\' shardings ("shardings") in a form milepost cannot '
-            f"use: {what}; the checkpoint is damaged or crafted, and nothing was loaded from it. "
-            "Load an earlier checkpoint."
-        )
-
-    def integer(value: Any, what: str, minimum: int) -> int:
-        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-            raise bad(
-                f"{what} is {workers.declared.shown(value)}, not an integer of at least {minimum}"
-            )
-        if value > _MAX_ID:
-            raise bad(f"{what} is {workers.declared.shown(value)}, more than {_MAX_ID}")
-        return value
-
-    def strings(value: Any, what: str) -> tuple[str, ...]:
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise bad(f"{what} is {_shown(value)}, not a list of strings")
-        return tuple(value)
-
+    read = _CompactReader(path)
     if not isinstance(raw, dict):
-        raise bad(f"it is a {type(raw).__name__}, not an object")
+        raise read.bad(f"it is a {type(raw).__name__}, not an object")
     version = raw.get("version")
     if version != SHARDINGS_VERSION:
-        raise bad(
+        raise read.bad(
             f"its version is {version!r}, and this milepost reads version {SHARDINGS_VERSION} "
             "(a later milepost may have written it: load it with that version)"
         )
     meshes_raw, arrays_raw = raw.get("meshes"), raw.get("arrays")
     if not isinstance(meshes_raw, list):
-        raise bad(f"'meshes' is {_shown(meshes_raw)}, not a list")
+        raise read.bad(f"'meshes' is {_shown(meshes_raw)}, not a list")
     if not isinstance(arrays_raw, dict):
-        raise bad(f"'arrays' is {_shown(arrays_raw)}, not an object")
-    meshes: list[ShardingSpec] = []
-    for i, mesh in enumerate(meshes_raw):
-        where = f"mesh {i}"
+        raise read.bad(f"'arrays' is {_shown(arrays_raw)}, not an object")
+    meshes = [read.mesh(mesh, f"mesh {i}") for i, mesh in enumerate(meshes_raw)]
+    return {
+        str(name): read.array(entry, f"the sharding of array {name!r}", meshes)
+        for name, entry in arrays_raw.items()
+    }
+
+
+class _CompactReader:
+    """The checks of :func:`read_compact_shardings`, each naming what it found where (``where``)
+    in the file at ``path``."""
+
+    def __init__(self, path: Path | ObjectPath) -> None:
+        self.path = path
+
+    def bad(self, what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f'{self.path} records the arrays\' shardings ("shardings") in a form milepost cannot '
+            f"use: {what}; the checkpoint is damaged or crafted, and nothing was loaded from it. "
+            "Load an earlier checkpoint."
+        )
+
+    def integer(self, value: Any, what: str, minimum: int) -> int:
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            raise self.bad(
+                f"{what} is {workers.declared.shown(value)}, not an integer of at least {minimum}"
+            )
+        if value > _MAX_ID:
+            raise self.bad(f"{what} is {workers.declared.shown(value)}, more than {_MAX_ID}")
+        return value
+
+    def strings(self, value: Any, what: str) -> tuple[str, ...]:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise self.bad(f"{what} is {_shown(value)}, not a list of strings")
+        return tuple(value)
+
+    def mesh(self, mesh: Any, where: str) -> ShardingSpec:
+        """One entry of ``meshes``: its shape, axis names and types, and device ids."""
         if not isinstance(mesh, dict):
-            raise bad(f"{where} is {_shown(mesh)}, not an object")
+            raise self.bad(f"{where} is {_shown(mesh)}, not an object")
         shape_raw = mesh.get("shape")
         if not isinstance(shape_raw, list):
-            raise bad(f"the shape of {where} is {_shown(shape_raw)}, not a list")
-        shape = tuple(integer(n, f"a dimension of {where}", 1) for n in shape_raw)
-        size = workers.declared.devices(shape, str(path), f"the shape of {where}")
-        names = strings(mesh.get("axis_names"), f"the axis names of {where}")
-        types = strings(mesh.get("axis_types"), f"the axis types of {where}")
+            raise self.bad(f"the shape of {where} is {_shown(shape_raw)}, not a list")
+        shape = tuple(self.integer(n, f"a dimension of {where}", 1) for n in shape_raw)
+        size = workers.declared.devices(shape, str(self.path), f"the shape of {where}")
+        names = self.strings(mesh.get("axis_names"), f"the axis names of {where}")
+        types = self.strings(mesh.get("axis_types"), f"the axis types of {where}")
         if len(names) != len(shape) or len(types) != len(shape):
-            raise bad(
+            raise self.bad(
                 f"{where} has shape {list(shape)} but {len(names)} axis names and "
                 f"{len(types)} axis types"
             )
         if len(set(names)) != len(names):
-            raise bad(f"the axis names of {where} repeat: {list(names)}")
+            raise self.bad(f"the axis names of {where} repeat: {list(names)}")
         if unknown := [t for t in types if t not in _AXIS_TYPES]:
-            raise bad(f"{where} has axis types {unknown}, not one of {list(_AXIS_TYPES)}")
-        ids_raw = mesh.get("device_ids")
+            raise self.bad(f"{where} has axis types {unknown}, not one of {list(_AXIS_TYPES)}")
+        ids = self.device_ids(mesh.get("device_ids"), where, shape, size)
+        return ShardingSpec.named(shape, names, ids, (), types)
+
+    def device_ids(
+        self, ids_raw: Any, where: str, shape: tuple[int, ...], size: int
+    ) -> tuple[int, ...]:
+        """A mesh's device ids: a list of ids, or ``{"start", "count"}`` for a range."""
         if isinstance(ids_raw, dict) and set(ids_raw) == {"start", "count"}:
-            start = integer(ids_raw["start"], f"the first device id of {where}", 0)
-            count = integer(ids_raw["count"], f"the device count of {where}", 1)
+            start = self.integer(ids_raw["start"], f"the first device id of {where}", 0)
+            count = self.integer(ids_raw["count"], f"the device count of {where}", 1)
             if count != size:
-                raise bad(f"{where} of shape {list(shape)} lists {count} device ids, not {size}")
+                raise self.bad(
+                    f"{where} of shape {list(shape)} lists {count} device ids, not {size}"
+                )
             ids = tuple(range(start, start + count))
         elif isinstance(ids_raw, list):
-            ids = tuple(integer(d, f"a device id of {where}", 0) for d in ids_raw)
+            ids = tuple(self.integer(d, f"a device id of {where}", 0) for d in ids_raw)
         else:
-            raise bad(
+            raise self.bad(
                 f"the device ids of {where} are {_shown(ids_raw)}, neither a list of ids nor "
                 '{"start": <first id>, "count": <number of ids>}'
             )
         if len(ids) != math.prod(shape):
-            raise bad(
+            raise self.bad(
                 f"{where} of shape {list(shape)} lists {len(ids)} device ids, not "
                 f"{math.prod(shape)}"
             )
         if len(set(ids)) != len(ids):
-            raise bad(f"the device ids of {where} repeat")
-        meshes.append(ShardingSpec.named(shape, names, ids, (), types))
-    out: dict[str, ShardingSpec] = {}
-    for name, entry in arrays_raw.items():
-        where = f"the sharding of array {name!r}"
+            raise self.bad(f"the device ids of {where} repeat")
+        return ids
+
+    def array(self, entry: Any, where: str, meshes: list[ShardingSpec]) -> ShardingSpec:
+        """One entry of ``arrays``: a device, or a mesh of ``meshes`` and a PartitionSpec."""
         if not isinstance(entry, dict):
-            raise bad(f"{where} is {_shown(entry)}, not an object")
+            raise self.bad(f"{where} is {_shown(entry)}, not an object")
         memory_kind = entry.get("memory_kind")
         if memory_kind is not None and not isinstance(memory_kind, str):
-            raise bad(f"{where} has memory_kind {_shown(memory_kind)}, not a string")
+            raise self.bad(f"{where} has memory_kind {_shown(memory_kind)}, not a string")
         if "device" in entry:
-            spec = ShardingSpec.single(integer(entry["device"], f"the device of {where}", 0))
+            spec = ShardingSpec.single(self.integer(entry["device"], f"the device of {where}", 0))
         elif "mesh" in entry:
-            m = entry["mesh"]
-            if not isinstance(m, int) or isinstance(m, bool) or not 0 <= m < len(meshes):
-                raise bad(
-                    f"{where} refers to mesh {m!r}, and the file records {len(meshes)} "
-                    f"mesh(es) (0 to {len(meshes) - 1})"
-                )
-            entries = entry.get("spec")
-            if not isinstance(entries, list) or not all(
-                e is None
-                or isinstance(e, str)
-                or (isinstance(e, list) and all(isinstance(a, str) for a in e))
-                for e in entries
-            ):
-                raise bad(
-                    f"{where} has the PartitionSpec {_shown(entries)}, not a list of null, "
-                    "axis names and lists of axis names"
-                )
-            try:
-                spec = meshes[m].with_spec(entries)
-            except ValueError as e:
-                raise bad(f"{where}: {e}") from None
+            spec = self.on_mesh(entry, where, meshes)
         else:
-            raise bad(f"{where} names neither a mesh nor a device: {_shown(entry)}")
-        out[str(name)] = dataclasses.replace(spec, memory_kind=memory_kind) if memory_kind else spec
-    return out
+            raise self.bad(f"{where} names neither a mesh nor a device: {_shown(entry)}")
+        return dataclasses.replace(spec, memory_kind=memory_kind) if memory_kind else spec
+
+    def on_mesh(
+        self, entry: dict[str, Any], where: str, meshes: list[ShardingSpec]
+    ) -> ShardingSpec:
+        m = entry["mesh"]
+        if not isinstance(m, int) or isinstance(m, bool) or not 0 <= m < len(meshes):
+            raise self.bad(
+                f"{where} refers to mesh {m!r}, and the file records {len(meshes)} "
+                f"mesh(es) (0 to {len(meshes) - 1})"
+            )
+        entries = entry.get("spec")
+        if not isinstance(entries, list) or not all(
+            e is None
+            or isinstance(e, str)
+            or (isinstance(e, list) and all(isinstance(a, str) for a in e))
+            for e in entries
+        ):
+            raise self.bad(
+                f"{where} has the PartitionSpec {_shown(entries)}, not a list of null, "
+                "axis names and lists of axis names"
+            )
+        try:
+            return meshes[m].with_spec(entries)
+        except ValueError as e:
+            raise self.bad(f"{where}: {e}") from None
 
 
 def _shown(value: Any) -> str:
