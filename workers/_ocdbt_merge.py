@@ -174,55 +174,11 @@ def _merge(sources: list[_Source], pool: Pool | None = None) -> _Merged:
     sources.clear()
     if not leaves:
         raise fmt.FormatError("no keys to merge")
-    n = sum(leaf.entries for _, leaf in leaves)
-    room = sum(leaf.size + len(leaf.prefix) for _, leaf in leaves)  # (key and inline bytes)
-    key_prefix = np.empty(n, np.int32)
-    key_suffix = np.empty(n, np.int32)
-    raw = np.empty(room, np.uint8)  # (pages are touched only as far as they are filled)
-    # (32-bit lengths and offsets until one needs more: at 8 M keys, 64 MB less fresh memory,
-    # whose first touches cost the commit more than the work on it)
-    lengths = np.empty(n, np.uint32)
-    files = np.empty(n, np.int32)
-    offsets = np.empty(n, np.uint32)
-    inline = np.empty(room, np.uint8)
-    paths: dict[str, int] = {}
-    at = raw_at = blob_at = 0
-    leaves.reverse()
-    while leaves:
-        name, leaf = leaves.pop()
-        where = f"{name}/{leaf.ref.path}@{leaf.ref.offset}"
-        e = fmt.decode_node(leaf.data, leaf.ref, where)
-        assert isinstance(e, fmt.Entries)
-        prefix = leaf.prefix
-        m, rows = len(e.lengths), slice(at, at + len(e.lengths))
-        key_prefix[rows] = e.key_prefix
-        key_suffix[rows] = e.key_suffix
-        if prefix:  # (keys below an interior node's subtree prefix: put it back in front)
-            key_prefix[at + 1 : at + m] += len(prefix)
-            key_suffix[at] += len(prefix)
-            raw[raw_at : raw_at + len(prefix)] = np.frombuffer(prefix, np.uint8)
-            raw_at += len(prefix)
-        raw[raw_at : raw_at + len(e.key_bytes)] = e.key_bytes
-        raw_at += len(e.key_bytes)
-        ids = [paths.setdefault(_under(name, q), len(paths)) for q in e.paths]
-        files[rows] = np.array([*ids, -1], np.int32)[e.files]  # (-1 picks the -1 at the end)
-        starts = np.where(
-            e.files < 0, e.inline_at.astype(np.uint64) + np.uint64(blob_at), e.offsets
-        )
-        lengths = _fitting(lengths, e.lengths)
-        offsets = _fitting(offsets, starts)
-        lengths[rows] = e.lengths
-        offsets[rows] = starts
-        inline[blob_at : blob_at + len(e.inline)] = e.inline
-        blob_at += len(e.inline)
-        at += m
-        del e, leaf
-    if at != n:
-        raise fmt.FormatError(f"the leaves held {at} entries where their headers said {n}")
+    key_prefix, key_suffix, raw, lengths, files, offsets, inline, paths = _columns(leaves)
+    n = len(key_prefix)
     # (now, while each database's values lie in runs of rows: 13 ms at 8 M keys)
     ends = _ends(files, offsets, lengths, len(paths))
     file_ends = {path: int(ends[i]) for path, i in paths.items()}
-    inline = inline[:blob_at]
     # Rows as wide as all keys but the longest few: at 4,096 hosts x 2,000 arrays the longest
     # are the hosts' tables' (43 bytes against 29), and every byte of width is 8 MB of rows.
     width = _width(key_prefix, key_suffix)
@@ -267,6 +223,69 @@ def _merge(sources: list[_Source], pool: Pool | None = None) -> _Merged:
         long=long,
         sizes=file_ends,
     )
+
+
+def _columns(
+    leaves: list[tuple[str, _Leaf]],
+) -> tuple[
+    np.ndarray,
+    np.ndarray,
+    np.ndarray,
+    np.ndarray,
+    np.ndarray,
+    np.ndarray,
+    np.ndarray,
+    dict[str, int],
+]:
+    """Every leaf (``(database, leaf)``, consumed) decoded into one set of columns: the keys'
+    prefix and suffix lengths and bytes, the values' lengths, files (ids into the data file
+    table, returned; -1 inline) and offsets, and the inline values' bytes."""
+    n = sum(leaf.entries for _, leaf in leaves)
+    room = sum(leaf.size + len(leaf.prefix) for _, leaf in leaves)  # (key and inline bytes)
+    key_prefix = np.empty(n, np.int32)
+    key_suffix = np.empty(n, np.int32)
+    raw = np.empty(room, np.uint8)  # (pages are touched only as far as they are filled)
+    # (32-bit lengths and offsets until one needs more: at 8 M keys, 64 MB less fresh memory,
+    # whose first touches cost the commit more than the work on it)
+    lengths = np.empty(n, np.uint32)
+    files = np.empty(n, np.int32)
+    offsets = np.empty(n, np.uint32)
+    inline = np.empty(room, np.uint8)
+    paths: dict[str, int] = {}
+    at = raw_at = blob_at = 0
+    leaves.reverse()  # (popped from the end: each leaf dropped once copied in)
+    while leaves:
+        name, leaf = leaves.pop()
+        where = f"{name}/{leaf.ref.path}@{leaf.ref.offset}"
+        e = fmt.decode_node(leaf.data, leaf.ref, where)
+        assert isinstance(e, fmt.Entries)
+        prefix = leaf.prefix
+        m, rows = len(e.lengths), slice(at, at + len(e.lengths))
+        key_prefix[rows] = e.key_prefix
+        key_suffix[rows] = e.key_suffix
+        if prefix:  # (keys below an interior node's subtree prefix: put it back in front)
+            key_prefix[at + 1 : at + m] += len(prefix)
+            key_suffix[at] += len(prefix)
+            raw[raw_at : raw_at + len(prefix)] = np.frombuffer(prefix, np.uint8)
+            raw_at += len(prefix)
+        raw[raw_at : raw_at + len(e.key_bytes)] = e.key_bytes
+        raw_at += len(e.key_bytes)
+        ids = [paths.setdefault(_under(name, q), len(paths)) for q in e.paths]
+        files[rows] = np.array([*ids, -1], np.int32)[e.files]  # (-1 picks the -1 at the end)
+        starts = np.where(
+            e.files < 0, e.inline_at.astype(np.uint64) + np.uint64(blob_at), e.offsets
+        )
+        lengths = _fitting(lengths, e.lengths)
+        offsets = _fitting(offsets, starts)
+        lengths[rows] = e.lengths
+        offsets[rows] = starts
+        inline[blob_at : blob_at + len(e.inline)] = e.inline
+        blob_at += len(e.inline)
+        at += m
+        del e, leaf
+    if at != n:
+        raise fmt.FormatError(f"the leaves held {at} entries where their headers said {n}")
+    return key_prefix, key_suffix, raw, lengths, files, offsets, inline[:blob_at], paths
 
 
 def _ends(files: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, count: int) -> np.ndarray:
