@@ -35,9 +35,12 @@ class SliceSharding:
 
     @property
     def device_ids(self) -> tuple[int, ...]:
+        """The global ids of the devices it spans, in the mesh's order."""
         return tuple(self.milepost_spec.device_ids)
 
     def shard_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+        """The shape of each shard of an array of global ``shape``; ValueError if a sharded
+        dimension does not divide."""
         return self.milepost_spec.shard_shape(tuple(shape))
 
     def __eq__(self, other: object) -> bool:
@@ -66,8 +69,11 @@ class SliceMesh:
             )
         self._group = group
         self.shape = dict(axes)
+        """Each axis's size, by name."""
         self.axis_names = tuple(axes)
+        """The axes' names, in order."""
         self.device_ids = tuple(device_ids)
+        """The global device ids, in row-major order of the axes."""
 
     def sharding(self, spec: Any = None) -> SliceSharding:
         """The sharding of ``PartitionSpec`` ``spec`` over this mesh (None: replicated)."""
@@ -103,8 +109,11 @@ class AbstractArray:
     """
 
     shape: tuple[int, ...]
+    """The global shape."""
     dtype: Any
+    """The dtype (anything ``numpy.dtype`` takes)."""
     sharding: Any = None
+    """Where to place it: a ``SliceSharding`` (None: as saved)."""
 
 
 class RemoteArray:
@@ -123,22 +132,29 @@ class RemoteArray:
         spec: workers.ShardingSpec,
     ) -> None:
         self.id = array_id
+        """The hosts' name for the array (unique in its slice)."""
         self.shape = tuple(int(d) for d in shape)
+        """The global shape."""
         self.dtype = workers.dtype_of(dtype)
+        """The NumPy dtype."""
         self.sharding = SliceSharding(group, spec)
+        """How it is spread over the slice's devices."""
         self.__milepost_host_group__ = group
         self._finalizer = weakref.finalize(self, group.release, array_id)
 
     @property
     def ndim(self) -> int:
+        """The number of dimensions."""
         return len(self.shape)
 
     @property
     def size(self) -> int:
+        """The number of elements."""
         return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the whole (global) array."""
         return self.size * self.dtype.itemsize
 
     def __reduce__(self) -> Any:

@@ -134,6 +134,7 @@ class MultiControllerHostGroup(JaxDevices):
     """
 
     name = "mcjax"
+    """``mcjax``."""
 
     def __init__(self, primary: int = 0, *, client: Any | None = None) -> None:
         self._client = client if client is not None else distributed_client()
@@ -166,6 +167,7 @@ class MultiControllerHostGroup(JaxDevices):
 
     # -- topology -------------------------------------------------------------------------
     def process_of_device(self, device_id: int) -> int:
+        """The JAX process that owns global device ``device_id``; ValueError for an unknown id."""
         try:
             return self._owner[device_id]
         except KeyError:
@@ -175,9 +177,11 @@ class MultiControllerHostGroup(JaxDevices):
             ) from None
 
     def processes(self) -> Sequence[int]:
+        """Every JAX process's index."""
         return tuple(range(self._count))
 
     def is_primary(self) -> bool:
+        """Whether this process is the primary (it writes the shared files and commits)."""
         return self._index == self.primary
 
     # -- work: each process runs its own plan ---------------------------------------------
@@ -257,6 +261,7 @@ class MultiControllerHostGroup(JaxDevices):
         return _Op(self._generation, name, seq)
 
     def barrier(self, name: str, timeout: float) -> None:
+        """Wait until every process reaches the barrier ``name`` (``sync`` with no value)."""
         self.sync(name, timeout)
 
     def sync(

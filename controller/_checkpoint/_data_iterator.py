@@ -148,17 +148,23 @@ class DataIteratorHandler:
     """A :class:`DataIterator` as one JSON file per controller process (Orbax's Grain layout)."""
 
     typestr = fmt.STATEFUL_HANDLER_TYPESTR
+    """The typestr it records: Orbax v1's stateful-checkpointable handler's."""
     typestrs = (fmt.STATEFUL_HANDLER_TYPESTR, fmt.GRAIN_HANDLER_TYPESTR)
     """Every typestr this handler reads: Orbax v1's, and Grain's handler's (CheckpointManager)."""
 
     def is_handleable(self, obj: Any) -> bool:
+        """Whether ``obj`` is a :class:`DataIterator` (it saves through ``get_state``)."""
         return isinstance(obj, DataIterator)
 
     def save(self, directory: Path | ObjectPath, obj: Any, call: SaveCall) -> _StateWrite:
+        """Take the iterator's state now, in the blocking part; write it in the background, one
+        JSON file per controller process."""
         raw = state_text(obj, directory.name)
         return _StateWrite(directory, raw, call.group, call.options.async_.timeout_secs)
 
     def load(self, directory: Path | ObjectPath, abstract: Any, call: LoadCall) -> Any:
+        """Restore the saved state into ``abstract``, the iterator to restore, in place; a
+        TypeError says what to pass when it is not one."""
         if not isinstance(abstract, DataIterator):
             raise TypeError(
                 f"{directory.name!r} holds a data iterator's state, restored in place: pass the "

@@ -27,6 +27,7 @@ class Handle(Generic[T]):
         self, path: Any, future: futures.Future[T], operation: _progress.Operation | None = None
     ) -> None:
         self.path = path
+        """The checkpoint being loaded."""
         self._future = future
         self._op = operation
 

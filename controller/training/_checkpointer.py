@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from milepost import _api, _checkpoint, _hosts, _options, _views
+from milepost._checkpoint import CheckpointMetadata, LoadHandle
 from milepost.colocated import HostGroup, Slice
 from milepost.training._errors import (
     BackgroundSaveError,
@@ -140,6 +141,7 @@ class Checkpointer:
             step_prefix=step_prefix,
             step_format_fixed_length=step_format_fixed_length,
         )
+        """Every option, as given or defaulted (a :class:`CheckpointerOptions`)."""
         self.root = as_path(root)
         self.local: Path | None = self.options.local_path()
         if self.local is not None and isinstance(self.root, Path):
@@ -215,6 +217,7 @@ class Checkpointer:
 
     @property
     def read_only(self) -> bool:
+        """True when opened to read only: ``save`` and ``delete`` raise."""
         return self.options.read_only
 
     @property
@@ -223,6 +226,7 @@ class Checkpointer:
 
     @property
     def asynchronous(self) -> bool:
+        """Whether ``save`` returns before the step is written (it commits in the background)."""
         return self.options.asynchronous
 
     # -- collectives --------------------------------------------------------------------
@@ -662,7 +666,7 @@ class Checkpointer:
         *,
         partial: bool = False,
         data_iter: Any = None,
-    ) -> _checkpoint.LoadHandle[Any]:
+    ) -> LoadHandle[Any]:
         """Like :meth:`load`, but returns a :class:`~milepost.LoadHandle` at once and reads in
         the background (see ``milepost.load_async``): compile while the step is read, then
         ``handle.result()``.
@@ -693,7 +697,7 @@ class Checkpointer:
             self._release(s)  # it never started
             raise
 
-    def metadata(self, step: int | None = None) -> _checkpoint.CheckpointMetadata:
+    def metadata(self, step: int | None = None) -> CheckpointMetadata:
         """Shapes, dtypes, shardings, metrics and custom metadata of ``step`` (default: the
         latest), without reading array data."""
         self._state.raise_failure()

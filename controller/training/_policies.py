@@ -23,11 +23,13 @@ class SaveContext:
     primary's answer)."""
 
     step: int
+    """The step being asked about."""
     latest_step: int | None
     """The newest committed or in-flight step, if any."""
     last_save_start: float | None
     """``time.monotonic()`` when the previous save started (None: no save yet in this run)."""
     save_in_flight: bool
+    """Whether a save is still being written."""
     now: float
     """``time.monotonic()`` now."""
     preempted: bool = False
@@ -82,6 +84,7 @@ class FixedInterval:
         )
 
     def should_save(self, ctx: SaveContext) -> bool:
+        """Save the steps that are multiples of ``interval``."""
         return ctx.step % self.interval == 0
 
 
@@ -90,6 +93,7 @@ class SpecificSteps:
     """Exactly these steps: ``SpecificSteps(steps=[100, 5000])``."""
 
     steps: frozenset[int]
+    """The steps to save."""
 
     def __init__(self, *, steps: Iterable[int]) -> None:
         values = list(steps)
@@ -98,6 +102,7 @@ class SpecificSteps:
         object.__setattr__(self, "steps", frozenset(int(s) for s in values))
 
     def should_save(self, ctx: SaveContext) -> bool:
+        """Save the step if it is one of ``steps``."""
         return ctx.step in self.steps
 
 
@@ -106,6 +111,7 @@ class InitialStep:
     """The first step asked about while the root holds no checkpoint (and none is in flight)."""
 
     def should_save(self, ctx: SaveContext) -> bool:
+        """Save while no step is committed or in flight."""
         return ctx.latest_step is None
 
 
@@ -122,6 +128,8 @@ class Continuous:
         )
 
     def should_save(self, ctx: SaveContext) -> bool:
+        """Save when no save is in flight and ``min_interval_secs`` passed since the last one
+        started."""
         if ctx.save_in_flight:
             return False
         return (
@@ -149,6 +157,7 @@ class Preemption:
         object.__setattr__(self, "signals", tuple(signal.Signals(s) for s in self.signals))
 
     def should_save(self, ctx: SaveContext) -> bool:
+        """Save once a preemption signal (or ``Checkpointer.preempt``) arrived."""
         return ctx.preempted
 
 
@@ -158,6 +167,7 @@ class AnyOf:
     ``AnyOf(FixedInterval(interval=1000), Preemption())``."""
 
     policies: tuple[SavePolicy, ...]
+    """The policies asked, in order."""
 
     def __init__(self, *policies: SavePolicy) -> None:
         if not policies:
@@ -167,6 +177,7 @@ class AnyOf:
         object.__setattr__(self, "policies", tuple(policies))
 
     def should_save(self, ctx: SaveContext) -> bool:
+        """Save if any policy says so (every policy sees every step)."""
         # every policy sees every step (no short-circuit), so stateful custom policies stay in step
         return any([p.should_save(ctx) for p in self.policies])
 
@@ -191,7 +202,9 @@ class StepInfo:
     """A committed step as a retention policy sees it."""
 
     step: int
+    """The step's number."""
     metrics: Mapping[str, Any] = field(default_factory=dict)
+    """The metrics saved with it (empty if none)."""
 
 
 @runtime_checkable
@@ -221,6 +234,7 @@ class KeepAll:
     """Keep every committed step (no retention): ``Checkpointer(root, keep=KeepAll())``."""
 
     def keep(self, steps: Sequence[StepInfo]) -> set[int]:
+        """Every step."""
         return {s.step for s in steps}
 
 
@@ -234,6 +248,7 @@ class KeepLatest:
         _keeps_nothing("KeepLatest", self.n)
 
     def keep(self, steps: Sequence[StepInfo]) -> set[int]:
+        """The ``n`` newest steps."""
         return {s.step for s in steps[-self.n :]}
 
 
@@ -247,6 +262,7 @@ class KeepEvery:
         _keeps_nothing("KeepEvery", self.n)
 
     def keep(self, steps: Sequence[StepInfo]) -> set[int]:
+        """The steps that are multiples of ``n``."""
         return {s.step for s in steps if s.step % self.n == 0}
 
 
@@ -268,6 +284,7 @@ class KeepBest:
     metric: str | None = None
     fn: Callable[[Mapping[str, Any]], float] | None = None
     mode: Literal["min", "max"] = "min"
+    """``min``: the lowest scores are the best; ``max``: the highest."""
 
     def __post_init__(self) -> None:
         _keeps_nothing("KeepBest", self.n)
@@ -309,6 +326,7 @@ class KeepBest:
         return [step for _, step in scored]
 
     def keep(self, steps: Sequence[StepInfo]) -> set[int]:
+        """The ``n`` best-scored steps (``ranked``'s first ``n``)."""
         return set(self.ranked(steps)[: self.n])
 
 
@@ -317,6 +335,7 @@ class KeepUnion:
     """Keep what any of the policies keeps: ``KeepUnion(KeepLatest(n=3), KeepEvery(n=10_000))``."""
 
     policies: tuple[RetentionPolicy, ...]
+    """The policies whose answers are joined."""
 
     def __init__(self, *policies: RetentionPolicy) -> None:
         if not policies:
@@ -330,6 +349,7 @@ class KeepUnion:
         object.__setattr__(self, "policies", tuple(policies))
 
     def keep(self, steps: Sequence[StepInfo]) -> set[int]:
+        """Every step any of the policies keeps."""
         out: set[int] = set()
         for p in self.policies:
             out |= set(p.keep(steps))

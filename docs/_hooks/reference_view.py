@@ -1,0 +1,125 @@
+"""griffe extension: show the API reference as a user reads it, not as the code is written.
+
+griffe reads the sources, and mkdocstrings shows what it read. Three things it reads are
+code, not documentation; once the package is loaded, this extension rewrites them (the sources
+are not changed):
+
+- An attribute set in a method (``self.options = CheckpointerOptions(**{...})`` in
+  ``__init__``) is shown with that method's code as its value. Such values are dropped: the
+  attribute keeps its annotation and docstring.
+- A dataclass field's default written as ``field(default_factory=KeepAll)`` or
+  ``field(default_factory=lambda: FixedInterval(interval=1))`` is shown as that call, and the
+  class's signature shows the lambda. The default is shown as the value it makes
+  (``KeepAll()``, ``FixedInterval(interval=1)``); ``field(default=x)`` as ``x``. Only fields
+  whose ``field()`` says nothing else are rewritten (griffe's dataclass extension, which runs
+  after this one, then reads them as plain defaults).
+- A class attribute set to a module's constant (``typestr = fmt.PYTREE_HANDLER_TYPESTR``) is
+  shown through a private module's name; it is shown as the constant's literal value (a tuple
+  of them, as the tuple of their values).
+
+And a method that overrides a documented one without a docstring of its own (``KeepLatest.keep``
+overrides ``RetentionPolicy.keep``) is shown with the docstring it inherits, as Python's
+``inspect.getdoc`` and ``help()`` show it.
+
+tests/test_docstrings.py loads the package with the same extensions and checks what they give.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import griffe
+
+_FIELD_ARGS = {"default", "default_factory"}
+
+
+def _objects(obj: griffe.Object) -> list[griffe.Object]:
+    """``obj`` and every object defined in it (aliases are not followed)."""
+    found = [obj]
+    for member in obj.members.values():
+        if not member.is_alias:
+            found.extend(_objects(member))  # type: ignore[arg-type]
+    return found
+
+
+def _set_in_method(attr: griffe.Attribute) -> bool:
+    """Whether ``attr``'s value comes from a method's body (``self.x = ...``)."""
+    return "instance-attribute" in attr.labels and "class-attribute" not in attr.labels
+
+
+def _field_default(value: Any) -> str | griffe.Expr | None:
+    """What a ``field(default=...)`` or ``field(default_factory=...)`` makes; None when the
+    value is not such a call, or its ``field()`` says more."""
+    if not isinstance(value, griffe.ExprCall) or str(value.function) not in {
+        "field",
+        "dataclasses.field",
+    }:
+        return None
+    keywords = {a.name: a.value for a in value.arguments if isinstance(a, griffe.ExprKeyword)}
+    if len(keywords) != 1 or len(value.arguments) != 1 or not set(keywords) <= _FIELD_ARGS:
+        return None
+    if "default" in keywords:
+        return keywords["default"]
+    factory = keywords["default_factory"]
+    if isinstance(factory, griffe.ExprLambda):
+        return factory.body
+    return griffe.ExprCall(function=factory, arguments=[])  # type: ignore[arg-type]
+
+
+def _constant(value: Any, pkg: griffe.Module) -> str | None:
+    """The literal value of the package's constant ``value`` names, if it names one (or of
+    each, for a tuple of such names)."""
+    if isinstance(value, griffe.ExprTuple) and value.elements:
+        literals = [_constant(element, pkg) for element in value.elements]
+        if None in literals:
+            return None
+        return f"({', '.join(literals)}{',' if len(literals) == 1 else ''})"  # type: ignore[arg-type]
+    if not isinstance(value, griffe.ExprName | griffe.ExprAttribute):
+        return None
+    try:
+        target = pkg.modules_collection.get_member(value.canonical_path)
+    except (KeyError, ValueError, griffe.AliasResolutionError, griffe.CyclicAliasError):
+        return None
+    if target.is_alias:
+        try:
+            target = target.final_target
+        except (griffe.AliasResolutionError, griffe.CyclicAliasError):
+            return None
+    literal = getattr(target, "value", None) if target.is_attribute else None
+    return literal if isinstance(literal, str) else None
+
+
+def _inherited_docstring(member: griffe.Object, cls: griffe.Class) -> griffe.Docstring | None:
+    """The docstring of the member of that name in ``cls``'s nearest documented base."""
+    try:
+        bases = cls.mro()
+    except (ValueError, griffe.AliasResolutionError, griffe.CyclicAliasError):
+        return None
+    for base in bases:
+        inherited = base.members.get(member.name)
+        if inherited is not None and not inherited.is_alias and inherited.docstring:
+            return griffe.Docstring(inherited.docstring.value, parent=member)
+    return None
+
+
+class ReferenceView(griffe.Extension):
+    """Rewrite the loaded package as the module's docstring says."""
+
+    def on_package(self, *, pkg: griffe.Module, **kwargs: Any) -> None:
+        for obj in _objects(pkg):
+            if obj.is_attribute:
+                self._attribute(obj, pkg)  # type: ignore[arg-type]
+            if obj.parent is not None and obj.parent.is_class and not obj.docstring:
+                if obj.is_function or obj.is_attribute:
+                    obj.docstring = _inherited_docstring(obj, obj.parent)  # type: ignore[arg-type]
+
+    @staticmethod
+    def _attribute(attr: griffe.Attribute, pkg: griffe.Module) -> None:
+        if attr.parent is None or not attr.parent.is_class or attr.value is None:
+            return
+        if _set_in_method(attr):
+            attr.value = None
+        elif (default := _field_default(attr.value)) is not None:
+            attr.value = default
+        elif (literal := _constant(attr.value, pkg)) is not None:
+            attr.value = literal
