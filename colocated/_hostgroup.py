@@ -176,7 +176,7 @@ class LocalHostGroup(JaxDevices):
 
     def start_save(
         self, plans: Mapping[Any, workers.SavePlan], sources: Sequence[Any], timeout: float
-    ) -> _LocalPending:
+    ) -> PendingHostSave:
         """Start the one plan's writes in this process."""
         (plan,) = plans.values()
         return _LocalPending(workers.start_save(plan, sources))

@@ -36,7 +36,7 @@ import jax
 
 import milepost.workers as workers
 from milepost.colocated._errors import HostError
-from milepost.colocated._hostgroup import HostLoad, JaxDevices
+from milepost.colocated._hostgroup import HostLoad, JaxDevices, PendingHostSave
 from milepost.colocated._jax_internals import distributed_client
 from milepost.workers import check
 
@@ -187,7 +187,7 @@ class MultiControllerHostGroup(JaxDevices):
     # -- work: each process runs its own plan ---------------------------------------------
     def start_save(
         self, plans: Mapping[int, workers.SavePlan], sources: Sequence[Any], timeout: float
-    ) -> _Pending:
+    ) -> PendingHostSave:
         """Stage this process's shards; return once every process staged (or raise everywhere)."""
         directory = _directory(plans)
         plan = plans.get(self._index)

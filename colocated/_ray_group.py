@@ -22,7 +22,7 @@ from typing import Any
 import milepost.workers as workers
 from milepost.colocated._errors import HostError
 from milepost.colocated._handles import RemoteArray
-from milepost.colocated._hostgroup import DevicesHere, HostLoad
+from milepost.colocated._hostgroup import DevicesHere, HostLoad, PendingHostSave
 from milepost.colocated._ray_host import Ref
 
 log = logging.getLogger("milepost.slice")
@@ -372,7 +372,7 @@ class RayHostGroup:
 
     def start_save(
         self, plans: Mapping[int, workers.SavePlan], sources: Sequence[Any], timeout: float
-    ) -> _PendingRaySave:
+    ) -> PendingHostSave:
         """Stage on every host: sources go as ids, which each host resolves in its registry."""
         self.check_usable()
         refs = []

@@ -27,7 +27,22 @@ PUBLIC = ["milepost", "milepost.training", "milepost.surgery", "milepost.safeten
 PUBLIC += ["milepost.colocated"]
 # implementation code where a value belongs (a default, an attribute's value)
 CODE = re.compile(r"\blambda\b|\*\*\{|\bfor\b .* \bin\b|\bfield\(|\bself\.")
-PRIVATE_PATH = re.compile(r"(?<![\w.])_[a-z]\w*\.")  # `_checkpoint.CheckpointMetadata`
+# a private module or class by its name: `_checkpoint.CheckpointMetadata`, `_StateWrite`
+PRIVATE_PATH = re.compile(r"(?<![\w.])_[A-Za-z]")
+PUBLIC_PACKAGES = [*PUBLIC, "milepost.workers", "milepost.training.peers"]
+# Types from private modules that public signatures still name, each with why. Anything else a
+# signature names must be importable from a public package (see the test using it).
+SHOWN_PRIVATE = {
+    "milepost._checkpoint._calls.SaveCall": "a handler's save context, documented in "
+    "CheckpointableHandler's docstring; handlers only read its fields",
+    "milepost._checkpoint._calls.LoadCall": "a handler's load context, as SaveCall",
+    "milepost._format._pytree.TreeFiles": "surgery.Checkpoint's record of the files, for "
+    "milepost's own checks",
+    "milepost.surgery._placement.Placement": "where surgery computes, made by surgery.open",
+    "milepost.surgery._lazy.Source": "a LazyArray's stored leaf, made by surgery.open",
+    "milepost.surgery._lazy.Op": "a LazyArray's operation, made by the surgery functions",
+    "milepost._tree.ValueType": "a string enum; LeafMetadata.value_type's docstring lists it",
+}
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +169,60 @@ def test_signatures_and_values_show_no_code_or_private_modules(package: Any) -> 
     )
 
 
+def _names(annotation: Any) -> Iterator[Any]:
+    if isinstance(annotation, griffe.Expr):
+        yield from (n for n in annotation.iterate(flat=True) if isinstance(n, griffe.ExprName))
+
+
+def _annotations(obj: Any, options: str) -> Iterator[Any]:
+    if obj.is_attribute:
+        yield obj.annotation
+        return
+    functions = [obj] if obj.is_function else []
+    if obj.is_class and "merge_init_into_class: false" not in options:
+        if "__init__" in obj.all_members:
+            functions.append(obj.all_members["__init__"])
+    for function in functions:
+        function = function.final_target if function.is_alias else function
+        yield function.returns
+        yield from (p.annotation for p in function.parameters)
+
+
+def _target_path(package: Any, path: str) -> str | None:
+    try:
+        target = package.modules_collection.get_member(path)
+        return (target.final_target if target.is_alias else target).path
+    except (KeyError, ValueError, griffe.AliasResolutionError):
+        return None
+
+
+def test_signatures_name_public_types(package: Any) -> None:
+    """Each milepost type a shown signature names is importable from a public package (or is
+    one of SHOWN_PRIVATE), so a reader can look it up."""
+    public = set()
+    for module in PUBLIC_PACKAGES:
+        for name in _get(package, module).exports or ():
+            public.add(_get(package, f"{module}.{name}").path)
+    options = dict(_listed())
+    wrong = set()
+    for shown_as, obj in _shown(package):
+        for annotation in _annotations(obj, options.get(shown_as, "")):
+            for name in _names(annotation):
+                path = name.canonical_path
+                target = _target_path(package, path) if path.startswith("milepost.") else None
+                if target is None or target in public or target in SHOWN_PRIVATE:
+                    continue
+                if target in PUBLIC_PACKAGES:  # ``workers.SavePlan``: the module's name
+                    continue
+                value = getattr(package.modules_collection.get_member(target), "value", None)
+                if str(value).startswith(("TypeVar(", "ParamSpec(")):
+                    continue  # a type variable
+                wrong.add(f"{shown_as}: {name.name} ({target})")
+    assert not wrong, "signatures name types no public package exports:\n" + "\n".join(
+        sorted(wrong)
+    )
+
+
 def test_the_checks_see_what_they_look_for(package: Any) -> None:
     """The checks above would fail: an undocumented member is found, code is recognised."""
     names = dict(_shown(package))
@@ -162,6 +231,7 @@ def test_the_checks_see_what_they_look_for(package: Any) -> None:
     assert CODE.search("CheckpointerOptions(**{k: v for k, v in given.items()})")
     assert CODE.search("lambda: FixedInterval(interval=1)")
     assert PRIVATE_PATH.search("_checkpoint.CheckpointMetadata")
+    assert PRIVATE_PATH.search("_StateWrite | None")
     assert not PRIVATE_PATH.search("milepost.workers.PendingWrite[None]")
     undocumented = griffe.Function("f", parent=package)
     assert not _documented(undocumented)

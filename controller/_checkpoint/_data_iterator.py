@@ -35,7 +35,7 @@ from milepost._errors import (
     StructureMismatchError,
 )
 from milepost.colocated import HostGroup
-from milepost.workers import ObjectPath
+from milepost.workers import ObjectPath, PendingWrite
 
 _STATE_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")
 WHAT = "data iterator state"
@@ -156,7 +156,7 @@ class DataIteratorHandler:
         """Whether ``obj`` is a :class:`DataIterator` (it saves through ``get_state``)."""
         return isinstance(obj, DataIterator)
 
-    def save(self, directory: Path | ObjectPath, obj: Any, call: SaveCall) -> _StateWrite:
+    def save(self, directory: Path | ObjectPath, obj: Any, call: SaveCall) -> PendingWrite[None]:
         """Take the iterator's state now, in the blocking part; write it in the background, one
         JSON file per controller process."""
         raw = state_text(obj, directory.name)

@@ -153,7 +153,9 @@ class JsonHandler:
             return False
         return True
 
-    def save(self, directory: Path | ObjectPath, obj: Any, call: SaveCall) -> Deferred | None:
+    def save(
+        self, directory: Path | ObjectPath, obj: Any, call: SaveCall
+    ) -> PendingWrite[Any] | None:
         """Serialize ``obj`` now (later changes to it are not saved); the primary process writes
         it in the background."""
         try:

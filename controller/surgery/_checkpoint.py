@@ -13,6 +13,7 @@ import numpy as np
 from milepost import _checkpoint, _hosts, _options, workers
 from milepost import _format as fmt
 from milepost._checkpoint import LeafMetadata
+from milepost._format import TreeFiles
 from milepost._tree import PLACEHOLDER, ValueType
 from milepost.colocated import Slice
 from milepost.surgery._lazy import LazyArray, Source, flat, nest
@@ -31,7 +32,7 @@ class Checkpoint:
     """The name of the checkpointable opened (the tree)."""
     folder: Path | ObjectPath
     """The checkpointable's folder."""
-    files: fmt.TreeFiles
+    files: TreeFiles
     placement: Placement
     """Where the arrays are computed: the slice or this process's devices."""
     tree: Any

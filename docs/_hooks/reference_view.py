@@ -17,6 +17,10 @@ are not changed):
   shown through a private module's name; it is shown as the constant's literal value (a tuple
   of them, as the tuple of their values).
 
+- A parameter or field annotated with a private module's type alias (``path: PathLike``, where
+  ``milepost._api`` says ``PathLike = str | os.PathLike[str] | ObjectPath``) names a type the
+  reader cannot look up; the alias is shown as what it stands for.
+
 And a method that overrides a documented one without a docstring of its own (``KeepLatest.keep``
 overrides ``RetentionPolicy.keep``) is shown with the docstring it inherits, as Python's
 ``inspect.getdoc`` and ``help()`` show it.
@@ -26,6 +30,7 @@ tests/test_docstrings.py loads the package with the same extensions and checks w
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import griffe
@@ -89,6 +94,34 @@ def _constant(value: Any, pkg: griffe.Module) -> str | None:
     return literal if isinstance(literal, str) else None
 
 
+def _private_alias(name: griffe.ExprName) -> str | None:
+    """What ``name`` stands for, if it names a type alias of a private module."""
+    path = name.canonical_path
+    if not path.startswith("milepost.") or not any(p.startswith("_") for p in path.split(".")):
+        return None
+    try:
+        target = name.parent.modules_collection.get_member(path)  # type: ignore[union-attr]
+        target = target.final_target if target.is_alias else target
+    except (AttributeError, KeyError, ValueError, griffe.AliasResolutionError):
+        return None
+    alias = target.is_attribute and target.parent is not None and target.parent.is_module
+    if alias and isinstance(target.value, griffe.ExprBinOp | griffe.ExprSubscript):
+        return str(target.value)
+    return None
+
+
+def _expand_aliases(annotation: Any) -> Any:
+    """``annotation`` with each private type alias written out (a string then), else as is."""
+    if not isinstance(annotation, griffe.Expr):
+        return annotation
+    names = [n for n in annotation.iterate(flat=True) if isinstance(n, griffe.ExprName)]
+    meaning = {n.name: m for n in names if (m := _private_alias(n)) is not None}
+    if not meaning:
+        return annotation
+    pattern = re.compile(rf"(?<![\w.])({'|'.join(map(re.escape, meaning))})(?![\w])")
+    return pattern.sub(lambda m: meaning[m.group(1)], str(annotation))
+
+
 def _inherited_docstring(member: griffe.Object, cls: griffe.Class) -> griffe.Docstring | None:
     """The docstring of the member of that name in ``cls``'s nearest documented base."""
     try:
@@ -107,7 +140,12 @@ class ReferenceView(griffe.Extension):
 
     def on_package(self, *, pkg: griffe.Module, **kwargs: Any) -> None:
         for obj in _objects(pkg):
+            if obj.is_function:
+                for parameter in obj.parameters:  # type: ignore[attr-defined]
+                    parameter.annotation = _expand_aliases(parameter.annotation)
+                obj.returns = _expand_aliases(obj.returns)  # type: ignore[attr-defined]
             if obj.is_attribute:
+                obj.annotation = _expand_aliases(obj.annotation)  # type: ignore[attr-defined]
                 self._attribute(obj, pkg)  # type: ignore[arg-type]
             if obj.parent is not None and obj.parent.is_class and not obj.docstring:
                 if obj.is_function or obj.is_attribute:
