@@ -46,7 +46,7 @@ class Traffic:
     """Controller<->host message counts and pickled bytes since the group started."""
 
     messages: int = 0
-    """Messages sent (calls and their answers)."""
+    """Messages exchanged with the hosts."""
     bytes_to_hosts: int = 0
     """Pickled bytes sent to the hosts."""
     bytes_from_hosts: int = 0
@@ -113,7 +113,7 @@ class RayHostGroup:
         timeout_secs: float,
     ) -> None:
         self.timeout_secs = timeout_secs
-        """How long a call to the hosts may take before it fails with a ``HostError``."""
+        """How long a call to the hosts waits for their answers when it is given no timeout."""
         self._actors = actors
         self._identities = identities
         self._device_ids = device_ids

@@ -185,7 +185,7 @@ class JsonHandler:
         )
 
     def metadata(self, directory: Path | ObjectPath) -> Any:
-        """The saved object itself (it is small)."""
+        """The saved object itself, read from its file."""
         return self._read(directory)
 
 

@@ -74,7 +74,8 @@ class LazyArray:
         self.dtype = np.dtype(dtype)
         """The NumPy dtype."""
         self.sharding = sharding
-        """The sharding it is written with (None: a host NumPy array)."""
+        """The sharding it prefers (a stored leaf's saved one, kept by the operations that keep the
+        layout); None: none, and ``write`` places it (its ``shardings``, else over every device)."""
         self.history = history
         """The operations that made it, in order (shown by ``describe``)."""
 
@@ -133,13 +134,13 @@ class LazyArray:
         return apply("getitem", lambda x: x[index], (self,), params=index)
 
     def astype(self, dtype: Any) -> LazyArray:
-        """The array cast to ``dtype`` (as ``surgery.cast``; a cast that loses values is
-        refused)."""
+        """The array cast to ``dtype``, as ``surgery.cast`` casts (a dtype the format cannot store,
+        or complex to real, is refused)."""
         target = check_cast(self, dtype, "astype")
         return apply("cast", lambda x: x.astype(target), (self,), sharding=self.sharding)
 
     def reshape(self, *shape: Any) -> LazyArray:
-        """The array reshaped (as ``numpy.reshape``; the sharding is dropped)."""
+        """The array reshaped (as ``numpy.reshape``); it prefers no sharding."""
         new = (
             tuple(shape[0])
             if len(shape) == 1 and isinstance(shape[0], tuple | list)
