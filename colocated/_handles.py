@@ -113,7 +113,8 @@ class AbstractArray:
     dtype: Any
     """The dtype (anything ``numpy.dtype`` takes)."""
     sharding: Any = None
-    """Where to place it: a ``SliceSharding`` (None: as saved)."""
+    """Where to place it: a slice's sharding (``mesh.sharding(...)``) or a JAX one; None: as
+    saved."""
 
 
 class RemoteArray:

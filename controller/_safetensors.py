@@ -271,7 +271,7 @@ class ExportSummary:
     path: Path
     """The folder the shards were written to."""
     files: tuple[str, ...]
-    """The files written (the shards and their index), by name."""
+    """The shard files written, by name (the index beside them is not among them)."""
     tensors: int
     """Tensors written."""
     total_bytes: int

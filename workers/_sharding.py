@@ -70,7 +70,8 @@ class ShardingSpec:
         spec: tuple[AxisEntry, ...],
         axis_types: tuple[str, ...] = (),
     ) -> ShardingSpec:
-        """A 'named' spec; ValueError when the mesh's size and its device ids disagree."""
+        """A 'named' spec, checked: ValueError when the mesh's size and its device ids disagree, an
+        id or axis name repeats, or an axis type is unknown."""
         if math.prod(mesh_shape) != len(device_ids):
             raise ValueError(
                 f"mesh of shape {mesh_shape} needs {math.prod(mesh_shape)} "

@@ -48,7 +48,7 @@ class LeafMetadata:
     shape: tuple[int, ...] | None = None
     """The array's global shape (None for a scalar or a string)."""
     dtype: np.dtype | None = None
-    """The array's dtype (None for a string)."""
+    """The array's dtype (None for a scalar or a string)."""
     sharding: ShardingSpec | None = None
     """How it was sharded when saved (None: a NumPy array, a scalar, or not recorded)."""
     write_shape: tuple[int, ...] | None = None
