@@ -70,7 +70,8 @@ class Recovery:
     ``abstract_state`` is placed on (None in a multi-controller job or one process, whose
     processes are the job's own)."""
     state: Any
-    """The restored state, placed as the abstract state said."""
+    """The restored state: on the new slice after ``recover(lost)``, else where
+    ``abstract_state`` placed it."""
     step: int
     """The step it was restored from."""
     tier: str
