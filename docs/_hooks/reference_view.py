@@ -1,6 +1,6 @@
 """griffe extension: show the API reference as a user reads it, not as the code is written.
 
-griffe reads the sources, and mkdocstrings shows what it read. Three things it reads are
+griffe reads the sources, and mkdocstrings shows what it read. Four things it reads are
 code, not documentation; once the package is loaded, this extension rewrites them (the sources
 are not changed):
 
@@ -16,14 +16,9 @@ are not changed):
 - A class attribute set to a module's constant (``typestr = fmt.PYTREE_HANDLER_TYPESTR``) is
   shown through a private module's name; it is shown as the constant's literal value (a tuple
   of them, as the tuple of their values).
-
 - A parameter or field annotated with a private module's type alias (``path: PathLike``, where
   ``milepost._api`` says ``PathLike = str | os.PathLike[str] | ObjectPath``) names a type the
   reader cannot look up; the alias is shown as what it stands for.
-
-And a method that overrides a documented one without a docstring of its own (``KeepLatest.keep``
-overrides ``RetentionPolicy.keep``) is shown with the docstring it inherits, as Python's
-``inspect.getdoc`` and ``help()`` show it.
 
 tests/test_docstrings.py loads the package with the same extensions and checks what they give.
 """
@@ -122,19 +117,6 @@ def _expand_aliases(annotation: Any) -> Any:
     return pattern.sub(lambda m: meaning[m.group(1)], str(annotation))
 
 
-def _inherited_docstring(member: griffe.Object, cls: griffe.Class) -> griffe.Docstring | None:
-    """The docstring of the member of that name in ``cls``'s nearest documented base."""
-    try:
-        bases = cls.mro()
-    except (ValueError, griffe.AliasResolutionError, griffe.CyclicAliasError):
-        return None
-    for base in bases:
-        inherited = base.members.get(member.name)
-        if inherited is not None and not inherited.is_alias and inherited.docstring:
-            return griffe.Docstring(inherited.docstring.value, parent=member)
-    return None
-
-
 class ReferenceView(griffe.Extension):
     """Rewrite the loaded package as the module's docstring says."""
 
@@ -147,9 +129,6 @@ class ReferenceView(griffe.Extension):
             if obj.is_attribute:
                 obj.annotation = _expand_aliases(obj.annotation)  # type: ignore[attr-defined]
                 self._attribute(obj, pkg)  # type: ignore[arg-type]
-            if obj.parent is not None and obj.parent.is_class and not obj.docstring:
-                if obj.is_function or obj.is_attribute:
-                    obj.docstring = _inherited_docstring(obj, obj.parent)  # type: ignore[arg-type]
 
     @staticmethod
     def _attribute(attr: griffe.Attribute, pkg: griffe.Module) -> None:
