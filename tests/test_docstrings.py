@@ -174,9 +174,11 @@ def _names(annotation: Any) -> Iterator[Any]:
         yield from (n for n in annotation.iterate(flat=True) if isinstance(n, griffe.ExprName))
 
 
-def _annotations(obj: Any, options: str) -> Iterator[Any]:
+def _expressions(obj: Any, options: str) -> Iterator[Any]:
+    """The annotations, defaults and values the reference shows of ``obj``."""
     if obj.is_attribute:
         yield obj.annotation
+        yield obj.value
         return
     functions = [obj] if obj.is_function else []
     if obj.is_class and "merge_init_into_class: false" not in options:
@@ -186,6 +188,7 @@ def _annotations(obj: Any, options: str) -> Iterator[Any]:
         function = function.final_target if function.is_alias else function
         yield function.returns
         yield from (p.annotation for p in function.parameters)
+        yield from (p.default for p in function.parameters)
 
 
 def _target_path(package: Any, path: str) -> str | None:
@@ -197,8 +200,8 @@ def _target_path(package: Any, path: str) -> str | None:
 
 
 def test_signatures_name_public_types(package: Any) -> None:
-    """Each milepost type a shown signature names is importable from a public package (or is
-    one of SHOWN_PRIVATE), so a reader can look it up."""
+    """Each milepost name a shown signature or value names is importable from a public package
+    (or is one of SHOWN_PRIVATE), so a reader can look it up."""
     public = set()
     for module in PUBLIC_PACKAGES:
         for name in _get(package, module).exports or ():
@@ -206,8 +209,8 @@ def test_signatures_name_public_types(package: Any) -> None:
     options = dict(_listed())
     wrong = set()
     for shown_as, obj in _shown(package):
-        for annotation in _annotations(obj, options.get(shown_as, "")):
-            for name in _names(annotation):
+        for expression in _expressions(obj, options.get(shown_as, "")):
+            for name in _names(expression):
                 path = name.canonical_path
                 target = _target_path(package, path) if path.startswith("milepost.") else None
                 if target is None or target in public or target in SHOWN_PRIVATE:
