@@ -14,6 +14,8 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 import milepost.workers as workers
 
 
@@ -68,11 +70,11 @@ class SliceMesh:
                 f"choose axis sizes whose product is {len(device_ids)}"
             )
         self._group = group
-        self.shape = dict(axes)
+        self.shape: dict[str, int] = dict(axes)
         """Each axis's size, by name."""
-        self.axis_names = tuple(axes)
+        self.axis_names: tuple[str, ...] = tuple(axes)
         """The axes' names, in order."""
-        self.device_ids = tuple(device_ids)
+        self.device_ids: tuple[int, ...] = tuple(device_ids)
         """The global device ids, in row-major order of the axes."""
 
     def sharding(self, spec: Any = None) -> SliceSharding:
@@ -134,11 +136,11 @@ class RemoteArray:
     ) -> None:
         self.id = array_id
         """The hosts' name for the array (unique in its slice)."""
-        self.shape = tuple(int(d) for d in shape)
+        self.shape: tuple[int, ...] = tuple(int(d) for d in shape)
         """The global shape."""
-        self.dtype = workers.dtype_of(dtype)
+        self.dtype: np.dtype = workers.dtype_of(dtype)
         """The NumPy dtype."""
-        self.sharding = SliceSharding(group, spec)
+        self.sharding: SliceSharding = SliceSharding(group, spec)
         """How it is spread over the slice's devices."""
         self.__milepost_host_group__ = group
         self._finalizer = weakref.finalize(self, group.release, array_id)

@@ -123,6 +123,20 @@ def test_every_name_shown_has_a_docstring(package: Any) -> None:
     )
 
 
+def test_every_attribute_shown_shows_a_type_or_a_value(package: Any) -> None:
+    """An attribute set in ``__init__`` from a computed value is shown without it (the
+    extension drops the code): it needs an annotation, or it shows as a bare name."""
+    bare = [
+        name
+        for name, obj in _shown(package)
+        if obj.is_attribute
+        and "property" not in obj.labels
+        and obj.annotation is None
+        and obj.value is None
+    ]
+    assert not bare, "annotate these attributes where they are set:\n" + "\n".join(sorted(bare))
+
+
 def test_every_public_name_is_in_the_reference(package: Any) -> None:
     shown = {obj.path for _, obj in _shown(package)}
     left_out = []

@@ -206,7 +206,7 @@ class CheckpointMetadata:
         self.unreadable: dict[str, str] = dict(unreadable or {})
         """Why a checkpointable could not be described (its handler is unknown here, its files
         are damaged or gone), by name; its entry in ``checkpointables`` is None."""
-        self.tree = checkpointables.get(tree_name) if tree_name else None
+        self.tree: Any = checkpointables.get(tree_name) if tree_name else None
         self.custom_metadata: dict[str, Any] = meta.get("custom_metadata") or {}
         self.metrics: dict[str, Any] = meta.get("metrics") or {}
         self.init_timestamp_nsecs: int | None = meta.get("init_timestamp_nsecs")

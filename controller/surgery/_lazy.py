@@ -69,9 +69,9 @@ class LazyArray:
     ) -> None:
         self.expr = expr
         """How it is computed: a stored leaf, or an operation on other lazy arrays."""
-        self.shape = tuple(int(d) for d in shape)
+        self.shape: tuple[int, ...] = tuple(int(d) for d in shape)
         """The global shape."""
-        self.dtype = np.dtype(dtype)
+        self.dtype: np.dtype = np.dtype(dtype)
         """The NumPy dtype."""
         self.sharding = sharding
         """The sharding it prefers (a stored leaf's saved one, kept by the operations that keep the

@@ -128,7 +128,7 @@ class Checkpointer:
         step_format_fixed_length: int | None = None,
     ) -> None:
         given: dict[str, Any] = {"save_policy": save_policy, "keep": keep}
-        self.options = CheckpointerOptions(
+        self.options: CheckpointerOptions = CheckpointerOptions(
             **{k: v for k, v in given.items() if v is not None},
             max_in_flight=max_in_flight,
             asynchronous=asynchronous,
@@ -142,7 +142,7 @@ class Checkpointer:
             step_format_fixed_length=step_format_fixed_length,
         )
         """Every option, as given or defaulted (a :class:`CheckpointerOptions`)."""
-        self.root = as_path(root)
+        self.root: Path | ObjectPath = as_path(root)
         self.local: Path | None = self.options.local_path()
         if self.local is not None and isinstance(self.root, Path):
             if (

@@ -6,7 +6,8 @@ are not changed):
 
 - An attribute set in a method (``self.options = CheckpointerOptions(**{...})`` in
   ``__init__``) is shown with that method's code as its value. Such values are dropped: the
-  attribute keeps its annotation and docstring.
+  attribute keeps its annotation and docstring; one set from a parameter of ``__init__``
+  (``self.path = path``) and not annotated takes the parameter's annotation.
 - A dataclass field's default written as ``field(default_factory=KeepAll)`` or
   ``field(default_factory=lambda: FixedInterval(interval=1))`` is shown as that call, and the
   class's signature shows the lambda. The default is shown as the value it makes
@@ -117,6 +118,17 @@ def _expand_aliases(annotation: Any) -> Any:
     return pattern.sub(lambda m: meaning[m.group(1)], str(annotation))
 
 
+def _parameter_annotation(attr: griffe.Attribute) -> Any:
+    """The annotation of the ``__init__`` parameter ``attr`` is set from, if it is one."""
+    init = attr.parent.members.get("__init__") if attr.parent is not None else None
+    if init is None or init.is_alias or not isinstance(attr.value, griffe.ExprName):
+        return None
+    for parameter in init.parameters:  # type: ignore[union-attr]
+        if parameter.name == attr.value.name:
+            return parameter.annotation
+    return None
+
+
 class ReferenceView(griffe.Extension):
     """Rewrite the loaded package as the module's docstring says."""
 
@@ -135,6 +147,8 @@ class ReferenceView(griffe.Extension):
         if attr.parent is None or not attr.parent.is_class or attr.value is None:
             return
         if _set_in_method(attr):
+            if attr.annotation is None:
+                attr.annotation = _parameter_annotation(attr)
             attr.value = None
         elif (default := _field_default(attr.value)) is not None:
             attr.value = default
