@@ -22,6 +22,7 @@ class RayNotInstalledError(ImportError):
         )
         self.what = what
         self.missing = missing
+        """The module that did not import (``ray`` or ``cloudpickle``)."""
 
 
 def require_ray(what: str) -> None:

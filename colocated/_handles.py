@@ -14,6 +14,8 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 import milepost.workers as workers
 
 
@@ -35,9 +37,12 @@ class SliceSharding:
 
     @property
     def device_ids(self) -> tuple[int, ...]:
+        """The global ids of the devices it spans, in the mesh's order."""
         return tuple(self.milepost_spec.device_ids)
 
     def shard_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+        """The shape of each shard of an array of global ``shape``; ValueError if a sharded
+        dimension does not divide."""
         return self.milepost_spec.shard_shape(tuple(shape))
 
     def __eq__(self, other: object) -> bool:
@@ -65,9 +70,12 @@ class SliceMesh:
                 f"choose axis sizes whose product is {len(device_ids)}"
             )
         self._group = group
-        self.shape = dict(axes)
-        self.axis_names = tuple(axes)
-        self.device_ids = tuple(device_ids)
+        self.shape: dict[str, int] = dict(axes)
+        """Each axis's size, by name."""
+        self.axis_names: tuple[str, ...] = tuple(axes)
+        """The axes' names, in order."""
+        self.device_ids: tuple[int, ...] = tuple(device_ids)
+        """The global device ids, in row-major order of the axes."""
 
     def sharding(self, spec: Any = None) -> SliceSharding:
         """The sharding of ``PartitionSpec`` ``spec`` over this mesh (None: replicated)."""
@@ -103,8 +111,12 @@ class AbstractArray:
     """
 
     shape: tuple[int, ...]
+    """The global shape."""
     dtype: Any
+    """The dtype (anything ``numpy.dtype`` takes)."""
     sharding: Any = None
+    """Where to place it: a slice's sharding (``mesh.sharding(...)``) or a JAX one; None: as
+    saved."""
 
 
 class RemoteArray:
@@ -123,22 +135,29 @@ class RemoteArray:
         spec: workers.ShardingSpec,
     ) -> None:
         self.id = array_id
-        self.shape = tuple(int(d) for d in shape)
-        self.dtype = workers.dtype_of(dtype)
-        self.sharding = SliceSharding(group, spec)
+        """The hosts' name for the array (unique in its slice)."""
+        self.shape: tuple[int, ...] = tuple(int(d) for d in shape)
+        """The global shape."""
+        self.dtype: np.dtype = workers.dtype_of(dtype)
+        """The NumPy dtype."""
+        self.sharding: SliceSharding = SliceSharding(group, spec)
+        """How it is spread over the slice's devices."""
         self.__milepost_host_group__ = group
         self._finalizer = weakref.finalize(self, group.release, array_id)
 
     @property
     def ndim(self) -> int:
+        """The number of dimensions."""
         return len(self.shape)
 
     @property
     def size(self) -> int:
+        """The number of elements."""
         return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the whole (global) array."""
         return self.size * self.dtype.itemsize
 
     def __reduce__(self) -> Any:

@@ -33,7 +33,9 @@ class HostLoad:
     hosts' acks (every host's on the primary; in other controller processes their own)."""
 
     arrays: list[Any]
+    """The controller's view of each task's array, in the plans' order."""
     acks: list[workers.LoadAck]
+    """The hosts' acks: what each read."""
 
 
 class DevicesHere(NamedTuple):
@@ -53,6 +55,7 @@ class HostGroup(Protocol):
     """What the controller needs from a set of hosts."""
 
     name: str
+    """A short name for logs and messages (``local``, ``slice``, ``mcjax``)."""
 
     def process_of_device(self, device_id: int) -> int:
         """The host process that owns global device ``device_id``."""
@@ -151,39 +154,49 @@ class LocalHostGroup(JaxDevices):
     process's index), and the controller's own leaves (``process_index="controller"``)."""
 
     name = "local"
+    """``local``."""
 
     def __init__(self, process_index: int | str = 0) -> None:
         self._process_index = process_index
 
     def process_of_device(self, device_id: int) -> int:
+        """This process (every device is its own); ValueError for the controller's group, which
+        holds none."""
         if not isinstance(self._process_index, int):
             raise ValueError(f"the {self._process_index} host group holds no devices")
         return self._process_index
 
     def processes(self) -> Sequence[int | str]:
+        """This process alone."""
         return (self._process_index,)
 
     def is_primary(self) -> bool:
+        """Always true: this process is the only one."""
         return True
 
     def start_save(
         self, plans: Mapping[Any, workers.SavePlan], sources: Sequence[Any], timeout: float
-    ) -> _LocalPending:
+    ) -> PendingHostSave:
+        """Start the one plan's writes in this process."""
         (plan,) = plans.values()
         return _LocalPending(workers.start_save(plan, sources))
 
     def load(self, plans: Mapping[Any, workers.LoadPlan], timeout: float) -> HostLoad:
+        """Run the one plan's reads in this process."""
         (plan,) = plans.values()
         arrays, ack = workers.load(plan, self._process_index)
         return HostLoad(arrays, [ack])
 
     def run(self, job: str, plans: Mapping[Any, Any], timeout: float) -> list[Any]:
+        """Run the job's plans in this process, in order."""
         return [workers.run_job(job, plan, self._process_index) for plan in plans.values()]
 
     def barrier(self, name: str, timeout: float) -> None:
+        """Nothing to wait for: one process."""
         return None
 
     def broadcast(self, name: str, value: Any, timeout: float) -> Any:
+        """``value`` itself: one process."""
         return value
 
     def __repr__(self) -> str:

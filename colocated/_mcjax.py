@@ -36,7 +36,7 @@ import jax
 
 import milepost.workers as workers
 from milepost.colocated._errors import HostError
-from milepost.colocated._hostgroup import HostLoad, JaxDevices
+from milepost.colocated._hostgroup import HostLoad, JaxDevices, PendingHostSave
 from milepost.colocated._jax_internals import distributed_client
 from milepost.workers import check
 
@@ -134,6 +134,7 @@ class MultiControllerHostGroup(JaxDevices):
     """
 
     name = "mcjax"
+    """``mcjax``."""
 
     def __init__(self, primary: int = 0, *, client: Any | None = None) -> None:
         self._client = client if client is not None else distributed_client()
@@ -166,6 +167,7 @@ class MultiControllerHostGroup(JaxDevices):
 
     # -- topology -------------------------------------------------------------------------
     def process_of_device(self, device_id: int) -> int:
+        """The JAX process that owns global device ``device_id``; ValueError for an unknown id."""
         try:
             return self._owner[device_id]
         except KeyError:
@@ -175,15 +177,17 @@ class MultiControllerHostGroup(JaxDevices):
             ) from None
 
     def processes(self) -> Sequence[int]:
+        """Every JAX process's index."""
         return tuple(range(self._count))
 
     def is_primary(self) -> bool:
+        """Whether this process is the primary (it writes the shared files and commits)."""
         return self._index == self.primary
 
     # -- work: each process runs its own plan ---------------------------------------------
     def start_save(
         self, plans: Mapping[int, workers.SavePlan], sources: Sequence[Any], timeout: float
-    ) -> _Pending:
+    ) -> PendingHostSave:
         """Stage this process's shards; return once every process staged (or raise everywhere)."""
         directory = _directory(plans)
         plan = plans.get(self._index)
@@ -257,6 +261,7 @@ class MultiControllerHostGroup(JaxDevices):
         return _Op(self._generation, name, seq)
 
     def barrier(self, name: str, timeout: float) -> None:
+        """Wait until every process reaches the barrier ``name`` (``sync`` with no value)."""
         self.sync(name, timeout)
 
     def sync(

@@ -22,7 +22,7 @@ from typing import Any
 import milepost.workers as workers
 from milepost.colocated._errors import HostError
 from milepost.colocated._handles import RemoteArray
-from milepost.colocated._hostgroup import DevicesHere, HostLoad
+from milepost.colocated._hostgroup import DevicesHere, HostLoad, PendingHostSave
 from milepost.colocated._ray_host import Ref
 
 log = logging.getLogger("milepost.slice")
@@ -46,11 +46,15 @@ class Traffic:
     """Controller<->host message counts and pickled bytes since the group started."""
 
     messages: int = 0
+    """Messages exchanged with the hosts."""
     bytes_to_hosts: int = 0
+    """Pickled bytes sent to the hosts."""
     bytes_from_hosts: int = 0
+    """Pickled bytes received from the hosts."""
 
     @property
     def total_bytes(self) -> int:
+        """Bytes both ways."""
         return self.bytes_to_hosts + self.bytes_from_hosts
 
     def __sub__(self, other: Traffic) -> Traffic:
@@ -99,6 +103,7 @@ class RayHostGroup:
     """H Ray actors forming one ``jax.distributed`` cluster, as a milepost host group."""
 
     name = "slice"
+    """``slice``."""
 
     def __init__(
         self,
@@ -108,6 +113,7 @@ class RayHostGroup:
         timeout_secs: float,
     ) -> None:
         self.timeout_secs = timeout_secs
+        """How long a call to the hosts waits for their answers when it is given no timeout."""
         self._actors = actors
         self._identities = identities
         self._device_ids = device_ids
@@ -130,10 +136,12 @@ class RayHostGroup:
     # -- state ----------------------------------------------------------------------------
     @property
     def hosts(self) -> int:
+        """The number of hosts."""
         return len(self._actors)
 
     @property
     def device_ids(self) -> list[int]:
+        """Every global device id, host by host."""
         return [d for ids in self._device_ids for d in ids]
 
     @property
@@ -143,6 +151,7 @@ class RayHostGroup:
 
     @property
     def healthy(self) -> bool:
+        """False once a host failed or the group was closed: start a new slice then."""
         return self._healthy and not self._closed
 
     def actor(self, i: int) -> Any:
@@ -150,17 +159,21 @@ class RayHostGroup:
         return self._actors[i]
 
     def describe_host(self, i: int) -> str:
+        """Host ``i`` in words, for messages: its index, Ray node, ip and pid."""
         ident = self._identities[i]
         return f"host {i} (node {ident['node'][:12]}, ip {ident['ip']}, pid {ident['pid']})"
 
     def identities(self) -> list[dict[str, Any]]:
+        """Each host's Ray node id, ip and pid."""
         return [dict(ident) for ident in self._identities]
 
     def traffic(self) -> Traffic:
+        """The messages and bytes exchanged with the hosts so far."""
         with self._lock:
             return Traffic(*self._counts)
 
     def check_usable(self) -> None:
+        """Raise a ``HostError`` saying what to do if the group is closed or a host failed."""
         if self._closed:
             raise HostError("the slice is shut down; start a new one")
         if not self._healthy:
@@ -307,6 +320,7 @@ class RayHostGroup:
 
     # -- HostGroup protocol ---------------------------------------------------------------
     def process_of_device(self, device_id: int) -> int:
+        """The host that owns global device ``device_id``; ValueError for an id not in the slice."""
         try:
             return self._owner[device_id]
         except KeyError:
@@ -315,12 +329,16 @@ class RayHostGroup:
             ) from None
 
     def processes(self) -> Sequence[int]:
+        """Every host's index."""
         return range(self.hosts)
 
     def is_primary(self) -> bool:
+        """Always true: the controller is the only process that commits."""
         return True
 
     def check_devices(self, spec: workers.ShardingSpec, name: str) -> None:
+        """Raise a ValueError naming array ``name`` if ``spec`` places it on devices the slice
+        does not have, saying how to place it on the slice instead."""
         # The arrays of a model share a few shardings (one object each, as read): check each
         # once, not its device ids (all of the slice's) once per array.
         if spec.device_ids is self._checked_ids:
@@ -354,7 +372,7 @@ class RayHostGroup:
 
     def start_save(
         self, plans: Mapping[int, workers.SavePlan], sources: Sequence[Any], timeout: float
-    ) -> _PendingRaySave:
+    ) -> PendingHostSave:
         """Stage on every host: sources go as ids, which each host resolves in its registry."""
         self.check_usable()
         refs = []
@@ -466,13 +484,16 @@ class RayHostGroup:
         )
 
     def barrier(self, name: str, timeout: float) -> None:
+        """Nothing to wait for: one controller."""
         return None
 
     @property
     def failed_hosts(self) -> frozenset[int]:
+        """The indices of the hosts that failed."""
         return frozenset(self._failed)
 
     def broadcast(self, name: str, value: Any, timeout: float) -> Any:
+        """``value`` itself: one controller."""
         return value
 
     # -- shutdown -------------------------------------------------------------------------

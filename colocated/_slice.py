@@ -98,6 +98,7 @@ class Slice:
         devices_per_host: int | None = None,
     ) -> None:
         self.options = options
+        """The options it was started with."""
         self._devices_per_host = devices_per_host
         self._standby: Standby | None = None
         self.group = group
@@ -313,6 +314,7 @@ class Slice:
     # -- introspection --------------------------------------------------------------------
     @property
     def hosts(self) -> int:
+        """The number of hosts."""
         return self.group.hosts
 
     @property
@@ -326,6 +328,7 @@ class Slice:
         return self.group.healthy
 
     def describe_host(self, i: int) -> str:
+        """Host ``i`` in words, for messages: its index, Ray node, ip and pid."""
         return self.group.describe_host(i)
 
     def host_identities(self) -> list[dict[str, Any]]:

@@ -28,8 +28,11 @@ class CopyReport:
     """What :func:`copy` did: the committed target, and the files and bytes each host copied."""
 
     path: Path | ObjectPath
+    """The committed copy."""
     files: int
+    """Files copied."""
     bytes_copied: int
+    """Bytes copied, in all."""
     by_host: dict[str, int]
     """Bytes copied by each host ('controller': by the controller itself)."""
 

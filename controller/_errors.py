@@ -88,14 +88,15 @@ class InvalidKeyError(ValueError):
 
 
 class CheckpointableNotFoundError(KeyError):
-    """The checkpoint has no checkpointable of that name; ``names`` are the ones it has."""
+    """The checkpoint at ``path`` has no checkpointable ``name``; ``names`` are the ones it has,
+    ``message`` says so."""
 
     def __init__(self, path: object, name: str, names: tuple[str, ...], message: str) -> None:
         super().__init__(message)
-        self.path = str(path)
-        self.name = name
-        self.names = names
-        self.message = message
+        self.path: str = str(path)
+        self.name: str = name
+        self.names: tuple[str, ...] = names
+        self.message: str = message
 
     def __str__(self) -> str:  # not KeyError's repr of the message
         return self.message
@@ -105,13 +106,14 @@ class CheckpointableNotFoundError(KeyError):
 
 
 class LastCheckpointableError(ValueError):
-    """Deleting the checkpointable would leave the checkpoint with none (or the checkpoint
-    records no checkpointables to delete one of): delete the checkpoint, or the step."""
+    """Deleting the checkpointable ``name`` would leave the checkpoint at ``path`` with none (or
+    the checkpoint records no checkpointables to delete one of): delete the checkpoint, or the
+    step."""
 
     def __init__(self, path: object, name: str, message: str) -> None:
         super().__init__(message)
-        self.path = str(path)
-        self.name = name
+        self.path: str = str(path)
+        self.name: str = name
 
     def __reduce__(self) -> tuple[object, ...]:
         return type(self), (self.path, self.name, str(self))

@@ -39,6 +39,7 @@ class IoStats:
 
     @property
     def read_requests(self) -> int:
+        """Read requests the hosts made to storage, in all."""
         return sum(h.read_requests for h in self.hosts)
 
     @property
@@ -48,6 +49,7 @@ class IoStats:
 
     @property
     def write_requests(self) -> int:
+        """Write requests the hosts made to storage, in all."""
         return sum(h.write_requests for h in self.hosts)
 
     @property

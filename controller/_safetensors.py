@@ -269,9 +269,13 @@ class ExportSummary:
     """What ``export`` wrote."""
 
     path: Path
+    """The folder the shards were written to."""
     files: tuple[str, ...]
+    """The shard files written, by name (the index beside them is not among them)."""
     tensors: int
+    """Tensors written."""
     total_bytes: int
+    """Bytes of tensor data written."""
     skipped: tuple[str, ...]
     """Leaves that are not tensors (strings, empty containers), left out."""
 

@@ -29,16 +29,23 @@ class VerifyReport:
     """What ``milepost.verify`` checked and what it found wrong; true when sound."""
 
     path: Path | ObjectPath
+    """The checkpoint checked."""
     problems: tuple[str, ...]
+    """Each thing found wrong, one line each; empty when sound."""
     files_checked: int = 0
+    """Files whose checksums were checked."""
     arrays_checked: int = 0
+    """Arrays whose chunks were read and checked."""
     chunks_checked: int = 0
+    """Chunks read and checked."""
     bytes_read: int = 0
+    """Bytes read to check them."""
     notes: tuple[str, ...] = field(default=())
     """What could not be checked, and why (e.g. no checksums recorded by the writer)."""
 
     @property
     def ok(self) -> bool:
+        """True when no problem was found (the report is true then, too)."""
         return not self.problems
 
     def __bool__(self) -> bool:

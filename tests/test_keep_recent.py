@@ -46,7 +46,7 @@ def info(step: int, hours_ago: float | None, now: datetime.datetime = T0) -> Ste
 
 def test_keeps_the_steps_committed_within_the_duration() -> None:
     clock = Clock(T0)
-    recent = KeepRecent(duration=HOUR, _clock=clock)
+    recent = KeepRecent(duration=HOUR, clock=clock)
     steps = [info(0, 5), info(1, 2), info(2, 1), info(3, 0.5), info(4, 0)]
     assert isinstance(recent, RetentionPolicy)
     assert recent.keep(steps) == {2, 3, 4}  # exactly one hour old is within it (Orbax: <=)
@@ -57,9 +57,9 @@ def test_keeps_the_steps_committed_within_the_duration() -> None:
     assert recent.keep([]) == set()
     # as Orbax: from the oldest recent step on, newer ones too (without a time, or older clocks)
     odd = [info(0, None), info(1, 0.5), info(2, None), info(3, 3)]
-    assert KeepRecent(duration=HOUR, _clock=Clock(T0)).keep(odd) == {1, 2, 3}
-    assert KeepRecent(duration=HOUR, _clock=Clock(T0)).keep([info(0, None)]) == set()
-    both = KeepUnion(KeepRecent(duration=HOUR, _clock=Clock(T0)), KeepEvery(n=2))
+    assert KeepRecent(duration=HOUR, clock=Clock(T0)).keep(odd) == {1, 2, 3}
+    assert KeepRecent(duration=HOUR, clock=Clock(T0)).keep([info(0, None)]) == set()
+    both = KeepUnion(KeepRecent(duration=HOUR, clock=Clock(T0)), KeepEvery(n=2))
     assert both.keep(steps) == {0, 2, 3, 4}
 
 
@@ -95,7 +95,7 @@ def test_a_checkpointer_drops_steps_by_their_metadata_commit_time(
 ) -> None:
     root = tmp_path / "run"
     clock = Clock(datetime.datetime(1970, 1, 1, tzinfo=UTC))  # every step is recent
-    with Checkpointer(root, keep=KeepRecent(duration=HOUR, _clock=clock)) as ckpt:
+    with Checkpointer(root, keep=KeepRecent(duration=HOUR, clock=clock)) as ckpt:
         for s in range(3):
             ckpt.save(s, tree(mesh24, s))
         ckpt.wait()
@@ -110,7 +110,7 @@ def test_a_checkpointer_drops_steps_by_their_metadata_commit_time(
     assert sorted(p.name for p in root.iterdir()) == ["2", "3"]
     # a new Checkpointer reads the times back from the steps' _CHECKPOINT_METADATA
     clock.now = t2 + HOUR
-    with Checkpointer(root, keep=KeepRecent(duration=HOUR, _clock=clock)) as again:
+    with Checkpointer(root, keep=KeepRecent(duration=HOUR, clock=clock)) as again:
         again.save(4, tree(mesh24, 4))
         again.wait()
         assert again.steps == [2, 3, 4]  # exactly an hour old: kept
@@ -132,7 +132,7 @@ def test_a_step_without_a_commit_time_is_never_recent_by_itself(
     del meta["commit_timestamp_nsecs"]  # as a writer that records none
     meta_path.write_text(json.dumps(meta))
     clock = Clock(datetime.datetime(1970, 1, 1, tzinfo=UTC))
-    keep = KeepUnion(KeepRecent(duration=HOUR, _clock=clock), KeepLatest(n=1))
+    keep = KeepUnion(KeepRecent(duration=HOUR, clock=clock), KeepLatest(n=1))
     with Checkpointer(root, keep=keep) as ckpt:
         clock.now = datetime.datetime.now(UTC) + 3 * HOUR  # step 0 is old; 1 has no time
         ckpt.save(2, tree(mesh24, 2))

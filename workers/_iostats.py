@@ -51,9 +51,11 @@ class HostIoStats:
     bytes_read: int = 0
     """Bytes read from storage."""
     read_requests: int = 0
+    """Read requests made to storage."""
     bytes_written: int = 0
     """Bytes written to storage."""
     write_requests: int = 0
+    """Write requests made to storage."""
     bytes_sent: int = 0
     """Bytes this host sent to other hosts (load-and-broadcast, the peer tier's copies)."""
     bytes_received: int = 0

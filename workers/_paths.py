@@ -315,17 +315,21 @@ class ObjectPath:
 
     @property
     def name(self) -> str:
+        """The last part of the key (as ``Path.name``)."""
         return self.key.rstrip("/").rsplit("/", 1)[-1]
 
     @property
     def parent(self) -> ObjectPath:
+        """The folder above (as ``Path.parent``; the bucket's root stays itself)."""
         head = self.key.rstrip("/").rsplit("/", 1)[0] if "/" in self.key.strip("/") else ""
         return ObjectPath(self.scheme, self.bucket, head)
 
     def with_name(self, name: str) -> ObjectPath:
+        """The path beside this one named ``name``."""
         return self.parent / name
 
     def relative_to(self, other: ObjectPath) -> PurePosixPath:
+        """The key below ``other``; ValueError if this path is not inside it."""
         prefix = other.key.rstrip("/") + "/"
         if (self.scheme, self.bucket) != (other.scheme, other.bucket) or not (
             self.key + "/"
@@ -334,12 +338,15 @@ class ObjectPath:
         return PurePosixPath(self.key[len(prefix) :])
 
     def as_posix(self) -> str:
+        """The URL (``gs://bucket/key``), as ``str()`` writes it."""
         return str(self)
 
     def absolute(self) -> ObjectPath:
+        """Itself: an object path is always absolute."""
         return self
 
     def resolve(self) -> ObjectPath:
+        """Itself: an object store has no links to follow."""
         return self
 
     # -- TensorStore ----------------------------------------------------------------------
@@ -376,6 +383,7 @@ class ObjectPath:
         return out
 
     def read_bytes(self) -> bytes:
+        """The object's bytes; FileNotFoundError when it does not exist."""
         raw, _ = self.read_with_generation()
         if raw is None:
             raise FileNotFoundError(errno.ENOENT, "no such object", str(self))
@@ -417,6 +425,7 @@ class ObjectPath:
         return out
 
     def read_text(self) -> str:
+        """The object's bytes as UTF-8 text; FileNotFoundError when it does not exist."""
         return self.read_bytes().decode()
 
     def write_bytes(self, data: bytes, *, if_generation: bytes | None = None) -> bytes:
@@ -429,9 +438,11 @@ class ObjectPath:
         return bytes(self._kv.write(self.key, data, if_equal=if_generation).result().generation)
 
     def write_text(self, text: str) -> None:
+        """Write ``text`` (UTF-8) as the object, durable when this returns."""
         self.write_bytes(text.encode())
 
     def is_file(self) -> bool:
+        """Whether an object has this key."""
         memo = _MEMO.get()
         if memo is not None:
             where = (self.scheme, self.bucket, self.key)
@@ -443,19 +454,25 @@ class ObjectPath:
         return self.generation() is not None
 
     def is_dir(self) -> bool:
+        """Whether any key lies below this one (a folder exists only while it holds objects)."""
         return bool(self.keys())
 
     def exists(self) -> bool:
+        """Whether it is an object or a folder holding some."""
         return self.is_file() or self.is_dir()
 
     def is_symlink(self) -> bool:
+        """False: an object store has no links."""
         return False
 
     def iterdir(self) -> Iterator[ObjectPath]:
+        """The objects and folders right below this folder."""
         children = sorted({key.split("/", 1)[0] for key in self.keys()})
         return iter([self / child for child in children])
 
     def glob(self, pattern: str) -> Iterator[ObjectPath]:
+        """The entries right below this folder whose names match ``pattern`` (``fnmatch``; no
+        ``**``)."""
         return iter([p for p in self.iterdir() if fnmatch.fnmatchcase(p.name, pattern)])
 
     def mkdir(self, parents: bool = False, exist_ok: bool = False) -> None:

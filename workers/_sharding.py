@@ -29,10 +29,13 @@ class ShardingSpec:
 
     kind: str
     mesh_shape: tuple[int, ...] = ()
+    """The mesh's size along each axis ('named' only)."""
     axis_names: tuple[str, ...] = ()
+    """The mesh's axis names ('named' only)."""
     device_ids: tuple[int, ...] = ()
     """Mesh device ids in row-major order of ``mesh_shape``; for 'single', one id."""
     spec: tuple[AxisEntry, ...] = ()
+    """The PartitionSpec, one entry per array dimension: None, an axis name, or a tuple of them."""
     axis_types: tuple[str, ...] = ()
     """'Auto', 'Explicit' or 'Manual' per mesh axis (``named`` fills in JAX's default, Auto)."""
     memory_kind: str | None = None
@@ -67,6 +70,8 @@ class ShardingSpec:
         spec: tuple[AxisEntry, ...],
         axis_types: tuple[str, ...] = (),
     ) -> ShardingSpec:
+        """A 'named' spec, checked: ValueError when the mesh's size and its device ids disagree, an
+        id or axis name repeats, or an axis type is unknown."""
         if math.prod(mesh_shape) != len(device_ids):
             raise ValueError(
                 f"mesh of shape {mesh_shape} needs {math.prod(mesh_shape)} "
@@ -105,10 +110,13 @@ class ShardingSpec:
 
     @staticmethod
     def single(device_id: int) -> ShardingSpec:
+        """A spec of the one device ``device_id``."""
         return ShardingSpec(kind="single", device_ids=(int(device_id),))
 
     @staticmethod
     def from_jax(sharding: Any) -> ShardingSpec:
+        """The spec of a JAX ``NamedSharding`` or ``SingleDeviceSharding`` (its memory kind
+        kept); TypeError for another kind, saying to reshard onto a ``NamedSharding``."""
         import jax
 
         if isinstance(sharding, jax.sharding.NamedSharding):
@@ -134,6 +142,7 @@ class ShardingSpec:
 
     # ---- jax ----------------------------------------------------------------------------
     def to_jax(self) -> Any:
+        """The JAX sharding it describes, on this runtime's devices."""
         return _to_jax(self)
 
     # ---- arithmetic ---------------------------------------------------------------------
@@ -153,6 +162,8 @@ class ShardingSpec:
         return tuple(out)
 
     def shard_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of each shard of an array of global ``shape``; ValueError if a sharded
+        dimension does not divide."""
         parts = self.partitions(len(shape))
         for dim, p in zip(shape, parts, strict=True):
             if dim % p:
@@ -182,6 +193,7 @@ class ShardingSpec:
         return out
 
     def describe(self) -> str:
+        """The spec in words, for messages and tables."""
         memory = f", memory_kind={self.memory_kind!r}" if self.memory_kind else ""
         if self.kind == "single":
             return f"SingleDevice(id={self.device_ids[0]}{memory})"
@@ -192,6 +204,7 @@ class ShardingSpec:
 
     # ---- Orbax ``_sharding`` JSON -------------------------------------------------------
     def to_orbax_json(self, platform: str = "cpu") -> str:
+        """The spec as the JSON Orbax records in a checkpoint's ``_sharding`` file."""
         # A non-default memory kind goes under the key Orbax's sharding metadata reserves for it
         # ('memory_kind'); Orbax 0.12 reads the keys it knows and ignores it.
         memory = {"memory_kind": self.memory_kind} if self.memory_kind else {}

@@ -36,7 +36,7 @@ from milepost._errors import (
     StructureMismatchError,
 )
 from milepost.colocated import HostGroup
-from milepost.workers import ObjectPath
+from milepost.workers import ObjectPath, PendingWrite
 
 _STATE_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")
 WHAT = "data iterator state"
@@ -149,17 +149,23 @@ class DataIteratorHandler:
     """A :class:`DataIterator` as one JSON file per controller process (Orbax's Grain layout)."""
 
     typestr = fmt.STATEFUL_HANDLER_TYPESTR
+    """The typestr it records: Orbax v1's stateful-checkpointable handler's."""
     typestrs = (fmt.STATEFUL_HANDLER_TYPESTR, fmt.GRAIN_HANDLER_TYPESTR)
     """Every typestr this handler reads: Orbax v1's, and Grain's handler's (CheckpointManager)."""
 
     def is_handleable(self, obj: Any) -> bool:
+        """Whether ``obj`` is a :class:`DataIterator` (it saves through ``get_state``)."""
         return isinstance(obj, DataIterator)
 
-    def save(self, directory: Path | ObjectPath, obj: Any, call: SaveCall) -> _StateWrite:
+    def save(self, directory: Path | ObjectPath, obj: Any, call: SaveCall) -> PendingWrite[None]:
+        """Take the iterator's state now, in the blocking part; write it in the background, one
+        JSON file per controller process."""
         raw = state_text(obj, directory.name)
         return _StateWrite(directory, raw, call.group, call.options.async_.timeout_secs)
 
     def load(self, directory: Path | ObjectPath, abstract: Any, call: LoadCall) -> Any:
+        """Restore the saved state into ``abstract``, the iterator to restore, in place; a
+        TypeError says what to pass when it is not one."""
         return self.prepare(directory, abstract, call)()
 
     def prepare(

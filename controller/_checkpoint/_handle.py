@@ -27,6 +27,7 @@ class Handle(Generic[T]):
         self, path: Any, future: futures.Future[T], operation: _progress.Operation | None = None
     ) -> None:
         self.path = path
+        """The checkpoint it saves or loads (a save's final path, not its temporary one)."""
         self._future = future
         self._op = operation
 

@@ -116,20 +116,24 @@ class PyTreeHandler:
     """A tree of arrays, scalars and strings in the Orbax v1 PyTree layout."""
 
     typestr = fmt.PYTREE_HANDLER_TYPESTR
+    """The typestr it records: Orbax v1's PyTree handler's."""
 
     def is_handleable(self, obj: Any) -> bool:
+        """Every object but a :class:`StatefulCheckpointable`: the handler of last resort."""
         return not isinstance(obj, StatefulCheckpointable)
 
-    def save(
-        self, directory: Path | ObjectPath, obj: Any, call: SaveCall
-    ) -> _pytree_save.PendingTree:
+    def save(self, directory: Path | ObjectPath, obj: Any, call: SaveCall) -> PendingWrite[None]:
+        """Plan the tree's writes over its host group and stage them; the hosts write in the
+        background."""
         planned = _pytree_save.plan_tree(obj, call.options.saving, call.group)
         return _pytree_save.stage_tree(planned, directory, call)
 
     def load(self, directory: Path | ObjectPath, abstract: Any, call: LoadCall) -> Any:
+        """The tree, shaped and sharded as ``abstract`` (None: as saved)."""
         return _pytree_load.load(directory, abstract, call)
 
     def metadata(self, directory: Path | ObjectPath) -> Any:
+        """The tree of :class:`LeafMetadata`, read from the checkpoint's metadata files only."""
         return _pytree_load.tree_metadata(directory)
 
 
@@ -137,16 +141,23 @@ class JsonHandler:
     """A JSON-serializable object in ``data.json`` (Orbax's JsonHandler layout)."""
 
     typestr = fmt.JSON_HANDLER_TYPESTR
+    """The typestr it records: Orbax v1's JSON handler's."""
     filename = "data.json"
+    """The file it writes in the checkpointable's folder."""
 
     def is_handleable(self, obj: Any) -> bool:
+        """Whether ``json.dumps`` takes ``obj``."""
         try:
             json.dumps(obj)
         except (TypeError, ValueError):
             return False
         return True
 
-    def save(self, directory: Path | ObjectPath, obj: Any, call: SaveCall) -> Deferred | None:
+    def save(
+        self, directory: Path | ObjectPath, obj: Any, call: SaveCall
+    ) -> PendingWrite[Any] | None:
+        """Serialize ``obj`` now (later changes to it are not saved); the primary process writes
+        it in the background."""
         try:
             text = json.dumps(obj)  # snapshot now: the caller may mutate obj after we return
         except (TypeError, ValueError) as e:
@@ -158,6 +169,7 @@ class JsonHandler:
         return Deferred(lambda: fmt.write_file(directory / self.filename, text))
 
     def load(self, directory: Path | ObjectPath, abstract: Any, call: LoadCall) -> Any:
+        """The saved object, read once on the primary and shared with every controller process."""
         # read once, on the primary, for every controller process
         timeout = call.options.async_.timeout_secs
         return _hosts.shared(
@@ -173,6 +185,7 @@ class JsonHandler:
         )
 
     def metadata(self, directory: Path | ObjectPath) -> Any:
+        """The saved object itself, read from its file."""
         return self._read(directory)
 
 

@@ -230,19 +230,23 @@ class CheckpointMetadata:
         unreadable: dict[str, str] | None = None,
     ) -> None:
         self.path = path
+        """The checkpoint's folder."""
         self.checkpointables = checkpointables
         self.unreadable: dict[str, str] = dict(unreadable or {})
         """Why a checkpointable could not be described (its handler is unknown here, its files
         are damaged or gone), by name; its entry in ``checkpointables`` is None."""
-        self.tree = checkpointables.get(tree_name) if tree_name else None
+        self.tree: Any = checkpointables.get(tree_name) if tree_name else None
         self.custom_metadata: dict[str, Any] = meta.get("custom_metadata") or {}
         self.metrics: dict[str, Any] = meta.get("metrics") or {}
         self.init_timestamp_nsecs: int | None = meta.get("init_timestamp_nsecs")
+        """When the save started (nanoseconds since the epoch), if recorded."""
         self.commit_timestamp_nsecs: int | None = meta.get("commit_timestamp_nsecs")
+        """When the save committed (nanoseconds since the epoch), if recorded."""
         handlers = meta.get("item_handlers") or {}
         self.item_handlers: dict[str, str] = (
             handlers if isinstance(handlers, dict) else {fmt.DEFAULT_ITEM: handlers}
         )
+        """The typestr of the handler that saved each checkpointable, by name."""
 
     def leaves(self, checkpointable: str | None = None) -> list[Any]:
         """Every :class:`LeafMetadata` of the main tree (or of the pytree ``checkpointable``),

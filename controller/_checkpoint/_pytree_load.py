@@ -43,8 +43,12 @@ class LeafMetadata:
     name: str
     """The key path, parts joined by '.' (``params.layer0.kernel``)."""
     value_type: ValueType
+    """What the leaf is, in Orbax's words (``jax.Array``, ``np.ndarray``, ``scalar``,
+    ``string``...)."""
     shape: tuple[int, ...] | None = None
+    """The array's global shape (None for a scalar or a string)."""
     dtype: np.dtype | None = None
+    """The array's dtype (None for a scalar or a string)."""
     sharding: ShardingSpec | None = None
     """How it was sharded when saved (None: a NumPy array, a scalar, or not recorded)."""
     write_shape: tuple[int, ...] | None = None

@@ -12,6 +12,8 @@ import numpy as np
 
 from milepost import _checkpoint, _hosts, _options, workers
 from milepost import _format as fmt
+from milepost._checkpoint import LeafMetadata
+from milepost._format import TreeFiles
 from milepost._tree import PLACEHOLDER, ValueType
 from milepost.colocated import Slice
 from milepost.surgery._lazy import LazyArray, Source, flat, nest
@@ -25,22 +27,29 @@ class Checkpoint:
     scalars as values); ``files`` what the loads and previews check against."""
 
     path: Path | ObjectPath
+    """The checkpoint's folder."""
     item: str
+    """The name of the checkpointable opened (the tree)."""
     folder: Path | ObjectPath
-    files: fmt.TreeFiles
+    """The checkpointable's folder."""
+    files: TreeFiles
     placement: Placement
+    """Where the arrays are computed: the slice or this process's devices."""
     tree: Any
     custom_metadata: dict[str, Any]
-    leaf_meta: dict[str, _checkpoint.LeafMetadata]
+    """The custom metadata saved with the checkpoint."""
+    leaf_meta: dict[str, LeafMetadata]
     """What ``milepost.metadata`` says of each stored array (write and chunk shapes), by its
     storage name."""
 
     @property
     def arrays(self) -> dict[str, LazyArray]:
+        """Every lazy array in ``tree``, by its path."""
         return {k: v for k, v in flat(self.tree).items() if isinstance(v, LazyArray)}
 
     @property
     def nbytes(self) -> int:
+        """Bytes of all its arrays."""
         return sum(a.nbytes for a in self.arrays.values())
 
     def rows(self) -> list[tuple[str, str, str, str, int]]:

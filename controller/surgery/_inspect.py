@@ -33,8 +33,11 @@ class Table:
     """Rows of named columns; prints as text, shows as an HTML table in a notebook."""
 
     title: str
+    """What the table shows (``statistics``, ``diff``)."""
     columns: tuple[str, ...]
+    """The columns' names; the first is the leaf's."""
     rows: tuple[tuple[Any, ...], ...]
+    """One tuple per leaf, in the columns' order."""
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -47,6 +50,7 @@ class Table:
         raise KeyError(name)
 
     def as_dicts(self) -> list[dict[str, Any]]:
+        """Each row as a dict by column name (e.g. for ``pandas.DataFrame``)."""
         return [dict(zip(self.columns, row, strict=True)) for row in self.rows]
 
     @staticmethod
@@ -209,15 +213,20 @@ class Diff:
     equal and the largest absolute difference."""
 
     only_a: tuple[str, ...]
+    """Leaves only in the first tree."""
     only_b: tuple[str, ...]
+    """Leaves only in the second tree."""
     table: Table
+    """Per common leaf: whether it is equal, and the largest absolute difference."""
 
     @property
     def equal(self) -> bool:
+        """True when the trees have the same leaves and every one is equal."""
         return not self.only_a and not self.only_b and all(r[1] for r in self.table.rows)
 
     @property
     def different(self) -> tuple[str, ...]:
+        """The common leaves that are not equal."""
         return tuple(r[0] for r in self.table.rows if not r[1])
 
     def __str__(self) -> str:

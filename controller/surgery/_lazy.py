@@ -68,22 +68,31 @@ class LazyArray:
         history: tuple[str, ...] = (),
     ) -> None:
         self.expr = expr
-        self.shape = tuple(int(d) for d in shape)
-        self.dtype = np.dtype(dtype)
+        """How it is computed: a stored leaf, or an operation on other lazy arrays."""
+        self.shape: tuple[int, ...] = tuple(int(d) for d in shape)
+        """The global shape."""
+        self.dtype: np.dtype = np.dtype(dtype)
+        """The NumPy dtype."""
         self.sharding = sharding
+        """The sharding it prefers (a stored leaf's saved one, kept by the operations that keep the
+        layout); None: none, and ``write`` places it (its ``shardings``, else over every device)."""
         self.history = history
+        """The operations that made it, in order (shown by ``describe``)."""
 
     # -- description ------------------------------------------------------------------------
     @property
     def ndim(self) -> int:
+        """The number of dimensions."""
         return len(self.shape)
 
     @property
     def size(self) -> int:
+        """The number of elements."""
         return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the whole array once computed."""
         return self.size * self.dtype.itemsize
 
     def sources(self) -> Iterator[Source]:
@@ -125,10 +134,13 @@ class LazyArray:
         return apply("getitem", lambda x: x[index], (self,), params=index)
 
     def astype(self, dtype: Any) -> LazyArray:
+        """The array cast to ``dtype``, as ``surgery.cast`` casts (a dtype the format cannot store,
+        or complex to real, is refused)."""
         target = check_cast(self, dtype, "astype")
         return apply("cast", lambda x: x.astype(target), (self,), sharding=self.sharding)
 
     def reshape(self, *shape: Any) -> LazyArray:
+        """The array reshaped (as ``numpy.reshape``); it prefers no sharding."""
         new = (
             tuple(shape[0])
             if len(shape) == 1 and isinstance(shape[0], tuple | list)
@@ -137,6 +149,7 @@ class LazyArray:
         return apply("reshape", lambda x: x.reshape(new), (self,))
 
     def transpose(self, *axes: Any) -> LazyArray:
+        """The array with its axes permuted (reversed when none are given)."""
         order = (
             tuple(axes[0])
             if len(axes) == 1 and isinstance(axes[0], tuple | list)
@@ -147,6 +160,7 @@ class LazyArray:
 
     @property
     def T(self) -> LazyArray:
+        """The array with its axes reversed."""
         return self.transpose()
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:

@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 
 from milepost import _api, _checkpoint, _hosts, _options, _views
 from milepost import _format as fmt
+from milepost._checkpoint import CheckpointMetadata, LoadHandle
 from milepost._errors import SaveCancelledError
 from milepost.colocated import HostGroup, Slice
 from milepost.training._errors import (
@@ -134,7 +135,7 @@ class Checkpointer:
         step_format_fixed_length: int | None = None,
     ) -> None:
         given: dict[str, Any] = {"save_policy": save_policy, "keep": keep}
-        self.options = CheckpointerOptions(
+        self.options: CheckpointerOptions = CheckpointerOptions(
             **{k: v for k, v in given.items() if v is not None},
             max_in_flight=max_in_flight,
             asynchronous=asynchronous,
@@ -147,7 +148,8 @@ class Checkpointer:
             step_prefix=step_prefix,
             step_format_fixed_length=step_format_fixed_length,
         )
-        self.root = as_path(root)
+        """Every option, as given or defaulted (a :class:`CheckpointerOptions`)."""
+        self.root: Path | ObjectPath = as_path(root)
         self.local: Path | None = self.options.local_path()
         if self.local is not None and isinstance(self.root, Path):
             if (
@@ -222,6 +224,7 @@ class Checkpointer:
 
     @property
     def read_only(self) -> bool:
+        """True when opened to read only: ``save`` and ``delete`` raise."""
         return self.options.read_only
 
     @property
@@ -230,6 +233,7 @@ class Checkpointer:
 
     @property
     def asynchronous(self) -> bool:
+        """Whether ``save`` returns before the step is written (it commits in the background)."""
         return self.options.asynchronous
 
     # -- collectives --------------------------------------------------------------------
@@ -755,7 +759,7 @@ class Checkpointer:
         *,
         partial: bool = False,
         data_iter: Any = None,
-    ) -> _checkpoint.LoadHandle[Any]:
+    ) -> LoadHandle[Any]:
         """Like :meth:`load`, but returns a :class:`~milepost.LoadHandle` at once and reads in
         the background (see ``milepost.load_async``): compile while the step is read, then
         ``handle.result()``.
@@ -786,7 +790,7 @@ class Checkpointer:
             self._release(s)  # it never started
             raise
 
-    def metadata(self, step: int | None = None) -> _checkpoint.CheckpointMetadata:
+    def metadata(self, step: int | None = None) -> CheckpointMetadata:
         """Shapes, dtypes, shardings, metrics and custom metadata of ``step`` (default: the
         latest), without reading array data."""
         self._state.raise_failure()

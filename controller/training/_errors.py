@@ -41,8 +41,11 @@ class MirrorError(BackgroundSaveError):
             "Checkpointer on these folders again to retry the mirror.",
         )
         self.step = step
+        """The step whose mirror failed."""
         self.local = local
+        """The local folder that keeps the step."""
         self.root = root
+        """The root the step was being mirrored to."""
         self.__cause__ = cause
 
 

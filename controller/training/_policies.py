@@ -24,11 +24,13 @@ class SaveContext:
     primary's answer)."""
 
     step: int
+    """The step being asked about."""
     latest_step: int | None
     """The newest committed or in-flight step, if any."""
     last_save_start: float | None
     """``time.monotonic()`` when the previous save started (None: no save yet in this run)."""
     save_in_flight: bool
+    """Whether a save is still being written."""
     now: float
     """``time.monotonic()`` now."""
     preempted: bool = False
@@ -83,6 +85,7 @@ class FixedInterval:
         )
 
     def should_save(self, ctx: SaveContext) -> bool:
+        """Save the steps that are multiples of ``interval``."""
         return ctx.step % self.interval == 0
 
 
@@ -91,6 +94,7 @@ class SpecificSteps:
     """Exactly these steps: ``SpecificSteps(steps=[100, 5000])``."""
 
     steps: frozenset[int]
+    """The steps to save."""
 
     def __init__(self, *, steps: Iterable[int]) -> None:
         values = list(steps)
@@ -99,6 +103,7 @@ class SpecificSteps:
         object.__setattr__(self, "steps", frozenset(int(s) for s in values))
 
     def should_save(self, ctx: SaveContext) -> bool:
+        """Save the step if it is one of ``steps``."""
         return ctx.step in self.steps
 
 
@@ -107,6 +112,7 @@ class InitialStep:
     """The first step asked about while the root holds no checkpoint (and none is in flight)."""
 
     def should_save(self, ctx: SaveContext) -> bool:
+        """Save while no step is committed or in flight."""
         return ctx.latest_step is None
 
 
@@ -123,6 +129,8 @@ class Continuous:
         )
 
     def should_save(self, ctx: SaveContext) -> bool:
+        """Save when no save is in flight and ``min_interval_secs`` passed since the last one
+        started."""
         if ctx.save_in_flight:
             return False
         return (
@@ -150,6 +158,7 @@ class Preemption:
         object.__setattr__(self, "signals", tuple(signal.Signals(s) for s in self.signals))
 
     def should_save(self, ctx: SaveContext) -> bool:
+        """Save once a preemption signal (or ``Checkpointer.preempt``) arrived."""
         return ctx.preempted
 
 
@@ -159,6 +168,7 @@ class AnyOf:
     ``AnyOf(FixedInterval(interval=1000), Preemption())``."""
 
     policies: tuple[SavePolicy, ...]
+    """The policies asked, in order."""
 
     def __init__(self, *policies: SavePolicy) -> None:
         if not policies:
@@ -168,6 +178,7 @@ class AnyOf:
         object.__setattr__(self, "policies", tuple(policies))
 
     def should_save(self, ctx: SaveContext) -> bool:
+        """Save if any policy says so (every policy sees every step)."""
         # every policy sees every step (no short-circuit), so stateful custom policies stay in step
         return any([p.should_save(ctx) for p in self.policies])
 
@@ -192,7 +203,9 @@ class StepInfo:
     """A committed step as a retention policy sees it."""
 
     step: int
+    """The step's number."""
     metrics: Mapping[str, Any] = field(default_factory=dict)
+    """The metrics saved with it (empty if none)."""
     time: datetime.datetime | None = None
     """When the step was committed (its ``_CHECKPOINT_METADATA``'s ``commit_timestamp_nsecs``,
     in UTC; Orbax's ``time``); None when its metadata records no commit time."""
@@ -225,6 +238,7 @@ class KeepAll:
     """Keep every committed step (no retention): ``Checkpointer(root, keep=KeepAll())``."""
 
     def keep(self, steps: Sequence[StepInfo]) -> set[int]:
+        """Every step."""
         return {s.step for s in steps}
 
 
@@ -238,6 +252,7 @@ class KeepLatest:
         _keeps_nothing("KeepLatest", self.n)
 
     def keep(self, steps: Sequence[StepInfo]) -> set[int]:
+        """The ``n`` newest steps."""
         return {s.step for s in steps[-self.n :]}
 
 
@@ -251,6 +266,7 @@ class KeepEvery:
         _keeps_nothing("KeepEvery", self.n)
 
     def keep(self, steps: Sequence[StepInfo]) -> set[int]:
+        """The steps that are multiples of ``n``."""
         return {s.step for s in steps if s.step % self.n == 0}
 
 
@@ -272,6 +288,7 @@ class KeepBest:
     metric: str | None = None
     fn: Callable[[Mapping[str, Any]], float] | None = None
     mode: Literal["min", "max"] = "min"
+    """``min``: the lowest scores are the best; ``max``: the highest."""
 
     def __post_init__(self) -> None:
         _keeps_nothing("KeepBest", self.n)
@@ -313,6 +330,7 @@ class KeepBest:
         return [step for _, step in scored]
 
     def keep(self, steps: Sequence[StepInfo]) -> set[int]:
+        """The ``n`` best-scored steps (``ranked``'s first ``n``)."""
         return set(self.ranked(steps)[: self.n])
 
 
@@ -337,13 +355,15 @@ class KeepRecent:
 
     duration: datetime.timedelta
     """How far back to keep (seconds given are turned into a timedelta)."""
-    _clock: Callable[[], datetime.datetime] = field(default=_utc_now, repr=False, compare=False)
+    clock: Callable[[], datetime.datetime] | None = field(default=None, repr=False, compare=False)
+    """What time it is now, as an aware ``datetime`` (None: the current UTC time); for tests
+    and replays."""
 
     def __init__(
         self,
         *,
         duration: datetime.timedelta | float,
-        _clock: Callable[[], datetime.datetime] = _utc_now,
+        clock: Callable[[], datetime.datetime] | None = None,
     ) -> None:
         if isinstance(duration, datetime.timedelta):
             window = duration
@@ -362,10 +382,11 @@ class KeepRecent:
                 f"got {duration!r}; e.g. duration=datetime.timedelta(hours=24)"
             )
         object.__setattr__(self, "duration", window)
-        object.__setattr__(self, "_clock", _clock)
+        object.__setattr__(self, "clock", clock)
 
     def keep(self, steps: Sequence[StepInfo]) -> set[int]:
-        now = self._clock()
+        """The oldest step committed at most ``duration`` ago, and every step after it."""
+        now = (self.clock or _utc_now)()
         for i, s in enumerate(steps):
             if s.time is not None and now - s.time <= self.duration:
                 return {t.step for t in steps[i:]}
@@ -377,6 +398,7 @@ class KeepUnion:
     """Keep what any of the policies keeps: ``KeepUnion(KeepLatest(n=3), KeepEvery(n=10_000))``."""
 
     policies: tuple[RetentionPolicy, ...]
+    """The policies whose answers are joined."""
 
     def __init__(self, *policies: RetentionPolicy) -> None:
         if not policies:
@@ -390,6 +412,7 @@ class KeepUnion:
         object.__setattr__(self, "policies", tuple(policies))
 
     def keep(self, steps: Sequence[StepInfo]) -> set[int]:
+        """Every step any of the policies keeps."""
         out: set[int] = set()
         for p in self.policies:
             out |= set(p.keep(steps))

@@ -37,6 +37,7 @@ class PeerRun:
     """The folder's name (``run-`` and a hash of the run's root); print it escaped: it comes
     from a folder's listing."""
     path: Path
+    """The run's folder in the node's memory."""
     nbytes: int
     """Bytes of its files: what it holds in the node's memory."""
     steps: tuple[int, ...]
@@ -50,6 +51,7 @@ class PeerRun:
 
     @property
     def newest_step(self) -> int | None:
+        """The newest step it holds a part of (None: none)."""
         return self.steps[-1] if self.steps else None
 
 

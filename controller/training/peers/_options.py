@@ -70,7 +70,10 @@ class Recovery:
     ``abstract_state`` is placed on (None in a multi-controller job or one process, whose
     processes are the job's own)."""
     state: Any
+    """The restored state: on the new slice after ``recover(lost)``, else where
+    ``abstract_state`` placed it."""
     step: int
+    """The step it was restored from."""
     tier: str
     """``"peers"`` (node memory), ``"local"`` or ``"durable"``."""
     bytes_by_source: dict[str, int]
