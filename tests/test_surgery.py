@@ -6,6 +6,7 @@ they need."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -557,3 +558,12 @@ def test_the_same_surgery_in_a_multi_controller_job(tmp_path: Path) -> None:
         )
         assert r.out["exact"] == 8 and r.out["step"] == 5 and r.out["equal"], r.out
         assert r.out["preview"] == [float(x) for x in (np.arange(64, 67) * 3 - 7)], r.out
+
+
+def test_diff_of_values_that_are_not_arrays() -> None:
+    a = {"step": 10, "run": "a", "lr": 0.5, "seen": np.int64(7)}
+    d = ms.diff(a, {"step": 10, "run": "b", "lr": 0.25, "seen": np.int64(7)})
+    assert d.different == ("run", "lr")
+    assert d.table["step"]["max_abs_diff"] == 0.0 and d.table["seen"]["max_abs_diff"] == 0.0
+    assert d.table["lr"]["max_abs_diff"] == 0.25 and math.isnan(d.table["run"]["max_abs_diff"])
+    assert "nan" not in str(ms.diff(a, dict(a)).table)
