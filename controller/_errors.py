@@ -13,6 +13,7 @@ from milepost.workers import (
     CorruptCheckpointError,
     HostMemoryError,
     LostWriteError,
+    MissingDevicesError,
 )
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "HostMemoryError",
     "InvalidKeyError",
     "LostWriteError",
+    "MissingDevicesError",
     "RayNotInstalledError",
     "SaveInProgressError",
     "StructureMismatchError",

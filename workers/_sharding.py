@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from milepost.workers import _declared as declared
+from milepost.workers._errors import MissingDevicesError
 
 AxisEntry = str | tuple[str, ...] | None
 AXIS_TYPES = ("Auto", "Explicit", "Manual")
@@ -331,10 +332,15 @@ def _to_jax(spec: ShardingSpec) -> Any:
     by_id = {d.id: d for d in jax.devices()}
     missing = [i for i in spec.device_ids if i not in by_id]
     if missing:
-        raise ValueError(
-            f"the sharding {spec.describe()} uses devices {missing[:8]} that this JAX runtime does "
-            f"not have (it has ids {sorted(by_id)[:8]}{'...' if len(by_id) > 8 else ''}); pass an "
-            "abstract tree with shardings over the devices you have to load resharded"
+        raise MissingDevicesError(
+            f"the sharding {spec.describe()} uses devices {missing[:8]}"
+            f"{'...' if len(missing) > 8 else ''} that this JAX runtime does not have (it has "
+            f"{len(by_id)}, ids {sorted(by_id)[:8]}{'...' if len(by_id) > 8 else ''}); load "
+            "without an abstract tree (the saved shardings are placed on the devices here), or "
+            "pass one with shardings over the devices you have",
+            sharding=spec,
+            missing=tuple(missing),
+            available=tuple(sorted(by_id)),
         )
     if spec.kind == "single":
         return jax.sharding.SingleDeviceSharding(
