@@ -183,13 +183,22 @@ class ShardingSpec:
         return out
 
     def describe(self) -> str:
-        memory = f", memory_kind={self.memory_kind!r}" if self.memory_kind else ""
+        """The one notation milepost writes a sharding in (``milepost inspect``, reprs, logs,
+        errors): ``P('data', 'model') on {data: 2, model: 4}``, ``device 3``, and a memory kind
+        other than the default as ``[pinned_host]``."""
+        memory = f" [{self.memory_kind}]" if self.memory_kind else ""
         if self.kind == "single":
-            return f"SingleDevice(id={self.device_ids[0]}{memory})"
-        return (
-            f"Named(mesh={dict(zip(self.axis_names, self.mesh_shape, strict=True))}, "
-            f"spec={self.spec}{memory})"
+            return f"device {self.device_ids[0]}{memory}"
+        entries = ", ".join(
+            "None"
+            if e is None
+            else repr(e)
+            if isinstance(e, str)
+            else "(" + ", ".join(map(repr, e)) + ")"
+            for e in self.spec
         )
+        mesh = ", ".join(f"{a}: {n}" for a, n in zip(self.axis_names, self.mesh_shape, strict=True))
+        return f"P({entries}) on {{{mesh}}}{memory}"
 
     # ---- Orbax ``_sharding`` JSON -------------------------------------------------------
     def to_orbax_json(self, platform: str = "cpu") -> str:

@@ -48,7 +48,7 @@ class Checkpoint:
         out = []
         for name, leaf in flat(self.tree).items():
             if isinstance(leaf, LazyArray):
-                where = leaf.sharding.describe() if leaf.sharding is not None else "host (NumPy)"
+                where = workers.sharding_str(leaf.sharding)
                 out.append((name, str(leaf.shape), str(leaf.dtype), where, leaf.nbytes))
             else:
                 out.append((name, "", type(leaf).__name__, repr(leaf)[:40], 0))

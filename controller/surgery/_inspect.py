@@ -195,7 +195,7 @@ def stats(
             if s is not None
             else (math.nan,) * 4 + (0, 0)
         )
-        where_ = x.sharding.describe() if x.sharding is not None else "spread by milepost"
+        where_ = workers.sharding_str(x.sharding)
         rows.append((name, str(x.shape), str(x.dtype), *values, where_))
     return Table(
         "statistics",
