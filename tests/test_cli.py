@@ -280,6 +280,16 @@ def test_stats_diff_and_convert(ckpt: Path, tmp_path: Path) -> None:
         if leaf["path"] == "params.kernel"
     )
     assert np.prod(kernel["chunk_shape"]) * 4 <= 16384 < np.prod(kernel["write_shape"]) * 4
+    # The saved sharding kept, though the command's process had one CPU device.
+    source = json.loads(run("inspect", str(ckpt), "--json").stdout)["checkpointables"]["state"]
+    assert kernel["sharding"] == "P('data', 'model') on {data: 2, model: 4}"
+    assert {leaf["path"]: leaf["sharding"] for leaf in source["leaves"]} == {
+        leaf["path"]: leaf["sharding"] for leaf in record["checkpointables"]["state"]["leaves"]
+    }
+    assert mp.metadata(out).tree["params"]["kernel"].sharding == (
+        mp.metadata(ckpt).tree["params"]["kernel"].sharding
+    )
+    assert mp.load(out)["params"]["kernel"].sharding == mp.load(ckpt)["params"]["kernel"].sharding
     assert (
         record["custom_metadata"]["owner"] == "tests"
         and record["custom_metadata"]["milepost.convert"]["to"] == "zarr3"
@@ -292,7 +302,7 @@ def test_stats_diff_and_convert(ckpt: Path, tmp_path: Path) -> None:
         {
             "params": {
                 "kernel": jax.ShapeDtypeStruct((256, 128), np.float32),
-                "bias": jax.ShapeDtypeStruct((128,), np.float16),
+                "bias": np.empty(128, np.float16),  # saved as a NumPy array, kept one
             },
             "step": 0,
             "run": "",

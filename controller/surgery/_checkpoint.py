@@ -15,7 +15,7 @@ from milepost import _format as fmt
 from milepost._tree import PLACEHOLDER, ValueType
 from milepost.colocated import Slice
 from milepost.surgery._lazy import LazyArray, Source, flat, nest
-from milepost.surgery._placement import Placement
+from milepost.surgery._placement import Placement, fits
 from milepost.workers import ObjectPath, as_path
 
 
@@ -131,7 +131,9 @@ def open(
             ValueType.JAX_ARRAY,
             ValueType.NP_ARRAY,
         ):
-            spec = leaf.sharding if placement.usable(leaf.sharding, leaf.shape or ()) else None
+            # The saved sharding, even over devices not here (placement.spec_for places it
+            # as it can): where the array would like to live, and what a write records.
+            spec = leaf.sharding if fits(leaf.sharding, leaf.shape or ()) else None
             leaves[path] = LazyArray(
                 Source(ck, leaf.name, path), leaf.shape or (), np.dtype(leaf.dtype), spec
             )
