@@ -8,12 +8,14 @@ actors through its host group (``_ray_group.RayHostGroup``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
 import uuid
+import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -39,6 +41,45 @@ __all__ = [
     "SliceSharding",
     "Traffic",
 ]
+
+
+_RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+class _TokenAuthDefault(logging.Filter):
+    """Drops Ray's notice that it turned token authentication on by default."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token authentication is enabled")
+
+
+@contextlib.contextmanager
+def quiet_local_ray() -> Iterator[None]:
+    """Start a local Ray runtime (``ray.init``) without the two notices the call prints:
+
+    - Ray's "Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled
+      to opt out" warning, logged when ``RAY_AUTH_MODE`` is unset and Ray turns token
+      authentication on, its default. No ``ray.init`` argument sets the mode (it is the
+      environment variable, which Ray reads when it is imported: set later, Ray's processes
+      disagree on it), so that one record is dropped for the call; the default stands, and a
+      user's own ``RAY_AUTH_MODE`` is used as Ray uses it.
+    - JAX's ``os.fork() was called ... deadlock`` RuntimeWarning: ``ray.init`` starts Ray's
+      processes with ``subprocess.Popen(preexec_fn=...)``, and a ``preexec_fn`` makes Python run
+      the ``os.register_at_fork`` hooks, one of which JAX installs once its backends are up. The
+      fork is Ray's, not milepost's (which starts no process by forking), and the child only
+      blocks SIGINT and sets its parent-death signal before it executes Ray's binaries, taking
+      no lock of a JAX thread; that warning is ignored for the call, by its message."""
+    quiet = _TokenAuthDefault()
+    logger = logging.getLogger(_RAY_AUTH_LOGGER)
+    logger.addFilter(quiet)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings(
+                "ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning
+            )
+            yield
+    finally:
+        logger.removeFilter(quiet)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -133,7 +174,8 @@ class Slice:
                 "object_store_memory": options.ray_object_store_bytes,
             }
             kwargs.update(ray_init or {})
-            ray.init(**kwargs)
+            with quiet_local_ray():
+                ray.init(**kwargs)
         return cls._launch(hosts, devices_per_host, "PACK", options)
 
     @classmethod

@@ -15,6 +15,7 @@ from milepost.workers import (
     CorruptCheckpointError,
     HostMemoryError,
     LostWriteError,
+    MissingDevicesError,
 )
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "InvalidKeyError",
     "LastCheckpointableError",
     "LostWriteError",
+    "MissingDevicesError",
     "RayNotInstalledError",
     "SaveCancelledError",
     "SaveInProgressError",

@@ -51,6 +51,17 @@ def _clock(seconds: float | None) -> str:
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
+RATE_MIN_BYTES = 1 << 20
+"""Operations smaller than this log no rate."""
+
+
+def rate_str(bytes_per_sec: float) -> str:
+    """``'1.28 GB/s'``, or in MB/s (``'85.3 MB/s'``) below 1 GB/s."""
+    if bytes_per_sec >= 1e9:
+        return f"{bytes_per_sec / 1e9:.2f} GB/s"
+    return f"{bytes_per_sec / 1e6:.3g} MB/s"
+
+
 class Operation:
     """One save, load or verify: bytes planned and done, its times, and (when asked) its bar.
 
@@ -113,15 +124,16 @@ class Operation:
         self.blocking_secs = time.monotonic() - self.started
 
     def summary(self) -> str:
-        """``'512.0 MiB in 0.42 s (1.28 GB/s)'`` (+ the blocking time of a save)."""
+        """``'512.0 MiB in 0.42 s (1.28 GB/s)'`` (+ the blocking time of a save); below 1 MiB
+        no rate (it would measure the latency, not the throughput)."""
         nbytes, secs = max(self.done, self.total), self.seconds
-        rate = f"{nbytes / secs / 1e9:.2f} GB/s" if secs > 0 else "-"
+        rate = f" ({rate_str(nbytes / secs)})" if secs > 0 and nbytes >= RATE_MIN_BYTES else ""
         blocking = (
             f", blocking {self.blocking_secs:.3f} s"
             if self.blocking_secs is not None and self.kind == "save"
             else ""
         )
-        return f"{human_bytes(nbytes)} in {secs:.2f} s ({rate}){blocking}"
+        return f"{human_bytes(nbytes)} in {secs:.2f} s{rate}{blocking}"
 
     def close(self, ok: bool) -> None:
         """End the operation; on success every planned byte counts as done."""

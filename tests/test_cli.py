@@ -145,6 +145,24 @@ def test_errors_are_one_line_with_an_exit_status(tmp_path: Path) -> None:
     assert scheme.returncode == _cli.USAGE and "gs://, s3:// and memory://" in scheme.stderr
 
 
+def test_inspect_on_a_file_it_does_not_read_names_the_formats(tmp_path: Path) -> None:
+    (tmp_path / "model.pkl").write_bytes(b"\x80\x04K\x01.")
+    out = run("inspect", str(tmp_path / "model.pkl"))
+    assert out.returncode == _cli.USAGE, out.stderr
+    assert "format milepost does not read" in out.stderr and ".safetensors" in out.stderr
+    assert "Orbax v0" in out.stderr and "directory" not in out.stderr, out.stderr
+
+
+def test_demo_in_a_temporary_folder_says_it_is_removed() -> None:
+    out = run("demo", "--devices", "2", "--size-mib", "1")
+    assert out.returncode == 0, out.stderr
+    printed = out.stdout
+    where = next(line for line in printed.splitlines() if "checkpoint at " in line)
+    assert "removed when the demo ends; --dir keeps it" in where, printed
+    path = Path(where.split("checkpoint at ", 1)[1].split(" (", 1)[0])
+    assert path.name == "ckpt_1000" and not path.parent.exists()
+
+
 def test_verify_exit_status_says_sound_or_damaged(ckpt: Path, tmp_path: Path) -> None:
     good = run("verify", str(ckpt), "--json")
     assert good.returncode == _cli.OK, good.stderr
@@ -201,6 +219,7 @@ def test_demo_checks_its_devices_and_its_folder(tmp_path: Path) -> None:
         assert "Traceback" not in out.stderr
     out = run("demo", "--devices", "4", "--size-mib", "8", "--dir", str(tmp_path))
     assert out.returncode == 0, out.stderr
+    assert "removed when the demo ends" not in out.stdout
     assert "values identical: True" in out.stdout and (tmp_path / "ckpt_1000").is_dir()
     again = run("demo", "--devices", "4", "--size-mib", "8", "--dir", str(tmp_path))
     assert again.returncode == _cli.USAGE and "--overwrite" in again.stderr
@@ -261,6 +280,16 @@ def test_stats_diff_and_convert(ckpt: Path, tmp_path: Path) -> None:
         if leaf["path"] == "params.kernel"
     )
     assert np.prod(kernel["chunk_shape"]) * 4 <= 16384 < np.prod(kernel["write_shape"]) * 4
+    # The saved sharding kept, though the command's process had one CPU device.
+    source = json.loads(run("inspect", str(ckpt), "--json").stdout)["checkpointables"]["state"]
+    assert kernel["sharding"] == "P('data', 'model') on {data: 2, model: 4}"
+    assert {leaf["path"]: leaf["sharding"] for leaf in source["leaves"]} == {
+        leaf["path"]: leaf["sharding"] for leaf in record["checkpointables"]["state"]["leaves"]
+    }
+    assert mp.metadata(out).tree["params"]["kernel"].sharding == (
+        mp.metadata(ckpt).tree["params"]["kernel"].sharding
+    )
+    assert mp.load(out)["params"]["kernel"].sharding == mp.load(ckpt)["params"]["kernel"].sharding
     assert (
         record["custom_metadata"]["owner"] == "tests"
         and record["custom_metadata"]["milepost.convert"]["to"] == "zarr3"
@@ -273,7 +302,7 @@ def test_stats_diff_and_convert(ckpt: Path, tmp_path: Path) -> None:
         {
             "params": {
                 "kernel": jax.ShapeDtypeStruct((256, 128), np.float32),
-                "bias": jax.ShapeDtypeStruct((128,), np.float16),
+                "bias": np.empty(128, np.float16),  # saved as a NumPy array, kept one
             },
             "step": 0,
             "run": "",
@@ -282,9 +311,9 @@ def test_stats_diff_and_convert(ckpt: Path, tmp_path: Path) -> None:
     np.testing.assert_array_equal(
         np.asarray(restored["params"]["kernel"]), np.ones((256, 128), np.float32)
     )
-    assert (
-        run("convert", str(ckpt), str(out)).returncode != 0
-    )  # exists: refused without --overwrite
+    refused = run("convert", str(ckpt), str(out))  # exists: refused without --overwrite
+    assert refused.returncode == _cli.USAGE and "pass --overwrite" in refused.stderr
+    assert "overwrite=True" not in refused.stderr, refused.stderr
 
     # Different values: exit status 1, the leaf named.
     other = tmp_path / "other"
@@ -311,6 +340,12 @@ def test_stats_diff_and_convert(ckpt: Path, tmp_path: Path) -> None:
         "convert", str(ckpt), str(tmp_path / "st"), "--to", "safetensors", "--subtree", "params"
     )
     assert exported.returncode == 0, exported.stderr
+    assert "ExportSummary" not in exported.stdout
+    assert f"-> {tmp_path / 'st'}: 2 tensors, " in exported.stdout, exported.stdout
+    again = run(
+        "convert", str(ckpt), str(tmp_path / "st"), "--to", "safetensors", "--subtree", "params"
+    )
+    assert again.returncode == _cli.USAGE and "pass --overwrite" in again.stderr, again.stderr
     (shard,) = (tmp_path / "st").glob("*.safetensors")
     tensors = safetensors_numpy.load_file(str(shard))
     assert sorted(tensors) == ["bias", "kernel"] and np.array_equal(

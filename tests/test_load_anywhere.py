@@ -432,3 +432,24 @@ def test_a_slice_places_saved_shardings_on_its_devices(caplog: pytest.LogCapture
     ]
     with pytest.raises(mp.StructureMismatchError, match="none"):
         saved.sharding("missing", "none")
+
+
+def test_shardings_over_devices_not_here_are_a_typed_error(tmp_path: Path) -> None:
+    """mp.metadata's saved shardings given as the abstract tree, saved over devices this
+    runtime lacks (ids 8-15; it has 0-7): MissingDevicesError, a ValueError naming the
+    devices and what to do; without an abstract tree the same checkpoint loads."""
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    w = put(np.arange(64.0, dtype=np.float32).reshape(8, 8), mesh, P("data"))
+    mp.save(tmp_path / "c", {"w": w})
+    leaf = mp.metadata(tmp_path / "c").tree["w"]
+    assert leaf.sharding is not None
+    elsewhere = dataclasses.replace(
+        leaf.sharding, device_ids=tuple(i + 8 for i in leaf.sharding.device_ids)
+    )
+    with pytest.raises(mp.MissingDevicesError) as caught:
+        mp.load(tmp_path / "c", {"w": dataclasses.replace(leaf, sharding=elsewhere)})
+    e = caught.value
+    assert isinstance(e, ValueError) and e.sharding == elsewhere
+    assert e.missing == tuple(range(8, 16)) and e.available == tuple(range(8))
+    assert "load without an abstract tree" in str(e)
+    assert np.array_equal(np.asarray(mp.load(tmp_path / "c")["w"]), np.asarray(w))

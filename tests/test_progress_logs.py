@@ -151,6 +151,20 @@ def test_a_slice_counts_each_host_as_its_ack_arrives() -> None:
     assert op.done == 300 and "300 B in" in op.summary()
 
 
+def test_rates_in_units_that_read() -> None:
+    """A rate in GB/s down to 1 GB/s, then MB/s; none for operations under 1 MiB."""
+    assert _progress.rate_str(1.28e9) == "1.28 GB/s" and _progress.rate_str(85.3e6) == "85.3 MB/s"
+    assert _progress.rate_str(2.5e5) == "0.25 MB/s"
+    small = _progress.Operation("save", Path("/x/c"), None)
+    small.expect(8 << 10)
+    small.close(ok=True)
+    assert re.fullmatch(r"8\.0 KiB in [\d.]+ s", small.summary()), small.summary()
+    large = _progress.Operation("load", Path("/x/c"), None)
+    large.expect(4 << 20)
+    large.close(ok=True)
+    assert re.fullmatch(r"4\.0 MiB in [\d.]+ s \([\d.]+ [GM]B/s\)", large.summary())
+
+
 def test_log_lines_at_info(
     tmp_path: Path, mesh24: jax.sharding.Mesh, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -161,7 +175,7 @@ def test_log_lines_at_info(
         mp.load(tmp_path / "a")
         mp.verify(tmp_path / "b")
     lines = [r.getMessage() for r in caplog.records if r.name == "milepost"]
-    pattern = r"{} {}: 4\.0 MiB in [\d.]+ s \([\d.]+ GB/s\)"
+    pattern = r"{} {}: 4\.0 MiB in [\d.]+ s \([\d.]+ [GM]B/s\)"
     assert re.fullmatch(
         pattern.format("saved", re.escape(str(tmp_path / "a"))) + r", blocking [\d.]+ s", lines[0]
     ), lines

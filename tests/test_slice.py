@@ -776,3 +776,41 @@ def test_a_flax_msgpack_file_loads_on_a_slice(slice42: mp.Slice, tmp_path: Path)
     assert (slice42.traffic() - before).total_bytes < 64 * 1024
     assert back["step"] == 9
     assert all(np.array_equal(slice42.fetch(back["params"][k]), v) for k, v in values.items())
+
+
+_QUIET_START = """
+import warnings
+warnings.simplefilter("default")
+import jax
+jax.devices()  # JAX's backends up: its os.fork() warning is armed
+import milepost as mp
+with mp.Slice.start(hosts=1, devices_per_host=1) as s:
+    assert len(s.device_ids) == 1
+print("started")
+"""
+
+
+def test_starting_a_slice_prints_no_ray_or_jax_notice(tmp_path: Path) -> None:
+    """Slice.start's own ray.init, after JAX is up, in a fresh process: neither Ray's token
+    authentication notice nor JAX's os.fork() deadlock warning."""
+    import os
+    import subprocess
+    import sys
+
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS", "XLA_FLAGS")
+    }
+    env["JAX_PLATFORMS"] = "cpu"
+    done = subprocess.run(
+        [sys.executable, "-c", _QUIET_START],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0 and "started" in done.stdout, done.stderr
+    assert "Token authentication" not in done.stderr, done.stderr
+    assert "os.fork()" not in done.stderr, done.stderr

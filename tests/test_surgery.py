@@ -6,6 +6,7 @@ they need."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -557,3 +558,33 @@ def test_the_same_surgery_in_a_multi_controller_job(tmp_path: Path) -> None:
         )
         assert r.out["exact"] == 8 and r.out["step"] == 5 and r.out["equal"], r.out
         assert r.out["preview"] == [float(x) for x in (np.arange(64, 67) * 3 - 7)], r.out
+
+
+def test_diff_of_values_that_are_not_arrays() -> None:
+    a = {"step": 10, "run": "a", "lr": 0.5, "seen": np.int64(7)}
+    d = ms.diff(a, {"step": 10, "run": "b", "lr": 0.25, "seen": np.int64(7)})
+    assert d.different == ("run", "lr")
+    assert d.table["step"]["max_abs_diff"] == 0.0 and d.table["seen"]["max_abs_diff"] == 0.0
+    assert d.table["lr"]["max_abs_diff"] == 0.25 and math.isnan(d.table["run"]["max_abs_diff"])
+    assert "nan" not in str(ms.diff(a, dict(a)).table)
+
+
+def test_one_notation_for_a_sharding(
+    tmp_path: Path, mesh24: jax.sharding.Mesh, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A saved sharding reads the same in mp.metadata, ms.open's table, a LazyArray, stats, and
+    milepost inspect: ``P('data', 'model') on {data: 2, model: 4}``."""
+    from milepost import _cli
+
+    w = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+    mp.save(
+        tmp_path / "c", {"w": put(w, mesh24, P("data", "model")), "n": np.arange(3, dtype=np.int32)}
+    )
+    text = "P('data', 'model') on {data: 2, model: 4}"
+    assert mp.metadata(tmp_path / "c").tree["w"].sharding.describe() == text
+    assert f"sharding={text}" in repr(mp.metadata(tmp_path / "c").tree["w"])
+    ck = ms.open(tmp_path / "c")
+    assert f"sharding={text}" in repr(ck.tree["w"]) and text in repr(ck)
+    assert ms.stats(ck.tree)["w"]["sharding"] == text
+    assert _cli.main(["inspect", str(tmp_path / "c")]) == 0
+    assert text in capsys.readouterr().out

@@ -23,6 +23,7 @@ from milepost.workers._errors import (
     CorruptCheckpointError,
     HostMemoryError,
     LostWriteError,
+    MissingDevicesError,
     StillWritingError,
     from_tensorstore,
 )
@@ -149,6 +150,7 @@ __all__ = [
     "LoadPlan",
     "LoadTask",
     "LostWriteError",
+    "MissingDevicesError",
     "ObjectPath",
     "PendingSave",
     "PendingWrite",

@@ -60,6 +60,28 @@ class HostMemoryError(MemoryError):
         self.nbytes = nbytes
 
 
+class MissingDevicesError(ValueError):
+    """An array would be placed on devices this JAX runtime does not have: a sharding (a saved
+    one from ``milepost.metadata``, or one of the abstract tree) over more devices, or other
+    device ids, than are here. ``sharding``: that sharding (a ``ShardingSpec``);
+    ``missing``: the device ids not here; ``available``: the ids that are. Load without an
+    abstract tree (the saved shardings are placed on the devices here), or pass one with
+    shardings over the devices you have."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        sharding: Any = None,
+        missing: tuple[int, ...] = (),
+        available: tuple[int, ...] = (),
+    ) -> None:
+        super().__init__(message)
+        self.sharding = sharding
+        self.missing = missing
+        self.available = available
+
+
 class CorruptCheckpointError(ValueError):
     """A checkpoint's file is present but damaged: metadata that does not parse or has the
     wrong form, array data that is missing, cut short or fails its checksum.

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from milepost.workers import _declared as declared
+from milepost.workers._errors import MissingDevicesError
 
 AxisEntry = str | tuple[str, ...] | None
 AXIS_TYPES = ("Auto", "Explicit", "Manual")
@@ -193,14 +194,22 @@ class ShardingSpec:
         return out
 
     def describe(self) -> str:
-        """The spec in words, for messages and tables."""
-        memory = f", memory_kind={self.memory_kind!r}" if self.memory_kind else ""
+        """The one notation milepost writes a sharding in (``milepost inspect``, reprs, logs,
+        errors): ``P('data', 'model') on {data: 2, model: 4}``, ``device 3``, and a memory kind
+        other than the default as ``[pinned_host]``."""
+        memory = f" [{self.memory_kind}]" if self.memory_kind else ""
         if self.kind == "single":
-            return f"SingleDevice(id={self.device_ids[0]}{memory})"
-        return (
-            f"Named(mesh={dict(zip(self.axis_names, self.mesh_shape, strict=True))}, "
-            f"spec={self.spec}{memory})"
+            return f"device {self.device_ids[0]}{memory}"
+        entries = ", ".join(
+            "None"
+            if e is None
+            else repr(e)
+            if isinstance(e, str)
+            else "(" + ", ".join(map(repr, e)) + ")"
+            for e in self.spec
         )
+        mesh = ", ".join(f"{a}: {n}" for a, n in zip(self.axis_names, self.mesh_shape, strict=True))
+        return f"P({entries}) on {{{mesh}}}{memory}"
 
     # ---- Orbax ``_sharding`` JSON -------------------------------------------------------
     def to_orbax_json(self, platform: str = "cpu") -> str:
@@ -344,10 +353,15 @@ def _to_jax(spec: ShardingSpec) -> Any:
     by_id = {d.id: d for d in jax.devices()}
     missing = [i for i in spec.device_ids if i not in by_id]
     if missing:
-        raise ValueError(
-            f"the sharding {spec.describe()} uses devices {missing[:8]} that this JAX runtime does "
-            f"not have (it has ids {sorted(by_id)[:8]}{'...' if len(by_id) > 8 else ''}); pass an "
-            "abstract tree with shardings over the devices you have to load resharded"
+        raise MissingDevicesError(
+            f"the sharding {spec.describe()} uses devices {missing[:8]}"
+            f"{'...' if len(missing) > 8 else ''} that this JAX runtime does not have (it has "
+            f"{len(by_id)}, ids {sorted(by_id)[:8]}{'...' if len(by_id) > 8 else ''}); load "
+            "without an abstract tree (the saved shardings are placed on the devices here), or "
+            "pass one with shardings over the devices you have",
+            sharding=spec,
+            missing=tuple(missing),
+            available=tuple(sorted(by_id)),
         )
     if spec.kind == "single":
         return jax.sharding.SingleDeviceSharding(

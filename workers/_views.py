@@ -164,22 +164,9 @@ def shape_str(shape: Sequence[int] | None) -> str:
 
 
 def sharding_str(spec: Any) -> str:
-    """A ShardingSpec as ``P('data', 'model') on {data: 2, model: 4}`` (or ``device 3``)."""
-    if spec is None:
-        return ""
-    memory = f" [{spec.memory_kind}]" if getattr(spec, "memory_kind", None) else ""
-    if spec.kind == "single":
-        return printable(f"device {spec.device_ids[0]}{memory}")
-    entries = ", ".join(
-        "None"
-        if e is None
-        else repr(e)
-        if isinstance(e, str)
-        else "(" + ", ".join(map(repr, e)) + ")"
-        for e in spec.spec
-    )
-    mesh = ", ".join(f"{a}: {n}" for a, n in zip(spec.axis_names, spec.mesh_shape, strict=True))
-    return printable(f"P({entries}) on {{{mesh}}}{memory}")
+    """A ShardingSpec as ``P('data', 'model') on {data: 2, model: 4}`` (or ``device 3``): its
+    ``describe()``, escaped (``printable``)."""
+    return "" if spec is None else printable(spec.describe())
 
 
 def html_text(value: Any) -> str:

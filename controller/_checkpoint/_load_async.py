@@ -31,7 +31,7 @@ class LoadHandle(Handle[T]):
     LoadHandle('/ckpt/200', running: 96.0 MiB of 512.0 MiB read, 0.3 s)
     >>> state = handle.result()      # waits for the reads; re-raises a failure
     >>> handle
-    LoadHandle('/ckpt/200', loaded: 512.0 MiB in 0.61 s (0.88 GB/s))
+    LoadHandle('/ckpt/200', loaded: 512.0 MiB in 0.61 s (880 MB/s))
     """
 
     _doing = "load of"

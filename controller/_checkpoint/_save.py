@@ -80,7 +80,7 @@ class SaveHandle(Handle[Path | ObjectPath]):
     SaveHandle('/ckpt/200', running: 96.0 MiB of 512.0 MiB written, 0.3 s)
     >>> handle.result()              # waits for the commit; re-raises a failure
     >>> handle
-    SaveHandle('/ckpt/200', committed: 512.0 MiB in 1.21 s (0.44 GB/s), blocking 0.118 s)
+    SaveHandle('/ckpt/200', committed: 512.0 MiB in 1.21 s (444 MB/s), blocking 0.118 s)
     """
 
     _doing = "save to"

@@ -92,8 +92,9 @@ def run(
         f"save_async returned after {t1 - t0:.3f}s (arrays "
         f"copied to host); committed after {t2 - t0:.3f}s"
     )
+    kept = "" if directory else " (a temporary folder, removed when the demo ends; --dir keeps it)"
     print(
-        f"  checkpoint at {path}: {human_bytes(on_disk)} on disk, "
+        f"  checkpoint at {path}{kept}: {human_bytes(on_disk)} on disk, "
         f"{sum(1 for _ in path.rglob('*'))} files and folders"
     )
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from milepost import _api, _safetensors, _views
 from milepost import _format as fmt
+from milepost._cli._errors import CliError
 from milepost.workers import ObjectPath, as_path
 
 
@@ -33,6 +34,12 @@ def describe(path: str | os.PathLike[str] | ObjectPath) -> dict[str, Any]:
     where = as_path(path)
     if isinstance(where, Path) and _safetensors.is_safetensors(where):
         return _describe_safetensors(where)
+    if isinstance(where, Path) and where.is_file():
+        raise CliError(
+            f"{where} is a file in a format milepost does not read: milepost reads checkpoint "
+            "folders (milepost, Orbax v1, Orbax v0; OCDBT or plain zarr) and .safetensors files "
+            "(or a folder of them)"
+        )
     meta = _api.metadata(where)
     out: dict[str, Any] = {
         "path": str(where),

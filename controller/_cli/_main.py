@@ -572,11 +572,11 @@ def convert(
                 "safetensors files are neither compressed nor "
                 "chunked: drop --compression and --chunk-bytes"
             )
-        with _progress():
+        with _progress(), _flag_terms(overwrite):
             summary = mp.safetensors.export(
                 src, dst, max_shard_bytes=max_shard_bytes, subtree=subtree, overwrite=overwrite
             )
-        click.echo(_views.printable(str(summary), newlines=True))
+        click.echo(_views.printable(_exported(src, summary), newlines=True))
         return OK
     if subtree is not None:
         raise CliError(
@@ -602,7 +602,7 @@ def convert(
     meta = dict(record["custom_metadata"] or {})
     meta.pop("milepost.surgery", None)
     meta["milepost.convert"] = {"to": to, "compression": compression, "chunk_byte_size": chunking}
-    with _progress(), mp.Context(saving=options):
+    with _progress(), mp.Context(saving=options), _flag_terms(overwrite):
         out = ms.write_items(
             dst,
             {n: ck.tree for n, ck in opened.items()},
@@ -627,6 +627,34 @@ def convert(
         )
     )
     return OK
+
+
+@contextlib.contextmanager
+def _flag_terms(overwrite: bool) -> Iterator[None]:
+    """An existing destination refused: said with the command's flag (``--overwrite``), not the
+    function's keyword the library's message names."""
+    try:
+        yield
+    except mp.CheckpointExistsError as e:
+        if overwrite or "overwrite=True" not in str(e):
+            raise
+        raise CliError(str(e).replace("overwrite=True", "--overwrite")) from e
+
+
+def _exported(src: str, summary: Any) -> str:
+    """What ``--to safetensors`` wrote, as a few lines."""
+    files = len(summary.files)
+    lines = [
+        f"exported {src} -> {summary.path}: {summary.tensors} tensors, "
+        f"{_views.human_bytes(summary.total_bytes)} in {files} file{'s' if files != 1 else ''} "
+        "and model.safetensors.index.json"
+    ]
+    if summary.skipped:
+        lines.append(
+            f"left out {len(summary.skipped)} leaves that are not tensors: "
+            f"{', '.join(summary.skipped[:8])}{', ...' if len(summary.skipped) > 8 else ''}"
+        )
+    return "\n".join(lines)
 
 
 def _chunking(chunk_bytes: str) -> int | Literal["auto"] | None:

@@ -238,7 +238,8 @@ def require_checkpoint(path: Path | ObjectPath) -> None:
         )
     if not path.is_dir():
         raise CheckpointNotFoundError(
-            f"{path} is a file, not a checkpoint directory. Pass the checkpoint's directory."
+            f"{path} is a file, not a checkpoint: a checkpoint is a folder (milepost's, Orbax "
+            "v1 or v0). Pass a checkpoint's folder."
         )
     if is_temporary_name(path.name):
         raise CheckpointNotFoundError(

@@ -17,7 +17,7 @@ from milepost._format import TreeFiles
 from milepost._tree import PLACEHOLDER, ValueType
 from milepost.colocated import Slice
 from milepost.surgery._lazy import LazyArray, Source, flat, nest
-from milepost.surgery._placement import Placement
+from milepost.surgery._placement import Placement, fits
 from milepost.workers import ObjectPath, as_path
 
 
@@ -57,7 +57,7 @@ class Checkpoint:
         out = []
         for name, leaf in flat(self.tree).items():
             if isinstance(leaf, LazyArray):
-                where = leaf.sharding.describe() if leaf.sharding is not None else "host (NumPy)"
+                where = workers.sharding_str(leaf.sharding)
                 out.append((name, str(leaf.shape), str(leaf.dtype), where, leaf.nbytes))
             else:
                 out.append((name, "", type(leaf).__name__, repr(leaf)[:40], 0))
@@ -140,7 +140,9 @@ def open(
             ValueType.JAX_ARRAY,
             ValueType.NP_ARRAY,
         ):
-            spec = leaf.sharding if placement.usable(leaf.sharding, leaf.shape or ()) else None
+            # The saved sharding, even over devices not here (placement.spec_for places it
+            # as it can): where the array would like to live, and what a write records.
+            spec = leaf.sharding if fits(leaf.sharding, leaf.shape or ()) else None
             leaves[path] = LazyArray(
                 Source(ck, leaf.name, path), leaf.shape or (), np.dtype(leaf.dtype), spec
             )

@@ -3,6 +3,7 @@ computed by the hosts group by group (only a few numbers per leaf reach the cont
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from collections.abc import Sequence
@@ -198,7 +199,7 @@ def stats(
             if s is not None
             else (math.nan,) * 4 + (0, 0)
         )
-        where_ = x.sharding.describe() if x.sharding is not None else "spread by milepost"
+        where_ = workers.sharding_str(x.sharding)
         rows.append((name, str(x.shape), str(x.dtype), *values, where_))
     return Table(
         "statistics",
@@ -300,11 +301,24 @@ def diff(
         elif isinstance(x, LazyArray) or isinstance(y, LazyArray):
             rows[name] = (name, False, math.nan, "an array vs a value")
         else:
-            rows[name] = (name, _same(x, y), math.nan, "" if _same(x, y) else f"{x!r} vs {y!r}")
+            same = _same(x, y)
+            rows[name] = (name, same, _value_gap(x, y, same), "" if same else f"{x!r} vs {y!r}")
     for name, r in _run_small("diff", work, memory_budget_bytes or DEFAULT_BUDGET).items():
         rows[name] = (name, bool(r[0]), float(r[1]), "")
     ordered = tuple(rows[n] for n in fa if n in rows)
     return Diff(only_a, only_b, Table("diff", ("leaf", "equal", "max_abs_diff", "note"), ordered))
+
+
+def _value_gap(x: Any, y: Any, same: bool) -> float:
+    """The max_abs_diff of two values that are not arrays: 0 when equal, ``|x - y|`` for two
+    numbers, NaN (no such figure) otherwise."""
+    if same:
+        return 0.0
+    numbers = (int, float, np.integer, np.floating)
+    if all(isinstance(v, numbers) and not isinstance(v, bool | np.bool_) for v in (x, y)):
+        with contextlib.suppress(OverflowError):
+            return abs(float(x) - float(y))
+    return math.nan
 
 
 def _same(x: Any, y: Any) -> bool:

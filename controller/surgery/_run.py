@@ -12,6 +12,7 @@ the merged root view are written once, at the end, by the same commit as any sav
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import re
@@ -24,10 +25,10 @@ import numpy as np
 
 from milepost import _api, _checkpoint, _hosts, _options, workers
 from milepost import _format as fmt
-from milepost._tree import storage_name_of
+from milepost._tree import ValueType, storage_name_of
 from milepost.surgery import _lazy, _relink
 from milepost.surgery._lazy import LazyArray, Op, Source, flat, nest
-from milepost.surgery._placement import Placement
+from milepost.surgery._placement import Placement, fits
 from milepost.workers import ObjectPath, ShardingSpec, as_path, check
 from milepost.workers import progress as progress_sink
 
@@ -401,11 +402,44 @@ class Job:
             if writing is not None:
                 writing[0].settle()
             raise
+        if not self.shardings_given:
+            self._record_as_sources(files)
         stored_order = [storage_name_of(n) for n in self.order]
         files.leaves = {n: files.leaves[n] for n in stored_order if n in files.leaves}
         self.written["groups"] = len(parts)
         if call.group.is_primary():
             _checkpoint.finish_tree(directory, files.files, acks)
+
+    def _record_as_sources(self, files: Any) -> None:
+        """Record each array as its sources were saved, not as it was computed here: the
+        sharding its operations suggest (a stored leaf's: its saved one, axis types and memory
+        kind too) where it fits the array's shape, though the array was computed on other
+        devices (fewer: ``milepost convert`` in a process of one CPU device), so that a load
+        without an abstract tree places it as the source was; and an array of stored NumPy
+        arrays only, with no sharding, as a NumPy array. Typed PRNG keys are left as written."""
+        for name, x in self.arrays.items():
+            stored = storage_name_of(name)
+            if stored not in files.leaves or stored in files.key_impls:
+                continue
+            if x.sharding is None and all(
+                _stored_type(s) is ValueType.NP_ARRAY for s in sources_of(x)
+            ):
+                files.shardings.pop(stored, None)
+                files.leaves[stored] = dataclasses.replace(
+                    files.leaves[stored],
+                    value_type=ValueType.NP_ARRAY,
+                    raw_value_type=str(ValueType.NP_ARRAY),
+                    write_shape=None,
+                )
+            elif x.sharding is not None and fits(x.sharding, x.shape):
+                files.shardings[stored] = x.sharding
+
+
+def _stored_type(x: LazyArray) -> ValueType | None:
+    """The value type a stored leaf (one of :func:`sources_of`) was saved as."""
+    source = source_of(x)
+    meta = source.checkpoint.leaf_meta.get(source.name)
+    return meta.value_type if meta is not None else None
 
 
 class SurgeryHandler:
@@ -463,7 +497,10 @@ def write(
     by group: each host holds at most ``memory_budget_bytes`` (default 1 GiB) of inputs and
     outputs at once. ``shardings``: where the outputs go (None: as the operations suggest, else
     spread over every device; one sharding for all; or ``{regex: sharding}``). Its
-    ``custom_metadata`` records the sources and the operations (``milepost.surgery``).
+    ``custom_metadata`` records the sources and the operations (``milepost.surgery``). Without
+    ``shardings``, each array records the sharding its operations suggest (a stored leaf's saved
+    one) where it fits its shape, even when computed on fewer devices than that names: loaded
+    without an abstract tree, it is placed as the source was.
 
     A tree of every stored array of one checkpoint, only renamed or reordered, is written
     without moving array bytes (local files: the data files are hard-linked, and keep their
