@@ -20,7 +20,7 @@ from milepost import _storage
 from milepost.workers import _paths
 from tests import _subproc
 from tests._helpers import assert_tree_equal, put
-from tests._object_stores import new_s3_bucket
+from tests._object_stores import new_s3_bucket, wait_out_lease
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -196,7 +196,7 @@ def test_a_second_writer_is_refused_and_a_dead_ones_lease_expires(s3_endpoint: A
         holder.wait(60)
         with pytest.raises(mp.CheckpointNotFoundError):
             mp.load(url)  # what it wrote is not visible
-        time.sleep(2.5)  # its lease expires
+        wait_out_lease(url)  # its lease expires
         mp.save(url, {"x": np.arange(5)})  # takes over, removes the leftovers, commits
         assert_tree_equal(mp.load(url), {"x": np.arange(5)})
     finally:
@@ -217,7 +217,7 @@ def test_a_checkpointer_removes_a_dead_writers_leftovers(s3_endpoint: Any) -> No
         assert any(n.startswith("7/") for n in objects(url))
         holder.send_signal(signal.SIGKILL)
         holder.wait(60)
-        time.sleep(2.5)
+        wait_out_lease(f"{url}/7")
         with Checkpointer(url) as ckpt:
             assert ckpt.steps == []
         assert objects(url) == []

@@ -234,7 +234,10 @@ def test_background_save_threads_are_kept_and_are_daemons() -> None:
         done.clear()
         pool.submit(lambda: (seen.append(threading.current_thread()), done.set()))
         assert done.wait(10)
-        time.sleep(0.05)
+        deadline = time.monotonic() + 10
+        while pool.idle_threads < 1 and time.monotonic() < deadline:  # (back, waiting for a job)
+            time.sleep(0.01)
+        assert pool.idle_threads == 1
     assert len({id(t) for t in seen}) == 1 and seen[0].daemon
     gate = threading.Event()
     started = threading.Barrier(3, timeout=10)
