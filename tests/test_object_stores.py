@@ -169,22 +169,10 @@ def test_no_local_side_effects(
 # One writer per path (S3: moto checks conditional writes; fake-gcs-server does not)
 # ------------------------------------------------------------------------------------------
 
-HOLDER = r"""
-import sys, time, numpy as np, milepost as mp
-path = sys.argv[1]
-real = mp.workers.merge_ocdbt
-def merge(directory):
-    print("holding", flush=True)
-    time.sleep(600)
-mp.workers.merge_ocdbt = merge
-with mp.Context(saving=mp.SaveOptions(lease_secs=2.0)):
-    mp.save(path, {"x": np.arange(1000)})
-"""
-
 
 def test_a_second_writer_is_refused_and_a_dead_ones_lease_expires(s3_endpoint: Any) -> None:
     url = f"s3://{new_s3_bucket(s3_endpoint[0])}/run/1"
-    holder = _subproc.popen(HOLDER.replace("sys.argv[1]", repr(url)))
+    holder = _subproc.popen_module("tests._lease_holder", url)
     assert holder.stdout is not None
     try:
         assert holder.stdout.readline().strip() == "holding"
@@ -208,7 +196,7 @@ def test_a_checkpointer_removes_a_dead_writers_leftovers(s3_endpoint: Any) -> No
     from milepost.training import Checkpointer
 
     url = f"s3://{new_s3_bucket(s3_endpoint[0])}/run"
-    holder = _subproc.popen(HOLDER.replace("sys.argv[1]", repr(f"{url}/7")))
+    holder = _subproc.popen_module("tests._lease_holder", f"{url}/7")
     assert holder.stdout is not None
     try:
         assert holder.stdout.readline().strip() == "holding"
