@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 
 class HostError(RuntimeError):
-    """A host process failed or did not answer in time; the message names it."""
+    """A host process failed or did not answer in time; the message names it and says what to
+    do. ``hosts`` holds the indices of the hosts it is about (a slice's hosts, or a
+    multi-controller job's processes), sorted; empty when it is about the group as a whole (a
+    slice shut down or unhealthy, one that could not start)."""
+
+    def __init__(self, message: str, *, hosts: Iterable[int] = ()) -> None:
+        super().__init__(message)
+        self.hosts: tuple[int, ...] = tuple(sorted(set(hosts)))
 
 
 class RayNotInstalledError(ImportError):

@@ -358,7 +358,7 @@ class MultiControllerHostGroup(JaxDevices):
         what = f" {doing}" if doing else ""
         parts = "; ".join(f"process {p} failed{what}: {msg}" for p, msg in failed[:4])
         more = f" (and {len(failed) - 4} more)" if len(failed) > 4 else ""
-        return HostError(f"{parts}{more}. {consequence}".rstrip())
+        return HostError(f"{parts}{more}. {consequence}".rstrip(), hosts=(p for p, _ in failed))
 
     def _failures(self, op: _Op) -> list[tuple[int, str]]:
         try:
@@ -388,10 +388,12 @@ class MultiControllerHostGroup(JaxDevices):
                 f"{noun} {shown} did not reach {op.name!r} within {timeout:g}s {me}: they "
                 "died, hung, raised an error before it, or did not make this milepost call "
                 "(every process of the job must make the same milepost calls, in the same "
-                f"order); check their logs.{extra} {consequence}".rstrip()
+                f"order); check their logs.{extra} {consequence}".rstrip(),
+                hosts=missing,
             )
         return HostError(
-            f"the barrier {op.name!r} failed {me}: {cause}.{extra} {consequence}".rstrip()
+            f"the barrier {op.name!r} failed {me}: {cause}.{extra} {consequence}".rstrip(),
+            hosts=(p for p, _ in failed),
         )
 
     def broadcast(self, name: str, value: Any, timeout: float) -> Any:
@@ -422,7 +424,8 @@ class MultiControllerHostGroup(JaxDevices):
                 f"the primary process {self.primary} did not publish {name!r} within {timeout:g}s "
                 f"(this is process {self._index} of {self._count}): it died, hung, raised an error "
                 "before it, or did not make this milepost call (every process of the job must make "
-                "the same milepost calls, in the same order); check its logs"
+                "the same milepost calls, in the same order); check its logs",
+                hosts=[self.primary],
             ) from e
         if client.key_value_increment(f"{op.keys}/read", 1) == self._count - 1:
             client.key_value_delete(key)

@@ -98,7 +98,9 @@ class ProcessPeers:
                 return [None] * self.count
             return list(self.group.broadcast(f"peer-tier:{name}", values, timeout))
         if error is not None:  # one process: the same HostError many processes would raise
-            raise HostError(f"process 0 failed {name}: {type(error).__name__}: {error}") from error
+            raise HostError(
+                f"process 0 failed {name}: {type(error).__name__}: {error}", hosts=(0,)
+            ) from error
         return [value]
 
     def _connect(self, timeout: float) -> None:

@@ -222,6 +222,7 @@ class RayHostGroup:
         pending = {ref: i for i, ref in calls.items()}
         results: dict[int, Any] = {}
         failures: list[str] = []
+        failed: list[int] = []  # (the hosts of ``failures``)
         causes: list[BaseException] = []
         dead = False
         deadline = time.monotonic() + timeout
@@ -237,12 +238,14 @@ class RayHostGroup:
                 except ray.exceptions.RayActorError as e:
                     dead = True
                     self._failed.add(i)
+                    failed.append(i)
                     failures.append(
                         f"{self.describe_host(i)} died while {doing} ({type(e).__name__})"
                     )
                 except ray.exceptions.RayTaskError as e:
                     cause = getattr(e, "cause", None) or e
                     causes.append(cause)
+                    failed.append(i)
                     failures.append(
                         f"{self.describe_host(i)} failed while "
                         f"{doing}: {type(cause).__name__}: {cause}"
@@ -256,6 +259,7 @@ class RayHostGroup:
         if not failures and pending:
             dead = True
             self._failed.update(pending.values())
+            failed = sorted(pending.values())
             failures = [
                 f"{self.describe_host(i)} did not answer within {timeout:g}s while {doing}"
                 for i in sorted(pending.values())
@@ -272,7 +276,7 @@ class RayHostGroup:
             if dead:
                 self._healthy = False
             hint = " The slice is now unhealthy; shut it down and start a new one." if dead else ""
-            error = HostError("; ".join(failures) + "." + hint)
+            error = HostError("; ".join(failures) + "." + hint, hosts=failed)
             if (
                 not dead
                 and passthrough

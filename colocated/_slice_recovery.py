@@ -68,7 +68,8 @@ def recovery_nodes(before: list[str], gone: Collection[str]) -> list[str]:
             raise HostError(
                 f"cannot recover the slice: host {i}'s node {node[:12]} is gone and every "
                 f"live node ({len(alive)}) already runs a host of it; add a node (a spare) "
-                "to the Ray cluster, then call recover() again"
+                "to the Ray cluster, then call recover() again",
+                hosts=[i],
             )
         nodes.append(spares.pop(0))
         log.warning(

@@ -51,6 +51,22 @@ NODE_OBJECT_STORE_BYTES = 96 << 20
 START_TIMEOUT_SECS = 60.0
 """How long a node may take to register with the cluster (2 busy cores: a few seconds each)."""
 
+_REPORT = "reported: "
+
+
+def report(**facts: Any) -> None:
+    """Print, from a body run in the cluster's process, what it found (as JSON): the test that
+    ran it asserts that (:func:`reported`)."""
+    print(_REPORT + json.dumps(facts, sort_keys=True), flush=True)
+
+
+def reported(output: str) -> dict[str, Any]:
+    """What a body's last :func:`report` said, from its output (``ClusterProcess.run``)."""
+    lines = [line for line in output.splitlines() if line.startswith(_REPORT)]
+    assert lines, f"the body reported nothing; its output:\n{output[-6000:]}"
+    found: dict[str, Any] = json.loads(lines[-1][len(_REPORT) :])
+    return found
+
 
 class LocalCluster:
     """A running ``ray.cluster_utils.Cluster`` and this process connected to it as its driver.

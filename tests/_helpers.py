@@ -130,3 +130,24 @@ def tensorstore_writes_only() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as m:
         m.setattr(_packed, "PACK_LIMIT", 0)
         yield
+
+
+@contextmanager
+def warnings_logged(logger: str = "milepost") -> Iterator[list[str]]:
+    """The messages logged at WARNING or above to ``logger`` while the block runs (a handler of
+    its own: Ray changes caplog's formatting in this suite)."""
+    import logging
+
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    handler = Keep(logging.WARNING)
+    target = logging.getLogger(logger)
+    target.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        target.removeHandler(handler)

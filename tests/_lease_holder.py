@@ -1,11 +1,14 @@
-"""A save that keeps its lease while the test decides: run as ``python -m tests._lease_holder URL
-LEASE_SECS``. The save writes its data, then, in its background part (the OCDBT merge), prints
-``holding`` and waits for a line on stdin, renewing its lease all the while; given one, it
-commits and prints ``committed``."""
+"""A save to an object store that holds before its merge, for tests/test_object_stores.py: its
+lease (``lease_secs=2``) is renewed while it holds, and expires once it is killed.
+
+Run as a script: ``python -m tests._lease_holder URL``; it prints ``holding`` once its shards
+are written, then waits until killed.
+"""
 
 from __future__ import annotations
 
 import sys
+import threading
 from typing import Any
 
 import numpy as np
@@ -13,19 +16,12 @@ import numpy as np
 import milepost as mp
 
 
-def main(url: str, lease_secs: float) -> None:
-    real = mp.workers.merge_ocdbt
-
-    def merge(directory: Any) -> None:
-        print("holding", flush=True)
-        sys.stdin.readline()
-        real(directory)
-
-    mp.workers.merge_ocdbt = merge
-    with mp.Context(saving=mp.SaveOptions(lease_secs=lease_secs)):
-        mp.save(url, {"x": np.arange(1000)})
-    print("committed", flush=True)
+def merge(directory: Any) -> None:
+    print("holding", flush=True)
+    threading.Event().wait(600)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], float(sys.argv[2]))
+    mp.workers.merge_ocdbt = merge
+    with mp.Context(saving=mp.SaveOptions(lease_secs=2.0)):
+        mp.save(sys.argv[1], {"x": np.arange(1000)})

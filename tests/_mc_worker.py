@@ -87,14 +87,18 @@ def resharded_abstract(mesh: jax.sharding.Mesh) -> dict:
 
 
 def outcome(fn: Callable[[], Any]) -> dict:
-    """Run ``fn``; its error type and message (or None), and how long it took."""
+    """Run ``fn``; its error type and message (or None), the hosts a HostError is about, and
+    how long it took."""
     t0 = time.monotonic()
+    hosts = None
     try:
         fn()
         error = None
     except Exception as e:
         error = f"{type(e).__name__}: {e}"
-    return {"error": error, "seconds": round(time.monotonic() - t0, 2)}
+        if isinstance(e, mp.HostError):
+            hosts = list(e.hosts)
+    return {"error": error, "hosts": hosts, "seconds": round(time.monotonic() - t0, 2)}
 
 
 def inject(

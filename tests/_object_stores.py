@@ -163,3 +163,17 @@ def bucket_url(request: Any) -> str:
     if request.param == "gs":
         return f"gs://{new_gcs_bucket(request.getfixturevalue('gcs_endpoint'))}/run"
     return f"memory://{uuid.uuid4().hex[:10]}/run"
+
+
+def wait_out_lease(path: Any, limit: float = 60) -> None:
+    """Return once the lease of the dead writer of ``path`` (a checkpoint in an object store)
+    has expired, by the expiry the lease records (its writer is gone: nothing renews it)."""
+    from milepost._storage._workspace import LEASE_SUFFIX, read_lease
+    from milepost.workers import as_path
+
+    where = as_path(path)
+    lease, _ = read_lease(where.with_name(where.name + LEASE_SUFFIX))
+    assert lease is not None, f"no lease beside {path}"
+    assert lease.expires < time.time() + limit, lease
+    while time.time() <= lease.expires:
+        time.sleep(0.05)

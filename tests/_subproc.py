@@ -1,4 +1,5 @@
-"""Running a Python snippet in a fresh process with N fake CPU devices."""
+"""Running a Python snippet, or a module of tests/, in a fresh process with N fake CPU
+devices."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def env(devices: int = 8) -> dict[str, str]:
@@ -27,17 +31,20 @@ def popen(code: str, devices: int = 8, **kwargs: object) -> subprocess.Popen[str
     )
 
 
-MEMORY_PROBES = r"""
-def hwm():
-    with open("/proc/self/status") as f:
-        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:"))
-
-def rss():
-    with open("/proc/self/status") as f:
-        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmRSS:"))
-"""
-"""For snippets that measure their own memory: ``hwm()`` (the peak resident set, which writing
-5 to ``/proc/self/clear_refs`` resets) and ``rss()`` (the resident set now), in bytes."""
+def popen_module(
+    module: str, *args: str, devices: int = 8, **kwargs: object
+) -> subprocess.Popen[str]:
+    """``python -m <module> <args>`` (a module of tests/, e.g. ``tests._atomic_saver``) from the
+    repository's root, its output piped as text."""
+    return subprocess.Popen(
+        [sys.executable, "-m", module, *args],
+        cwd=ROOT,
+        env=env(devices),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kwargs,  # type: ignore[arg-type]
+    )
 
 
 class Lines:

@@ -18,79 +18,11 @@ import milepost as mp
 from tests import _subproc
 from tests._helpers import assert_tree_equal, listing, put, same_bits
 
-# A saver in a fresh process with 8 fake devices. It holds (sleeps) at the named point of the
-# save after printing it, so the kill lands exactly there; 'staged' and 'ready' need no hook.
-SAVER = r"""
-import os, sys, time
-import jax, numpy as np
-import milepost as mp
-from milepost import _format
-from milepost._storage import _workspace
-from jax.sharding import NamedSharding, PartitionSpec as P
-
-path, point, mode, overwrite = ARGS
-
-def hold(tag):
-    print(tag, flush=True)
-    time.sleep(600)
-
-if point == "writing":  # the shards are staged, the writes issued, nothing waited for yet
-    def wait(self, timeout=None):
-        hold("writing")
-    mp.workers.PendingSave.wait = wait
-elif point == "metadata":  # every byte written, no tree metadata yet
-    def write_metadata(directory, files, acks, platform):
-        hold("metadata")
-    _format.write_tree = write_metadata
-elif point == "merged":  # tree metadata written and the OCDBT stores merged
-    real_merge = mp.workers.merge_ocdbt
-    def merge(directory):
-        real_merge(directory)
-        hold("merged")
-    mp.workers.merge_ocdbt = merge
-elif point == "commit-marker":  # the commit marker is durable in the temporary directory
-    real_fsync_tree = _format.fsync_tree
-    def fsync_tree(root):
-        real_fsync_tree(root)
-        hold("commit-marker")
-    _format.fsync_tree = fsync_tree
-elif point == "swapped":  # overwrite: the new checkpoint is in place, the old not yet removed
-    real_exchange, real_rename = _workspace.exchange, os.rename
-    def exchange(a, b):
-        ok = real_exchange(a, b)
-        if ok:
-            hold("swapped")
-        return ok
-    def rename(a, b):
-        real_rename(a, b)
-        if ".milepost-replaced-" in str(b):
-            hold("swapped")
-    _workspace.exchange = exchange
-    os.rename = rename
-
-mesh = jax.make_mesh((2, 4), ("data", "model"))
-rng = np.random.default_rng(0)
-tree = {f"layer{i}": {"w": jax.device_put(rng.standard_normal((2048, 2048), dtype=np.float32),
-                                          NamedSharding(mesh, P("data", "model"))),
-                      "b": jax.device_put(rng.standard_normal((2048,), dtype=np.float32),
-                                          NamedSharding(mesh, P()))}
-        for i in range(16)}  # 16 x 16 MiB = 256 MiB
-tree["step"] = 7
-tree["host"] = rng.standard_normal((1 << 20,))  # 8 MiB of NumPy
-print("ready", flush=True)
-if mode == "async":
-    handle = mp.save_async(path, tree, overwrite=overwrite)
-    print("staged", flush=True)
-    handle.result()
-else:
-    mp.save(path, tree, overwrite=overwrite)
-print("committed", flush=True)
-"""
-
 
 def run_and_kill(path: Path, point: str, mode: str, overwrite: bool) -> str:
-    """Start the saver, SIGKILL it when it prints ``point``; returns what it printed."""
-    proc = _subproc.popen(SAVER.replace("ARGS", repr((str(path), point, mode, overwrite))))
+    """Start the saver (``tests/_atomic_saver.py``), SIGKILL it when it prints ``point``;
+    returns what it printed."""
+    proc = _subproc.popen_module("tests._atomic_saver", str(path), point, mode, str(overwrite))
     assert proc.stdout is not None and proc.stderr is not None
     seen: list[str] = []
     try:

@@ -98,28 +98,8 @@ def test_wait_for_saves_waits_for_every_save_in_flight(
     mp.wait_for_saves(timeout=0)  # nothing in flight: returns at once
 
 
-EXIT = r"""
-import sys, time, numpy as np
-import jax.numpy as jnp
-import milepost as mp
-
-path, hang = sys.argv[1], sys.argv[2] == "hang"
-real = mp.workers.merge_ocdbt
-def merge(directory):
-    time.sleep(600 if hang else 1.0)  # the script exits while this runs
-    real(directory)
-mp.workers.merge_ocdbt = merge
-with mp.Context(async_=mp.AsyncOptions(timeout_secs=2 if hang else 60)):
-    # host and device data
-    mp.save_async(path, {"x": np.arange(1000), "y": jnp.arange(1 << 20, dtype=jnp.int32)})
-print("returned", flush=True)
-"""
-
-
 def test_interpreter_exit_waits_for_a_save_in_flight(tmp_path: Path) -> None:
-    proc = _subproc.popen(
-        EXIT.replace("sys.argv[1], sys.argv[2]", f"{str(tmp_path / 'c')!r}, 'wait'")
-    )
+    proc = _subproc.popen_module("tests._exit_in_flight", "save-wait", str(tmp_path / "c"))
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     assert "returned" in out
@@ -131,9 +111,7 @@ def test_interpreter_exit_waits_for_a_save_in_flight(tmp_path: Path) -> None:
 
 
 def test_interpreter_exit_says_loudly_when_it_abandons_a_save(tmp_path: Path) -> None:
-    proc = _subproc.popen(
-        EXIT.replace("sys.argv[1], sys.argv[2]", f"{str(tmp_path / 'c')!r}, 'hang'")
-    )
+    proc = _subproc.popen_module("tests._exit_in_flight", "save-hang", str(tmp_path / "c"))
     out, err = proc.communicate(timeout=120)
     assert "returned" in out
     assert "abandoned the save to" in err and "nothing of it was committed" in err, err

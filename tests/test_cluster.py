@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 import milepost as mp
 from milepost import surgery as ms
 from milepost._format import COMMIT_MARKER
-from tests._cluster import ClusterProcess, HeldWrites, LocalCluster
+from tests._cluster import ClusterProcess, HeldWrites, LocalCluster, report, reported
 from tests._helpers import same_bits
 
 pytest.importorskip("ray")
@@ -139,6 +139,12 @@ def _across_four_nodes(cluster: LocalCluster, tmp: str) -> None:
         want = np.stack([values[f"layer{i}"] for i in range(3)]).astype(ml_dtypes.bfloat16)
         assert same_bits(s.fetch(got["model"]["layers"]), want)
         _log(t0, "surgery written and loaded")
+        report(
+            nodes=len(set(nodes)),
+            writers=sorted(d for d in databases if d != "process_controller"),  # (the hosts')
+            loaded={"step": back["step"], "note": back["note"]},
+            surgery=sorted(got["model"]),
+        )
 
 
 def test_a_slice_across_four_nodes_saves_loads_and_edits_exactly(
@@ -147,7 +153,14 @@ def test_a_slice_across_four_nodes_saves_loads_and_edits_exactly(
     """One host per raylet (STRICT_SPREAD placed them on four different nodes); a sharded tree
     saved by the four, loaded back exact (as saved, onto another mesh, onto local devices), and
     a surgery (rename, cast, stack) run on the hosts, exact."""
-    print(ray_cluster.run(_across_four_nodes, str(tmp_path)))
+    output = ray_cluster.run(_across_four_nodes, str(tmp_path))
+    print(output)
+    assert reported(output) == {
+        "nodes": 4,  # one host on each
+        "writers": [f"process_{i}" for i in range(4)],
+        "loaded": {"step": 7, "note": "four nodes"},  # (its arrays exact, three ways)
+        "surgery": ["layers"],  # (exact)
+    }
 
 
 def _node_removed_mid_save(cluster: LocalCluster, tmp: str) -> None:
@@ -189,6 +202,12 @@ def _node_removed_mid_save(cluster: LocalCluster, tmp: str) -> None:
         )
         with pytest.raises(mp.CheckpointNotFoundError):
             mp.load(path)
+        failed = {
+            "victim": victim,
+            "error_hosts": list(info.value.hosts),
+            "failed_hosts": sorted(s.group.failed_hosts),
+            "left": sorted(p.name for p in Path(tmp).iterdir()),
+        }
     # a fresh slice on a replacement node saves, at the failed path and elsewhere
     cluster.add_node()
     with cluster.slice(devices_per_host=2) as fresh:
@@ -208,6 +227,7 @@ def _node_removed_mid_save(cluster: LocalCluster, tmp: str) -> None:
             )
             assert all(same_bits(fresh.fetch(back[k]), v) for k, v in values.items())
         _log(t0, "fresh slice saved and loaded")
+        report(**failed, committed=sorted(p.name for p in Path(tmp).iterdir()))
 
 
 def test_a_node_removed_mid_save_is_a_host_error_and_nothing_is_committed(
@@ -217,4 +237,15 @@ def test_a_node_removed_mid_save_is_a_host_error_and_nothing_is_committed(
     (its raylet, and the host on it, gone); the other hosts' writes then land. The save fails
     with a HostError naming the removed node's host, the path holds nothing (no checkpoint, no
     temporary folder), and a fresh slice on a replacement node saves and loads exactly."""
-    print(ray_cluster.run(_node_removed_mid_save, str(tmp_path)))
+    output = ray_cluster.run(_node_removed_mid_save, str(tmp_path))
+    print(output)
+    found = reported(output)
+    victim = found["victim"]
+    assert victim in (1, 2, 3), found
+    assert found == {
+        "victim": victim,
+        "error_hosts": [victim],  # the HostError names the removed node's host
+        "failed_hosts": [victim],
+        "left": [],  # nothing committed, nothing left behind
+        "committed": ["after", "c"],  # by a fresh slice, at the failed path too
+    }

@@ -11,7 +11,6 @@ import os
 import shutil
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -25,29 +24,9 @@ import milepost as mp
 from tests import _subproc
 from tests._helpers import assert_tree_equal, gate_merge, listing, put, same_bits
 
-# A writer process: for each round, say ready, wait for the go file, save its own tree, report.
-WRITER = r"""
-import json, os, sys, time
-import numpy as np
-import milepost as mp
-
-me, rounds, root, overwrite = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
-tree = {f"w{i}": np.full((256, 1024), me * 1000 + i, np.float32) for i in range(8)}  # 8 MiB
-tree["who"] = f"writer{me}"
-for r in range(rounds):
-    print(f"ready {r}", flush=True)
-    go = os.path.join(root, f"go{r}")
-    while not os.path.exists(go):
-        time.sleep(0.001)
-    try:
-        mp.save(os.path.join(root, f"c{r}"), tree, overwrite=overwrite)
-        outcome = "committed"
-    except mp.CheckpointExistsError as e:
-        outcome = "exists: " + str(e)
-    except Exception as e:
-        outcome = f"error: {type(e).__name__}: {e}"
-    print("outcome " + json.dumps([r, outcome]), flush=True)
-"""
+PROCS = "tests._concurrency_procs"
+"""The other processes: writers, one that waits, a training loop, an overwriter, a save onto a
+full disk."""
 
 
 def _writer_tree(me: int) -> dict[str, Any]:
@@ -58,21 +37,13 @@ def _writer_tree(me: int) -> dict[str, Any]:
     return tree
 
 
-def _start(code: str, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(code), *args],
-        env=_subproc.env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
 def _race(tmp_path: Path, rounds: int, overwrite: bool) -> list[list[str]]:
     """Two writer processes save to ``c<r>`` at the same moment, ``rounds`` times; each one's
     outcome per round."""
     procs = [
-        _start(WRITER, str(me), str(rounds), str(tmp_path), "1" if overwrite else "0")
+        _subproc.popen_module(
+            PROCS, "writer", str(me), str(rounds), str(tmp_path), "1" if overwrite else "0"
+        )
         for me in (1, 2)
     ]
     outcomes: list[list[str]] = [["" for _ in range(rounds)] for _ in procs]
@@ -152,24 +123,7 @@ def test_a_waiting_writer_goes_after_the_first(
     failed), so the test knows it is waiting, not still starting, when this save commits."""
     gate = gate_merge(monkeypatch)
     handle = mp.save_async(tmp_path / "c", {"x": np.arange(3)})
-    code = f"""
-        import numpy as np, milepost as mp
-        from milepost._storage import _ownership
-
-        real_try_lock = _ownership.try_lock
-
-        def try_lock(directory):
-            got = real_try_lock(directory)
-            if got is None and directory.exists():
-                print("waiting", flush=True)
-            return got
-
-        _ownership.try_lock = try_lock
-        with mp.Context(saving=mp.SaveOptions(wait_for_writer_secs=60)):
-            mp.save({str(tmp_path / "c")!r}, {{"x": np.arange(5)}}, overwrite=True)
-        print("saved", flush=True)
-    """
-    other = _subproc.popen(code)
+    other = _subproc.popen_module(PROCS, "waiting_writer", str(tmp_path / "c"))
     try:
         assert other.stdout is not None
         line = other.stdout.readline()
@@ -192,28 +146,13 @@ def test_a_waiting_writer_goes_after_the_first(
 # Readers and a training loop in other processes
 # ------------------------------------------------------------------------------------------
 
-TRAINER = r"""
-import sys, time
-import numpy as np
-import milepost as mp
-from milepost.training import Checkpointer
-
-root = sys.argv[1]
-with Checkpointer(root) as ckpt:
-    for step in range(10):
-        ckpt.save(step, {"w": np.full((512, 1024), step, np.float32), "step": step})
-        time.sleep(0.05)
-    ckpt.wait()
-print("trained", ckpt.steps, flush=True)
-"""
-
 
 @pytest.mark.parametrize("read_only", [True, False], ids=["read-only", "writer"])
 def test_a_polling_checkpointer_never_deletes_a_live_save(tmp_path: Path, read_only: bool) -> None:
     from milepost.training import Checkpointer
 
     root = tmp_path / "run"
-    trainer = _subproc.popen(TRAINER.replace("sys.argv[1]", repr(str(root))))
+    trainer = _subproc.popen_module(PROCS, "trainer", str(root))
     seen: dict[int, int] = {}
     polls = 0
     try:
@@ -278,31 +217,10 @@ def test_a_read_only_checkpointer_writes_and_deletes_nothing(
 # Loads racing overwrites
 # ------------------------------------------------------------------------------------------
 
-OVERWRITER = r"""
-import sys, time
-import numpy as np
-import milepost as mp
-
-path, seconds = sys.argv[1], float(sys.argv[2])
-trees = [
-    {"a": np.full((256, 1024), k, np.float32), "b": np.full((512,), k, np.int64), "k": k}
-    for k in (0, 1)
-]
-mp.save(path, trees[0])
-print("ready", flush=True)
-end, n = time.monotonic() + seconds, 0
-while time.monotonic() < end:
-    n += 1
-    mp.save(path, trees[n % 2], overwrite=True)
-print("overwrites", n, flush=True)
-"""
-
 
 def test_loads_racing_overwrites_get_one_checkpoint_whole(tmp_path: Path) -> None:
     path = tmp_path / "c"
-    writer = _subproc.popen(
-        OVERWRITER.replace("sys.argv[1], float(sys.argv[2])", f"{str(path)!r}, 8.0")
-    )
+    writer = _subproc.popen_module(PROCS, "overwriter", str(path), "8.0")
     assert writer.stdout is not None
     assert writer.stdout.readline().strip() == "ready"
     outcomes: dict[str, int] = {}
@@ -336,45 +254,6 @@ def test_loads_racing_overwrites_get_one_checkpoint_whole(tmp_path: Path) -> Non
 # ------------------------------------------------------------------------------------------
 
 
-# A save onto a 4 MiB tmpfs that this process mounts first (in the mount namespace it runs in).
-# It prints "started", then one JSON line: what the save raised, what it left, the space used
-# afterwards, and whether a small save fits again.
-FULL_DISK = r"""
-import json, os, shutil, subprocess, sys
-print("started", flush=True)
-mount, asynchronous = sys.argv[1], sys.argv[2] == "1"
-proc = subprocess.run(
-    ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", mount], capture_output=True, text=True
-)
-if proc.returncode != 0:
-    print(json.dumps({"mounted": False, "why": proc.stderr.strip()}), flush=True)
-    sys.exit(0)
-try:
-    import jax, numpy as np
-    import milepost as mp
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    mesh = jax.make_mesh((2, 4), ("data", "model"))
-    x = jax.device_put(np.ones((1024, 2048), np.float32), NamedSharding(mesh, P("data", "model")))
-    out = {"mounted": True, "size": shutil.disk_usage(mount).total, "error": None}
-    try:  # 8 MiB onto 4 MiB
-        if asynchronous:
-            mp.save_async(os.path.join(mount, "c"), {"x": x}).result(120)
-        else:
-            mp.save(os.path.join(mount, "c"), {"x": x})
-    except OSError as e:
-        out["error"] = {"type": type(e).__name__, "errno": e.errno, "message": str(e)}
-    out["left"] = sorted(
-        os.path.relpath(os.path.join(d, n), mount) for d, ds, fs in os.walk(mount) for n in ds + fs
-    )
-    out["used"] = shutil.disk_usage(mount).used
-    mp.save(os.path.join(mount, "small"), {"x": np.arange(10)})
-    out["small"] = mp.load(os.path.join(mount, "small"))["x"].tolist()
-    print(json.dumps(out), flush=True)
-finally:
-    subprocess.run(["umount", "-l", mount], capture_output=True)
-"""
-
 # How to get a mount of one's own, tried in order: a user and mount namespace (no privileges
 # needed), a mount namespace (root where user namespaces are off), mounting here (root).
 MOUNTERS: list[list[str]] = [
@@ -385,10 +264,11 @@ MOUNTERS: list[list[str]] = [
 
 
 def save_onto_a_full_tmpfs(tmp_path: Path, asynchronous: bool) -> dict[str, Any]:
-    """Run FULL_DISK with the first way of mounting that works here; skip (saying why) only if
-    none does."""
+    """Run the full_disk scenario with the first way of mounting that works here; skip (saying
+    why) only if none does."""
     mount = tmp_path / "tmpfs"
     mount.mkdir()
+    flag = "1" if asynchronous else "0"
     tried = []
     for prefix in MOUNTERS:
         if prefix and shutil.which(prefix[0]) is None:
@@ -398,7 +278,8 @@ def save_onto_a_full_tmpfs(tmp_path: Path, asynchronous: bool) -> dict[str, Any]
             tried.append("mount: not root")
             continue
         proc = subprocess.run(
-            [*prefix, sys.executable, "-c", FULL_DISK, str(mount), "1" if asynchronous else "0"],
+            [*prefix, sys.executable, "-m", PROCS, "full_disk", str(mount), flag],
+            cwd=_subproc.ROOT,
             env=_subproc.env(),
             capture_output=True,
             text=True,

@@ -24,36 +24,6 @@ import milepost as mp
 from tests import _subproc
 from tests._helpers import listing, same_bits
 
-CHILD = r"""
-import sys
-import numpy as np
-import milepost as mp
-from milepost._storage import LocalWorkspace
-
-path, gate_at, timeout = PARAMS
-
-def gate():
-    print("at the gate", flush=True)
-    sys.stdin.readline()  # the test opens it
-
-if gate_at == "merge":  # before the commit point: the writes have not all landed
-    real_merge = mp.workers.merge_ocdbt
-    def merge(directory):
-        gate()
-        real_merge(directory)
-    mp.workers.merge_ocdbt = merge
-else:  # after it: the commit marker is written, the rename into place is next
-    real_publish = LocalWorkspace.publish
-    def publish(self):
-        gate()
-        real_publish(self)
-    LocalWorkspace.publish = publish
-
-with mp.Context(async_=mp.AsyncOptions(timeout_secs=timeout)):
-    mp.save_async(path, {"x": np.arange(1000)})
-print("returned", flush=True)
-"""
-
 LIMIT = 120.0
 """The longest the test waits for the next line of the process (it never takes that long)."""
 
@@ -62,8 +32,9 @@ class Child:
     """The process, its output read line by line from both pipes as it comes."""
 
     def __init__(self, path: Path, gate_at: str, timeout: float) -> None:
-        code = CHILD.replace("PARAMS", repr((str(path), gate_at, timeout)))
-        self.proc = _subproc.popen(code, stdin=subprocess.PIPE)
+        self.proc = _subproc.popen_module(
+            "tests._gated_exit", str(path), gate_at, repr(timeout), stdin=subprocess.PIPE
+        )
         self.lines: queue.Queue[tuple[str, str | None]] = queue.Queue()
         self.seen: dict[str, list[str]] = {"out": [], "err": []}
         self.read = {"out": 0, "err": 0}

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -224,6 +225,48 @@ def import_cycles(modules: dict[str, Module]) -> list[list[str]]:
     return cycles
 
 
+def _map_rows(doc: str) -> dict[str, list[tuple[set[str], str]]]:
+    """How-it-works' "Where the code lives" tables: for each top folder (``workers``...), its
+    rows as (the names in backticks in the first cell, the whole row)."""
+    section = doc.split("\n## Where the code lives", 1)[-1].split("\n## ", 1)[0]
+    out: dict[str, list[tuple[set[str], str]]] = {}
+    rows: list[tuple[set[str], str]] = []
+    for line in section.splitlines():
+        heading = re.match(r"### `(\w+)/`", line)
+        if heading:
+            rows = out.setdefault(heading.group(1), [])
+        elif line.startswith("| `"):
+            first = line.split("|")[1]
+            rows.append((set(re.findall(r"`([^`]+)`", first)), line))
+    return out
+
+
+def missing_from_map(doc: str, files: list[Path]) -> list[str]:
+    """The modules (paths from the repository root) the map does not name: a module of a top
+    folder in the first cell of a row of its folder's table (``_api.py``); a module in a sub
+    folder in the row of that sub folder (``save/``), with the folders between (``peers/``)
+    and its file name in backticks. A package's ``__init__.py`` is its folder's."""
+    tables = _map_rows(doc)
+    missing = []
+    for path in files:
+        top, *between, file = path.parts
+        if file == "__init__.py":
+            continue
+        rows = tables.get(top, [])
+        if not between:
+            found = any(file in names for names, _ in rows)
+        else:
+            found = any(
+                f"{between[0]}/" in names
+                and all(f"`{f}/`" in row for f in between[1:])
+                and f"`{file}`" in row
+                for names, row in rows
+            )
+        if not found:
+            missing.append(str(path))
+    return missing
+
+
 # ------------------------------------------------------------------------------------------
 # Tests
 # ------------------------------------------------------------------------------------------
@@ -336,6 +379,45 @@ def test_every_module_is_read(folder: str) -> None:
     modules = read_code()
     files = list((ROOT / folder).rglob("*.py"))
     assert len([m for m in modules.values() if m.path.is_relative_to(ROOT / folder)]) == len(files)
+
+
+def test_every_module_is_in_the_map() -> None:
+    """docs/how-it-works.md's "Where the code lives" names every module, in its folder's
+    table."""
+    doc = (ROOT / "docs" / "how-it-works.md").read_text()
+    files = sorted(p.relative_to(ROOT) for f in FOLDERS for p in (ROOT / f).rglob("*.py"))
+    missing = missing_from_map(doc, files)
+    assert not missing, "modules missing from docs/how-it-works.md's map:\n" + "\n".join(missing)
+
+
+def test_the_map_check_catches_a_missing_module() -> None:
+    doc = (
+        "## Where the code lives\n### `workers/` — x\n| module | job |\n|---|---|\n"
+        "| `_a.py`, `_b.py` | ... `_c.py` |\n| `save/` | `_stage.py` (...) |\n"
+        "| `training/` | `_x.py`, `peers/` (`_runner.py`) |\n## Next\n| `_late.py` | x |\n"
+    )
+    files = [
+        Path(p)
+        for p in (
+            "workers/__init__.py",
+            "workers/_a.py",
+            "workers/_b.py",
+            "workers/_c.py",  # (named only in the job column)
+            "workers/save/_stage.py",
+            "workers/save/_pending.py",
+            "workers/training/peers/_runner.py",
+            "workers/training/other/_runner.py",
+            "workers/_late.py",  # (a row after the section)
+            "colocated/_a.py",  # (another folder's table)
+        )
+    ]
+    assert missing_from_map(doc, files) == [
+        "workers/_c.py",
+        "workers/save/_pending.py",
+        "workers/training/other/_runner.py",
+        "workers/_late.py",
+        "colocated/_a.py",
+    ]
 
 
 def _third_party_imports() -> tuple[set[str], set[str], set[str]]:

@@ -90,51 +90,13 @@ def placements(lines: list[str]) -> list[str]:
 
 # ---- fewer devices: a process of its own ------------------------------------------------
 
-_LOADER = """
-import json, logging
-import numpy as np, jax, milepost as mp
-
-lines = []
-class Keep(logging.Handler):
-    def emit(self, record):
-        lines.append(record.getMessage())
-logging.getLogger("milepost").addHandler(Keep())
-logging.getLogger("milepost").setLevel(logging.INFO)
-
-def described(x):
-    s = x.sharding
-    if isinstance(s, jax.sharding.NamedSharding):
-        return {{"mesh": dict(s.mesh.shape), "spec": [list(e) if isinstance(e, tuple) else e
-                for e in s.spec], "ids": [d.id for d in s.mesh.devices.flat],
-                "memory": s.memory_kind}}
-    return {{"device": next(iter(s.device_set)).id}}
-
-def data(x):
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        return np.asarray(jax.random.key_data(x))
-    return np.asarray(x).astype(np.float32) if x.dtype.name == "bfloat16" else np.asarray(x)
-
-out, arrays = {{}}, {{}}
-for tag, path in {paths!r}.items():
-    loaded = mp.load(path)
-    flat = jax.tree_util.tree_flatten_with_path(loaded)[0]
-    for keys, x in flat:
-        name = tag + "/" + "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in keys)
-        if isinstance(x, jax.Array):
-            out[name] = described(x)
-            arrays[name] = data(x)
-    out[tag + ":log"] = [l for l in lines if l.startswith("loading ")]
-    lines.clear()
-np.savez({npz!r}, **arrays)
-print("RESULT " + json.dumps(out))
-"""
-
 
 def start_load(paths: dict[str, Path], devices: int, npz: Path) -> Any:
     """A process with ``devices`` CPU devices loading each of ``paths`` without an abstract
-    tree; :func:`finish` gives what it placed where, and the values."""
-    code = _LOADER.format(paths={k: str(v) for k, v in paths.items()}, npz=str(npz))
-    return _subproc.popen(code, devices=devices)
+    tree (``tests/_load_anywhere.py``); :func:`finish` gives what it placed where, and the
+    values."""
+    where = json.dumps({k: str(v) for k, v in paths.items()})
+    return _subproc.popen_module("tests._load_anywhere", where, str(npz), devices=devices)
 
 
 def finish(proc: Any, npz: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:

@@ -240,35 +240,8 @@ def test_checkpointer_close_waits_for_a_load_at_most_its_timeout(
     assert_tree_equal(handle.result(60), state)
 
 
-EXIT = r"""
-import logging, sys, threading
-import numpy as np
-import milepost as mp
-
-path = sys.argv[1]
-mp.save(path, {"x": np.arange(10)})
-abandoned = threading.Event()
-
-class Watch(logging.Handler):
-    def emit(self, record):
-        if "abandoned the load of" in record.getMessage():
-            abandoned.set()  # the exit gave up on the load: let its read end
-
-logging.basicConfig(level=logging.WARNING)  # to stderr
-logging.getLogger("milepost").addHandler(Watch())
-real = mp.workers.load
-def load(plan, *args, **kwargs):
-    assert abandoned.wait(120)
-    return real(plan, *args, **kwargs)
-mp.workers.load = load
-with mp.Context(async_=mp.AsyncOptions(timeout_secs=1)):
-    handle = mp.load_async(path)
-print("returned", flush=True)
-"""
-
-
 def test_an_interpreter_exit_waits_for_a_load_at_most_its_timeout(tmp_path: Path) -> None:
-    proc = _subproc.popen(EXIT.replace("sys.argv[1]", repr(str(tmp_path / "c"))))
+    proc = _subproc.popen_module("tests._exit_in_flight", "load", str(tmp_path / "c"))
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     assert "returned" in out

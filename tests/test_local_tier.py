@@ -26,7 +26,7 @@ from milepost.training import Checkpointer, KeepAll, KeepLatest, MirrorError
 from milepost.workers.jobs import _copy as copy_job
 from tests import _subproc
 from tests._helpers import assert_tree_equal, put
-from tests._object_stores import new_s3_bucket
+from tests._object_stores import new_s3_bucket, wait_out_lease
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -310,41 +310,6 @@ def test_options_are_checked(tmp_path: Path) -> None:
 # Preempted, then killed mid-mirror; the next job finishes the mirror
 # ------------------------------------------------------------------------------------------
 
-PREEMPTED = r"""
-import os, sys, time, jax, numpy as np
-import milepost as mp
-from milepost import workers
-from milepost.training import Checkpointer, Preemption
-from jax.sharding import NamedSharding, PartitionSpec as P
-
-root, local = sys.argv[1], sys.argv[2]
-real = workers.JOBS["copy_files"]
-def stuck(plan, process_index):
-    if process_index == "controller":  # the hosts' files are copied: root holds part of the step
-        print("mirroring", flush=True)
-        time.sleep(600)
-    return real(plan, process_index)
-workers.JOBS["copy_files"] = stuck
-mesh = jax.make_mesh((2, 4), ("data", "model"))
-def state(k):
-    rng = np.random.default_rng(k)
-    return {"w": jax.device_put(rng.standard_normal((64, 128), dtype=np.float32),
-                                NamedSharding(mesh, P("data", "model"))),
-            "b": jax.device_put(np.arange(128, dtype=np.float32) + k, NamedSharding(mesh, P())),
-            "host": np.arange(300) * (k + 1), "step": k}
-with mp.Context(saving=mp.SaveOptions(lease_secs=2.0)):
-    ckpt = Checkpointer(root, local=local, save_policy=Preemption())
-    print("ready", flush=True)
-    for step in range(10_000):
-        if ckpt.should_save(step):
-            ckpt.save(step, state(step))
-            print("saved", step, flush=True)
-        if ckpt.preempted:
-            ckpt.close()  # waits for the mirror "if time allows": it is killed first
-            break
-        time.sleep(0.01)
-"""
-
 
 @pytest.mark.parametrize("durable", ["file", "s3"])
 def test_killed_during_the_mirror_of_a_preemption_save(
@@ -356,9 +321,7 @@ def test_killed_during_the_mirror_of_a_preemption_save(
         root: Any = f"s3://{new_s3_bucket(endpoint)}/run"
     else:
         root = tmp_path / "root"
-    proc = _subproc.popen(
-        PREEMPTED.replace("sys.argv[1], sys.argv[2]", f"{str(root)!r}, {str(local)!r}")
-    )
+    proc = _subproc.popen_module("tests._preempted_mirror", str(root), str(local))
     assert proc.stdout is not None
     try:
         assert proc.stdout.readline().strip() == "ready"
@@ -375,7 +338,8 @@ def test_killed_during_the_mirror_of_a_preemption_save(
     assert committed(local) == [step]
     with pytest.raises(mp.CheckpointNotFoundError):
         mp.load(_paths.as_path(root) / str(step))  # part of it is there, not visible
-    time.sleep(2.5 if durable == "s3" else 0)  # the killed mirror's lease expires
+    if durable == "s3":
+        wait_out_lease(_paths.as_path(root) / str(step))  # the killed mirror's lease expires
     with Checkpointer(root, local=local) as ckpt:
         assert ckpt.steps == [step]
         ckpt.wait()  # the mirror is done again

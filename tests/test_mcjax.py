@@ -263,6 +263,7 @@ def test_a_process_killed_mid_save_fails_the_others_cleanly(
         assert survivor["error"].startswith(
             f"HostError: process {victim} did not reach 'written:"
         ), survivor
+        assert survivor["hosts"] == [victim], survivor
         assert "Nothing was committed" in survivor["error"]
         assert timeout <= survivor["seconds"] < timeout + 30
         assert survivor["committed"] is False
@@ -273,6 +274,7 @@ def test_a_process_that_never_arrives_is_named(tmp_path: Path) -> None:
     timeout = 4
     first, second = ok(_mc.launch("absent", 2, 4, str(tmp_path), str(timeout)))
     assert first["error"].startswith("HostError: process 1 did not reach 'staged:"), first
+    assert first["hosts"] == [1], first
     assert (
         "did not make this milepost call" in first["error"]
         and "Nothing was committed" in first["error"]

@@ -20,7 +20,7 @@ from milepost import _storage
 from milepost.workers import _paths
 from tests import _subproc
 from tests._helpers import assert_tree_equal, put
-from tests._object_stores import new_s3_bucket
+from tests._object_stores import new_s3_bucket, wait_out_lease
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -169,22 +169,10 @@ def test_no_local_side_effects(
 # One writer per path (S3: moto checks conditional writes; fake-gcs-server does not)
 # ------------------------------------------------------------------------------------------
 
-HOLDER = r"""
-import sys, time, numpy as np, milepost as mp
-path = sys.argv[1]
-real = mp.workers.merge_ocdbt
-def merge(directory):
-    print("holding", flush=True)
-    time.sleep(600)
-mp.workers.merge_ocdbt = merge
-with mp.Context(saving=mp.SaveOptions(lease_secs=2.0)):
-    mp.save(path, {"x": np.arange(1000)})
-"""
-
 
 def test_a_second_writer_is_refused_and_a_dead_ones_lease_expires(s3_endpoint: Any) -> None:
     url = f"s3://{new_s3_bucket(s3_endpoint[0])}/run/1"
-    holder = _subproc.popen(HOLDER.replace("sys.argv[1]", repr(url)))
+    holder = _subproc.popen_module("tests._lease_holder", url)
     assert holder.stdout is not None
     try:
         assert holder.stdout.readline().strip() == "holding"
@@ -196,7 +184,7 @@ def test_a_second_writer_is_refused_and_a_dead_ones_lease_expires(s3_endpoint: A
         holder.wait(60)
         with pytest.raises(mp.CheckpointNotFoundError):
             mp.load(url)  # what it wrote is not visible
-        time.sleep(2.5)  # its lease expires
+        wait_out_lease(url)  # its lease expires
         mp.save(url, {"x": np.arange(5)})  # takes over, removes the leftovers, commits
         assert_tree_equal(mp.load(url), {"x": np.arange(5)})
     finally:
@@ -208,7 +196,7 @@ def test_a_checkpointer_removes_a_dead_writers_leftovers(s3_endpoint: Any) -> No
     from milepost.training import Checkpointer
 
     url = f"s3://{new_s3_bucket(s3_endpoint[0])}/run"
-    holder = _subproc.popen(HOLDER.replace("sys.argv[1]", repr(f"{url}/7")))
+    holder = _subproc.popen_module("tests._lease_holder", f"{url}/7")
     assert holder.stdout is not None
     try:
         assert holder.stdout.readline().strip() == "holding"
@@ -217,7 +205,7 @@ def test_a_checkpointer_removes_a_dead_writers_leftovers(s3_endpoint: Any) -> No
         assert any(n.startswith("7/") for n in objects(url))
         holder.send_signal(signal.SIGKILL)
         holder.wait(60)
-        time.sleep(2.5)
+        wait_out_lease(f"{url}/7")
         with Checkpointer(url) as ckpt:
             assert ckpt.steps == []
         assert objects(url) == []

@@ -20,6 +20,7 @@ from milepost.workers._errors import CorruptCheckpointError
 from milepost.workers._ocdbt_index import Prefixes
 from milepost.workers._ts_internals import ocdbt_values
 from milepost.workers.load._locator import Locator
+from tests._helpers import warnings_logged
 from tests.test_ocdbt_merge import crafted, database, hosts, write_manifest
 
 
@@ -159,10 +160,18 @@ def test_a_numbered_manifest_is_walked_by_tensorstore(tmp_path: Path) -> None:
     kv["a/c/0"] = value
     with pytest.raises(fmt.FormatError):
         numpy_walk(tmp_path, ["a"])
-    locator = Locator(mp.workers.StoreSpec(directory=str(tmp_path), use_ocdbt=True))
-    locator.index(["a"])
+    with warnings_logged() as lines:
+        locator = Locator(mp.workers.StoreSpec(directory=str(tmp_path), use_ocdbt=True))
+        locator.index(["a"])
+        again = Locator(mp.workers.StoreSpec(directory=str(tmp_path), use_ocdbt=True))
+        again.index(["a"])  # (the same reason: said once)
+    said = [line for line in lines if "fell back" in line]
+    assert len(said) == 1, lines
+    assert "OCDBT B-tree walk fell back to TensorStore's ocdbt.dump" in said[0]
+    assert f"{tmp_path}: a numbered manifest" in said[0]
     where = locator.locate("a/c/0")
     assert where is not None and locator._values and not locator._found
+    assert again.locate("a/c/0") == where
     with open(where.path, "rb") as f:
         f.seek(where.offset)
         assert f.read(where.length) == value

@@ -21,7 +21,7 @@ from milepost.workers import _ocdbt_keys, _ocdbt_merge
 from milepost.workers import _tensorstore as tsu
 from milepost.workers._errors import CorruptCheckpointError
 from milepost.workers._runtime import RUNTIME
-from tests._helpers import abstract_of, assert_tree_equal, put
+from tests._helpers import abstract_of, assert_tree_equal, put, warnings_logged
 
 
 def database(folder: Path, batches: list[dict[bytes, bytes]], node_bytes: int = 0) -> None:
@@ -408,6 +408,25 @@ def test_a_key_in_two_databases_falls_back_to_tensorstore_with_nothing_written(
         b"a/c/0": b"x" * 2000,
         b"a/c/1": b"y" * 2000,
     }
+
+
+def test_the_merge_says_once_with_its_reason_that_tensorstore_merges_instead(
+    tmp_path: Path,
+) -> None:
+    """A fallback is loud: one WARNING per process and reason, naming the reason."""
+    key = f"a{os.urandom(6).hex()}/zarr.json".encode()  # (a reason this process has not seen)
+    for folder in ("one", "two"):
+        database(tmp_path / folder / "ocdbt.process_0", [{key: b"{}", b"a/c/0": b"x" * 2000}])
+        database(tmp_path / folder / "ocdbt.process_1", [{key: b"{}", b"a/c/1": b"y" * 2000}])
+    with warnings_logged() as lines:
+        tsu.merge_ocdbt(tmp_path / "one")
+        tsu.merge_ocdbt(tmp_path / "two")  # (the same reason: not said again)
+    said = [line for line in lines if "fell back" in line]
+    assert len(said) == 1, lines
+    assert "OCDBT merge fell back to TensorStore's copy_range_to" in said[0]
+    assert f"the key {key!r} is in more than one database" in said[0]
+    for folder in ("one", "two"):
+        assert read_root(tmp_path / folder)[key] == b"{}"
 
 
 def test_a_damaged_database_writes_nothing(tmp_path: Path) -> None:

@@ -273,29 +273,6 @@ def test_a_folder_that_only_shares_a_file_name_is_never_replaced(tmp_path: Path)
     assert {p.name: p.read_text() for p in tf_run.iterdir() if p.is_file()} == files
 
 
-COMMIT_FILE_WRITER = """
-import os, sys
-import numpy as np
-import orbax.checkpoint as ocp
-from orbax.checkpoint._src.path import atomicity
-
-root = sys.argv[1]
-options = ocp.CheckpointManagerOptions(
-    temporary_path_class=atomicity.CommitFileTemporaryPath, enable_async_checkpointing=False
-)
-manager = ocp.CheckpointManager(root, options=options, item_names=("state", "extra"))
-for step in (1, 2):
-    if step == 2:  # die where the commit would start: the files are written at the final name
-        async def die(self, *args, **kwargs):
-            os._exit(9)
-        atomicity.CommitFileTemporaryPath.finalize = die
-    manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave({"w": np.full(4, float(step), np.float32)}),
-        extra=ocp.args.JsonSave({"step": step})))
-    manager.wait_until_finished()
-"""
-
-
 def test_an_orbax_save_killed_in_commit_file_mode_is_unfinished(tmp_path: Path) -> None:
     """Orbax's commit-file mode saves at the final name and commits by its marker: a save
     killed before that is not a step, and a writable Checkpointer leaves it to its writer."""
@@ -307,7 +284,10 @@ def test_an_orbax_save_killed_in_commit_file_mode_is_unfinished(tmp_path: Path) 
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
     done = subprocess.run(
-        [sys.executable, "-c", COMMIT_FILE_WRITER, str(root)], env=env, timeout=120
+        [sys.executable, "-m", "tests._orbax_commit_file", str(root)],
+        cwd=Path(__file__).resolve().parents[1],
+        env=env,
+        timeout=120,
     )
     assert done.returncode == 9 and (root / "2" / "state").is_dir()
     assert not (root / "2" / "commit_success.txt").exists()

@@ -19,7 +19,7 @@ import milepost as mp
 from milepost.colocated._slice_peers import choose_peers
 from milepost.training import Checkpointer, FixedInterval, PeerTier
 from milepost.workers import CorruptCheckpointError, peers
-from tests._cluster import ClusterProcess, HeldWrites, LocalCluster
+from tests._cluster import ClusterProcess, HeldWrites, LocalCluster, report, reported
 
 
 # -- the node folder ---------------------------------------------------------------------------
@@ -350,6 +350,12 @@ def _lose_a_node_between_steps(cluster: LocalCluster, tmp: str) -> None:
             ckpt.wait()
             assert ckpt.steps == [2, 4, 6]
             _check_state(s, {"params": params, "step": 7}, 7)
+            report(
+                recovered=[r.step, r.tier],
+                read_from_storage=moved.bytes_read,
+                between_hosts=moved.bytes_between_hosts / part_bytes,
+                stored=ckpt.steps,
+            )
     finally:
         s.shutdown()
 
@@ -366,7 +372,14 @@ def _part_of(shm: Path, s: Any, owner: int, step: int) -> list[tuple[str, str, s
 def test_a_node_lost_between_steps_is_recovered_from_peers(
     ray_cluster: ClusterProcess, tmp_path: Path
 ) -> None:
-    print(ray_cluster.run(_lose_a_node_between_steps, str(tmp_path)))
+    output = ray_cluster.run(_lose_a_node_between_steps, str(tmp_path))
+    print(output)
+    assert reported(output) == {
+        "recovered": [5, "peers"],  # (exact)
+        "read_from_storage": 0,
+        "between_hosts": 1.0,  # the lost host's part, once
+        "stored": [2, 4, 6],  # and training went on
+    }
 
 
 def _ready_standbys(s: Any, timeout: float = 120.0) -> set[int]:
@@ -406,7 +419,13 @@ def _recover_from_standbys(cluster: LocalCluster, tmp: str) -> None:
             params = _train(s, ckpt, range(4, 5), r.state["params"])
             ckpt.wait()
             _check_state(s, {"params": params, "step": 4}, 4)
-            assert len(_ready_standbys(s)) == 3  # topped up again: 3 host nodes, no spare left
+            again = _ready_standbys(s)
+            assert len(again) == 3  # topped up again: 3 host nodes, no spare left
+            report(
+                recovered=[r.step, r.tier],
+                hosts_started=len(pids - standby),
+                standbys=[len(standby), len(again)],
+            )
     finally:
         s.shutdown()
 
@@ -414,7 +433,13 @@ def _recover_from_standbys(cluster: LocalCluster, tmp: str) -> None:
 def test_a_recovery_starts_the_new_slice_from_standby_hosts(
     ray_cluster: ClusterProcess, tmp_path: Path
 ) -> None:
-    print(ray_cluster.run(_recover_from_standbys, str(tmp_path)))
+    output = ray_cluster.run(_recover_from_standbys, str(tmp_path))
+    print(output)
+    assert reported(output) == {
+        "recovered": [3, "peers"],  # (exact)
+        "hosts_started": 0,  # the new slice's hosts were standbys
+        "standbys": [4, 3],  # one per node, then topped up again without the spare
+    }
 
 
 # -- failures: during replication, a damaged copy, a process killed, every copy gone -------------
@@ -522,6 +547,7 @@ def _replication(cluster: LocalCluster, tmp: str, case: str) -> None:
             params = _train(s, ckpt, range(want + 1, want + 3), r.state["params"])
             ckpt.wait()
             _check_state(s, {"params": params, "step": want + 2}, want + 2)
+            report(case=case, recovered=[r.step, r.tier], trained_to=want + 2)
     finally:
         s.shutdown()
 
@@ -589,7 +615,17 @@ def _lose_once_more_during_the_restore(cluster: LocalCluster, shm: Path, lost: i
 def test_recovery_takes_the_newest_step_every_part_of_which_survives(
     ray_cluster: ClusterProcess, tmp_path: Path, case: str
 ) -> None:
-    print(ray_cluster.run(_replication, str(tmp_path), case))
+    output = ray_cluster.run(_replication, str(tmp_path), case)
+    print(output)
+    step, tier = {
+        "during replication": (6, "peers"),  # step 7's lost part had no copy yet
+        "damaged copy": (4, "peers"),  # step 5's copy fails its CRC32C
+        "process killed": (5, "peers"),  # its node's memory lives on
+        "every copy gone": (4, "durable"),
+        "during a durable save": (6, "peers"),  # never committed to the root
+        "during recovery": (5, "peers"),
+    }[case]
+    assert reported(output) == {"case": case, "recovered": [step, tier], "trained_to": step + 2}
 
 
 # -- a restarted controller: its hosts ended with it, the nodes and their folders live on --------
@@ -755,6 +791,12 @@ def _restart_the_controller(cluster: LocalCluster, tmp: str) -> None:
             ckpt.wait()
             assert ckpt.steps == [2, 4, 6]
             _check_state(s, {"params": params, "step": 7}, 7)
+            report(
+                recovered=[r.step, r.tier],
+                read_from_storage=moved.bytes_read,
+                parts=sorted(parts),
+                stored=ckpt.steps,
+            )
     finally:
         s.shutdown()
 
@@ -763,4 +805,11 @@ def _restart_the_controller(cluster: LocalCluster, tmp: str) -> None:
 def test_a_controller_killed_and_restarted_recovers_from_node_memory(
     ray_cluster: ClusterProcess, tmp_path: Path
 ) -> None:
-    print(ray_cluster.run(_restart_the_controller, str(tmp_path)))
+    output = ray_cluster.run(_restart_the_controller, str(tmp_path))
+    print(output)
+    assert reported(output) == {
+        "recovered": [5, "peers"],  # (exact), onto the new slice
+        "read_from_storage": 0,
+        "parts": [0, 1, 2],  # every host's part, from the nodes' memory
+        "stored": [2, 4, 6],  # and training went on
+    }

@@ -371,37 +371,12 @@ def test_the_client_cuts_a_trickling_server_at_its_deadline() -> None:
         s.close()
 
 
-_EMFILE_SERVER = """
-import os, resource, sys
-from pathlib import Path
-from milepost.workers import peers
-import logging
-logging.basicConfig(stream=sys.stderr, level=logging.WARNING, format="%(message)s")
-server = peers.PeerServer(Path(sys.argv[1]), b"k" * 16, host="127.0.0.1", timeout=10)
-print(server.port, flush=True)
-resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-held = []
-try:
-    while True:
-        held.append(os.open(os.devnull, os.O_RDONLY))
-except OSError:
-    pass
-print("full", flush=True)
-sys.stdin.readline()
-for fd in held:
-    os.close(fd)
-print("freed", flush=True)
-sys.stdin.readline()
-server.close()
-print(sorted(h.step for h in peers.listing(Path(sys.argv[1]))), flush=True)
-"""
-
-
 def test_a_server_out_of_file_descriptors_serves_again_once_it_has_some(tmp_path: Path) -> None:
     """accept() fails with EMFILE (the server's process has no descriptor left): the server logs
     it and tries again, and serves once descriptors are free (before: its thread ended)."""
     child = subprocess.Popen(
-        [sys.executable, "-c", _EMFILE_SERVER, str(tmp_path / "node")],
+        [sys.executable, "-m", "tests._emfile_server", str(tmp_path / "node")],
+        cwd=Path(__file__).resolve().parents[1],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -10,7 +10,6 @@ import json
 import math
 import shutil
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -61,14 +60,8 @@ def test_a_second_writer_after_lease_secs_is_refused_while_the_first_renews(
     deleted the first one's objects and committed.)"""
     lease_secs = 1.0
     url = f"s3://{new_s3_bucket(s3_endpoint[0])}/run/1"
-    holder = subprocess.Popen(
-        [sys.executable, "-m", "tests._lease_holder", url, str(lease_secs)],
-        env=_subproc.env(1),
-        cwd=Path(__file__).resolve().parents[1],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    holder = _subproc.popen_module(
+        "tests._held_save", url, str(lease_secs), devices=1, stdin=subprocess.PIPE
     )
     lines = _subproc.Lines(holder)
     try:

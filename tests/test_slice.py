@@ -626,13 +626,15 @@ def test_a_host_killed_mid_save_is_reported_by_name(tmp_path: Path, ray_runtime:
         handle = mp.save_async(tmp_path / "c", tree)
         ray_runtime.kill(s.group._actors[1])
         t0 = time.monotonic()
-        with pytest.raises(mp.HostError, match=r"host 1 \(node .* pid \d+\) died"):
+        with pytest.raises(mp.HostError, match=r"host 1 \(node .* pid \d+\) died") as died:
             handle.result(120)
         assert time.monotonic() - t0 < 60
+        assert died.value.hosts == (1,)
         assert not (tmp_path / "c").exists() and list(tmp_path.iterdir()) == []
         assert not s.healthy
-        with pytest.raises(mp.HostError, match="unhealthy"):
+        with pytest.raises(mp.HostError, match="unhealthy") as unhealthy:
             mp.save(tmp_path / "d", tree)
+        assert unhealthy.value.hosts == ()  # (the slice as a whole)
     with mp.Slice.start(hosts=2, devices_per_host=1) as fresh:  # a new slice works
         mesh = fresh.mesh({"x": 2})
         t = fresh.put({"a": np.arange(8.0)}, {"a": mesh.sharding(P("x"))})
@@ -657,10 +659,11 @@ def test_a_host_killed_mid_save_is_reported_by_name(tmp_path: Path, ray_runtime:
             mp.Context(async_=mp.AsyncOptions(timeout_secs=3)),
             pytest.raises(
                 mp.HostError, match=r"host 1 \(node .* pid \d+\) did not answer within 3s"
-            ),
+            ) as hung,
         ):
             mp.save(tmp_path / "f", t)
         assert time.monotonic() - t0 < 30
+        assert hung.value.hosts == (1,)
         assert not fresh.healthy and sorted(p.name for p in tmp_path.iterdir()) == ["e"]
 
 

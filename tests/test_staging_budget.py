@@ -78,37 +78,6 @@ def test_budgeted_save_async_holds_call_time_values_and_stages_at_most_the_budge
     assert len(outs) == 8
 
 
-PEAK = r"""
-import gc, json, numpy as np, jax
-from jax.sharding import NamedSharding, PartitionSpec as P
-import milepost as mp
-from milepost.workers.save import _staging
-
-MEMORY_PROBES
-
-root = ROOT
-sharding = NamedSharding(jax.make_mesh((2, 4), ("data", "model")), P("data", "model"))
-rng = np.random.default_rng(0)
-tree = {  # 256 MiB
-    f"w{i}": jax.device_put(rng.standard_normal((2048, 4096), dtype=np.float32), sharding)
-    for i in range(8)
-}
-mp.save_async(
-    f"{root}/warm", {"x": jax.device_put(np.ones((64, 64), np.float32), sharding)}
-).result()
-out = {}
-for name, budget in (("capped", 64 << 20), ("uncapped", None)):
-    _staging.POOL.clear()
-    gc.collect()
-    base = rss()
-    open("/proc/self/clear_refs", "w").write("5")
-    with mp.Context(saving=mp.SaveOptions(host_staging_budget_bytes=budget)):
-        mp.save_async(f"{root}/{name}", tree).result()
-    out[name] = hwm() - base
-print(json.dumps(out))
-"""
-
-
 def test_checksums_of_unstaged_regions_are_computed_before_save_async_returns(
     tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -174,13 +143,8 @@ def test_peak_memory_of_a_budgeted_save_async_stays_within_the_budget(tmp_path: 
     from tests import _subproc
 
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            PEAK.replace("ROOT", repr(str(tmp_path))).replace(
-                "MEMORY_PROBES", _subproc.MEMORY_PROBES
-            ),
-        ],
+        [sys.executable, "-m", "tests._memory_peaks", "staging", str(tmp_path)],
+        cwd=_subproc.ROOT,
         env=_subproc.env(8),
         capture_output=True,
         text=True,
@@ -234,7 +198,10 @@ def test_background_save_threads_are_kept_and_are_daemons() -> None:
         done.clear()
         pool.submit(lambda: (seen.append(threading.current_thread()), done.set()))
         assert done.wait(10)
-        time.sleep(0.05)
+        deadline = time.monotonic() + 10
+        while pool.idle_threads < 1 and time.monotonic() < deadline:  # (back, waiting for a job)
+            time.sleep(0.01)
+        assert pool.idle_threads == 1
     assert len({id(t) for t in seen}) == 1 and seen[0].daemon
     gate = threading.Event()
     started = threading.Barrier(3, timeout=10)

@@ -179,15 +179,16 @@ def test_an_empty_path_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert os.listdir(tmp_path) == []
 
 
-def _outcome(proxy: FaultyProxy, script: str, *argv: str) -> dict[str, Any]:
-    """Run ``script`` in a fresh process (its own storage policy) that reaches S3 through
-    ``proxy``; the JSON object it prints last."""
+def _outcome(proxy: FaultyProxy, scenario: str, *argv: str) -> dict[str, Any]:
+    """Run a scenario of ``tests/_stalled_storage.py`` in a fresh process (its own storage
+    policy) that reaches S3 through ``proxy``; the JSON object it prints last."""
     import json
     import subprocess
     import sys
 
     child = subprocess.run(
-        [sys.executable, "-c", script, *argv],
+        [sys.executable, "-m", "tests._stalled_storage", scenario, *argv],
+        cwd=_subproc.ROOT,
         env={**_subproc.env(1), "AWS_ENDPOINT_URL": proxy.url},
         capture_output=True,
         text=True,
@@ -196,30 +197,6 @@ def _outcome(proxy: FaultyProxy, script: str, *argv: str) -> dict[str, Any]:
     assert child.returncode == 0, child.stderr
     out: dict[str, Any] = json.loads(child.stdout.strip().splitlines()[-1])
     return out
-
-
-_STALLED_SAVE = """
-import json, sys, time
-import numpy as np
-import milepost as mp
-
-mp.configure_storage(mp.StorageOptions(
-    silence_secs=2, max_retries=1, retry_delay_secs=0.2, retry_max_delay_secs=0.2))
-url, timeout = sys.argv[1], float(sys.argv[2])
-start = time.monotonic()
-try:
-    with mp.Context(async_=mp.AsyncOptions(timeout_secs=timeout)):
-        mp.save(url, {"x": np.arange(1000.0), "y": np.ones(10, np.int32)})
-    out = {"error": None}
-except Exception as e:
-    out = {"error": "TimeoutError" if isinstance(e, TimeoutError) else repr(e), "message": str(e)}
-    out["notes"] = getattr(e, "__notes__", [])
-out["secs"] = time.monotonic() - start
-mp.wait_for_saves()  # the failed save's cleanup, once its writes stopped
-out["cleaned_secs"] = time.monotonic() - start
-out["budget"] = mp.workers.storage_budget_secs()
-print(json.dumps(out))
-"""
 
 
 @pytest.mark.parametrize("who", ["deadline", "storage"])
@@ -239,7 +216,7 @@ def test_a_stalled_write_fails_in_time_and_its_late_arrival_blocks_nothing(
     bucket_url = f"s3://{new_s3_bucket(s3_endpoint[0])}"
     url = f"{bucket_url}/run/1"
     rule = proxy.fail("PUT", "/state/ocdbt.process_controller/d/", "stall", count=1000)
-    out = _outcome(proxy, _STALLED_SAVE, url, "4" if who == "deadline" else "600")
+    out = _outcome(proxy, "save", url, "4" if who == "deadline" else "600")
     assert out["error"] == "TimeoutError", out
     if who == "deadline":
         assert "did not finish within 4 s" in out["message"] and "'x'" in out["message"], out
@@ -271,24 +248,6 @@ def test_a_stalled_write_fails_in_time_and_its_late_arrival_blocks_nothing(
     assert "run/1.milepost-lease" not in keys
 
 
-_STALLED_LOAD = """
-import json, sys, time
-import milepost as mp
-
-mp.configure_storage(mp.StorageOptions(
-    silence_secs=2, max_retries=1, retry_delay_secs=0.2, retry_max_delay_secs=0.2))
-start = time.monotonic()
-try:
-    mp.load(sys.argv[1])
-    out = {"error": None}
-except Exception as e:
-    out = {"error": type(e).__name__, "message": str(e)}
-out["secs"] = time.monotonic() - start
-out["budget"] = mp.workers.storage_budget_secs()
-print(json.dumps(out))
-"""
-
-
 def test_a_stalled_read_fails_when_the_storage_policy_gives_up(
     s3_endpoint: Any,  # noqa: F811
     proxy: FaultyProxy,
@@ -300,7 +259,7 @@ def test_a_stalled_read_fails_when_the_storage_policy_gives_up(
     url = f"s3://{new_s3_bucket(s3_endpoint[0])}/run/1"
     mp.save(url, {"x": np.arange(1000.0)})
     rule = proxy.fail("GET", "/run/1/state/d/", "stall", count=1000)
-    out = _outcome(proxy, _STALLED_LOAD, url)
+    out = _outcome(proxy, "load", url)
     assert out["error"] == "TimeoutError", out
     assert "each of 2 attempts moved nothing for 2 s" in out["message"], out
     assert "run/1/state/d/" in out["message"], out  # the object
@@ -334,32 +293,6 @@ def test_throttling_is_retried_and_every_value_is_exact(
     assert [r.hits for r in rules if r.method in ("PUT", "GET")] == [4, 4]
 
 
-_STALLED_LOOP = """
-import json, sys
-import numpy as np
-import milepost as mp
-from milepost.training import BackgroundSaveError, Checkpointer, KeepLatest
-
-mp.configure_storage(mp.StorageOptions(
-    silence_secs=2, max_retries=1, retry_delay_secs=0.2, retry_max_delay_secs=0.2))
-out = {}
-with Checkpointer(sys.argv[1], keep=KeepLatest(n=2)) as ckpt:
-    for step in range(3):
-        try:
-            ckpt.save(step, {"x": np.arange(1000.0) + step}, force=True)
-            ckpt.wait()
-        except BackgroundSaveError as e:
-            out[step] = type(e.__cause__).__name__
-    out["steps"] = ckpt.steps
-print(json.dumps(out))
-sys.stdin.readline()  # the test releases the stalled writes, then lets this go on
-with Checkpointer(sys.argv[1], keep=KeepLatest(n=2)) as ckpt:
-    ckpt.save(3, {"x": np.arange(1000.0) + 3}, force=True)
-    ckpt.wait()
-    print(json.dumps({"steps": ckpt.steps}))
-"""
-
-
 def test_a_checkpointer_loop_survives_a_stalled_step(
     s3_endpoint: Any,  # noqa: F811
     proxy: FaultyProxy,
@@ -376,7 +309,8 @@ def test_a_checkpointer_loop_survives_a_stalled_step(
     url = f"{bucket_url}/run"
     rule = proxy.fail("PUT", "/run/2/state/ocdbt.process_controller/d/", "stall", count=1000)
     child = subprocess.Popen(
-        [sys.executable, "-c", _STALLED_LOOP, url],
+        [sys.executable, "-m", "tests._stalled_storage", "loop", url],
+        cwd=_subproc.ROOT,
         env={**_subproc.env(1), "AWS_ENDPOINT_URL": proxy.url},
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,

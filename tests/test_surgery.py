@@ -461,42 +461,6 @@ def test_programs_are_shared_only_when_they_compute_the_same(
     assert same_bits(by_bool, np.arange(64, dtype=np.int32).reshape(8, 8))
 
 
-PEAK = r"""
-import json, numpy as np, jax, jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
-import milepost as mp
-from milepost import surgery as ms
-
-MEMORY_PROBES
-
-root = ROOT
-sharding = NamedSharding(jax.make_mesh((2, 4), ("data", "model")), P("data", "model"))
-# 8 leaves of 32 KiB, then of 32 MiB (256 MiB in all)
-for name, rows in (("small", 64), ("big", 2048)):
-    mp.save(
-        f"{root}/{name}",
-        {
-            f"w{i}": jax.device_put(jnp.full((rows, 4096), i, jnp.float32), sharding)
-            for i in range(8)
-        },
-    )
-jax.clear_caches()
-budget = 64 << 20
-ms.write(  # warm
-    f"{root}/small-out", ms.cast(ms.open(f"{root}/small").tree, jnp.bfloat16),
-    memory_budget_bytes=budget,
-)
-import gc; gc.collect()
-base = rss()
-open("/proc/self/clear_refs", "w").write("5")
-ms.write(
-    f"{root}/big-out", ms.cast(ms.open(f"{root}/big").tree, jnp.bfloat16),
-    memory_budget_bytes=budget,
-)
-print(json.dumps({"growth": hwm() - base}))
-"""
-
-
 def test_peak_memory_stays_within_the_budget(tmp_path: Path) -> None:
     import json
     import subprocess
@@ -505,13 +469,8 @@ def test_peak_memory_stays_within_the_budget(tmp_path: Path) -> None:
     from tests import _subproc
 
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            PEAK.replace("ROOT", repr(str(tmp_path))).replace(
-                "MEMORY_PROBES", _subproc.MEMORY_PROBES
-            ),
-        ],
+        [sys.executable, "-m", "tests._memory_peaks", "surgery", str(tmp_path)],
+        cwd=_subproc.ROOT,
         env=_subproc.env(8),
         capture_output=True,
         text=True,

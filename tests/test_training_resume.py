@@ -7,7 +7,6 @@ import random
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -98,8 +97,10 @@ def run_child(
             elif line.startswith("saved") and external_kill is not None:
                 saves += 1
                 if saves == external_kill[0]:
-                    time.sleep(external_kill[1])
-                    proc.send_signal(signal.SIGKILL)
+                    try:  # (a random moment after the save; a loop that ended is not killed)
+                        proc.wait(external_kill[1])
+                    except subprocess.TimeoutExpired:
+                        proc.send_signal(signal.SIGKILL)
         code = proc.wait(120)
         if code not in (0, -signal.SIGKILL):
             raise AssertionError(f"training loop failed ({code}): {proc.stderr.read()[-3000:]}")

@@ -8,52 +8,16 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 from tests import _subproc
 
 ROOT = Path(__file__).resolve().parents[1]
 
-SCRIPT = """
-import tests._without_ray as w
-w.block()
-import json, sys
-import jax, numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
-import milepost as mp
-from milepost import _cli
-from milepost.training import Checkpointer, KeepLatest
-
-root = sys.argv[1]
-mesh = jax.make_mesh((2, 4), ("data", "model"))
-w_ = jax.device_put(
-    np.arange(64 * 32, dtype=np.float32).reshape(64, 32), NamedSharding(mesh, P("data", "model"))
-)
-state = {"w": w_, "step": 3, "note": "no ray"}
-out = {}
-mp.save_async(root + "/a", state).result()
-back = mp.load(root + "/a")
-out["embedded"] = bool(np.array_equal(np.asarray(back["w"]), np.asarray(w_))) and back["step"] == 3
-with Checkpointer(root + "/run", keep=KeepLatest(n=1)) as ckpt:
-    for step in (1, 2):
-        ckpt.save(step, state)
-    ckpt.wait()
-    again = ckpt.load()
-    out["checkpointer"] = [ckpt.steps, bool(np.array_equal(np.asarray(again["w"]), w_))]
-out["verify"] = _cli.main(["verify", root + "/a"])
-try:
-    mp.Slice.start(hosts=1, devices_per_host=1)
-except ImportError as e:
-    out["slice"] = [type(e).__name__, e.name, str(e)]
-out["imported"] = sorted(m for m in sys.modules if m.split(".")[0] in ("ray", "cloudpickle"))
-print(json.dumps(out))
-"""
-
 
 def test_the_embedded_mode_and_the_command_run_without_ray(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(SCRIPT), str(tmp_path)],
+        [sys.executable, "-m", "tests._embedded_without_ray", str(tmp_path)],
         cwd=ROOT,
         env=_subproc.env(8),
         capture_output=True,

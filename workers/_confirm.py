@@ -30,7 +30,7 @@ import numpy as np
 import tensorstore as ts
 
 from milepost.workers._errors import LostWriteError
-from milepost.workers._ocdbt_format import FormatError
+from milepost.workers._ocdbt_format import FormatError, note_fallback
 from milepost.workers._ocdbt_index import indirect_values
 from milepost.workers._paths import as_path, context_for, kvstore
 from milepost.workers._ts_internals import ocdbt_values
@@ -118,7 +118,8 @@ def root_sizes(directory: Any) -> dict[str, int]:
     ends: dict[str, int] = {}
     try:
         values = indirect_values(kv, [b""], str(where))
-    except FormatError:  # (TensorStore walks what that decoder does not read)
+    except FormatError as e:  # (TensorStore walks what that decoder does not read)
+        note_fallback("B-tree walk", "TensorStore's ocdbt.dump", e)
         for _, found in ocdbt_values("", _Everything(), base=kv):
             end = found.offset + found.length
             ends[found.path] = max(ends.get(found.path, 0), end)

@@ -15,6 +15,7 @@ OCDBT keys are bytes, but the keys milepost's databases hold never contain NUL, 
 
 from __future__ import annotations
 
+import logging
 import posixpath
 import struct
 import threading
@@ -40,6 +41,31 @@ _CRC = struct.Struct("<I")
 class FormatError(ValueError):
     """Bytes that are not what the OCDBT format says (damaged), or a form of it the merge does
     not write itself (then the caller merges with TensorStore instead)."""
+
+
+_log = logging.getLogger("milepost")
+_fell_back: set[tuple[str, str]] = set()
+_fell_back_lock = threading.Lock()
+
+
+def note_fallback(fast: str, slow: str, reason: FormatError) -> bool:
+    """Say, at WARNING, that milepost's own OCDBT code (``fast``, e.g. "B-tree walk") did not
+    read a database, for ``reason``, and TensorStore's (``slow``) runs instead: correct, but
+    2-3x slower at thousands of hosts. Once per process for each fallback and reason (a reason
+    names what it is about); True if this call logged."""
+    key = (fast, str(reason))
+    with _fell_back_lock:
+        if key in _fell_back:
+            return False
+        _fell_back.add(key)
+    _log.warning(
+        "OCDBT %s fell back to %s: %s. The result is the same but slower at many hosts; if "
+        "this database was written by milepost, report it (logged once per process and reason)",
+        fast,
+        slow,
+        reason,
+    )
+    return True
 
 
 # ------------------------------------------------------------------------------------------

@@ -77,6 +77,12 @@ class Pool:
         with self._lock:
             return len(self._threads)
 
+    @property
+    def idle_threads(self) -> int:
+        """Threads waiting for a job now: the next job submitted runs on one of them."""
+        with self._lock:
+            return self._waiting
+
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
         """Run ``fn(*args, **kwargs)`` on a thread of the pool; its future. A job whose
         future was cancelled before a thread took it does not run."""

@@ -23,7 +23,7 @@ from milepost.workers._confirm import confirm_files, root_sizes
 from milepost.workers._declared import ZARR3_DTYPES as ZARR3_DTYPES
 from milepost.workers._errors import CorruptCheckpointError, from_tensorstore
 from milepost.workers._messages import ArraySpec, StoreSpec
-from milepost.workers._ocdbt_format import FormatError
+from milepost.workers._ocdbt_format import FormatError, note_fallback
 from milepost.workers._paths import ObjectPath, as_path, context_for, kvstore
 
 PROCESS_PREFIX = "ocdbt.process_"
@@ -242,6 +242,10 @@ def merge_ocdbt(directory: Any) -> None:
     :class:`~._errors.LostWriteError` naming one that is not: a view that calls for data the
     storage lost is never committed.
 
+    milepost's own writer (:func:`~._ocdbt_merge.write_root`) writes the view; databases in a
+    form it does not read are merged by TensorStore instead, said once at WARNING with the
+    reason (:func:`~._ocdbt_format.note_fallback`).
+
     With many databases the key space is cut into ranges of about :data:`MERGE_BATCH_KEYS` keys
     (estimated from one database's keys: hosts write about the same arrays), each merged
     in a transaction of its own, committed while the next range is copied in; the ranges cover
@@ -252,8 +256,9 @@ def merge_ocdbt(directory: Any) -> None:
         return
     try:
         sizes = _ocdbt_merge.write_root(directory, [c.name for c in children], ROOT_OCDBT_CONFIG)
-    except FormatError:  # (a form the direct writer does not read: TensorStore merges, or says
-        _merge_with_tensorstore(directory, children)  # what is wrong)
+    except FormatError as e:  # (a form the direct writer does not read: TensorStore merges,
+        note_fallback("merge", "TensorStore's copy_range_to", e)  # or says what is wrong)
+        _merge_with_tensorstore(directory, children)
         sizes = root_sizes(directory)
     confirm_files(directory, sizes)
 

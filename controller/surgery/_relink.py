@@ -99,9 +99,7 @@ def link_databases(ck: Any, renames: dict[str, str], directory: Path) -> None:
                     shutil.copyfile(
                         here / f, target / rel / f, follow_symlinks=False
                     )  # the manifest: rewritten below
-        kv = ts.KvStore.open(
-            {"driver": "ocdbt", "base": workers.kvstore(target)}, context=context
-        ).result()
+        kv = ts.KvStore.open(workers.ocdbt_kvstore(target), context=context).result()
         present = {k.decode().split("/", 1)[0] for k in kv.list().result()}
         tables = workers.CHUNK_TABLE_PREFIX.split("/", 1)[0]
         if tables in present:  # the chunk checksum table, its arrays renamed

@@ -3,7 +3,8 @@
 A load finds its arrays' chunks once, before reading (one B-tree walk of the checkpoint's root
 OCDBT view, :mod:`milepost.workers._ocdbt_index`, its nodes decoded as NumPy columns); what
 that decoder does not read is walked with TensorStore's ``ocdbt.dump`` instead
-(:func:`~milepost.workers._ts_internals.ocdbt_values`). A value naming a file outside the
+(:func:`~milepost.workers._ts_internals.ocdbt_values`), said once at WARNING with the reason
+(:func:`~milepost.workers._ocdbt_format.note_fallback`). A value naming a file outside the
 checkpoint is a :class:`CorruptCheckpointError`, and that file is never opened.
 """
 
@@ -18,7 +19,7 @@ import tensorstore as ts
 
 from milepost.workers._errors import CorruptCheckpointError
 from milepost.workers._messages import StoreSpec
-from milepost.workers._ocdbt_format import FormatError
+from milepost.workers._ocdbt_format import FormatError, note_fallback
 from milepost.workers._ocdbt_index import Prefixes, Values, indirect_values
 from milepost.workers._paths import context_for, is_local, kvstore
 from milepost.workers._ts_internals import FileRange, OutsideError, ocdbt_values, value_range
@@ -73,7 +74,8 @@ class Locator:
         with _contained(self.directory):
             try:
                 found = indirect_values(kv, wanted.sorted, self.directory)
-            except FormatError:  # (TensorStore reads it, or says what is wrong)
+            except FormatError as e:  # (TensorStore reads it, or says what is wrong)
+                note_fallback("B-tree walk", "TensorStore's ocdbt.dump", e)
                 self._walk(kv, wanted)
             else:
                 self._learn(found, wanted.sorted)
