@@ -30,7 +30,7 @@ from milepost._errors import (
     StructureMismatchError,
 )
 from milepost._tree import PLACEHOLDER
-from milepost.colocated import Slice
+from milepost.colocated import HostGroup, Slice
 from milepost.workers import ObjectPath, as_path, check
 from milepost.workers import progress as workers_progress
 
@@ -305,11 +305,7 @@ def export(
     check.integer(
         max_shard_bytes, "max_shard_bytes", minimum=1, error=ValueError, expect="a positive int"
     )
-    meta_strings = dict(metadata) if metadata is not None else {"format": "pt"}
-    if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta_strings.items()):
-        raise TypeError(
-            "metadata must map strings to strings (the safetensors format stores nothing else)"
-        )
+    meta_strings = _metadata_strings(metadata)
     options = _options.current()
     timeout = options.async_.timeout_secs
     root, out = as_path(checkpoint), Path(out_dir).absolute()
@@ -333,34 +329,68 @@ def export(
         ),
         timeout,
     )
+    acks = _write_files(group, planned, staging, timeout)
+    return _hosts.shared(
+        group,
+        f"export-commit:{out}",
+        lambda: _commit(planned, acks, staging, out, overwrite),
+        timeout,
+    )
+
+
+def _metadata_strings(metadata: Mapping[str, str] | None) -> dict[str, str]:
+    """The ``__metadata__`` every file gets: ``metadata``, checked to be strings to strings (all
+    the format stores), or ``{"format": "pt"}``."""
+    meta_strings = dict(metadata) if metadata is not None else {"format": "pt"}
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in meta_strings.items()):
+        raise TypeError(
+            "metadata must map strings to strings (the safetensors format stores nothing else)"
+        )
+    return meta_strings
+
+
+def _write_files(
+    group: HostGroup, planned: _ExportPlanned, staging: Path, timeout: float
+) -> list[workers.ExportAck]:
+    """The hosts write their files into ``staging``; if any fails, the primary removes the
+    staging folder before the error goes up (nothing half-written is left beside ``out``)."""
     try:
-        acks = group.run("export_safetensors", planned.plans, timeout)
+        return group.run("export_safetensors", planned.plans, timeout)
     except BaseException:
         if group.is_primary():
             shutil.rmtree(staging, ignore_errors=True)
         raise
 
-    def commit() -> ExportSummary:
-        try:  # every file the hosts wrote is there, whole (one listing), or nothing is exported
-            workers.confirm_files(staging, _file_sizes(planned.plans, staging), "the export")
-            fmt.write_json(
-                staging / workers.SAFETENSORS_INDEX,
-                {"metadata": {"total_size": planned.total}, "weight_map": planned.weight_map},
-            )
-            fmt.fsync_dir(staging)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-        if out.exists() and overwrite:
-            shutil.rmtree(out)
-        os.rename(staging, out)
-        fmt.fsync_dir(out.parent)
-        written = {Path(f).name for ack in acks for f in ack.files}
-        return ExportSummary(
-            out, tuple(sorted(written)), len(planned.weight_map), planned.total, planned.skipped
-        )
 
-    return _hosts.shared(group, f"export-commit:{out}", commit, timeout)
+def _commit(
+    planned: _ExportPlanned,
+    acks: list[workers.ExportAck],
+    staging: Path,
+    out: Path,
+    overwrite: bool,
+) -> ExportSummary:
+    """On the primary, in order: confirm every file the hosts wrote is in ``staging``, whole (one
+    listing); write the index; fsync the folder (a failure so far removes ``staging``: nothing is
+    exported); only then replace ``out`` (if ``overwrite``) and rename ``staging`` into place, so
+    that ``out`` is always either the old folder or the whole new one."""
+    try:
+        workers.confirm_files(staging, _file_sizes(planned.plans, staging), "the export")
+        fmt.write_json(
+            staging / workers.SAFETENSORS_INDEX,
+            {"metadata": {"total_size": planned.total}, "weight_map": planned.weight_map},
+        )
+        fmt.fsync_dir(staging)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if out.exists() and overwrite:
+        shutil.rmtree(out)
+    os.rename(staging, out)
+    fmt.fsync_dir(out.parent)
+    written = {Path(f).name for ack in acks for f in ack.files}
+    return ExportSummary(
+        out, tuple(sorted(written)), len(planned.weight_map), planned.total, planned.skipped
+    )
 
 
 @dataclass
@@ -369,6 +399,9 @@ class _ExportPlanned:
     weight_map: dict[str, str]
     total: int
     skipped: tuple[str, ...]
+
+
+_Tensors = list[tuple[str, workers.LoadTask]]
 
 
 def _plan(
@@ -382,6 +415,9 @@ def _plan(
     processes: Any,
     options: _options.Options,
 ) -> _ExportPlanned:
+    """The export's plan, made on the primary from metadata alone. Every check (``out`` free,
+    the leaves exportable) runs before ``staging`` is made, so a refused export leaves nothing
+    on disk; the files are then named, packed and dealt to the hosts in turn."""
     if out.exists() and not overwrite:
         raise CheckpointExistsError(
             f"{out} exists; pass overwrite=True to replace it, or choose another folder"
@@ -391,6 +427,30 @@ def _plan(
     directory = items[fmt.main_tree(root, items)].folder
     files = fmt.read_tree(directory)
     prefix = f"{subtree}." if subtree else ""
+    chosen, skipped = _chosen_leaves(root, files, subtree, prefix)
+    tensors = _tensor_tasks(directory, files, chosen, prefix)
+    groups = _pack(tensors, max_bytes)
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    by_host, weight_map = _deal_files(groups, staging, metadata, processes)
+    store = files.store(directory)
+    plans = {
+        p: workers.ExportPlan(
+            store=store,
+            files=tuple(fs),
+            fill_missing=files.fill_missing,
+            memory_budget_bytes=options.loading.memory_budget_bytes,
+        )
+        for p, fs in by_host.items()
+    }
+    return _ExportPlanned(plans, weight_map, sum(_nbytes(task) for _, task in tensors), skipped)
+
+
+def _chosen_leaves(
+    root: Path | ObjectPath, files: fmt.TreeFiles, subtree: str | None, prefix: str
+) -> tuple[list[str], tuple[str, ...]]:
+    """The array leaves under ``prefix`` (exported) and the other leaves there (skipped, named in
+    the summary); a ``subtree`` with no arrays is an error."""
     chosen = [
         n for n, leaf in files.leaves.items() if leaf.value_type.is_array and n.startswith(prefix)
     ]
@@ -403,8 +463,16 @@ def _plan(
         raise StructureMismatchError(
             f"{root} has no arrays under {subtree!r} (its leaves: {list(files.leaves)[:8]}...)"
         )
+    return chosen, skipped
+
+
+def _tensor_tasks(
+    directory: Path | ObjectPath, files: fmt.TreeFiles, chosen: list[str], prefix: str
+) -> _Tensors:
+    """A whole-array read for each chosen leaf, named without ``prefix``, in tree order; a leaf
+    safetensors cannot hold (PRNG keys, an unsupported dtype) is refused, naming it."""
     headers = _checkpoint.array_headers(directory, files, chosen)
-    tensors: list[tuple[str, workers.LoadTask]] = []
+    tensors: _Tensors = []
     for name in chosen:
         if name in files.key_impls:
             raise StructureMismatchError(
@@ -426,7 +494,13 @@ def _plan(
             chunk_tables=files.chunk_tables,
         )
         tensors.append((name[len(prefix) :], task))
-    groups: list[list[tuple[str, workers.LoadTask]]] = []
+    return tensors
+
+
+def _pack(tensors: _Tensors, max_bytes: int) -> list[_Tensors]:
+    """The tensors in tree order, cut into files of at most ``max_bytes`` (a larger tensor gets a
+    file of its own)."""
+    groups: list[_Tensors] = []
     size = 0
     for entry in tensors:
         nbytes = _nbytes(entry[1])
@@ -435,8 +509,14 @@ def _plan(
             size = 0
         groups[-1].append(entry)
         size += nbytes
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    return groups
+
+
+def _deal_files(
+    groups: list[_Tensors], staging: Path, metadata: dict[str, str], processes: Any
+) -> tuple[dict[Any, list[workers.ExportFile]], dict[str, str]]:
+    """Each file named ``model-k-of-n``, its header built, and dealt to the hosts in turn; with
+    the index's ``weight_map`` (tensor name -> file)."""
     count = len(groups)
     weight_map: dict[str, str] = {}
     by_host: dict[Any, list[workers.ExportFile]] = {p: [] for p in processes}
@@ -452,17 +532,7 @@ def _plan(
             )
         )
         weight_map.update((t, name) for t, _ in group)
-    store = files.store(directory)
-    plans = {
-        p: workers.ExportPlan(
-            store=store,
-            files=tuple(fs),
-            fill_missing=files.fill_missing,
-            memory_budget_bytes=options.loading.memory_budget_bytes,
-        )
-        for p, fs in by_host.items()
-    }
-    return _ExportPlanned(plans, weight_map, sum(_nbytes(task) for _, task in tensors), skipped)
+    return by_host, weight_map
 
 
 def _nbytes(task: workers.LoadTask) -> int:
