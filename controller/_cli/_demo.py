@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import Any
 
 from milepost._cli._errors import FAILED, USAGE, CliError
 from milepost._views import human_bytes
@@ -23,7 +24,21 @@ def run(
     progress: Callable[[], AbstractContextManager[None]],
 ) -> int:
     """The demo; returns the exit status (0 when the loaded values are identical)."""
+    root, path = _demo_folder(directory, overwrite)
+    _use_cpu_devices(devices)
+    params, state = _toy_state(size_mib, devices)
+    _save(path, state, overwrite, progress, temporary=not directory)
+    _show_metadata(path)
+    restored, same = _load_resharded(path, params, devices, progress)
+    sys.stdout.flush()
+    if not directory:
+        shutil.rmtree(root)
+    return 0 if same and restored["step"] == 1000 else 1
 
+
+def _demo_folder(directory: str | None, overwrite: bool) -> tuple[Path, Path]:
+    """The demo's folder (``directory``, or a new temporary one) and the checkpoint's path in it;
+    checked first, before JAX is set up, so a refused demo costs nothing."""
     root = (
         Path(directory).absolute() if directory else Path(tempfile.mkdtemp(prefix="milepost-demo-"))
     )
@@ -34,7 +49,13 @@ def run(
             "--overwrite to replace it, or choose another --dir",
             USAGE,
         )
+    return root, path
 
+
+def _use_cpu_devices(devices: int) -> None:
+    """Ask JAX for ``devices`` CPU devices. This must run before anything creates an array or
+    asks for the devices (JAX fixes them then); a process where that already happened, with
+    another count, is refused."""
     import jax
 
     jax.config.update("jax_platforms", "cpu")
@@ -46,12 +67,16 @@ def run(
             f"without it, or pass --devices {len(jax.devices())}",
             FAILED,
         )
+
+
+def _toy_state(size_mib: int, devices: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A toy model of about ``size_mib`` MiB sharded over a (data, model) mesh, and the state
+    saved (the params with a step, a NumPy scalar and a string); prints what it made."""
+    import jax
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
-
-    import milepost as mp
 
     mesh = jax.make_mesh((2, devices // 2), ("data", "model"))
     d = 1024
@@ -80,6 +105,18 @@ def run(
         f"milepost demo: {layers} layers, {human_bytes(nbytes)} of arrays over "
         f"{devices} CPU devices, mesh {dict(mesh.shape)}"
     )
+    return params, state
+
+
+def _save(
+    path: Path,
+    state: dict[str, Any],
+    overwrite: bool,
+    progress: Callable[[], AbstractContextManager[None]],
+    temporary: bool,
+) -> None:
+    """``save_async`` then wait for the commit, printing both times and what is on disk."""
+    import milepost as mp
 
     with progress():
         t0 = time.perf_counter()
@@ -92,15 +129,37 @@ def run(
         f"save_async returned after {t1 - t0:.3f}s (arrays "
         f"copied to host); committed after {t2 - t0:.3f}s"
     )
-    kept = "" if directory else " (a temporary folder, removed when the demo ends; --dir keeps it)"
+    kept = " (a temporary folder, removed when the demo ends; --dir keeps it)" if temporary else ""
     print(
         f"  checkpoint at {path}{kept}: {human_bytes(on_disk)} on disk, "
         f"{sum(1 for _ in path.rglob('*'))} files and folders"
     )
 
+
+def _show_metadata(path: Path) -> None:
+    """Print what the checkpoint's metadata says of one array, and its custom metadata."""
+    import milepost as mp
+
     meta = mp.metadata(path)
     assert meta.tree is not None  # (the demo saved a 'state')
     print(f"metadata: {meta.tree['params']['layer0']['kernel']}; custom={meta.custom_metadata}")
+
+
+def _load_resharded(
+    path: Path,
+    params: dict[str, Any],
+    devices: int,
+    progress: Callable[[], AbstractContextManager[None]],
+) -> tuple[dict[str, Any], bool]:
+    """Load the checkpoint onto another (x, y) mesh with other partitions, print the time and the
+    new shard shapes, and compare every value with ``params``: the loaded state, and whether
+    every value is identical."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import milepost as mp
 
     other = jax.make_mesh((devices // 2, 2), ("x", "y"))
     abstract = jax.tree_util.tree_map(
@@ -135,7 +194,4 @@ def run(
         f"values identical: {same}; step={restored['step']}, "
         f"tokens_seen={restored['tokens_seen']!r}, run={restored['run']!r}"
     )
-    sys.stdout.flush()
-    if not directory:
-        shutil.rmtree(root)
-    return 0 if same and restored["step"] == 1000 else 1
+    return restored, same
