@@ -151,16 +151,7 @@ class Checkpointer:
         """Every option, as given or defaulted (a :class:`CheckpointerOptions`)."""
         self.root: Path | ObjectPath = as_path(root)
         self.local: Path | None = self.options.local_path()
-        if self.local is not None and isinstance(self.root, Path):
-            if (
-                self.local == self.root
-                or self.root in self.local.parents
-                or self.local in self.root.parents
-            ):
-                raise ValueError(
-                    f"local={str(self.local)!r} and root={str(self.root)!r} overlap; give the "
-                    "local tier its own folder"
-                )
+        self._check_tiers_apart()
         context = _options.current()
         """The options in force when the Checkpointer was opened; its background work uses them."""
         self._timeout = float(
@@ -198,6 +189,28 @@ class Checkpointer:
         self._preempted = False
         self._closed = False
 
+        self._open()
+        self._preemption = PreemptionWatch(self.save_policy)
+
+    def _check_tiers_apart(self) -> None:
+        """The local tier and the root are different folders, neither inside the other; checked
+        before any tier, thread or listing is made, so a refused Checkpointer leaves nothing."""
+        if self.local is not None and isinstance(self.root, Path):
+            if (
+                self.local == self.root
+                or self.root in self.local.parents
+                or self.local in self.root.parents
+            ):
+                raise ValueError(
+                    f"local={str(self.local)!r} and root={str(self.root)!r} overlap; give the "
+                    "local tier its own folder"
+                )
+
+    def _open(self) -> None:
+        """Open the tiers (the primary lists them; every process adopts its listing), then mirror
+        the steps only in the local tier: a mirror that did not finish before the last run ended.
+        The mirror requests come after the listing is adopted (they name steps from it) and only
+        once every part (state, retention, mirror) exists."""
         self._adopt(self._shared("open", self._open_on_primary))
         with self._state.cond:
             unmirrored = sorted(set(self._state.local) - set(self._state.durable))
@@ -207,7 +220,6 @@ class Checkpointer:
                     "step %s is only in %s; mirroring it to %s", step, self.local, self.root
                 )
                 self._mirror.request(step, self._group)
-        self._preemption = PreemptionWatch(self.save_policy)
 
     # -- what it was opened with --------------------------------------------------------
     @property
