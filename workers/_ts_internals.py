@@ -208,84 +208,110 @@ def check() -> list[str]:
     """What of the above the installed TensorStore no longer does, one line each (empty: all of
     it holds). Writes a small sharded zarr3 array into an OCDBT database in a temporary folder,
     finds its shard through the dump and reads it back from the file by hand."""
-    problems: list[str] = []
     with tempfile.TemporaryDirectory(prefix="milepost-ts-check-") as folder:
         values = np.arange(4 * 6, dtype=np.float32).reshape(4, 6)
-        spec = {
-            "driver": "zarr3",
-            "kvstore": {
-                "driver": "ocdbt",
-                "base": {"driver": "file", "path": folder + "/"},
-                "config": {"max_inline_value_bytes": 16},
-                "path": "a b/",
-            },
-            "metadata": {
-                "shape": [4, 6],
-                "data_type": "float32",
-                "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [4, 6]}},
-                "codecs": [
-                    {
-                        "name": "sharding_indexed",
-                        "configuration": {
-                            "chunk_shape": [2, 6],
-                            "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
-                            "index_codecs": [
-                                {"name": "bytes", "configuration": {"endian": "little"}},
-                                {"name": "crc32c"},
-                            ],
-                        },
-                    }
-                ],
-            },
-        }
+        spec = _probe_spec(folder)
         ts.open(spec, create=True).result().write(values).result()
-
-        class _Shard:
-            def match(self, key: bytes) -> bool:
-                return key == b"a b/c/0/0"
-
-            def overlaps(self, low: bytes, high: bytes | None) -> bool:
-                return low <= b"a b/c/0/0" and (high is None or b"a b/c/0/0" < high)
-
-        try:
-            found = dict(ocdbt_values(folder, _Shard()))
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            return [
-                "ts.ocdbt.dump no longer has the structure "
-                f"milepost walks ({type(e).__name__}: {e})"
-            ]
-        where = found.get(b"a b/c/0/0")
-        if where is None:
-            return [
-                "walking ts.ocdbt.dump did not find the shard's value reference (its form changed)"
-            ]
-        if not os.path.isfile(where.path):
-            return [f"a value reference no longer names a file of the database: {where}"]
-        with open(where.path, "rb") as f:
-            f.seek(where.offset)
-            shard = f.read(where.length)
-        chunk = values[:2].nbytes
-        size = index_size(2)
-        if len(shard) != 2 * chunk + size:
-            problems.append(
-                f"a full shard of 2 chunks is {len(shard)} bytes, not {2 * chunk + size}"
-            )
-        else:
-            entries = index_entries(shard[-size:])
-            if entries is None:
-                problems.append("a shard's index no longer ends with the CRC32C of its entries")
-            elif entries != [(0, chunk), (chunk, chunk)]:
-                problems.append(f"a full shard's index says {entries}, not the chunks in C order")
-            elif shard[: 2 * chunk] != values.tobytes():
-                problems.append("a full shard no longer holds its chunks one after another, raw")
-        try:
-            ts.open({**spec, "path": "missing/"}, open=True).result()
-            problems.append("opening a missing array no longer fails")
-        except ValueError as e:
-            if status_of(e) is None:
-                problems.append(f"TensorStore's errors no longer start with a status code: {e}")
+        where = _locate_shard(folder)
+        if isinstance(where, str):
+            return [where]
+        problems = _check_shard(where, values)
+        problems += _check_missing_fails(spec)
         problems += _check_unread(spec, where.path)
     return problems
+
+
+_PROBE_SHARD = b"a b/c/0/0"
+"""The key of the probe array's one shard (its path has a space: keys are not URL-quoted)."""
+
+
+def _probe_spec(folder: str) -> dict[str, Any]:
+    """The probe: a 4x6 float32 zarr3 array in an OCDBT database in ``folder``, one shard of two
+    2x6 chunks, raw, with a CRC32C'd index (values over 16 bytes go to data files)."""
+    return {
+        "driver": "zarr3",
+        "kvstore": {
+            "driver": "ocdbt",
+            "base": {"driver": "file", "path": folder + "/"},
+            "config": {"max_inline_value_bytes": 16},
+            "path": "a b/",
+        },
+        "metadata": {
+            "shape": [4, 6],
+            "data_type": "float32",
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [4, 6]}},
+            "codecs": [
+                {
+                    "name": "sharding_indexed",
+                    "configuration": {
+                        "chunk_shape": [2, 6],
+                        "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
+                        "index_codecs": [
+                            {"name": "bytes", "configuration": {"endian": "little"}},
+                            {"name": "crc32c"},
+                        ],
+                    },
+                }
+            ],
+        },
+    }
+
+
+class _ProbeShard:
+    """The key filter that wants only the probe's shard."""
+
+    def match(self, key: bytes) -> bool:
+        return key == _PROBE_SHARD
+
+    def overlaps(self, low: bytes, high: bytes | None) -> bool:
+        return low <= _PROBE_SHARD and (high is None or _PROBE_SHARD < high)
+
+
+def _locate_shard(folder: str) -> FileRange | str:
+    """Where the probe's shard lies, found by walking the dump; or, if the walk no longer works,
+    the one problem that says why (the checks after it need the shard's bytes)."""
+    try:
+        found = dict(ocdbt_values(folder, _ProbeShard()))
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        return f"ts.ocdbt.dump no longer has the structure milepost walks ({type(e).__name__}: {e})"
+    where = found.get(_PROBE_SHARD)
+    if where is None:
+        return "walking ts.ocdbt.dump did not find the shard's value reference (its form changed)"
+    if not os.path.isfile(where.path):
+        return f"a value reference no longer names a file of the database: {where}"
+    return where
+
+
+def _check_shard(where: FileRange, values: np.ndarray) -> list[str]:
+    """Read the shard from its file by hand: two raw chunks in C order, then an index of their
+    (offset, length) ending with its CRC32C."""
+    with open(where.path, "rb") as f:
+        f.seek(where.offset)
+        shard = f.read(where.length)
+    chunk = values[:2].nbytes
+    size = index_size(2)
+    if len(shard) != 2 * chunk + size:
+        return [f"a full shard of 2 chunks is {len(shard)} bytes, not {2 * chunk + size}"]
+    entries = index_entries(shard[-size:])
+    if entries is None:
+        return ["a shard's index no longer ends with the CRC32C of its entries"]
+    if entries != [(0, chunk), (chunk, chunk)]:
+        return [f"a full shard's index says {entries}, not the chunks in C order"]
+    if shard[: 2 * chunk] != values.tobytes():
+        return ["a full shard no longer holds its chunks one after another, raw"]
+    return []
+
+
+def _check_missing_fails(spec: dict[str, Any]) -> list[str]:
+    """Opening an array that is not there fails with a ValueError whose message starts with a
+    status code (what :func:`status_of` reads)."""
+    try:
+        ts.open({**spec, "path": "missing/"}, open=True).result()
+        return ["opening a missing array no longer fails"]
+    except ValueError as e:
+        if status_of(e) is None:
+            return [f"TensorStore's errors no longer start with a status code: {e}"]
+    return []
 
 
 def _check_unread(spec: dict[str, Any], data_file: str) -> list[str]:
