@@ -99,6 +99,30 @@ class _PendingRaySave:
         self._group.settle(settles, t)
 
 
+@dataclasses.dataclass
+class _Answers:
+    """What a gather has heard so far: each host's value, or its failure."""
+
+    results: dict[int, Any] = dataclasses.field(default_factory=dict)
+    failures: list[str] = dataclasses.field(default_factory=list)
+    failed: list[int] = dataclasses.field(default_factory=list)  # (the hosts of ``failures``)
+    causes: list[BaseException] = dataclasses.field(default_factory=list)
+    dead: bool = False
+    """Whether a host died or did not answer (the slice is then unhealthy)."""
+
+
+def _cancel(pending: Mapping[Any, int]) -> None:
+    """Drop the calls left, if they have not started: a hung host must not act on them later
+    (say, write into a temporary directory the controller has removed)."""
+    import ray
+
+    for ref in pending:
+        try:
+            ray.cancel(ref)
+        except Exception as e:
+            log.info("could not cancel a call to a failed slice: %s", e)
+
+
 class RayHostGroup:
     """H Ray actors forming one ``jax.distributed`` cluster, as a milepost host group."""
 
@@ -217,75 +241,93 @@ class RayHostGroup:
         the other hosts may be blocked in a collective with the failed one. When every failure
         is a live host's error of a ``passthrough`` type, the first is raised itself (from the
         HostError naming the hosts)."""
+        pending = {ref: i for i, ref in calls.items()}
+        answers = _Answers()
+        self._collect(pending, answers, time.monotonic() + timeout, doing)
+        if not answers.failures and pending:
+            self._time_out(pending, answers, timeout, doing)
+        if answers.dead:
+            _cancel(pending)
+        if answers.failures:
+            self._raise(answers, passthrough)
+        return answers.results
+
+    def _collect(
+        self, pending: dict[Any, int], answers: _Answers, deadline: float, doing: str
+    ) -> None:
+        """Take the answers as they come, until all are in, one failed, or ``deadline`` (what is
+        left in ``pending`` did not answer). It stops at the first failure: the other hosts
+        may be blocked in a collective with the failed one, and would never answer."""
         import ray
 
-        pending = {ref: i for i, ref in calls.items()}
-        results: dict[int, Any] = {}
-        failures: list[str] = []
-        failed: list[int] = []  # (the hosts of ``failures``)
-        causes: list[BaseException] = []
-        dead = False
-        deadline = time.monotonic() + timeout
-        while pending and not failures:
+        while pending and not answers.failures:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=remaining)
             for ref in ready:
-                i = pending.pop(ref)
-                try:
-                    value = ray.get(ref, timeout=0)
-                except ray.exceptions.RayActorError as e:
-                    dead = True
-                    self._failed.add(i)
-                    failed.append(i)
-                    failures.append(
-                        f"{self.describe_host(i)} died while {doing} ({type(e).__name__})"
-                    )
-                except ray.exceptions.RayTaskError as e:
-                    cause = getattr(e, "cause", None) or e
-                    causes.append(cause)
-                    failed.append(i)
-                    failures.append(
-                        f"{self.describe_host(i)} failed while "
-                        f"{doing}: {type(cause).__name__}: {cause}"
-                    )
-                else:
-                    results[i] = value
-                    self._count(from_hosts=pickled_size(value))
-                    workers.progress.acked(
-                        i, value
-                    )  # a progress bar counts the host's bytes as it finishes
-        if not failures and pending:
-            dead = True
-            self._failed.update(pending.values())
-            failed = sorted(pending.values())
-            failures = [
-                f"{self.describe_host(i)} did not answer within {timeout:g}s while {doing}"
-                for i in sorted(pending.values())
-            ]
-        if dead:
-            # A hung host must not act on these calls later (say, write into a temporary
-            # directory the controller has removed): drop them if they have not started.
-            for ref in pending:
-                try:
-                    ray.cancel(ref)
-                except Exception as e:
-                    log.info("could not cancel a call to a failed slice: %s", e)
-        if failures:
-            if dead:
-                self._healthy = False
-            hint = " The slice is now unhealthy; shut it down and start a new one." if dead else ""
-            error = HostError("; ".join(failures) + "." + hint, hosts=failed)
-            if (
-                not dead
-                and passthrough
-                and len(causes) == len(failures)
-                and all(isinstance(c, passthrough) for c in causes)
-            ):
-                raise causes[0] from error
-            raise error
-        return results
+                self._take(ref, pending.pop(ref), answers, doing)
+
+    def _take(self, ref: Any, i: int, answers: _Answers, doing: str) -> None:
+        """Host ``i``'s answer: its value (counted, and told to a progress bar), or its failure:
+        a dead host (marked failed at once) or a host's error (its cause kept, for
+        ``passthrough``)."""
+        import ray
+
+        try:
+            value = ray.get(ref, timeout=0)
+        except ray.exceptions.RayActorError as e:
+            answers.dead = True
+            self._failed.add(i)
+            answers.failed.append(i)
+            answers.failures.append(
+                f"{self.describe_host(i)} died while {doing} ({type(e).__name__})"
+            )
+        except ray.exceptions.RayTaskError as e:
+            cause = getattr(e, "cause", None) or e
+            answers.causes.append(cause)
+            answers.failed.append(i)
+            answers.failures.append(
+                f"{self.describe_host(i)} failed while {doing}: {type(cause).__name__}: {cause}"
+            )
+        else:
+            answers.results[i] = value
+            self._count(from_hosts=pickled_size(value))
+            workers.progress.acked(
+                i, value
+            )  # a progress bar counts the host's bytes as it finishes
+
+    def _time_out(
+        self, pending: dict[Any, int], answers: _Answers, timeout: float, doing: str
+    ) -> None:
+        """The hosts that did not answer in time, with no other failure: each is marked failed
+        (a hung host is as good as dead to this slice)."""
+        answers.dead = True
+        self._failed.update(pending.values())
+        answers.failed = sorted(pending.values())
+        answers.failures = [
+            f"{self.describe_host(i)} did not answer within {timeout:g}s while {doing}"
+            for i in sorted(pending.values())
+        ]
+
+    def _raise(self, answers: _Answers, passthrough: tuple[type[BaseException], ...]) -> None:
+        """The HostError naming every failure (after the calls left are cancelled: a host that
+        died leaves the slice unhealthy); or, when every failure is a live host's error of a
+        ``passthrough`` type, the first of them, from that HostError."""
+        if answers.dead:
+            self._healthy = False
+        hint = (
+            " The slice is now unhealthy; shut it down and start a new one." if answers.dead else ""
+        )
+        error = HostError("; ".join(answers.failures) + "." + hint, hosts=answers.failed)
+        if (
+            not answers.dead
+            and passthrough
+            and len(answers.causes) == len(answers.failures)
+            and all(isinstance(c, passthrough) for c in answers.causes)
+        ):
+            raise answers.causes[0] from error
+        raise error
 
     def settle(self, calls: Mapping[int, Any], timeout: float) -> None:
         """Wait up to ``timeout`` for ``calls`` to finish, ignoring their outcome (hosts known to
