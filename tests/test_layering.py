@@ -5,6 +5,7 @@
 - Seams are public: a private module (``_name``) is imported only from inside the package that
   holds it, and a private name (``_name``) of a module is used only in that module.
 - No import cycles, function-level imports included.
+- Functions read as named phases: none longer than ``MAX_FUNCTION_LINES`` lines.
 """
 
 from __future__ import annotations
@@ -267,6 +268,24 @@ def missing_from_map(doc: str, files: list[Path]) -> list[str]:
     return missing
 
 
+MAX_FUNCTION_LINES = 80
+"""The most lines a function (or method, nested ones included) of the library may have, from
+its ``def`` line to its last: a longer one is split into phases with names."""
+
+
+def long_functions(source: str, path: str) -> list[str]:
+    """``path:line name (n lines)`` for each function of ``source`` over ``MAX_FUNCTION_LINES``
+    lines."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            assert node.end_lineno is not None
+            lines = node.end_lineno - node.lineno + 1
+            if lines > MAX_FUNCTION_LINES:
+                out.append(f"{path}:{node.lineno} {node.name} ({lines} lines)")
+    return out
+
+
 # ------------------------------------------------------------------------------------------
 # Tests
 # ------------------------------------------------------------------------------------------
@@ -417,6 +436,39 @@ def test_the_map_check_catches_a_missing_module() -> None:
         "workers/training/other/_runner.py",
         "workers/_late.py",
         "colocated/_a.py",
+    ]
+
+
+def test_no_function_is_longer_than_80_lines() -> None:
+    """Every library function reads as named phases (split one that grows past the limit into
+    private functions whose names say what they do, and whose docstrings say why their order)."""
+    long = [
+        found
+        for folder in sorted(FOLDERS)
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        for found in long_functions(path.read_text(), str(path.relative_to(ROOT)))
+    ]
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)
+
+
+def test_the_length_check_catches_a_long_function() -> None:
+    def function(name: str, lines: int, indent: str = "", keyword: str = "def") -> str:
+        body = "".join(f"{indent}    x = {i}\n" for i in range(lines - 1))
+        return f"{indent}{keyword} {name}():\n{body}"
+
+    source = (
+        function("fits", MAX_FUNCTION_LINES)  # lines 1-80
+        + function("long", MAX_FUNCTION_LINES + 1)  # 81-161
+        + "class C:\n"  # 162
+        + function("method", 90, indent="    ", keyword="async def")  # 163-252
+        + "def outer():\n"  # 253-334: the inner function makes it long too
+        + function("inner", MAX_FUNCTION_LINES + 1, indent="    ")
+    )
+    assert long_functions(source, "m.py") == [
+        "m.py:81 long (81 lines)",
+        "m.py:253 outer (82 lines)",
+        "m.py:163 method (90 lines)",
+        "m.py:254 inner (81 lines)",
     ]
 
 
