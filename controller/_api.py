@@ -173,11 +173,15 @@ def delete_checkpointable(path: PathLike, name: str) -> None:
     the rest still loads, and verifies, exactly as before. Timestamps, metrics and custom
     metadata are kept.
 
-    Its files go; the others are hard-linked into a new folder swapped in with one rename
-    (copied where hard links cannot be made). Raises :class:`CheckpointableNotFoundError` (its
-    message lists the checkpointables there are), :class:`LastCheckpointableError` for the
-    only one (delete the checkpoint instead), :class:`CheckpointExistsError` while a save of
-    the path (or a deletion of it) holds it, and ``NotImplementedError`` on an object store.
+    Its files go. On a local disk the others are hard-linked into a new folder swapped in with
+    one rename (copied where hard links cannot be made). In an object store it holds the path's
+    lease as a save does, removes the commit marker, writes the new metadata and checksums,
+    deletes the checkpointable's objects and writes the marker again: meanwhile the path holds
+    no loadable checkpoint, never a mix; a failure puts the checkpoint back, or says to call
+    this again to finish. Raises :class:`CheckpointableNotFoundError` (its message lists the
+    checkpointables there are), :class:`LastCheckpointableError` for the only one (delete the
+    checkpoint instead), and :class:`CheckpointExistsError` while a save of the path (or a
+    deletion of it) holds it.
     With several controller processes, call it in every process; the primary does it.
 
     >>> milepost.delete_checkpointable("/ckpt/300", "dataset")

@@ -92,8 +92,8 @@ def test_errors_name_what_to_do(tmp_path: Path, mesh24: jax.sharding.Mesh) -> No
     mp.save(single, {"x": np.arange(3)})  # one checkpointable
     with pytest.raises(mp.LastCheckpointableError):
         mp.delete_checkpointable(single, "state")
-    with pytest.raises(NotImplementedError, match="object stores"):
-        mp.delete_checkpointable("memory://bucket/ckpt", "state")
+    with pytest.raises(mp.CheckpointNotFoundError):
+        mp.delete_checkpointable("memory://bucket/nothing", "state")
     check_rest(path, {"state"})
 
 

@@ -10,16 +10,19 @@ from milepost._storage._ownership import (
 )
 from milepost._storage._ownership import remove_if_abandoned as remove_abandoned_folder
 from milepost._storage._workspace import (
+    DELETING,
     LEASE_SUFFIX,
     LocalWorkspace,
     ObjectWorkspace,
     check_final,
     for_path,
+    read_lease,
     remove_expired_lease,
 )
 from milepost._storage._workspace import remove_if_abandoned as remove_abandoned_objects
 
 __all__ = [
+    "DELETING",
     "LEASE_SUFFIX",
     "NEW_MARKER",
     "LocalWorkspace",
@@ -27,6 +30,7 @@ __all__ = [
     "check_final",
     "create_locked",
     "for_path",
+    "read_lease",
     "remove_abandoned_folder",
     "remove_abandoned_objects",
     "remove_expired_lease",

@@ -48,6 +48,12 @@ from milepost.workers import NO_VALUE, ObjectPath
 
 LEASE_SUFFIX = ".milepost-lease"
 
+DELETING = "delete-checkpointable "
+"""How the lease of a deletion of one checkpointable names what it does: its save id starts so,
+then the checkpointable's name (``repr``). Left expired by a deletion that could not finish, it
+tells the next deletion of that checkpointable to finish it, and a Checkpointer's cleanup to
+leave the path alone."""
+
 log = logging.getLogger(__name__)
 
 
@@ -332,6 +338,8 @@ class ObjectWorkspace:
         self.generation: bytes | None = None
         self.took_over = False
         """The lease was taken over from a save that is gone (its leftovers may be removed)."""
+        self.taken_from: Lease | None = None
+        """The expired lease taken over (what the writer that is gone was doing)."""
         self._lost: str | None = None
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
@@ -344,10 +352,10 @@ class ObjectWorkspace:
         )
         return json.dumps(asdict(self.lease)).encode()
 
-    def acquire(self) -> None:
+    def acquire(self, purpose: str = "") -> None:
         """Take the lease (waiting up to wait_secs for a live one to go); CheckpointExistsError
-        if it does not."""
-        save_id, since = uuid.uuid4().hex[:12], time.time()
+        if it does not. ``purpose``: the start of its save id (a deletion's: ``DELETING``)."""
+        save_id, since = purpose + uuid.uuid4().hex[:12], time.time()
         deadline = time.monotonic() + self.wait_secs
         while True:
             current, generation = read_lease(self.lease_path)
@@ -371,6 +379,7 @@ class ObjectWorkspace:
                 if got:  # ours; if someone else raced us to it, look again
                     self.generation = got
                     self.took_over = current is not None
+                    self.taken_from = current
                     return
                 continue
             if time.monotonic() >= deadline:
@@ -411,13 +420,17 @@ class ObjectWorkspace:
                         self._lost or f"its lease could not be renewed ({type(e).__name__}: {e})"
                     )
 
-    def prepare(self, names: Iterable[str]) -> None:
-        if fmt.is_committed(self.final):
-            check_final(self.final, self.overwrite)
-        self.acquire()
+    def hold(self, purpose: str = "") -> None:
+        """Take the lease (:meth:`acquire`) and keep renewing it until :meth:`release`."""
+        self.acquire(purpose)
         self._heartbeat = workers.RUNTIME.thread(
             f"lease:{self.final.name}", self._beat, stop=self._stop.set
         )
+
+    def prepare(self, names: Iterable[str]) -> None:
+        if fmt.is_committed(self.final):
+            check_final(self.final, self.overwrite)
+        self.hold()
         try:
             # Another writer may have committed while we waited. What is there now is a committed
             # checkpoint being overwritten, or what a save that is gone left (it left its expired
@@ -520,6 +533,12 @@ class ObjectWorkspace:
         self.release()
         return left
 
+    def leave(self) -> None:
+        """Leave what is at the path as it is, and this writer's lease behind, expired (still
+        saying what it was doing): whoever takes it over next finds both."""
+        self._expire()
+        self.release()
+
     def _expire(self) -> None:
         """Rewrite this save's lease as expired and keep it (``release`` then leaves it)."""
         self._stop.set()
@@ -559,7 +578,18 @@ def remove_expired_lease(path: ObjectPath) -> bool:
 
 def remove_if_abandoned(path: ObjectPath, lease_secs: float = 60.0) -> bool:
     """Remove an uncommitted checkpoint folder in an object store if no live save owns it (no
-    lease, or an expired one: taken over first, so no save starts meanwhile); True if removed."""
+    lease, or an expired one: taken over first, so no save starts meanwhile); True if removed.
+    What a deletion of a checkpointable that could not finish left is not removed: the next
+    deletion of that checkpointable finishes it (it holds the other checkpointables)."""
+    current, _ = read_lease(path.with_name(path.name + LEASE_SUFFIX))
+    if current is not None and current.save_id.startswith(DELETING):
+        log.warning(
+            "left %s alone: a deletion of one of its checkpointables did not finish (%s); call "
+            "milepost.delete_checkpointable for it again to finish it",
+            path,
+            current.save_id,
+        )
+        return False
     workspace = ObjectWorkspace(path, overwrite=False, wait_secs=0.0, lease_secs=lease_secs)
     try:
         workspace.acquire()
