@@ -68,7 +68,6 @@ def commit(
     workspace: LocalWorkspace | ObjectWorkspace,
     mark: Callable[[], None],
     trees: Sequence[WrittenTree] = (),
-    *,
     abandoned: Callable[[], None] = _go_on,
     trees_failed: Callable[[Exception], Exception] = _as_is,
 ) -> None:
@@ -78,7 +77,8 @@ def commit(
     ``trees_failed(error)`` makes it. ``abandoned()`` raises if the save was abandoned before
     its commit (phase 3); ``mark()``, right before the marker, raises if it was abandoned and
     otherwise makes that impossible from then on. The workspace is checked to be still this
-    save's after the tree metadata, before the marker and at the rename."""
+    save's after the tree metadata, before the marker and at the rename. (Every argument is
+    passed by position: tests wrap this function with ``fn(tmp, final, *rest)``.)"""
     try:
         for tree in trees:
             tree_files(tree)

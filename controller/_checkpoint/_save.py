@@ -423,8 +423,8 @@ class _Save:
                 self.workspace,
                 self._mark,
                 self.trees,
-                abandoned=self._abandoned,
-                trees_failed=self._trees_failed,
+                self._abandoned,
+                self._trees_failed,
             )
         except Exception as e:  # a write that failed because the workspace was removed says so
             if e is self._settled:
