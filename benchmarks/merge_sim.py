@@ -19,8 +19,8 @@ arrays whose header it wrote (host 0: every array; the others: none), as the eng
 them.
 
 Then a second subprocess, the controller, unpickles the H acks (one message each) and times
-what the commit does with them (``_pytree_save.finish_tree`` and ``_checkpoint_save.commit``'s
-checksums), each step apart, ``--commits`` times on the same databases (the median reported):
+what the commit does with them (the phases of ``milepost._checkpoint._commit``), each step
+apart, ``--commits`` times on the same databases (the median reported):
 
 * ``metadata``: ``_METADATA``, ``_sharding``, ``_milepost.json`` and ``array_metadatas/``
   (``_pytree_format.write_tree``);
@@ -73,7 +73,8 @@ import milepost as mp
 from milepost import _format as fmt
 from milepost import _format as tree_format
 from milepost import _options, _tree, workers
-from milepost._checkpoint import _pytree_save
+from milepost._checkpoint import PyTreeHandler, WrittenTree
+from milepost._checkpoint import _commit as commit_phases
 from milepost._tree import ValueType
 from milepost.workers import _tensorstore as tsu
 from milepost.workers.save import _packed
@@ -299,28 +300,15 @@ def _commit(ckpt: Path, directory: Path, files: Any, acks: list[Any]) -> dict[st
     tree_format.write_tree(directory, files, acks, "cpu")
     out["metadata_secs"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    _pytree_save.confirm_databases(directory, acks)
-    workers.merge_ocdbt(directory)
+    commit_phases.merge(WrittenTree(directory, files, acks))  # (the databases confirmed, merged)
     out["merge_secs"] = time.perf_counter() - t0
     out["confirm_secs"] = CONFIRMED.secs
     CONFIRMED.secs = 0.0
     t0 = time.perf_counter()
-    # the checkpoint's own files, as _checkpoint_save.commit writes them
-    fmt.write_file(ckpt / fmt.ORBAX_MARKER, b"")
-    fmt.write_json(
-        ckpt / fmt.CHECKPOINT_METADATA,
-        {
-            "item_handlers": {"state": fmt.PYTREE_HANDLER_TYPESTR},
-            "metrics": {},
-            "performance_metrics": {},
-            "init_timestamp_nsecs": time.time_ns(),
-            "commit_timestamp_nsecs": time.time_ns(),
-            "custom_metadata": {},
-        },
-    )
-    checksums = fmt.Checksums.compute(ckpt)
-    checksums.write()
-    fmt.write_file(ckpt / fmt.COMMIT_MARKER, "Checkpoint commit was successful")
+    # the checkpoint's own files, its checksums and its marker, as the commit writes them
+    commit_phases.own_files(ckpt, {"state": PyTreeHandler()}, time.time_ns(), "{}", {})
+    commit_phases.checksums(ckpt).write()
+    commit_phases.marker(ckpt, ckpt, lambda: None)
     out["checksums_secs"] = time.perf_counter() - t0
     out["commit_secs"] = out["metadata_secs"] + out["merge_secs"] + out["checksums_secs"]
     return out

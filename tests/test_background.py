@@ -156,11 +156,13 @@ def test_a_failed_part_settles_the_parts_after_it(
     """The tree's writes fail: the handler after it is settled, never waited for, and the
     temporary directory goes only then."""
     recorder = Recorder()
+    real = mp.workers.PendingSave.wait
 
-    def merge(directory: Any) -> None:
+    def wait(self: Any, timeout: float | None = None) -> Any:
+        real(self, timeout)  # (the tree's data writes fail: the merge is the commit's, after)
         raise OSError(5, "Input/output error (injected)")
 
-    monkeypatch.setattr(mp.workers, "merge_ocdbt", merge)
+    monkeypatch.setattr(mp.workers.PendingSave, "wait", wait)
     with mp.Context(handlers=[(recorder, "extra")]), pytest.raises(OSError, match="injected"):
         mp.save_checkpointables(tmp_path / "c", {"state": {"x": np.arange(3)}, "extra": ["record"]})
     assert recorder.calls == ["settle"]

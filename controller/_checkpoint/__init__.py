@@ -1,8 +1,9 @@
-"""Whole checkpoints: saving (stage, then commit in the background), loading and metadata, the
-checkpointable handlers, and the pytree checkpointable (its save plan and its load plan)."""
+"""Whole checkpoints: saving (stage, wait, then commit in the background: ``_commit``), loading
+and metadata, the checkpointable handlers, and the pytree checkpointable (its save plan and its
+load plan)."""
 
 from milepost._checkpoint._background import LOADS, SAVES, wait_for_saves
-from milepost._checkpoint._calls import Deferred, LoadCall, SaveCall, as_pending
+from milepost._checkpoint._calls import Deferred, LoadCall, SaveCall, WrittenTree, as_pending
 from milepost._checkpoint._data_iterator import DataIterator, DataIteratorHandler
 from milepost._checkpoint._drop import delete_checkpointable, drop_checkpointable
 from milepost._checkpoint._handlers import (
@@ -46,7 +47,6 @@ from milepost._checkpoint._pytree_save import (
     SCALAR_TYPES,
     PendingTree,
     TreeSavePlan,
-    finish_tree,
     plan_tree,
     stage_tree,
 )
@@ -74,6 +74,7 @@ __all__ = [
     "SaveHandle",
     "StatefulCheckpointable",
     "TreeSavePlan",
+    "WrittenTree",
     "all_leaves",
     "array_headers",
     "as_pending",
@@ -82,7 +83,6 @@ __all__ = [
     "delete_checkpointable",
     "device_boxes",
     "drop_checkpointable",
-    "finish_tree",
     "header_shape_dtype",
     "host_array_spec",
     "inner_chunk_shape",

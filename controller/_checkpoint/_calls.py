@@ -1,16 +1,19 @@
-"""What a checkpointable's handler is told about the save or load it is part of, and the
-background part of a save in the one form every layer uses (a pending write)."""
+"""What a checkpointable's handler is told about the save or load it is part of, the
+background part of a save in the one form every layer uses (a pending write), and what a
+background part hands to the commit (a written tree)."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from milepost import _format as fmt
 from milepost._options import Options
 from milepost.colocated import HostGroup
-from milepost.workers import PendingWrite
+from milepost.workers import ObjectPath, PendingWrite, SaveAck
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,17 @@ class LoadCall:
     options: Options
     group: HostGroup
     partial: bool = False
+
+
+@dataclass(frozen=True)
+class WrittenTree:
+    """A pytree whose data every host wrote and made durable, handed by its pending write's
+    ``wait`` (on the process that commits) to the commit, which writes its format files and
+    merges its databases (``_commit``): ``files`` describe it, ``acks`` are every writer's."""
+
+    directory: Path | ObjectPath
+    files: fmt.TreeFiles
+    acks: list[SaveAck]
 
 
 class Deferred:

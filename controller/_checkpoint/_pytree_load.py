@@ -295,26 +295,6 @@ def read_tree_files(directory: Path | ObjectPath) -> fmt.TreeFiles:
     return files
 
 
-def confirm_written(directory: Path | ObjectPath) -> list[str]:
-    """After a save, before its commit: the files (relative to ``directory``) its tree must
-    have to load (``_METADATA``, and by what it records ``_milepost.json``,
-    ``_strings.json``, the OCDBT manifest); and every array's header read through the root view,
-    so the manifest and B-tree the merge wrote are there. For stores that may drop a write."""
-    files = fmt.read_tree(directory)
-    vts = [leaf.value_type for leaf in files.leaves.values()]
-    arrays = [n for n, leaf in files.leaves.items() if leaf.value_type.is_array]
-    needed = [fmt.TREE_METADATA]
-    if arrays:
-        needed += [fmt.MILEPOST_INFO] + ([fmt.OCDBT_MANIFEST] if files.use_ocdbt else [])
-    if ValueType.JAX_ARRAY in vts:  # _sharding only if it was written (it may be left out)
-        needed += [f for f in files.sharding_files or (fmt.SHARDING,) if f not in needed]
-    if ValueType.STRING in vts:
-        needed.append(fmt.STRINGS)
-    if arrays:
-        array_headers(directory, files, arrays)  # a missing manifest or node is an error
-    return needed
-
-
 def _key_task(
     files: fmt.TreeFiles,
     header: dict[str, Any],

@@ -1,5 +1,6 @@
 """Saving a pytree checkpointable: plan it (blocking, on the controller), stage it on the hosts
-(blocking), then wait for the writes and write the format files (background).
+(blocking), then wait for the writes (background); the commit writes its format files and merges
+its databases (``_commit``).
 
 ``plan`` decides, per leaf, where its bytes go: device arrays to the hosts that hold their
 shards (``ocdbt.process_<i>``), NumPy arrays and scalars to the controller's own store
@@ -26,7 +27,7 @@ import numpy as np
 from milepost import _format as fmt
 from milepost import _hosts, _options, _tree, workers
 from milepost._checkpoint import _planning
-from milepost._checkpoint._calls import SaveCall
+from milepost._checkpoint._calls import SaveCall, WrittenTree
 from milepost._errors import InvalidKeyError, UnsupportedLeafError
 from milepost._options import SaveOptions
 from milepost._tree import Leaf, ValueType
@@ -37,7 +38,6 @@ log = logging.getLogger("milepost")
 
 CONTROLLER = _hosts.CONTROLLER
 """Name of the store the controller writes its own (host-memory) leaves into."""
-PROCESS = workers.PROCESS_PREFIX
 
 SCALAR_TYPES = (bool, int, float, complex, np.generic)
 
@@ -282,9 +282,10 @@ def stage_tree(
     finish: bool = True,
 ) -> PendingTree:
     """Stage every host's shards and the controller's own leaves (the blocking part of a save);
-    the returned pending write finishes the checkpointable. ``first_writer`` numbers the OCDBT
-    databases written from there; ``finish=False``: the pending write only waits for the data
-    (a caller writing one tree in several parts writes the format files once, at the end)."""
+    the returned pending write waits for them and hands the tree to the commit (a
+    :class:`WrittenTree`). ``first_writer`` numbers the OCDBT databases written from there;
+    ``finish=False``: it hands nothing (a caller writing one tree in several parts gathers the
+    parts' acks, ``PendingTree.acks``, and hands the whole tree itself)."""
     timeout = call.options.async_.timeout_secs
     group = call.group
     # One token names the data files of every database this save writes itself (drawn by the
@@ -363,8 +364,8 @@ def _task_bytes(tasks: list[workers.SaveTask]) -> int:
 
 
 class PendingTree:
-    """A staged pytree checkpointable: the hosts' writes, the controller's writes, then (on the
-    primary) the format files and the merge of the per-process OCDBT stores."""
+    """A staged pytree checkpointable: the hosts' writes and the controller's writes. ``wait``
+    only waits for them; on the primary it returns the tree for the commit (``finish``)."""
 
     def __init__(
         self,
@@ -389,7 +390,7 @@ class PendingTree:
         self.own = own
         self.timeout = timeout
 
-    def wait(self, timeout: float | None = None) -> None:
+    def wait(self, timeout: float | None = None) -> WrittenTree | None:
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
 
         def left() -> float:
@@ -405,9 +406,9 @@ class PendingTree:
             raise
         self.group.barrier(f"pytree-written:{self.directory}", left())
         if not self.group.is_primary():
-            return
-        # The controller's own leaves and the format files: a failure here is the primary's
-        # alone; it reaches the other controller processes through the commit outcome.
+            return None
+        # The controller's own leaves: a failure here is the primary's alone; it reaches the
+        # other controller processes through the commit outcome.
         try:
             if self.own is not None:
                 acks = [*acks, *self.own.wait(left())]
@@ -418,53 +419,13 @@ class PendingTree:
             self.settle()
             raise
         self.acks = list(acks)
-        if self.finish:
-            if self.check is not None:  # this tree's writes landed (others may still run)
-                self.check("after the data writes", self.directory)
-            finish_tree(self.directory, self.files, self.acks)
+        if not self.finish:
+            return None
+        if self.check is not None:  # this tree's writes landed (others may still run)
+            self.check("after the data writes", self.directory)
+        return WrittenTree(self.directory, self.files, self.acks)
 
     def settle(self, timeout: float | None = None) -> None:
         """Local only: let this process's writes land (no host coordination); None: as long as
         the storage may take to give up on them."""
         workers.settle_all([self.hosts, self.own], timeout)
-
-
-def finish_tree(
-    directory: Path | ObjectPath, files: fmt.TreeFiles, acks: list[workers.SaveAck]
-) -> None:
-    """On the primary, once every write landed: the format files, then one OCDBT root view.
-    Every data file the tree needs is confirmed there, whole (one listing per folder), or
-    :class:`~milepost.workers.LostWriteError` names one that is not, before any commit: the
-    hosts' databases' manifests before the merge, what the root view references by the merge,
-    and plain zarr3 chunk files."""
-    platform = jax.devices()[0].platform if jax.device_count() else "cpu"
-    fmt.write_tree(directory, files, acks, platform)
-    if files.use_ocdbt:
-        confirm_databases(directory, acks)
-        workers.merge_ocdbt(directory)
-    else:
-        workers.confirm_files(directory, _chunk_files(acks))
-
-
-def confirm_databases(directory: Path | ObjectPath, acks: list[workers.SaveAck]) -> None:
-    """The manifest of every database the hosts say they wrote chunks into is there, before
-    the merge (one whose manifest was lost would merge as an empty database): a listing of its
-    own, as the merge's readers are TensorStore's and any caller's (tests wrap it)."""
-    databases = {d for ack in acks for d in ack.chunk_tables}
-    manifests = [f"{d}/{fmt.OCDBT_MANIFEST}" for d in databases if d.startswith(PROCESS)]
-    workers.confirm_files(directory, dict.fromkeys(sorted(manifests), 1))
-
-
-def _chunk_files(acks: list[workers.SaveAck]) -> dict[str, int]:
-    """Plain zarr3 folders: each chunk file (shard) the hosts wrote, with its bytes as the host
-    reported them, else (compressed) at least its index's (16 a chunk, a CRC32C: at its end)."""
-    out: dict[str, int] = {}
-    for ack in acks:
-        for array in ack.arrays:
-            shape = zip(array.write_shape, array.chunk_shape, strict=True)
-            per_shard = [w // c if c else 1 for w, c in shape]
-            size = array.shard_bytes or 16 * math.prod(per_shard) + 4
-            for grid, _ in array.chunk_crc32c:
-                shard = [i // n for i, n in zip(grid, per_shard, strict=True)]
-                out[f"{array.name}/{'/'.join(['c', *map(str, shard)])}"] = size
-    return out

@@ -1,7 +1,9 @@
 """Saving a whole checkpoint: take the path, stage every checkpointable (the blocking part),
 then wait for the writes and commit (in the background for ``save_async``).
 
-The commit writes the checkpoint's own files into the workspace, the commit marker last, and
+Waiting only waits: every checkpointable's writes are durable before the commit begins. The
+commit (``_commit``, on the primary) writes each tree's format files, merges its databases,
+reads it back, writes the checkpoint's own files and checksums, the commit marker last, and
 publishes it: renamed into place on a local disk, visible by its marker on an object store.
 Every controller process takes the primary's outcome of each step, so all of them succeed or
 all raise the same error.
@@ -10,7 +12,6 @@ all raise the same error.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import sys
@@ -25,14 +26,14 @@ import jax
 
 from milepost import _format as fmt
 from milepost import _hosts, _options, _progress, workers
-from milepost._checkpoint import _pytree_load
 from milepost._checkpoint._background import SAVES
-from milepost._checkpoint._calls import SaveCall, as_pending
+from milepost._checkpoint._calls import SaveCall, WrittenTree, as_pending
+from milepost._checkpoint._commit import commit
 from milepost._checkpoint._handle import Handle
-from milepost._checkpoint._handlers import PyTreeHandler, holds_no_tree, resolve_for_save
+from milepost._checkpoint._handlers import holds_no_tree, resolve_for_save
 from milepost._checkpoint._pytree_save import PendingTree
 from milepost._errors import InvalidKeyError, SaveCancelledError, SaveInProgressError
-from milepost._storage import LEASE_SUFFIX, NEW_MARKER, LocalWorkspace, ObjectWorkspace, for_path
+from milepost._storage import LEASE_SUFFIX, NEW_MARKER, LocalWorkspace, for_path
 from milepost.colocated import HostGroup
 from milepost.workers import ObjectPath, as_path
 
@@ -226,6 +227,8 @@ class _Save:
         self.custom_json = custom_json
         self.metrics_json = metrics_json
         self.pending: list[workers.PendingWrite[Any]] = []
+        self.trees: list[WrittenTree] = []
+        """What the pending writes handed to the commit once waited for (on the primary)."""
         self.op = _progress.Operation(
             "save", final, options.progress if group.is_primary() else None
         )
@@ -245,6 +248,8 @@ class _Save:
         self._cancelled = False
         """It was abandoned by :meth:`cancel` (``_marking`` is False)."""
         self._marking_lock = threading.Lock()
+        self._settled: Exception | None = None
+        """An error the commit raises as the save ends with it (not explained again)."""
 
     @property
     def local(self) -> bool:
@@ -317,9 +322,12 @@ class _Save:
             deadline = time.monotonic() + timeout  # one timeout for all of the parts
             try:
                 # Cancelled meanwhile or not, every write is waited for: none may land after the
-                # workspace is removed, or it would recreate it.
+                # workspace is removed, or it would recreate it. Waiting only waits: what a
+                # part hands back for the commit is committed after every part is durable.
                 for part in self.pending:
-                    part.wait(max(0.0, deadline - time.monotonic()))
+                    written = part.wait(max(0.0, deadline - time.monotonic()))
+                    if isinstance(written, WrittenTree):
+                        self.trees.append(written)
                     done += 1
             except Exception as e:
                 # The parts not finished may still write: let them land (or the storage give up
@@ -380,9 +388,30 @@ class _Save:
                 "commit: nothing of it was committed"
             )
 
+    def _abandoned(self) -> None:
+        """The commit's check after its tree phases: a save abandoned meanwhile (an exit or
+        :meth:`cancel`) stops there, with no checksums for a commit never made."""
+        if self._marking is False:
+            try:
+                self._mark()
+            except Exception as e:
+                self._settled = e
+                raise
+
+    def _trees_failed(self, error: Exception) -> Exception:
+        """The error the save ends with when the commit's tree phases (a tree's format files,
+        its merge) failed with ``error``: explained if the workspace was removed from outside,
+        and a :class:`SaveCancelledError` (caused by it) if :meth:`cancel` abandoned the save."""
+        self.clean = False
+        failure = self.workspace.explain(error)
+        if self._cancelled:  # what cancel() promised
+            cancelled = SaveCancelledError(self.final)
+            cancelled.__cause__ = failure
+            failure = cancelled
+        self._settled = failure
+        return failure
+
     def commit(self) -> None:
-        if self._marking is False:  # abandoned: no checksums for a commit never made
-            self._mark()
         try:
             commit(
                 self.tmp,
@@ -393,8 +422,13 @@ class _Save:
                 self.metrics_json,
                 self.workspace,
                 self._mark,
+                self.trees,
+                self._abandoned,
+                self._trees_failed,
             )
         except Exception as e:  # a write that failed because the workspace was removed says so
+            if e is self._settled:
+                raise
             explained = self.workspace.explain(e)
             if explained is e:
                 raise
@@ -488,62 +522,3 @@ def agree(
             then()
 
     _hosts.shared(group, name, outcome, timeout)
-
-
-def commit(
-    tmp: Path | ObjectPath,
-    final: Path | ObjectPath,
-    handlers: Mapping[str, Any],
-    init_ns: int,
-    custom_json: str,
-    metrics: Any,
-    workspace: LocalWorkspace | ObjectWorkspace,
-    mark: Callable[[], None],
-) -> None:
-    """Write the checkpoint's own files into the workspace, the commit marker last (``mark()``
-    right before it: it raises if the save was abandoned), and make it
-    visible (``workspace.publish``: the rename into place, or nothing more on object stores).
-    The workspace is checked to be still this save's after the tree metadata, before the marker
-    and at the rename."""
-    workspace.check("after the tree metadata", record=tmp)  # every write has landed
-    fmt.write_file(tmp / fmt.ORBAX_MARKER, b"")
-    fmt.write_json(
-        tmp / fmt.CHECKPOINT_METADATA,
-        {
-            "item_handlers": {name: h.typestr for name, h in handlers.items()},
-            "metrics": metrics,
-            "performance_metrics": {},
-            "init_timestamp_nsecs": init_ns,
-            "commit_timestamp_nsecs": time.time_ns(),
-            "custom_metadata": json.loads(custom_json),
-        },
-    )
-    # A store may acknowledge a write it did not keep: before the marker, read back through
-    # the root view what each tree needs to load (object stores; local files are fsynced).
-    needed = [fmt.CHECKPOINT_METADATA, fmt.ORBAX_MARKER]
-    # Reading back and checksumming ask the store for one listing and each file once.
-    with workers.reading_once():
-        if not isinstance(tmp, Path):
-            tmp.keys()
-            try:
-                for name, h in handlers.items():
-                    if isinstance(h, PyTreeHandler):
-                        needed += [f"{name}/{f}" for f in _pytree_load.confirm_written(tmp / name)]
-            except (OSError, ValueError) as e:
-                raise workers.LostWriteError(
-                    errno.EIO,
-                    f"the save to {final} does not read back ({type(e).__name__}: {e}); the "
-                    "storage may have dropped a write it acknowledged. Nothing was committed, "
-                    "and what this save wrote is removed. Save again, and check the storage path",
-                    str(final),
-                    path=str(final),
-                ) from e
-        checksums = fmt.Checksums.compute(tmp)  # every file but array chunks (they carry theirs)
-    checksums.write()
-    workspace.check("before the commit marker", record=tmp)
-    mark()
-    fmt.write_file(tmp / fmt.COMMIT_MARKER, f"Checkpoint commit was successful to {final}")
-    # Then the marker, the checksums and what they must list are read back, or the save fails
-    # and is removed (the marker first).
-    workspace.confirm(checksums, needed)
-    workspace.publish()

@@ -149,9 +149,9 @@ def finish(
     files: _checkpoint.TreeSavePlan,
     acks: list[workers.SaveAck],
     directory: Path,
-) -> None:
-    """On the primary: the format files (the renamed arrays' from the source's) and the root
-    view."""
+) -> _checkpoint.WrittenTree:
+    """On the primary: the tree for the commit, which writes its format files (the renamed
+    arrays' from the source's) and its root view."""
     src = ck.files
     keyed = {leaf.name: leaf for leaf in _tree.flatten(nest(dict.fromkeys(renames.values(), 0)))[0]}
     written = []
@@ -182,7 +182,7 @@ def finish(
     ]
     stored_order = [storage_name_of(n) for n in order]
     files.leaves = {n: files.leaves[n] for n in stored_order if n in files.leaves}
-    _checkpoint.finish_tree(directory, files.files, acks)
     log.info(
         "relinked %d arrays of %s into %s (no array bytes moved)", len(renames), ck.path, directory
     )
+    return _checkpoint.WrittenTree(directory, files.files, acks)

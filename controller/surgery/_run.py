@@ -318,7 +318,11 @@ class Job:
     def __milepost_host_group__(self) -> Any:  # the save runs on the surgery's hosts
         return self.placement.group if self.placement.slice is not None else None
 
-    def write(self, directory: Path | ObjectPath, call: _checkpoint.SaveCall) -> None:
+    def write(
+        self, directory: Path | ObjectPath, call: _checkpoint.SaveCall
+    ) -> _checkpoint.WrittenTree | None:
+        """Write every group; on the primary, hand the tree to the commit (its format files and
+        root view are the commit's)."""
         options = call.options.saving
         # Stored leaves kept as stored (no SaveOptions asking for another chunking or
         # compression: the default chunking, "auto", keeps what is stored) are relinked; anything
@@ -354,12 +358,14 @@ class Job:
                     getattr(files, name).update(getattr(planned, name))
             self.written["groups"] = 0
             if call.group.is_primary():
-                _relink.finish(ck, renames, self.order, files, acks, directory)
-            return
+                return _relink.finish(ck, renames, self.order, files, acks, directory)
+            return None
         with counted(self.arrays, written=True):
-            self._write_groups(directory, call)
+            return self._write_groups(directory, call)
 
-    def _write_groups(self, directory: Path | ObjectPath, call: _checkpoint.SaveCall) -> None:
+    def _write_groups(
+        self, directory: Path | ObjectPath, call: _checkpoint.SaveCall
+    ) -> _checkpoint.WrittenTree | None:
         options = call.options.saving
         step = _options.max_writers(options)
         files = _checkpoint.TreeSavePlan(options)
@@ -408,7 +414,8 @@ class Job:
         files.leaves = {n: files.leaves[n] for n in stored_order if n in files.leaves}
         self.written["groups"] = len(parts)
         if call.group.is_primary():
-            _checkpoint.finish_tree(directory, files.files, acks)
+            return _checkpoint.WrittenTree(directory, files.files, acks)
+        return None
 
     def _record_as_sources(self, files: Any) -> None:
         """Record each array as its sources were saved, not as it was computed here: the
