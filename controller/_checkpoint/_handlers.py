@@ -122,9 +122,9 @@ class PyTreeHandler:
         """Every object but a :class:`StatefulCheckpointable`: the handler of last resort."""
         return not isinstance(obj, StatefulCheckpointable)
 
-    def save(self, directory: Path | ObjectPath, obj: Any, call: SaveCall) -> PendingWrite[None]:
+    def save(self, directory: Path | ObjectPath, obj: Any, call: SaveCall) -> PendingWrite[Any]:
         """Plan the tree's writes over its host group and stage them; the hosts write in the
-        background."""
+        background (its ``wait`` hands the commit what the tree's format files record)."""
         planned = _pytree_save.plan_tree(obj, call.options.saving, call.group)
         return _pytree_save.stage_tree(planned, directory, call)
 
