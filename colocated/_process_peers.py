@@ -97,6 +97,8 @@ class ProcessPeers:
             if value is None:  # an agreement only (every process passes None)
                 return [None] * self.count
             return list(self.group.broadcast(f"peer-tier:{name}", values, timeout))
+        if error is not None and not isinstance(error, Exception):
+            raise error  # (Ctrl-C, an exit: not a host's failure)
         if error is not None:  # one process: the same HostError many processes would raise
             raise HostError(
                 f"process 0 failed {name}: {type(error).__name__}: {error}", hosts=(0,)

@@ -223,3 +223,38 @@ def test_a_cancelled_slice_save_waits_for_the_hosts_writes_then_leaves_nothing(
         assert listing(tmp_path) == []
         mp.save(tmp_path / "2", {"params": tree, "step": 2})
     assert same_bits(mp.load(tmp_path / "2")["params"]["w"], values["w"])
+
+
+def test_a_cancel_that_won_holds_when_the_save_then_fails_otherwise(
+    tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cancel() returned True, then a later phase of the commit failed on its own (a storage
+    error before the marker): result() still raises SaveCancelledError (caused by that error),
+    a second cancel() still says True, and a Checkpointer records no failure for it."""
+    gate = gate_at("marker", monkeypatch)
+    held_check = LocalWorkspace.check  # (the gate's)
+
+    def failing(self: LocalWorkspace, stage: str = "", record: Any = None) -> None:
+        held_check(self, stage, record)
+        if stage == "before the commit marker":
+            raise OSError(5, "the storage failed on its own")
+
+    monkeypatch.setattr(LocalWorkspace, "check", failing)
+    handle = mp.save_async(tmp_path / "c", state(mesh24, 2))
+    assert gate.reached.wait(LIMIT)
+    assert handle.cancel() is True
+    gate.opened.set()
+    with pytest.raises(mp.SaveCancelledError) as info:
+        handle.result(LIMIT)
+    assert isinstance(info.value.__cause__, OSError)
+    assert handle.cancel() is True
+    assert listing(tmp_path) == []
+    gate.reached.clear()
+    gate.opened.clear()
+    with Checkpointer(tmp_path / "run") as ckpt:
+        ckpt.save(1, state(mesh24, 1))
+        assert gate.reached.wait(LIMIT)
+        assert ckpt.cancel() == [1]
+        gate.opened.set()
+        ckpt.wait()  # no BackgroundSaveError: a cancelled save is no failure
+        assert ckpt.steps == []

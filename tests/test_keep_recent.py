@@ -138,3 +138,13 @@ def test_a_step_without_a_commit_time_is_never_recent_by_itself(
         ckpt.save(2, tree(mesh24, 2))
         ckpt.wait()
         assert ckpt.steps == [2]
+
+
+def test_without_a_clock_ages_count_from_the_newest_commit() -> None:
+    """No clock given: now is the newest step's commit time, whatever this machine's clock says,
+    so every process of a job forgets the same steps."""
+    steps = [info(0, 5), info(1, 2), info(2, 1), info(3, 0.5), info(4, 0)]
+    assert KeepRecent(duration=HOUR).keep(steps) == {2, 3, 4}  # T0 is in 2026: long ago or not
+    later = [info(0, 5, T0 + HOUR), info(1, 0, T0 + HOUR)]
+    assert KeepRecent(duration=HOUR).keep(later) == {1}
+    assert KeepRecent(duration=HOUR).keep([info(0, None), info(1, None)]) == set()

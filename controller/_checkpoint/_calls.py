@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,11 @@ class SaveCall:
     its own (removed or replaced from outside), saying at which stage. A handler calls it once
     its data landed, before it writes what describes them, with its folder, whose files must
     then stay until the commit: ``check("after the data writes", directory)``."""
+    written: list[WrittenTree] = field(default_factory=list, repr=False, compare=False)
+    """Where a pytree's pending write puts the tree once its data is durable (on the process
+    that commits), for the commit to write its format files and merge its databases: a handler
+    that wraps another's pending write and ignores what its ``wait`` returns still gets its
+    tree committed."""
 
 
 @dataclass(frozen=True)
@@ -43,9 +48,10 @@ class LoadCall:
 
 @dataclass(frozen=True)
 class WrittenTree:
-    """A pytree whose data every host wrote and made durable, handed by its pending write's
-    ``wait`` (on the process that commits) to the commit, which writes its format files and
-    merges its databases (``_commit``): ``files`` describe it, ``acks`` are every writer's."""
+    """A pytree whose data every host wrote and made durable, put by its pending write's
+    ``wait`` (on the process that commits) in ``SaveCall.written`` for the commit, which writes
+    its format files and merges its databases (``_commit``): ``files`` describe it, ``acks``
+    are every writer's."""
 
     directory: Path | ObjectPath
     files: fmt.TreeFiles

@@ -11,7 +11,8 @@ phases, in order, each a function below:
    every host's writes are durable: the merge reads each database's manifest and B-tree as
    they are then, and a database still being written would be merged without its last keys.
 3. Abandoned? A save cancelled, or given up by an interpreter exit, before its commit stops
-   here: nothing more is written for a commit never made (no checksums, no marker).
+   here: nothing more is written for a commit never made (no checksums, no marker). (Asked
+   before phase 1 too: one abandoned before its commit began does not merge for nothing.)
 4. :func:`own_files`: the checkpoint's own files (``_CHECKPOINT_METADATA``, the Orbax
    marker file), once the workspace is checked to be still this save's.
 5. :func:`read_back`: on an object store, each pytree read back through its root view, and the
@@ -79,6 +80,7 @@ def commit(
     otherwise makes that impossible from then on. The workspace is checked to be still this
     save's after the tree metadata, before the marker and at the rename. (Every argument is
     passed by position: tests wrap this function with ``fn(tmp, final, *rest)``.)"""
+    abandoned()
     try:
         for tree in trees:
             tree_files(tree)

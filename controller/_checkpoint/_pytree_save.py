@@ -352,7 +352,9 @@ def stage_tree(
         workers.settle_all([hosts])
         raise
     planned.controller_sources = []
-    return PendingTree(directory, planned.files, group, hosts, own, timeout, finish, call.check)
+    return PendingTree(
+        directory, planned.files, group, hosts, own, timeout, finish, call.check, call.written
+    )
 
 
 def _task_bytes(tasks: list[workers.SaveTask]) -> int:
@@ -377,6 +379,7 @@ class PendingTree:
         timeout: float,
         finish: bool = True,
         check: Callable[[str, Any], None] | None = None,
+        written: list[WrittenTree] | None = None,
     ) -> None:
         self.finish = finish
         self.check = check
@@ -389,6 +392,8 @@ class PendingTree:
         self.hosts = hosts
         self.own = own
         self.timeout = timeout
+        self.written = written
+        """Where the tree goes for the commit (``SaveCall.written``)."""
 
     def wait(self, timeout: float | None = None) -> WrittenTree | None:
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
@@ -423,7 +428,10 @@ class PendingTree:
             return None
         if self.check is not None:  # this tree's writes landed (others may still run)
             self.check("after the data writes", self.directory)
-        return WrittenTree(self.directory, self.files, self.acks)
+        tree = WrittenTree(self.directory, self.files, self.acks)
+        if self.written is not None:
+            self.written.append(tree)
+        return tree
 
     def settle(self, timeout: float | None = None) -> None:
         """Local only: let this process's writes land (no host coordination); None: as long as

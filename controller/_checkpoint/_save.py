@@ -283,6 +283,7 @@ class _Save:
                 copy=copy,
                 check=self.workspace.check if self.prepared and self.local else None,
             )
+            self.trees = call.written  # filled by the parts' waits, for the commit
             failure: Exception | None = None
             try:
                 for name, obj in objs.items():
@@ -304,8 +305,11 @@ class _Save:
         try:
             with self.op.active():
                 self._finish()
-        except BaseException:
+        except BaseException as e:
             self.op.close(ok=False)
+            if self._cancelled and isinstance(e, Exception):
+                if not isinstance(e, SaveCancelledError):  # what cancel() promised
+                    raise SaveCancelledError(self.final) from e
             raise
         if self.op.blocking_secs is None:
             self.op.blocked()  # a blocking save: the caller waited for all of it
@@ -322,12 +326,10 @@ class _Save:
             deadline = time.monotonic() + timeout  # one timeout for all of the parts
             try:
                 # Cancelled meanwhile or not, every write is waited for: none may land after the
-                # workspace is removed, or it would recreate it. Waiting only waits: what a
-                # part hands back for the commit is committed after every part is durable.
+                # workspace is removed, or it would recreate it. Waiting only waits: the trees
+                # the parts put in SaveCall.written are committed after every part is durable.
                 for part in self.pending:
-                    written = part.wait(max(0.0, deadline - time.monotonic()))
-                    if isinstance(written, WrittenTree):
-                        self.trees.append(written)
+                    part.wait(max(0.0, deadline - time.monotonic()))  # (trees: SaveCall.written)
                     done += 1
             except Exception as e:
                 # The parts not finished may still write: let them land (or the storage give up

@@ -414,7 +414,9 @@ class Job:
         files.leaves = {n: files.leaves[n] for n in stored_order if n in files.leaves}
         self.written["groups"] = len(parts)
         if call.group.is_primary():
-            return _checkpoint.WrittenTree(directory, files.files, acks)
+            tree = _checkpoint.WrittenTree(directory, files.files, acks)
+            call.written.append(tree)
+            return tree
         return None
 
     def _record_as_sources(self, files: Any) -> None:

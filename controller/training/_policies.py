@@ -334,10 +334,6 @@ class KeepBest:
         return set(self.ranked(steps)[: self.n])
 
 
-def _utc_now() -> datetime.datetime:
-    return datetime.datetime.now(datetime.UTC)
-
-
 @dataclass(frozen=True, kw_only=True)
 class KeepRecent:
     """The steps committed within the last ``duration`` (a ``datetime.timedelta``, or a number
@@ -345,8 +341,10 @@ class KeepRecent:
     metadata's ``commit_timestamp_nsecs``: :attr:`StepInfo.time`) is at most ``duration`` ago,
     and every step after it (a newer step without a recorded time too).
 
-    Retention runs after each commit, so a step ages out at the first commit after it is
-    older than ``duration``; the latest step is always kept. Compose it with
+    Ages are measured from the newest step's commit time: retention runs right after each
+    commit, so that is now, and every controller process of a job, with whatever clock it
+    has, decides alike. A step ages out at the first commit after it is older than
+    ``duration``; the latest step is always kept. Compose it with
     :class:`KeepUnion` (``KeepUnion(KeepRecent(duration=timedelta(days=1)),
     KeepEvery(n=10_000))``).
 
@@ -356,8 +354,8 @@ class KeepRecent:
     duration: datetime.timedelta
     """How far back to keep (seconds given are turned into a timedelta)."""
     clock: Callable[[], datetime.datetime] | None = field(default=None, repr=False, compare=False)
-    """What time it is now, as an aware ``datetime`` (None: the current UTC time); for tests
-    and replays."""
+    """What time it is now, as an aware ``datetime`` (None: the newest step's commit time);
+    for tests and replays."""
 
     def __init__(
         self,
@@ -386,7 +384,13 @@ class KeepRecent:
 
     def keep(self, steps: Sequence[StepInfo]) -> set[int]:
         """The oldest step committed at most ``duration`` ago, and every step after it."""
-        now = (self.clock or _utc_now)()
+        if self.clock is not None:
+            now = self.clock()
+        else:
+            times = [s.time for s in steps if s.time is not None]
+            if not times:
+                return set()
+            now = max(times)
         for i, s in enumerate(steps):
             if s.time is not None and now - s.time <= self.duration:
                 return {t.step for t in steps[i:]}
