@@ -216,3 +216,30 @@ def test_a_failure_after_the_marker_was_removed(
     mp.delete_checkpointable(path, "extra")
     check_rest(path, {"state", "dataset"})  # type: ignore[arg-type]
     assert not any(k.startswith("extra/") for k in keys(path)) and not as_path(lease).exists()
+
+
+def test_a_failed_saves_leftover_is_not_a_checkpoint_and_keeps_its_lease(
+    bucket_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save that failed leaves its lease, expired, to cover its writes that land late; a
+    deletion on that path finds no checkpoint and leaves the lease as it was (before: it took
+    the lease over and removed it, and the next save refused the path's unowned objects)."""
+    import numpy as np
+
+    path = f"{bucket_url}/ckpt"
+
+    def failing_merge(directory: Any) -> None:
+        raise OSError(5, "the merge failed")
+
+    monkeypatch.setattr(mp.workers, "merge_ocdbt", failing_merge)
+    with pytest.raises(OSError, match="the merge failed"):
+        mp.save(path, {"x": np.arange(10)})
+    monkeypatch.undo()
+    lease = f"{bucket_url}/ckpt{_storage.LEASE_SUFFIX}"
+    before = as_path(lease).read_bytes()
+    assert before  # the failed save's, expired
+    with pytest.raises(mp.CheckpointNotFoundError):
+        mp.delete_checkpointable(path, "state")
+    assert as_path(lease).read_bytes() == before
+    mp.save(path, {"x": np.arange(3)})  # the next save takes it over, as ever
+    assert np.array_equal(mp.load(path)["x"], np.arange(3))

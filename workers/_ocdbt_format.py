@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import posixpath
+import re
 import struct
 import threading
 from dataclasses import dataclass
@@ -46,16 +47,20 @@ class FormatError(ValueError):
 _log = logging.getLogger("milepost")
 _fell_back: set[tuple[str, str]] = set()
 _fell_back_lock = threading.Lock()
+_WHERE = re.compile(r"\S*/\S*|\d+")
+"""What in a reason says where (paths, offsets, tokens), left out of its kind."""
+_MAX_REASONS = 64
 
 
 def note_fallback(fast: str, slow: str, reason: FormatError) -> bool:
     """Say, at WARNING, that milepost's own OCDBT code (``fast``, e.g. "B-tree walk") did not
     read a database, for ``reason``, and TensorStore's (``slow``) runs instead: correct, but
-    2-3x slower at thousands of hosts. Once per process for each fallback and reason (a reason
-    names what it is about); True if this call logged."""
-    key = (fast, str(reason))
+    2-3x slower at thousands of hosts. Once per process for each fallback and kind of reason
+    (the reason without the paths and numbers that say where: one per database would be one per
+    save), and at most ``_MAX_REASONS`` kinds; True if this call logged."""
+    key = (fast, _WHERE.sub("_", str(reason)))
     with _fell_back_lock:
-        if key in _fell_back:
+        if key in _fell_back or len(_fell_back) >= _MAX_REASONS:
             return False
         _fell_back.add(key)
     _log.warning(

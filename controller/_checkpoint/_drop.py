@@ -215,6 +215,12 @@ def _drop_objects(final: ObjectPath, name: str) -> None:
         final, overwrite=True, wait_secs=saving.wait_for_writer_secs, lease_secs=saving.lease_secs
     )
     _refuse_another_unfinished(workspace, name)
+    left, _ = _storage.read_lease(workspace.lease_path)
+    if left is None or not left.save_id.startswith(_purpose(name)):
+        # Not a deletion of this name to finish: only a committed checkpoint, checked before the
+        # lease is touched (a failed save's expired lease stays its own, covering its late
+        # writes until the next save of the path takes it over).
+        fmt.require_checkpoint(final)
     try:
         workspace.hold(_purpose(name))
     except CheckpointExistsError as e:
