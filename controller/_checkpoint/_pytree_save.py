@@ -312,35 +312,22 @@ def stage_tree(
     hosts: workers.PendingWrite[list[workers.SaveAck]] | None = None
     if planned.host_tasks:
         plans = {
-            p: workers.SavePlan(
-                store=store,
-                process_index=p,
-                tasks=tuple(tasks),
-                copy=call.copy,
-                first_writer=first_writer,
-                writers=_options.writers_for(planned.options, host_bytes[p]),
-                staging_budget_bytes=planned.options.host_staging_budget_bytes,
-                adaptive_staging=planned.options.adaptive_staging,
-                device_staging=planned.options.device_staging,
-                timeout_secs=timeout,
-            )
+            p: _plan(planned, store, p, tasks, call.copy, first_writer, host_bytes[p], timeout)
             for p, tasks in planned.host_tasks.items()
         }
         hosts = group.start_save(plans, planned.host_sources, timeout)
     own: workers.PendingWrite[list[workers.SaveAck]] | None = None
     try:
         if planned.controller_tasks and group.is_primary():
-            plan = workers.SavePlan(
-                store=store,
-                process_index=CONTROLLER,
-                tasks=tuple(planned.controller_tasks),
-                copy=call.copy,
-                writers=_options.writers_for(planned.options, own_bytes),
-                first_writer=first_writer,
-                staging_budget_bytes=planned.options.host_staging_budget_bytes,
-                adaptive_staging=planned.options.adaptive_staging,
-                device_staging=planned.options.device_staging,
-                timeout_secs=timeout,
+            plan = _plan(
+                planned,
+                store,
+                CONTROLLER,
+                planned.controller_tasks,
+                call.copy,
+                first_writer,
+                own_bytes,
+                timeout,
             )
             own = _hosts.controller_host().start_save(
                 {CONTROLLER: plan}, planned.controller_sources, timeout
@@ -354,6 +341,31 @@ def stage_tree(
     planned.controller_sources = []
     return PendingTree(
         directory, planned.files, group, hosts, own, timeout, finish, call.check, call.written
+    )
+
+
+def _plan(
+    planned: TreeSavePlan,
+    store: workers.StoreSpec,
+    process: Any,
+    tasks: list[workers.SaveTask],
+    copy: bool,
+    first_writer: int,
+    nbytes: int,
+    timeout: float,
+) -> workers.SavePlan:
+    """The plan of one writer (a host, or the controller) of ``planned``'s tasks."""
+    return workers.SavePlan(
+        store=store,
+        process_index=process,
+        tasks=tuple(tasks),
+        copy=copy,
+        first_writer=first_writer,
+        writers=_options.writers_for(planned.options, nbytes),
+        staging_budget_bytes=planned.options.host_staging_budget_bytes,
+        adaptive_staging=planned.options.adaptive_staging,
+        device_staging=planned.options.device_staging,
+        timeout_secs=timeout,
     )
 
 

@@ -651,8 +651,13 @@ class Checkpointer:
                     self._check_idle(step, "deleting a checkpointable of it")
                     held = ((state.local, self._fast), (state.durable, self._durable))
                     tiers = [t for steps, t in held if t is not None and step in steps]
-                for tier in tiers:
-                    _checkpoint.drop_checkpointable(tier.step(step), name)
+                    state.changing.add(step)  # a load of it waits until this is done
+                try:
+                    _drop_in_tiers(tiers, step, name)
+                finally:
+                    with state.cond:
+                        state.changing.discard(step)
+                        state.cond.notify_all()
 
         self._shared(f"delete-checkpointable:{step}:{name}", on_primary)
         log.info("deleted the checkpointable %r of step %s of %s", name, step, self.root)
@@ -678,7 +683,17 @@ class Checkpointer:
         state = self._state
 
         def on_primary() -> int:
+            def free() -> bool:  # not having a checkpointable deleted (None: the latest)
+                committed = state.committed()
+                step = wanted if wanted is not None else max(committed, default=None)
+                return step not in state.changing
+
             with state.cond:
+                if not state.cond.wait_for(free, self._timeout):
+                    raise StepBusyError(
+                        f"a checkpointable of step {wanted} is being deleted (None: the latest); "
+                        "load it once delete_checkpointable returns"
+                    )
                 committed = state.committed()
                 if wanted is None:
                     if not committed:
@@ -987,3 +1002,19 @@ def _commit_time(step: Path | ObjectPath) -> int:
     if isinstance(stamp, int) and not isinstance(stamp, bool):
         return stamp
     return time.time_ns()
+
+
+def _drop_in_tiers(tiers: list[Any], step: int, name: str) -> None:
+    """Delete the checkpointable ``name`` of ``step`` in each tier in turn; a failure after the
+    first tier says what was deleted already and how to finish."""
+    for k, tier in enumerate(tiers):
+        try:
+            _checkpoint.drop_checkpointable(tier.step(step), name)
+        except Exception as e:
+            if k:
+                e.add_note(
+                    f"The checkpointable {name!r} of step {step} was already deleted from "
+                    f"{tiers[0].path}: finish with "
+                    f"milepost.delete_checkpointable({str(tier.step(step))!r}, {name!r})."
+                )
+            raise

@@ -61,6 +61,8 @@ class StepState:
         self.unmirrored: set[int] = set()
         """Local steps whose mirror failed: kept until a later Checkpointer mirrors them."""
         self.loading: collections.Counter[int] = collections.Counter()
+        self.changing: set[int] = set()
+        """Committed steps a checkpointable of which is being deleted: a load waits for it."""
         self.gc_active = 0
         """Retention runs requested and not finished (``wait`` waits for them)."""
         self.gc_deferred = False
