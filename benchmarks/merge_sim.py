@@ -249,6 +249,7 @@ class SimGroup:
         self._checked_ids = None
         self.check_devices = RayHostGroup.check_devices.__get__(self)
         self.process_of_device = RayHostGroup.process_of_device.__get__(self)
+        self.devices_here = RayHostGroup.devices_here.__get__(self)
         self.plans: dict[int, workers.LoadPlan] = {}
 
     def is_primary(self) -> bool:
