@@ -358,7 +358,9 @@ class Job:
                     getattr(files, name).update(getattr(planned, name))
             self.written["groups"] = 0
             if call.group.is_primary():
-                return _relink.finish(ck, renames, self.order, files, acks, directory)
+                tree = _relink.finish(ck, renames, self.order, files, acks, directory)
+                call.written.append(tree)  # for the commit
+                return tree
             return None
         with counted(self.arrays, written=True):
             return self._write_groups(directory, call)
