@@ -13,7 +13,7 @@ and its CRC32C). Each host's shards go into its packed database ``ocdbt.process_
 written by the engine's own packer (``workers.save._packed``: the shards in key order in one
 data file, then the database's chunk checksum table), and host 0's writer databases
 ``ocdbt.process_0[.<k>]`` hold every array's ``zarr.json`` (the save asks one host per array to
-write it), with milepost's own OCDBT settings (``workers._tensorstore.OCDBT_CONFIG``). It also
+write it), with milepost's own OCDBT settings (``format._tensorstore.OCDBT_CONFIG``). It also
 pickles each host's ack on its own, as a host sends it: its packed database's table, and the
 arrays whose header it wrote (host 0: every array; the others: none), as the engine builds
 them.
@@ -70,13 +70,13 @@ import numpy as np
 import tensorstore as ts
 
 import milepost as mp
-from milepost import _format as fmt
-from milepost import _format as tree_format
 from milepost import _options, _tree, workers
 from milepost._checkpoint import PyTreeHandler, WrittenTree
 from milepost._checkpoint import _commit as commit_phases
 from milepost._tree import ValueType
-from milepost.workers import _tensorstore as tsu
+from milepost.workers import format as fmt
+from milepost.workers import format as tree_format
+from milepost.workers.format import _tensorstore as tsu
 from milepost.workers.save import _packed
 
 COLS = 256  # float32: 1 KiB per host per array
@@ -429,8 +429,8 @@ def host_index(directory: Path, names: list[str]) -> dict[str, Any]:
     and, side by side on the first ``REFERENCE_ARRAYS`` arrays, the NumPy walk against
     TensorStore's walk (``ocdbt.dump``, which the locator used before: it makes a Python object
     per entry, and takes minutes for every array at 4,096 hosts)."""
-    from milepost.workers._ocdbt_index import Prefixes
-    from milepost.workers._ts_internals import ocdbt_values
+    from milepost.workers.format._ocdbt_index import Prefixes
+    from milepost.workers.format._ts_internals import ocdbt_values
     from milepost.workers.load._locator import Locator
 
     store = workers.StoreSpec(directory=str(directory), use_ocdbt=True)

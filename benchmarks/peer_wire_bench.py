@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from milepost.workers import peers
-from milepost.workers._checksum import crc32c
+from milepost.workers.format._checksum import crc32c
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from milepost import _checkpoint, _hosts, _msgpack, _progress, _safetensors
+from milepost import _checkpoint, _hosts, _progress, _readers
 from milepost._checkpoint import CheckpointMetadata, LoadHandle, SaveHandle
 from milepost.workers import ObjectPath, as_path
 
 PathLike = str | os.PathLike[str] | ObjectPath
-STATE = "state"
+STATE = _readers.STATE
 
 
 def save(
@@ -131,34 +131,10 @@ def load(path: PathLike, abstract_state: Any = None, *, partial: bool = False) -
     ``milepost.surgery``: it is computed onto the devices (see ``surgery.materialize``).
     """
     if not isinstance(path, str | os.PathLike | ObjectPath):
-        # (a surgery's tree, a container, exists only once milepost.surgery is imported)
-        if _tree_loader is None or not isinstance(path, dict | list | tuple):
-            raise TypeError(
-                f"milepost.load takes the path of a checkpoint (a str or os.PathLike) or a tree "
-                f"from milepost.surgery, got a {type(path).__name__}"
-            )
-        return _tree_loader(path, abstract_state)  # a surgery's tree: computed onto the devices
+        return _readers.reader_for(path).load(path, abstract_state, partial)
     where = as_path(path)
     with _progress.operation("load", where, primary=_primary()):
-        if isinstance(where, Path) and _safetensors.is_safetensors(where):
-            return _safetensors.load(where, abstract_state, partial)
-        if isinstance(where, Path) and _msgpack.is_msgpack(where):
-            return _msgpack.load(where, abstract_state, partial)
-        loaded = _checkpoint.load_checkpointables(
-            path, {STATE: abstract_state}, partial=partial, default_pytree=True
-        )
-    (value,) = loaded.values()
-    return value
-
-
-_tree_loader: Callable[[Any, Any], Any] | None = None
-"""Computes a ``milepost.surgery`` tree onto the devices for :func:`load`; ``milepost.surgery``
-sets it when it is imported (it builds on this module, which does not import it back)."""
-
-
-def set_tree_loader(loader: Callable[[Any, Any], Any]) -> None:
-    global _tree_loader
-    _tree_loader = loader
+        return _readers.reader_for(where).load(where, abstract_state, partial)
 
 
 def _primary() -> bool:
@@ -261,6 +237,4 @@ def metadata(path: PathLike) -> CheckpointMetadata:
     metadata and timestamps, without reading array data. A Flax msgpack file is described
     too (its one tree, ``default``)."""
     where = as_path(path) if isinstance(path, str | os.PathLike) else path
-    if isinstance(where, Path) and _msgpack.is_msgpack(where):
-        return _msgpack.metadata(where)
-    return _checkpoint.metadata(path)
+    return _readers.describer_for(where)(where)

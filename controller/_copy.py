@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from milepost import _format as fmt
 from milepost import _hosts, _options, _storage, workers
 from milepost._errors import CorruptCheckpointError
 from milepost.colocated import HostGroup, Slice
 from milepost.workers import ObjectPath, as_path, check
+from milepost.workers import format as fmt
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,6 @@ import jax
 import numpy as np
 
 from milepost import _checkpoint, _hosts, _options, _progress, _tree, workers
-from milepost import _format as fmt
 from milepost._errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -32,6 +31,7 @@ from milepost._errors import (
 from milepost._tree import PLACEHOLDER
 from milepost.colocated import HostGroup, Slice
 from milepost.workers import ObjectPath, as_path, check
+from milepost.workers import format as fmt
 from milepost.workers import progress as workers_progress
 
 SUFFIX = ".safetensors"

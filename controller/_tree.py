@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -12,60 +11,11 @@ import numpy as np
 
 from milepost import workers
 from milepost._errors import InvalidKeyError, StructureMismatchError
+from milepost.workers.format import KEY_DICT, KEY_SEQUENCE, ValueType, unsafe_part
 
 PLACEHOLDER = ...
 """A leaf of an abstract tree that is skipped on load (it comes back as ``...``): nothing of it
 is read. E.g. ``mp.load(path, {"params": abstract_params, "opt_state": mp.PLACEHOLDER})``."""
-
-KEY_SEQUENCE = 1
-KEY_DICT = 2
-
-
-class ValueType(enum.StrEnum):
-    """A leaf's ``value_type`` in Orbax's ``_METADATA`` (the same strings)."""
-
-    JAX_ARRAY = "jax.Array"
-    NP_ARRAY = "np.ndarray"
-    SCALAR = "scalar"
-    STRING = "string"
-    PLACEHOLDER = "placeholder"
-    NONE = "None"
-    DICT = "Dict"
-    LIST = "List"
-    TUPLE = "Tuple"
-    NAMED_TUPLE = "NamedTuple"
-    UNKNOWN = "Unknown"
-    """Also stands for a value type this version does not know (a custom Orbax type handler)."""
-
-    @classmethod
-    def parse(cls, text: Any) -> ValueType:
-        try:
-            return cls(text)
-        except ValueError:
-            return cls.UNKNOWN
-
-    @property
-    def is_array(self) -> bool:
-        """Stored as a zarr3 array (a scalar is a 0-d one)."""
-        return self in (ValueType.JAX_ARRAY, ValueType.NP_ARRAY, ValueType.SCALAR)
-
-    @property
-    def is_empty(self) -> bool:
-        """None or an empty container: nothing is stored but the type."""
-        return self in _EMPTY_VALUES
-
-    def empty_value(self) -> Any:
-        """The value an empty leaf of this type loads as."""
-        return _EMPTY_VALUES[self]()
-
-
-_EMPTY_VALUES: dict[ValueType, Any] = {
-    ValueType.NONE: lambda: None,
-    ValueType.DICT: dict,
-    ValueType.LIST: list,
-    ValueType.TUPLE: tuple,
-    ValueType.NAMED_TUPLE: tuple,
-}
 
 
 def is_empty_node(x: Any) -> bool:
@@ -148,18 +98,6 @@ def _key_part(entry: Any) -> tuple[str, int]:
     if isinstance(entry, jax.tree_util.FlattenedIndexKey):
         return str(entry.key), KEY_SEQUENCE
     return str(entry), KEY_DICT
-
-
-def unsafe_part(part: Any) -> str | None:
-    """Why ``part`` cannot be one part of a storage name (None: it can). The same rules hold for
-    keys being saved and keys read from a checkpoint, so no name ever leaves its folder."""
-    if not isinstance(part, str):
-        return f"it is a {type(part).__name__}, not a string"
-    if part == "":
-        return "it is empty"
-    if part in (".", "..") or "/" in part or "\\" in part or "\x00" in part:
-        return "it contains a path separator or NUL, or is '.' or '..'"
-    return None
 
 
 def _check_part(part: str, path: tuple[str, ...]) -> None:

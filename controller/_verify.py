@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from milepost import _checkpoint, _hosts, _options, _progress, workers
-from milepost import _format as fmt
 from milepost._errors import CheckpointNotFoundError
 from milepost._tree import ValueType
 from milepost.colocated import Slice
 from milepost.workers import ObjectPath, as_path
+from milepost.workers import format as fmt
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import milepost as mp
-from milepost import _format
 from milepost._storage import _workspace
+from milepost.workers import format as _format
 
 
 def hold(tag: str) -> None:

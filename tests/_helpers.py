@@ -81,7 +81,7 @@ def listing(root: Path) -> list[str]:
 def reseal(ckpt: Path) -> None:
     """Recompute a checkpoint's file checksums after a test edited its metadata on purpose: what
     an attacker who crafts a checkpoint can do, so the checks behind the checksums get tested."""
-    from milepost import _format
+    from milepost.workers import format as _format
 
     (ckpt / _format.CHECKSUMS).unlink()
     _format.Checksums.compute(ckpt).write()

@@ -25,10 +25,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import milepost.workers
-from milepost import _format as fmt
 from milepost._checkpoint import _save as _checkpoint_save
 from milepost._storage import _workspace
 from milepost.training import Checkpointer, FixedInterval, KeepLatest
+from milepost.workers import format as fmt
 
 SHAPE = (256, 128)
 

@@ -61,7 +61,11 @@ MUTATIONS = (
         name="safetensors-padded-offsets",
         promise="safetensors export is exact (the library reads every tensor back)",
         edits=(
-            ("workers/_safetensors.py", "offset += nbytes\n", "offset += nbytes + (-nbytes % 8)\n"),
+            (
+                "workers/format/_safetensors.py",
+                "offset += nbytes\n",
+                "offset += nbytes + (-nbytes % 8)\n",
+            ),
         ),
         tests=(
             "tests/test_promises.py::"

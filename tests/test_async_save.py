@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import milepost as mp
-from milepost import _format
+from milepost.workers import format as _format
 from tests._helpers import assert_tree_equal, gate_merge, listing, put, same_bits
 
 

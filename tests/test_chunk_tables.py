@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 import milepost as mp
 from milepost import workers
-from milepost.workers import _checksum, _chunk_tables
+from milepost.workers.format import _checksum, _chunk_tables
 from milepost.workers.load import _locator
 from tests._helpers import abstract_of, assert_tree_equal, put, reseal, tensorstore_writes_only
 from tests.test_integrity import chunk_value, copy_of, flip, reading, save

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 import milepost as mp
 from milepost import workers
-from milepost.workers import _checksum, _chunk_tables
+from milepost.workers.format import _checksum, _chunk_tables
 from tests._helpers import abstract_of, assert_tree_equal, put, reseal, tensorstore_writes_only
 from tests.test_integrity import MILEPOST_ERRORS, chunk_value, copy_of, flip, reading, save
 

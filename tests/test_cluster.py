@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 import milepost as mp
 from milepost import surgery as ms
-from milepost._format import COMMIT_MARKER
+from milepost.workers.format import COMMIT_MARKER
 from tests._cluster import ClusterProcess, HeldWrites, LocalCluster, report, reported
 from tests._helpers import same_bits
 

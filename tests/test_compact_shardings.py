@@ -14,8 +14,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import milepost as mp
-from milepost import _format as fmt
 from milepost.workers import ShardingSpec
+from milepost.workers import format as fmt
 from tests._helpers import assert_tree_equal, put, reseal, same_bits, without_compact_shardings
 
 pytestmark = pytest.mark.filterwarnings("ignore:Sharding info not provided when restoring")

@@ -29,19 +29,21 @@ PUBLIC += ["milepost.colocated"]
 CODE = re.compile(r"\blambda\b|\*\*\{|\bfor\b .* \bin\b|\bfield\(|\bself\.")
 # a private module or class by its name: `_checkpoint.CheckpointMetadata`, `_StateWrite`
 PRIVATE_PATH = re.compile(r"(?<![\w.])_[A-Za-z]")
-PUBLIC_PACKAGES = [*PUBLIC, "milepost.workers", "milepost.training.peers"]
+PUBLIC_PACKAGES = [
+    *PUBLIC,
+    "milepost.workers",
+    "milepost.workers.format",
+    "milepost.training.peers",
+]
 # Types from private modules that public signatures still name, each with why. Anything else a
 # signature names must be importable from a public package (see the test using it).
 SHOWN_PRIVATE = {
     "milepost._checkpoint._calls.SaveCall": "a handler's save context, documented in "
     "CheckpointableHandler's docstring; handlers only read its fields",
     "milepost._checkpoint._calls.LoadCall": "a handler's load context, as SaveCall",
-    "milepost._format._pytree.TreeFiles": "surgery.Checkpoint's record of the files, for "
-    "milepost's own checks",
     "milepost.surgery._placement.Placement": "where surgery computes, made by surgery.open",
     "milepost.surgery._lazy.Source": "a LazyArray's stored leaf, made by surgery.open",
     "milepost.surgery._lazy.Op": "a LazyArray's operation, made by the surgery functions",
-    "milepost._tree.ValueType": "a string enum; LeafMetadata.value_type's docstring lists it",
 }
 
 

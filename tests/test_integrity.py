@@ -947,7 +947,7 @@ def test_a_different_ocdbt_file_of_the_same_size_fails_the_file_checksums(tmp_pa
     other manifest is this one with a byte changed and its trailing CRC32C redone (what another
     commit of the same size, or damage that rewrote the checksum, looks like): always the same
     size, unlike a second save's manifest (compressed, its size varies)."""
-    from milepost import _format
+    from milepost.workers import format as _format
 
     a = save(tmp_path / "a", {"w": np.arange(4096, dtype=np.float32)})
     key = "state/manifest.ocdbt"
@@ -971,7 +971,7 @@ def test_checksums_written_before_the_second_digest_still_check(
     saved: dict[str, tuple[Path, Any]], tmp_path: Path
 ) -> None:
     """A checkpoint of an earlier milepost has CRC32C only: it loads and verifies as before."""
-    from milepost import _format
+    from milepost.workers import format as _format
 
     base, state = saved["ocdbt"]
     ckpt = copy_of(base, tmp_path / "c")
@@ -1250,7 +1250,7 @@ def test_a_chunk_read_without_its_recorded_checksum_fails(
 ) -> None:
     """If a writer's checksum table lacked a chunk it holds (a writer's mistake, or a table
     trimmed by hand), the load fails loudly: it never reads the chunk unchecked."""
-    from milepost.workers import _chunk_tables
+    from milepost.workers.format import _chunk_tables
 
     ckpt, _ = saved[layout]
     real = _chunk_tables.ChunkTables.table

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from milepost.colocated import _jax_internals
-from milepost.workers import _ts_internals
+from milepost.workers.format import _ts_internals
 
 
 def test_the_installed_tensorstore_is_what_direct_reads_expect() -> None:

@@ -159,6 +159,29 @@ def layer_violations(modules: dict[str, Module]) -> list[str]:
     return bad
 
 
+ENGINE_PARTS = ("save", "load", "jobs", "peers")
+"""The engine's parts that use the format package, which therefore may not use them."""
+
+
+def format_violations(modules: dict[str, Module]) -> list[str]:
+    """The format package (``milepost.workers.format``) builds on the engine's foundations
+    (errors, paths, the runtime, messages...) only: not on ``milepost.workers`` itself, whose
+    exports include the engine, nor on the engine's save, load, jobs or peers."""
+    package = "milepost.workers.format"
+    engine = tuple(f"milepost.workers.{part}" for part in ENGINE_PARTS)
+    bad = []
+    for m in modules.values():
+        if not (m.name == package or m.name.startswith(package + ".")):
+            continue
+        for imp in m.imports:
+            wanted = target(imp, modules)
+            if wanted == "milepost.workers" or any(
+                wanted == e or wanted.startswith(e + ".") for e in engine
+            ):
+                bad.append(f"{m.name}:{imp.line} imports {wanted} (the format package may not)")
+    return bad
+
+
 def seam_violations(modules: dict[str, Module] | dict[str, Module]) -> list[str]:
     bad = []
     names = set(modules)
@@ -296,6 +319,11 @@ def test_layers() -> None:
     assert not bad, "layering violated:\n" + "\n".join(bad)
 
 
+def test_the_format_package_builds_on_the_foundations_only() -> None:
+    bad = format_violations(read_code())
+    assert not bad, "the format package reaches into the engine:\n" + "\n".join(bad)
+
+
 def test_seams_are_public() -> None:
     bad = seam_violations(read_code())
     assert not bad, "private modules or names used across packages:\n" + "\n".join(bad)
@@ -322,6 +350,17 @@ def test_the_checks_catch_what_they_forbid() -> None:
         milepost__workers___a="from milepost import _api\nimport milepost.colocated\n"
     )
     assert len(layer_violations(layered)) == 2
+    formatted = _modules(
+        milepost__workers___errors="",
+        milepost__workers__format___a=(
+            "from milepost.workers import _errors\nfrom milepost.workers.save import x\n"
+            "from milepost.workers import ObjectPath\n"
+        )
+    )
+    assert [b.split(" ", 1)[0] for b in format_violations(formatted)] == [
+        "milepost.workers.format._a:2",
+        "milepost.workers.format._a:3",
+    ]
     code = _modules(
         milepost__init="",
         milepost___x__init="from milepost._x._inner import ok\n",

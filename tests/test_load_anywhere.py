@@ -21,9 +21,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import milepost as mp
-from milepost import _format as fmt
 from milepost._checkpoint._anywhere import SavedShardings, fitted_sizes
 from milepost.colocated import RayHostGroup
+from milepost.workers import format as fmt
 from tests import _subproc
 from tests._helpers import put, reseal, without_compact_shardings
 

@@ -19,10 +19,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import milepost as mp
-from milepost import _format as fmt
 from milepost import workers
 from milepost import workers as _paths
 from milepost.training import Checkpointer, KeepAll, KeepLatest, MirrorError
+from milepost.workers import format as fmt
 from milepost.workers.jobs import _copy as copy_job
 from tests import _subproc
 from tests._helpers import assert_tree_equal, put

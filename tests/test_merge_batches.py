@@ -1,6 +1,6 @@
 """The commit's merge with TensorStore, in key ranges (issue 26): with many databases the root
 view is built a range of keys at a time, so the merge's memory is that of one range; every key
-lands once. (The commit writes the root view itself first, ``workers._ocdbt_merge``; this path is
+lands once. (The commit writes the root view itself first, ``format._ocdbt_merge``; this path is
 what it falls back to for databases it does not read.)"""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import tensorstore as ts
 from jax.sharding import PartitionSpec as P
 
 import milepost as mp
-from milepost.workers import _tensorstore as tsu
-from milepost.workers._ocdbt_format import FormatError
+from milepost.workers.format import _tensorstore as tsu
+from milepost.workers.format._ocdbt_format import FormatError
 from tests._helpers import abstract_of, assert_tree_equal, put
 
 

@@ -168,7 +168,7 @@ def test_a_file_cut_short_while_it_is_walked_is_an_error(
     """The walk reads through pread (a mapping would fault the process): a file that shrinks
     under it ends the walk with an error naming the file."""
     path = write(tmp_path, model())
-    from milepost.workers import _msgpack
+    from milepost.workers.format import _msgpack
 
     fstat = _msgpack.os.fstat
 

@@ -1,4 +1,4 @@
-"""Where a load finds its chunks (``workers._ocdbt_index``, ``workers.load._locator``, issue
+"""Where a load finds its chunks (``workers.format._ocdbt_index``, ``workers.load._locator``, issue
 26): the B-tree walk that decodes nodes as NumPy columns finds exactly what TensorStore's walk
 finds, in trees of one leaf, of several levels with key prefixes, and in the root views
 milepost's commit writes; what it does not read is walked by TensorStore; a value naming a file
@@ -13,12 +13,12 @@ import pytest
 import tensorstore as ts
 
 import milepost as mp
-from milepost.workers import _ocdbt_format as fmt
-from milepost.workers import _ocdbt_index
-from milepost.workers import _tensorstore as tsu
 from milepost.workers._errors import CorruptCheckpointError
-from milepost.workers._ocdbt_index import Prefixes
-from milepost.workers._ts_internals import ocdbt_values
+from milepost.workers.format import _ocdbt_format as fmt
+from milepost.workers.format import _ocdbt_index
+from milepost.workers.format import _tensorstore as tsu
+from milepost.workers.format._ocdbt_index import Prefixes
+from milepost.workers.format._ts_internals import ocdbt_values
 from milepost.workers.load._locator import Locator
 from tests._helpers import warnings_logged
 from tests.test_ocdbt_merge import crafted, database, hosts, write_manifest
@@ -82,7 +82,7 @@ def test_a_root_view_walks_as_tensorstore_walks_it(
 ) -> None:
     """The commit's root view over several hosts (one leaf; many leaves under interior
     levels whose children carry subtree key prefixes)."""
-    from milepost.workers import _ocdbt_merge
+    from milepost.workers.format import _ocdbt_merge
 
     monkeypatch.setattr(_ocdbt_merge, "_ARITY", arity)
     every = hosts(tmp_path, 5, len(ARRAYS), seed=2, node_bytes=3_000)
@@ -151,7 +151,7 @@ def test_a_load_finds_its_chunks_with_the_numpy_walk(
 def test_a_numbered_manifest_is_walked_by_tensorstore(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from milepost.workers import _ocdbt_format
+    from milepost.workers.format import _ocdbt_format
 
     monkeypatch.setattr(_ocdbt_format, "_fell_back", set())  # (the warning as in a fresh process)
     kv = ts.KvStore.open(
@@ -228,7 +228,7 @@ def test_a_btree_reaching_one_node_twice_is_refused(tmp_path: Path, spelling: st
     """A crafted interior node whose children all name one leaf (a version's B-tree never
     shares a node): the walk and the merge stop at the second visit instead of reading it again
     and again (a million children could name it)."""
-    from milepost.workers import _ocdbt_merge
+    from milepost.workers.format import _ocdbt_merge
 
     folder = tmp_path / "ocdbt.process_0"
     crafted(folder, "d/node", "d/v")

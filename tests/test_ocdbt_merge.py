@@ -1,4 +1,4 @@
-"""The commit's root OCDBT view, written directly (``workers._ocdbt_merge``, issue 26): what
+"""The commit's root OCDBT view, written directly (``workers.format._ocdbt_merge``, issue 26): what
 TensorStore reads of it is exactly what the per-process databases hold, whatever the shape of
 their B-trees and of the root's; what the writer does not read falls back to TensorStore's merge
 with nothing written; a database naming a file outside its folder is refused, never opened."""
@@ -16,11 +16,11 @@ import tensorstore as ts
 from jax.sharding import PartitionSpec as P
 
 import milepost as mp
-from milepost.workers import _ocdbt_format as fmt
-from milepost.workers import _ocdbt_keys, _ocdbt_merge
-from milepost.workers import _tensorstore as tsu
 from milepost.workers._errors import CorruptCheckpointError
 from milepost.workers._runtime import RUNTIME
+from milepost.workers.format import _ocdbt_format as fmt
+from milepost.workers.format import _ocdbt_keys, _ocdbt_merge
+from milepost.workers.format import _tensorstore as tsu
 from tests._helpers import abstract_of, assert_tree_equal, put, warnings_logged
 
 
@@ -414,7 +414,7 @@ def test_the_merge_says_once_with_its_reason_that_tensorstore_merges_instead(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A fallback is loud: one WARNING per process and kind of reason, naming the reason."""
-    from milepost.workers import _ocdbt_format
+    from milepost.workers.format import _ocdbt_format
 
     monkeypatch.setattr(_ocdbt_format, "_fell_back", set())  # (as in a fresh process)
     key = f"a{os.urandom(6).hex()}/zarr.json".encode()

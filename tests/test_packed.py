@@ -17,8 +17,8 @@ from jax.sharding import PartitionSpec as P
 
 import milepost as mp
 from milepost import workers
-from milepost.workers import _ocdbt_index
-from milepost.workers import _tensorstore as tsu
+from milepost.workers.format import _ocdbt_index
+from milepost.workers.format import _tensorstore as tsu
 from milepost.workers.save import _packed
 from tests._helpers import assert_tree_equal, put
 from tests.test_integrity import chunk_value, flip
@@ -244,7 +244,7 @@ def test_a_packed_save_counts_its_bytes_and_records_no_chunk_checksum(
     import json
     import re
 
-    from milepost.workers import _checksum
+    from milepost.workers.format import _checksum
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:

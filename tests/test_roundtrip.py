@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 import milepost as mp
-from milepost import _format as _pytree_format
+from milepost.workers import format as _pytree_format
 from tests._helpers import abstract_of, assert_tree_equal, put, same_bits
 
 

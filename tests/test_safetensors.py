@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import milepost as mp
 import milepost.safetensors
-from milepost.workers import _safetensors
+from milepost.workers.format import _safetensors
 from tests._helpers import listing, put, same_bits
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")

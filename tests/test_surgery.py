@@ -83,7 +83,7 @@ def test_open_is_lazy_and_previews_read_only_their_chunks(
     assert ck.tree["step"] == 3 and ck.tree["note"] == "hi"
     assert isinstance(ck.tree["w"], ms.LazyArray) and ck.tree["w"].shape == (64, 256)
     assert "w" in repr(ck) and "(64, 256)" in repr(ck) and "<table>" in ck._repr_html_()
-    from milepost.workers import _checksum
+    from milepost.workers.format import _checksum
 
     checked: list[int] = []
     real = _checksum.region_crc32c

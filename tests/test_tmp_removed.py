@@ -25,8 +25,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import milepost as mp
-from milepost import _format
 from milepost._storage import _ownership, _workspace
+from milepost.workers import format as _format
 from tests._helpers import assert_tree_equal, put
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp"

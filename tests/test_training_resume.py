@@ -14,8 +14,8 @@ import jax
 import numpy as np
 import pytest
 
-from milepost import _format as fmt
 from milepost.training import Checkpointer
+from milepost.workers import format as fmt
 from tests import _subproc, _train_loop
 
 ROOT = Path(__file__).resolve().parents[1]

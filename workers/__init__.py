@@ -11,13 +11,6 @@ This package imports neither ``milepost`` (the controller) nor ``milepost.coloca
 from milepost.workers import _check as check
 from milepost.workers import _declared as declared
 from milepost.workers import _progress as progress
-from milepost.workers._checksum import crc32c, grid_indices, grid_key, parse_grid_key
-from milepost.workers._chunk_tables import FORMAT as CHUNK_TABLES_FORMAT
-from milepost.workers._chunk_tables import TABLE_PREFIX as CHUNK_TABLE_PREFIX
-from milepost.workers._chunk_tables import decode as decode_chunk_table
-from milepost.workers._chunk_tables import encode as encode_chunk_table
-from milepost.workers._chunk_tables import present as has_chunk_tables
-from milepost.workers._confirm import confirm_files
 from milepost.workers._errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -25,7 +18,6 @@ from milepost.workers._errors import (
     LostWriteError,
     MissingDevicesError,
     StillWritingError,
-    from_tensorstore,
 )
 from milepost.workers._iostats import HostIoStats
 from milepost.workers._iostats import snapshot as io_snapshot
@@ -48,11 +40,6 @@ from milepost.workers._messages import (
     VerifyTask,
     WrittenArray,
 )
-from milepost.workers._msgpack import flat_leaves as msgpack_leaves
-from milepost.workers._msgpack import is_msgpack_tree
-from milepost.workers._msgpack import read_leaves as read_msgpack_leaves
-from milepost.workers._msgpack import read_tree as read_msgpack
-from milepost.workers._msgpack import read_tree_bytes as read_msgpack_bytes
 from milepost.workers._paths import (
     NO_VALUE,
     STORAGE_ENV_VARS,
@@ -71,27 +58,8 @@ from milepost.workers._pending import Done, PendingWrite, settle_all
 from milepost.workers._requests import StorageOptions, configure_storage
 from milepost.workers._requests import budget_secs as storage_budget_secs
 from milepost.workers._runtime import RUNTIME, Pool, Runtime
-from milepost.workers._safetensors import CODES as SAFETENSORS_CODES
-from milepost.workers._safetensors import INDEX_FILE as SAFETENSORS_INDEX
-from milepost.workers._safetensors import Tensor, numpy_dtype
-from milepost.workers._safetensors import header_bytes as safetensors_header
-from milepost.workers._safetensors import read_header as read_safetensors_header
 from milepost.workers._sharding import ShardingSpec
 from milepost.workers._staging_budget import AdaptiveStagingBudget
-from milepost.workers._tensorstore import (
-    PROCESS_PREFIX,
-    ZARR3_DTYPES,
-    header_chunks,
-    header_dtype_name,
-    header_key,
-    header_shape,
-    merge_ocdbt,
-    new_context,
-    ocdbt_kvstore,
-    process_dir_name,
-    read_array_headers,
-    read_kvstore,
-)
 from milepost.workers._views import (
     LOGGERS,
     MAX_HTML_ROWS,
@@ -104,6 +72,42 @@ from milepost.workers._views import (
     printable,
     shape_str,
     sharding_str,
+)
+from milepost.workers.format import (
+    CHUNK_TABLE_PREFIX,
+    CHUNK_TABLES_FORMAT,
+    PROCESS_PREFIX,
+    SAFETENSORS_CODES,
+    SAFETENSORS_INDEX,
+    ZARR3_DTYPES,
+    Tensor,
+    confirm_files,
+    crc32c,
+    decode_chunk_table,
+    encode_chunk_table,
+    from_tensorstore,
+    grid_indices,
+    grid_key,
+    has_chunk_tables,
+    header_chunks,
+    header_dtype_name,
+    header_key,
+    header_shape,
+    is_msgpack_tree,
+    merge_ocdbt,
+    msgpack_leaves,
+    new_context,
+    numpy_dtype,
+    ocdbt_kvstore,
+    parse_grid_key,
+    process_dir_name,
+    read_array_headers,
+    read_kvstore,
+    read_msgpack,
+    read_msgpack_bytes,
+    read_msgpack_leaves,
+    read_safetensors_header,
+    safetensors_header,
 )
 from milepost.workers.jobs import (
     JOBS,

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from milepost.workers._keys import key_words
-from milepost.workers._safetensors import Tensor
 from milepost.workers._sharding import ShardingSpec
 from milepost.workers._staging_budget import AdaptiveStagingBudget
+
+if TYPE_CHECKING:  # (the format package builds on these messages)
+    from milepost.workers.format import Tensor
 
 _TOKEN = re.compile(r"[0-9a-f]{8}")
 
@@ -36,7 +39,7 @@ class StoreSpec:
     file_token: str = ""
     """The save's token (8 hex digits, drawn once per save and shared by its hosts) naming the
     data files of the databases milepost writes itself (``d/<token>.<k>``); "": each database
-    draws its own. See :func:`~milepost.workers._ocdbt_merge.write_database`."""
+    draws its own. See :func:`~milepost.workers.format.write_database`."""
 
     def __post_init__(self) -> None:
         token = self.file_token

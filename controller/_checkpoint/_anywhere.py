@@ -24,9 +24,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from milepost import _format as fmt
 from milepost._errors import StructureMismatchError
 from milepost.workers import CorruptCheckpointError, ObjectPath, ShardingSpec
+from milepost.workers import format as fmt
 
 log = logging.getLogger("milepost")
 

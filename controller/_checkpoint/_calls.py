@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from milepost import _format as fmt
 from milepost._options import Options
 from milepost.colocated import HostGroup
 from milepost.workers import ObjectPath, PendingWrite, SaveAck
+from milepost.workers import format as fmt
 
 
 @dataclass(frozen=True)

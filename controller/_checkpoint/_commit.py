@@ -39,7 +39,6 @@ from typing import Any
 
 import jax
 
-from milepost import _format as fmt
 from milepost import workers
 from milepost._checkpoint._calls import WrittenTree
 from milepost._checkpoint._handlers import PyTreeHandler
@@ -47,6 +46,7 @@ from milepost._checkpoint._pytree_load import array_headers
 from milepost._storage import LocalWorkspace, ObjectWorkspace
 from milepost._tree import ValueType
 from milepost.workers import ObjectPath
+from milepost.workers import format as fmt
 
 PROCESS = workers.PROCESS_PREFIX
 

@@ -27,7 +27,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from milepost import _format as fmt
 from milepost import _hosts
 from milepost._checkpoint._calls import LoadCall, SaveCall
 from milepost._errors import (
@@ -37,6 +36,7 @@ from milepost._errors import (
 )
 from milepost.colocated import HostGroup
 from milepost.workers import ObjectPath, PendingWrite
+from milepost.workers import format as fmt
 
 _STATE_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")
 WHAT = "data iterator state"

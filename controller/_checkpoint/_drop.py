@@ -52,7 +52,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from milepost import _format as fmt
 from milepost import _hosts, _options, _storage, workers
 from milepost._errors import (
     CheckpointableNotFoundError,
@@ -61,6 +60,7 @@ from milepost._errors import (
     LastCheckpointableError,
 )
 from milepost.workers import ObjectPath, as_path
+from milepost.workers import format as fmt
 
 log = logging.getLogger("milepost")
 

@@ -16,12 +16,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from milepost import _format as fmt
 from milepost import _hosts
 from milepost._checkpoint import _pytree_load, _pytree_save
 from milepost._checkpoint._calls import Deferred, LoadCall, SaveCall, as_pending
 from milepost._checkpoint._data_iterator import DataIterator, DataIteratorHandler
 from milepost.workers import ObjectPath, PendingWrite
+from milepost.workers import format as fmt
 
 
 @runtime_checkable

@@ -13,7 +13,6 @@ from typing import Any
 
 import jax
 
-from milepost import _format as fmt
 from milepost import _hosts, _options, _views, workers
 from milepost._checkpoint._calls import LoadCall
 from milepost._checkpoint._handlers import (
@@ -24,6 +23,7 @@ from milepost._checkpoint._handlers import (
 )
 from milepost._errors import CheckpointNotFoundError, CheckpointReplacedError
 from milepost.workers import ObjectPath, as_path
+from milepost.workers import format as fmt
 
 
 @workers.reading_once()  # each small object of an object store read once per call

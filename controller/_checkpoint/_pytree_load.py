@@ -18,7 +18,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from milepost import _format as fmt
 from milepost import _hosts, _progress, _tree, _views, workers
 from milepost._checkpoint._anywhere import SavedShardings
 from milepost._checkpoint._calls import LoadCall
@@ -27,6 +26,7 @@ from milepost._checkpoint._replicas import mark as mark_replicas
 from milepost._errors import CheckpointNotFoundError, CorruptCheckpointError, StructureMismatchError
 from milepost._tree import PLACEHOLDER, ValueType
 from milepost.workers import ObjectPath, ShardingSpec, progress
+from milepost.workers import format as fmt
 
 log = logging.getLogger("milepost")
 

@@ -24,7 +24,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from milepost import _format as fmt
 from milepost import _hosts, _options, _tree, workers
 from milepost._checkpoint import _planning
 from milepost._checkpoint._calls import SaveCall, WrittenTree
@@ -33,6 +32,7 @@ from milepost._options import SaveOptions
 from milepost._tree import Leaf, ValueType
 from milepost.colocated import HostGroup
 from milepost.workers import ObjectPath, progress
+from milepost.workers import format as fmt
 
 log = logging.getLogger("milepost")
 

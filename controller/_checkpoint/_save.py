@@ -24,7 +24,6 @@ from typing import Any
 
 import jax
 
-from milepost import _format as fmt
 from milepost import _hosts, _options, _progress, workers
 from milepost._checkpoint._background import SAVES
 from milepost._checkpoint._calls import SaveCall, WrittenTree, as_pending
@@ -36,6 +35,7 @@ from milepost._errors import InvalidKeyError, SaveCancelledError, SaveInProgress
 from milepost._storage import LEASE_SUFFIX, NEW_MARKER, LocalWorkspace, for_path
 from milepost.colocated import HostGroup
 from milepost.workers import ObjectPath, as_path
+from milepost.workers import format as fmt
 
 _in_flight: set[Path | ObjectPath] = set()
 _cleaning: dict[Path | ObjectPath, futures.Future[None]] = {}

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from milepost import _api, _safetensors, _views
-from milepost import _format as fmt
 from milepost._cli._errors import CliError
 from milepost.workers import ObjectPath, as_path
+from milepost.workers import format as fmt
 
 
 def _storage(folder: Path | ObjectPath) -> str:

@@ -27,7 +27,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from milepost import _format as fmt
+from milepost.workers import format as fmt
 
 
 def _ids(path: Path) -> tuple[int, int]:

@@ -30,8 +30,8 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from milepost import _format as fmt
 from milepost._errors import CheckpointExistsError
+from milepost.workers import format as fmt
 
 OWNER_FILE = fmt.OWNER_FILE
 NEW_MARKER = ".milepost-new-"

@@ -39,12 +39,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from milepost import _format as fmt
 from milepost import workers
 from milepost._errors import CheckpointExistsError, TemporaryDirectoryRemovedError
 from milepost._storage import _ownership
 from milepost._storage._intact import Intact
 from milepost.workers import NO_VALUE, ObjectPath
+from milepost.workers import format as fmt
 
 LEASE_SUFFIX = ".milepost-lease"
 

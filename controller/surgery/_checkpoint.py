@@ -11,14 +11,14 @@ from typing import Any
 import numpy as np
 
 from milepost import _checkpoint, _hosts, _options, workers
-from milepost import _format as fmt
 from milepost._checkpoint import LeafMetadata
-from milepost._format import TreeFiles
 from milepost._tree import PLACEHOLDER, ValueType
 from milepost.colocated import Slice
 from milepost.surgery._lazy import LazyArray, Source, flat, nest
 from milepost.surgery._placement import Placement, fits
 from milepost.workers import ObjectPath, as_path
+from milepost.workers import format as fmt
+from milepost.workers.format import TreeFiles
 
 
 @dataclass(frozen=True, eq=False)

@@ -23,10 +23,10 @@ from typing import Any
 import tensorstore as ts
 
 from milepost import _checkpoint, _tree, workers
-from milepost import _format as fmt
 from milepost._errors import CorruptCheckpointError
 from milepost._tree import storage_name_of
 from milepost.surgery._lazy import LazyArray, Source, nest
+from milepost.workers import format as fmt
 
 log = logging.getLogger("milepost.surgery")
 

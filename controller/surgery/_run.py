@@ -23,13 +23,13 @@ from typing import Any
 
 import numpy as np
 
-from milepost import _api, _checkpoint, _hosts, _options, workers
-from milepost import _format as fmt
+from milepost import _checkpoint, _hosts, _options, workers
 from milepost._tree import ValueType, storage_name_of
 from milepost.surgery import _lazy, _relink
 from milepost.surgery._lazy import LazyArray, Op, Source, flat, nest
 from milepost.surgery._placement import Placement, fits
 from milepost.workers import ObjectPath, ShardingSpec, as_path, check
+from milepost.workers import format as fmt
 from milepost.workers import progress as progress_sink
 
 log = logging.getLogger("milepost.surgery")
@@ -575,7 +575,9 @@ def write_items(
         every.update({f"{item}/{n}": x for n, x in arrays.items()})
     meta = {**dict(custom_metadata or {}), "milepost.surgery": provenance(every)}
     with _options.Context(handlers=(SurgeryHandler(),)):
-        return _api.save_checkpointables(path, jobs, overwrite=overwrite, custom_metadata=meta)
+        return _checkpoint.start_save(
+            path, jobs, overwrite=overwrite, custom_metadata=meta, metrics=None, asynchronous=False
+        ).result()
 
 
 def materialize(tree: Any, abstract: Any = None) -> Any:
@@ -673,4 +675,3 @@ def to_numpy(x: LazyArray) -> np.ndarray:
 
 
 _lazy.set_reader(to_numpy)  # np.asarray(lazy array) reads through this engine
-_api.set_tree_loader(materialize)  # milepost.load(surgery tree) computes it onto the devices

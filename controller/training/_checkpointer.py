@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from milepost import _api, _checkpoint, _hosts, _options, _views
-from milepost import _format as fmt
 from milepost._checkpoint import CheckpointMetadata, LoadHandle
 from milepost._errors import SaveCancelledError
 from milepost.colocated import HostGroup, Slice
@@ -56,6 +55,7 @@ from milepost.training._state import StepState, check_step, plain_metrics
 from milepost.training._tier import Tier
 from milepost.training.peers import PeerTier, PeerTierRunner, Recovery
 from milepost.workers import ObjectPath, as_path
+from milepost.workers import format as fmt
 
 log = logging.getLogger("milepost.training")
 

@@ -11,7 +11,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from milepost import _format as fmt
 from milepost import _views
 from milepost._errors import CheckpointNotFoundError
 from milepost.training._errors import NotATrainingRootError
@@ -24,6 +23,7 @@ from milepost.training._tier import (
     known_prefixes,
 )
 from milepost.workers import ObjectPath, as_path
+from milepost.workers import format as fmt
 
 
 def _size(path: Any) -> int | None:

@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from milepost import _checkpoint, _storage
-from milepost import _format as fmt
 from milepost.training._errors import StepBusyError, StepNamingError
 from milepost.training._naming import PLAIN, StepNaming, is_leftover_name, parse, step_of
 from milepost.workers import ObjectPath
+from milepost.workers import format as fmt
 
 log = logging.getLogger("milepost.training")
 

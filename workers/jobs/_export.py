@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from milepost.workers import _safetensors
 from milepost.workers._messages import LoadPlan, LoadTask, StoreSpec
 from milepost.workers._runtime import RUNTIME, Pool
+from milepost.workers.format import safetensors_format
 from milepost.workers.load import load
 
 
@@ -59,7 +59,7 @@ def export_safetensors(plan: ExportPlan, process_index: int | str = 0) -> Export
     with RUNTIME.scoped("export", 1) as reader:
         for file in plan.files:
             arrays = _prefetched(reader, read, file.tensors)
-            written += _safetensors.write_file(file.path, file.header, arrays)
+            written += safetensors_format.write_file(file.path, file.header, arrays)
     return ExportAck(
         process_index=process_index, files=tuple(f.path for f in plan.files), bytes_written=written
     )

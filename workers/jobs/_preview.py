@@ -11,11 +11,10 @@ from dataclasses import dataclass
 import numpy as np
 import tensorstore as ts
 
-from milepost.workers import _checksum
-from milepost.workers import _tensorstore as tsu
 from milepost.workers._boxes import box_to_slices
-from milepost.workers._errors import CorruptCheckpointError, from_tensorstore
+from milepost.workers._errors import CorruptCheckpointError
 from milepost.workers._messages import Index, StoreSpec
+from milepost.workers.format import chunk_checksums, from_tensorstore, specs
 from milepost.workers.load import ArrayChecks
 
 
@@ -31,14 +30,14 @@ class BoxPlan:
 
 
 def read_box(plan: BoxPlan, process_index: int | str = 0) -> np.ndarray:
-    context = tsu.new_context(plan.store.directory)
-    spec = tsu.open_spec(tsu.read_kvstore(plan.store), plan.name, False, plan.store.zarr_format)
+    context = specs.new_context(plan.store.directory)
+    spec = specs.open_spec(specs.read_kvstore(plan.store), plan.name, False, plan.store.zarr_format)
     try:
         store = ts.open(spec, open=True, read=True, context=context).result()
         if plan.checksums is None and not plan.chunk_tables:
             return np.asarray(store[box_to_slices(plan.box)].read().result())
-        inner, shard = tsu.header_chunks(store.spec().to_json().get("metadata", {}))
-        whole = _checksum.aligned_box(plan.box, inner, tuple(store.shape))
+        inner, shard = specs.header_chunks(store.spec().to_json().get("metadata", {}))
+        whole = chunk_checksums.aligned_box(plan.box, inner, tuple(store.shape))
         data = np.asarray(store[box_to_slices(whole)].read().result())
     except Exception as e:
         mapped = from_tensorstore(
@@ -54,11 +53,11 @@ def read_box(plan: BoxPlan, process_index: int | str = 0) -> np.ndarray:
     where = f"{plan.store.directory}, array {plan.name!r}"
     recorded = dict(plan.checksums or ())  # (with tables: the chunks inline in the B-tree)
     tables = ArrayChecks(plan.store, [plan.name], context) if plan.chunk_tables else None
-    for grid, crc in _checksum.region_crc32c(data, whole, inner):
+    for grid, crc in chunk_checksums.region_crc32c(data, whole, inner):
         want = recorded.get(grid)
         if want is None and tables is not None:
             want = tables.expected(plan.name, grid, inner, shard)
-        _checksum.check(
+        chunk_checksums.check(
             plan.name, grid, crc, {grid: want} if want is not None and want >= 0 else {}, where
         )
     local = tuple(slice(a - w, b - w) for (a, b), (w, _) in zip(plan.box, whole, strict=True))

@@ -15,11 +15,11 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from milepost.workers import _checksum, _progress
-from milepost.workers import _tensorstore as tsu
+from milepost.workers import _progress
 from milepost.workers._boxes import box_to_slices
 from milepost.workers._errors import CorruptCheckpointError
 from milepost.workers._messages import VerifyAck, VerifyPlan, VerifyTask
+from milepost.workers.format import chunk_checksums, specs
 from milepost.workers.load import ArrayChecks
 
 MAX_PROBLEMS = 20
@@ -45,20 +45,20 @@ def verify(plan: VerifyPlan, process_index: int | str = 0) -> VerifyAck:
 class _Verifier:
     def __init__(self, plan: VerifyPlan) -> None:
         self.plan = plan
-        self.context = tsu.new_context(plan.tasks[0].store.directory if plan.tasks else None)
+        self.context = specs.new_context(plan.tasks[0].store.directory if plan.tasks else None)
         self.budget = plan.memory_budget_bytes or (256 << 20)
         self.problems: list[str] = []
         self.checked = self.nbytes = 0
         self.progress = _progress.counter()
 
     def check_array(self, task: VerifyTask) -> None:
-        spec = tsu.open_spec(
-            tsu.read_kvstore(task.store), task.name, task.fill_missing, task.store.zarr_format
+        spec = specs.open_spec(
+            specs.read_kvstore(task.store), task.name, task.fill_missing, task.store.zarr_format
         )
         try:
             store = ts.open(spec, open=True, read=True, context=self.context).result()
-            metadata = tsu.zarr_metadata(store)
-            inner, shard = tsu.chunk_shapes(store, metadata)
+            metadata = specs.zarr_metadata(store)
+            inner, shard = specs.chunk_shapes(store, metadata)
             stored = self._stored(task, metadata, len(inner))
         except Exception as e:
             self.problems.append(f"array {task.name!r}: cannot be opened ({e})")
@@ -88,7 +88,7 @@ class _Verifier:
     def _stored(self, task: VerifyTask, metadata: dict[str, Any], rank: int) -> set[Grid]:
         """The shard-grid indices of the array's chunks (shards) storage holds: one listing of
         its keys (keys of another form are not chunks of it, and are passed over)."""
-        kv = ts.KvStore.open(tsu.read_kvstore(task.store), context=self.context).result()
+        kv = ts.KvStore.open(specs.read_kvstore(task.store), context=self.context).result()
         prefix = f"{task.name}/".encode()
         keys = kv.list(ts.KvStore.KeyRange(prefix, prefix[:-1] + b"0")).result()
         encoding = metadata.get("chunk_key_encoding") or {"name": "default"}
@@ -148,7 +148,7 @@ class _Verifier:
         if len(present) >= declared:
             return
         held = set(present)
-        first = next(g for g in _checksum.grid_indices(shards) if g not in held)
+        first = next(g for g in chunk_checksums.grid_indices(shards) if g not in held)
         self.problems.append(
             f"array {name!r}: {declared - len(present)} of its {declared} stored chunks "
             f"(shards) are missing (first: {first})"
@@ -218,8 +218,8 @@ class _Verifier:
             self.progress(out.nbytes)
         if expected is not None:
             try:
-                _checksum.check(
-                    name, grid, _checksum.values_crc32c(out), expected, task.store.directory
+                chunk_checksums.check(
+                    name, grid, chunk_checksums.values_crc32c(out), expected, task.store.directory
                 )
             except CorruptCheckpointError as e:
                 self.problems.append(str(e))
@@ -232,7 +232,7 @@ def _chunks(shards: list[Grid], inner: Grid, shard: Grid, shape: Grid) -> Iterat
     per = tuple(s // c for s, c in zip(shard, inner, strict=True))
     grid = tuple(-(-n // c) for n, c in zip(shape, inner, strict=True))
     for at in shards:
-        for offset in _checksum.grid_indices(per):
+        for offset in chunk_checksums.grid_indices(per):
             chunk = tuple(a * k + o for a, k, o in zip(at, per, offset, strict=True))
             if all(c < g for c, g in zip(chunk, grid, strict=True)):
                 yield chunk

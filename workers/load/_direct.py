@@ -32,15 +32,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from milepost.workers import _checksum
 from milepost.workers._errors import CorruptCheckpointError
 from milepost.workers._iostats import count_read
 from milepost.workers._runtime import RUNTIME
-from milepost.workers._ts_internals import (
-    FileRange,
-    index_entries,
-    index_size,
-)
+from milepost.workers.format import FileRange, chunk_checksums, index_entries, index_size
 from milepost.workers.load._pieces import BoxRead, runs
 
 _READ_THREADS = max(1, min(4, os.cpu_count() or 1))
@@ -97,7 +92,7 @@ def spread(sizes: list[int], lanes: int, unit: int) -> list[list[int]]:
 
 def crc32c(data: bytes) -> int:
     """CRC-32C (Castagnoli), as zarr3's ``crc32c`` codec appends it (checked on shard indexes)."""
-    return _checksum.crc32c(data)
+    return chunk_checksums.crc32c(data)
 
 
 class FallBack(Exception):
@@ -508,10 +503,10 @@ def _finish(piece: _Piece, value: FileRange, out: np.ndarray, name: str) -> None
     read beside the box."""
     read = piece.read
     if piece.expected is not None:
-        crc = _checksum.crc32c_of(piece.buffers)
+        crc = chunk_checksums.crc32c_of(piece.buffers)
         recorded = {read.grid: piece.expected} if piece.expected >= 0 else {}
         where = f"{value.path} at byte {value.offset + piece.entry}, key {read.key!r}"
-        _checksum.check(name, read.grid, crc, recorded, where)
+        chunk_checksums.check(name, read.grid, crc, recorded, where)
     if piece.scratch is not None and read.scatter is not None:
         source = piece.scratch.view(out.dtype).reshape(read.read_shape)
         if read.within is not None:

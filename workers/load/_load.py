@@ -19,13 +19,12 @@ import numpy as np
 import tensorstore as ts
 
 from milepost.workers import _keys
-from milepost.workers import _tensorstore as tsu
 from milepost.workers._boxes import addressable_boxes
-from milepost.workers._chunk_tables import ChunkTables
-from milepost.workers._errors import CorruptCheckpointError, from_tensorstore
+from milepost.workers._errors import CorruptCheckpointError
 from milepost.workers._messages import LoadAck, LoadPlan, LoadTask
 from milepost.workers._paths import is_local
 from milepost.workers._sharding import ShardingSpec
+from milepost.workers.format import ChunkTables, from_tensorstore, specs
 from milepost.workers.load import _locator
 from milepost.workers.load._assemble import Assembler, BroadcastAssembler, Broadcasts
 from milepost.workers.load._pieces import ShardLayout, shard_layout
@@ -128,7 +127,7 @@ def _open(plan: LoadPlan) -> _Opened:
             "checkpoint.",
             path=plan.store.directory,
         ) from walk_failed
-    metadatas = [tsu.zarr_metadata(s) if s is not None else None for s in stores]
+    metadatas = [specs.zarr_metadata(s) if s is not None else None for s in stores]
     layouts: list[ShardLayout | None] = [None] * len(stores)
     if locator is not None and direct:
         layouts = [
@@ -275,20 +274,20 @@ def _checked(
     mine = tables if task.chunk_tables else None
     if task.checksums is None and mine is None:
         return None
-    inner, shard = tsu.chunk_shapes(store, metadata)
+    inner, shard = specs.chunk_shapes(store, metadata)
     return Checked(task.name, task.shape, inner, dict(task.checksums or ()), shard, mine, locator)
 
 
 def _start_opens(plan: LoadPlan) -> list[Any]:
     """Start opening every task's array with TensorStore (None for tasks read from safetensors
     files); :func:`_finish_opens` waits for them."""
-    context = tsu.new_context(plan.store.directory)
-    kvstore = tsu.read_kvstore(plan.store)
+    context = specs.new_context(plan.store.directory)
+    kvstore = specs.read_kvstore(plan.store)
     return [
         None
         if t.tensor is not None
         else ts.open(
-            tsu.open_spec(kvstore, t.name, plan.fill_missing, plan.store.zarr_format),
+            specs.open_spec(kvstore, t.name, plan.fill_missing, plan.store.zarr_format),
             open=True,
             read=True,
             context=context,

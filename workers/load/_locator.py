@@ -1,10 +1,10 @@
 """Where each chunk of a checkpoint lies: the data file, offset and length of its shard value.
 
 A load finds its arrays' chunks once, before reading (one B-tree walk of the checkpoint's root
-OCDBT view, :mod:`milepost.workers._ocdbt_index`, its nodes decoded as NumPy columns); what
+OCDBT view, :mod:`milepost.workers.format._ocdbt_index`, its nodes decoded as NumPy columns); what
 that decoder does not read is walked with TensorStore's ``ocdbt.dump`` instead
-(:func:`~milepost.workers._ts_internals.ocdbt_values`), said once at WARNING with the reason
-(:func:`~milepost.workers._ocdbt_format.note_fallback`). A value naming a file outside the
+(:func:`~milepost.workers.format._ts_internals.ocdbt_values`), said once at WARNING with the reason
+(:func:`~milepost.workers.format._ocdbt_format.note_fallback`). A value naming a file outside the
 checkpoint is a :class:`CorruptCheckpointError`, and that file is never opened.
 """
 
@@ -19,10 +19,18 @@ import tensorstore as ts
 
 from milepost.workers._errors import CorruptCheckpointError
 from milepost.workers._messages import StoreSpec
-from milepost.workers._ocdbt_format import FormatError, note_fallback
-from milepost.workers._ocdbt_index import Prefixes, Values, indirect_values
 from milepost.workers._paths import context_for, is_local, kvstore
-from milepost.workers._ts_internals import FileRange, OutsideError, ocdbt_values, value_range
+from milepost.workers.format import (
+    FileRange,
+    FormatError,
+    OutsideError,
+    Prefixes,
+    Values,
+    indirect_values,
+    note_fallback,
+    ocdbt_values,
+    value_range,
+)
 
 
 @contextlib.contextmanager

@@ -3,7 +3,8 @@
 :class:`BudgetedReader` issues the reads of every box a host's devices need and completes the
 oldest first while the bytes in flight would pass the budget. A box goes straight from its
 file into the destination buffer where the layout allows (:mod:`._direct`), otherwise through
-TensorStore; safetensors tensors are read by :func:`~milepost.workers._safetensors.read_boxes`.
+TensorStore; safetensors tensors are read by
+:func:`~milepost.workers.format._safetensors.read_boxes`.
 With recorded checksums every chunk a box touches is read whole and checked before its values
 go anywhere.
 """
@@ -21,12 +22,18 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from milepost.workers import _checksum, _memory, _progress, _safetensors
+from milepost.workers import _memory, _progress
 from milepost.workers._boxes import box_to_slices
-from milepost.workers._chunk_tables import ChunkTables, shard_key
-from milepost.workers._errors import CorruptCheckpointError, from_tensorstore
+from milepost.workers._errors import CorruptCheckpointError
 from milepost.workers._memory import parallel_copy
-from milepost.workers._ts_internals import FileRange
+from milepost.workers.format import (
+    ChunkTables,
+    FileRange,
+    chunk_checksums,
+    from_tensorstore,
+    safetensors_format,
+    shard_key,
+)
 from milepost.workers.load import _direct, _locator
 from milepost.workers.load._assemble import Assembler
 from milepost.workers.load._pieces import BoxRead, ShardLayout, box_reads
@@ -147,15 +154,17 @@ class _TensorRead:
     """Every box one host needs of one safetensors tensor, read together (rows that several
     boxes share are read once)."""
 
-    def __init__(self, tensor: _safetensors.Tensor, asm: Assembler) -> None:
-        dtype = np.dtype(_safetensors.numpy_dtype(tensor.dtype))
+    def __init__(self, tensor: safetensors_format.Tensor, asm: Assembler) -> None:
+        dtype = np.dtype(safetensors_format.numpy_dtype(tensor.dtype))
         self.asm = asm
         self.targets = [
             (devices, box, _memory.read_buffer(tuple(b - a for a, b in box), dtype))
             for devices, box in asm.pieces
         ]
         self.nbytes = sum(out.nbytes for _, _, out in self.targets)
-        self.futures = _safetensors.read_boxes(tensor, [(box, out) for _, box, out in self.targets])
+        self.futures = safetensors_format.read_boxes(
+            tensor, [(box, out) for _, box, out in self.targets]
+        )
 
     def finish(self) -> tuple[int, list[Any]]:
         """Wait; the bytes read, and the device arrays whose transfers started."""
@@ -275,7 +284,7 @@ class BudgetedReader:
                 scratch = sum(p.scratch for p in pieces)  # read beside the box
         whole = box
         if checked is not None:
-            whole = _checksum.aligned_box(box, checked.chunk_shape, checked.shape)
+            whole = chunk_checksums.aligned_box(box, checked.chunk_shape, checked.shape)
             if whole != box and direct is None:
                 nbytes += math.prod(b - a for a, b in whole) * dtype.itemsize
         self._make_room(nbytes + scratch)
@@ -302,7 +311,7 @@ class BudgetedReader:
         self.inflight_bytes += nbytes + scratch
         self.peak_bytes = max(self.peak_bytes, self.inflight_bytes + self.placing_bytes)
 
-    def read_tensor(self, tensor: _safetensors.Tensor, asm: Assembler) -> None:
+    def read_tensor(self, tensor: safetensors_format.Tensor, asm: Assembler) -> None:
         """Read every box ``asm`` needs of a safetensors tensor."""
         if self.budget is not None:
             needed = (
@@ -394,11 +403,11 @@ class BudgetedReader:
         checked = read.checked
         assert checked is not None
         buffer = read.staged if read.staged is not None else read.out
-        crcs = list(_checksum.region_crc32c(buffer, read.whole, checked.chunk_shape))
+        crcs = list(chunk_checksums.region_crc32c(buffer, read.whole, checked.chunk_shape))
         wants = checked.wants([grid for grid, _ in crcs])
         for (grid, crc), want in zip(crcs, wants, strict=True):
             recorded = {grid: want} if want >= 0 else {}
-            _checksum.check(checked.name, grid, crc, recorded, self._where(checked, grid))
+            chunk_checksums.check(checked.name, grid, crc, recorded, self._where(checked, grid))
         if read.staged is not None:
             local = tuple(
                 slice(a - w, b - w) for (a, b), (w, _) in zip(read.box, read.whole, strict=True)

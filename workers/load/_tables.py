@@ -1,12 +1,12 @@
 """Chunk checksums for host jobs that read a few arrays' chunks through TensorStore (verify, a
-preview): each chunk's from its writer's table (:mod:`milepost.workers._chunk_tables`)."""
+preview): each chunk's from its writer's table (:mod:`milepost.workers.format._chunk_tables`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from milepost.workers._chunk_tables import ChunkTables, shard_key
 from milepost.workers._messages import StoreSpec
+from milepost.workers.format import ChunkTables, shard_key
 from milepost.workers.load._locator import Locator
 
 

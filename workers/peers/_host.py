@@ -15,11 +15,11 @@ from typing import Any
 
 import numpy as np
 
-from milepost.workers._checksum import crc32c
 from milepost.workers._keys import dtype_name, dtype_of, from_data, is_key, key_words, to_data
 from milepost.workers._memory import host_views, parallel_copy
 from milepost.workers._messages import Index
 from milepost.workers._sharding import ShardingSpec
+from milepost.workers.format import crc32c
 from milepost.workers.peers._store import Box, Part, box_view
 
 

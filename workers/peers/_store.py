@@ -42,9 +42,9 @@ from typing import Any
 
 import numpy as np
 
-from milepost.workers._checksum import crc32c
 from milepost.workers._errors import CorruptCheckpointError
 from milepost.workers._messages import Index
+from milepost.workers.format import crc32c
 from milepost.workers.peers import _folder
 from milepost.workers.peers._folder import NAME, UnsafeFolderError
 

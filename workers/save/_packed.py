@@ -11,8 +11,8 @@ out alike, and the root's offsets repeat from host to host.
 
 Each value is the zarr3 ``sharding_indexed`` shard TensorStore would write: the inner chunks'
 little-endian bytes in C order, then the index of (offset, length) pairs and its CRC32C. The
-database is OCDBT (:func:`~milepost.workers._ocdbt_merge.write_database`); its chunk checksum
-table (:mod:`~milepost.workers._chunk_tables`) lies in a data file of its own.
+database is OCDBT (:func:`~milepost.workers.format._ocdbt_merge.write_database`); its chunk checksum
+table (:mod:`~milepost.workers.format._chunk_tables`) lies in a data file of its own.
 
 The order of a save with packed shards (:func:`~milepost.workers.save.start_save`):
 :meth:`Packer.add` for each packable region, :meth:`Packer.copies` (the copies into one buffer,
@@ -29,11 +29,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from milepost.workers import _checksum, _chunk_tables, _ocdbt_merge
-from milepost.workers import _tensorstore as tsu
 from milepost.workers._boxes import Box
-from milepost.workers._checksum import Grid
 from milepost.workers._messages import ArraySpec, StoreSpec
+from milepost.workers.format import Grid, chunk_checksums, chunk_tables, specs, write_database
 from milepost.workers.save._device import DevicePart
 
 PACK_LIMIT = 1 << 20
@@ -51,7 +49,7 @@ _SUB_BYTE = ("int2", "uint2", "int4", "uint4", "float4_e2m1fn")  # stored packed
 
 def packed_name(database: str) -> str:
     """The folder of the packed database beside a host's writer database ``database``."""
-    return database + tsu.PACKED_SUFFIX
+    return database + specs.PACKED_SUFFIX
 
 
 @dataclass(frozen=True)
@@ -100,7 +98,7 @@ class Packer:
             shard = tuple((s, s + w) for s, w in zip(start, spec.write_shape, strict=True))
             grid = tuple(s // w for s, w in zip(start, spec.write_shape, strict=True))
             within = tuple(slice(s - a, e - a) for (s, e), (a, _) in zip(shard, box, strict=True))
-            key = _chunk_tables.shard_key(spec.name, grid, spec.write_shape, spec.write_shape)
+            key = chunk_tables.shard_key(spec.name, grid, spec.write_shape, spec.write_shape)
             self._shards.append(_Shard(key, spec.name, shard, data, within))
         self.nbytes += size
         self.data_bytes += data.nbytes
@@ -162,18 +160,18 @@ class Packer:
             crcs = table.setdefault(shard.name, [])
             for n, grid in enumerate(inner):
                 start = at + n * chunk_bytes
-                crc = _checksum.crc32c(buffer[start : start + chunk_bytes])
+                crc = chunk_checksums.crc32c(buffer[start : start + chunk_bytes])
                 crcs.append((tuple(o + g for o, g in zip(origin, grid, strict=True)), crc))
         shards = ([s.key for s in self._shards], [b - a for a, b in itertools.pairwise(self._at)])
         data = buffer.tobytes()
         del buffer  # (the staging pool takes it back once no one references it)
         self._shards = []
-        encoded = _chunk_tables.encode(self.database, table)
+        encoded = chunk_tables.encode(self.database, table)
         # The table in a data file of its own: a damaged shards' file still names their array.
-        _ocdbt_merge.write_database(
-            tsu.as_path(self.store.directory) / self.database,
-            [(*shards, data), ([_chunk_tables.table_key(self.database)], [len(encoded)], encoded)],
-            tsu.OCDBT_CONFIG,
+        write_database(
+            specs.as_path(self.store.directory) / self.database,
+            [(*shards, data), ([chunk_tables.table_key(self.database)], [len(encoded)], encoded)],
+            specs.OCDBT_CONFIG,
             self.store.file_token,
         )
 
@@ -191,7 +189,7 @@ def _layout(
     starts = np.arange(len(inner), dtype="<u8") * chunk_bytes
     # (offset, length) of each chunk, little-endian uint64s
     index = np.stack([starts, np.full(len(inner), chunk_bytes, "<u8")], axis=1).view(np.uint8)
-    crc = _checksum.crc32c(index).to_bytes(4, "little")
+    crc = chunk_checksums.crc32c(index).to_bytes(4, "little")
     tail = np.concatenate([index.ravel(), np.frombuffer(crc, np.uint8)])
     tail.flags.writeable = False  # (shared by every shard of this shape)
     return inner, tail, chunk_bytes

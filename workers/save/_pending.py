@@ -15,16 +15,21 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from milepost.workers import _checksum, _chunk_tables, _requests
-from milepost.workers import _tensorstore as tsu
+from milepost.workers import _requests
 from milepost.workers._boxes import Box
-from milepost.workers._confirm import lost_write
-from milepost.workers._errors import LostWriteError, StillWritingError, from_tensorstore
+from milepost.workers._errors import LostWriteError, StillWritingError
 from milepost.workers._keys import dtype_of
 from milepost.workers._memory import on_copy_pool
 from milepost.workers._messages import ArraySpec, SaveAck, SavePlan, WrittenArray
 from milepost.workers._paths import as_path
-from milepost.workers._ts_internals import unread_file
+from milepost.workers.format import (
+    chunk_checksums,
+    chunk_tables,
+    from_tensorstore,
+    lost_write,
+    specs,
+    unread_file,
+)
 from milepost.workers.save import _packed, _staging
 
 
@@ -76,7 +81,7 @@ class PendingSave:
     ) -> Future[Any]:
         """Compute the checksums of the chunks of ``data`` (the region ``box``, written into
         ``database``) on the copy pool."""
-        future = on_copy_pool(_checksum.region_crc32c, data, box, spec.chunk_shape)
+        future = on_copy_pool(chunk_checksums.region_crc32c, data, box, spec.chunk_shape)
         with self._tracking:
             self._checksums.append((database, spec.name, future))
         return future
@@ -200,19 +205,19 @@ class PendingSave:
         """The checksums of the chunks written into ``tables``' databases whose shard value
         ended up inline in the B-tree (found in the database itself, for the arrays whose shards
         may be small enough: compressed, or of at most twice the inline limit)."""
-        specs = {t.spec.name: t.spec for t in self._plan.tasks}
+        by_name = {t.spec.name: t.spec for t in self._plan.tasks}
         out: dict[str, list[tuple[tuple[int, ...], int]]] = {}
         for database, arrays in tables.items():
-            small = [n for n in arrays if _may_be_inline(specs[n])]
+            small = [n for n in arrays if _may_be_inline(by_name[n])]
             if not small:
                 continue
-            stored = _chunk_tables.keys_in_data_files(
-                tsu.as_path(self._plan.store.directory) / database
+            stored = chunk_tables.keys_in_data_files(
+                specs.as_path(self._plan.store.directory) / database
             )
             for name in small:
-                spec = specs[name]
+                spec = by_name[name]
                 for grid, crc in arrays[name]:
-                    key = _chunk_tables.shard_key(name, grid, spec.chunk_shape, spec.write_shape)
+                    key = chunk_tables.shard_key(name, grid, spec.chunk_shape, spec.write_shape)
                     if key.encode() not in stored:
                         out.setdefault(name, []).append((grid, crc))
         return out
@@ -223,11 +228,11 @@ class PendingSave:
         """Write one database's chunk checksum table into it (tracked like the array writes)."""
         store = self._plan.store
         kv = ts.KvStore.open(
-            tsu.ocdbt_kvstore(tsu.as_path(store.directory) / database, writable=True),
+            specs.ocdbt_kvstore(specs.as_path(store.directory) / database, writable=True),
             context=self._context,
         ).result()
-        key = _chunk_tables.table_key(database)
-        self.track(kv.write(key, _chunk_tables.encode(database, table)), name=key)
+        key = chunk_tables.table_key(database)
+        self.track(kv.write(key, chunk_tables.encode(database, table)), name=key)
 
     def settle(self, timeout: float | None = None) -> None:
         with self._lock:
@@ -276,7 +281,7 @@ def _may_be_inline(spec: ArraySpec) -> bool:
         itemsize = int(np.dtype(dtype_of(spec.dtype)).itemsize)
     except TypeError:
         return True
-    limit = int(tsu.OCDBT_CONFIG["max_inline_value_bytes"])  # type: ignore[call-overload]
+    limit = int(specs.OCDBT_CONFIG["max_inline_value_bytes"])  # type: ignore[call-overload]
     return math.prod(spec.write_shape) * itemsize <= 2 * limit
 
 

@@ -18,11 +18,10 @@ import numpy as np
 import tensorstore as ts
 
 from milepost.workers import _keys, _progress
-from milepost.workers import _tensorstore as tsu
 from milepost.workers._boxes import box_to_slices
-from milepost.workers._errors import from_tensorstore
 from milepost.workers._memory import on_copy_pool, parallel_copy
 from milepost.workers._messages import ArraySpec, Region, SavePlan, SaveTask
+from milepost.workers.format import from_tensorstore, specs
 from milepost.workers.save import _adaptive, _device, _packed, _staging
 from milepost.workers.save._pending import PendingSave
 
@@ -41,7 +40,7 @@ def start_save(plan: SavePlan, sources: Sequence[Any]) -> PendingSave:
     if adaptive is not None:
         bound = _adaptive.REGULATOR.bound(adaptive, name, plan.process_index)
         plan = replace(plan, staging_budget_bytes=bound)
-    context = tsu.new_context(plan.store.directory)
+    context = specs.new_context(plan.store.directory)
     tasks = [t for t in plan.tasks if t.regions or t.create]
     parts = _split_among_writers(tasks, plan.writers if plan.store.use_ocdbt else 1)
     pending = PendingSave(plan, context)
@@ -49,15 +48,16 @@ def start_save(plan: SavePlan, sources: Sequence[Any]) -> PendingSave:
     opens = []
     headers: set[str] = set()  # arrays whose zarr.json one of our writers writes
     for writer, task, _ in parts:
-        spec = tsu.create_spec(
-            tsu.write_kvstore(plan.store, plan.process_index, plan.first_writer + writer), task.spec
+        spec = specs.create_spec(
+            specs.write_kvstore(plan.store, plan.process_index, plan.first_writer + writer),
+            task.spec,
         )
         create = task.write_metadata and task.spec.name not in headers
         if create:
             headers.add(task.spec.name)
         # else chunks only: the array's header is written by another writer or host
         database = (
-            tsu.process_dir_name(plan.process_index, plan.first_writer + writer)
+            specs.process_dir_name(plan.process_index, plan.first_writer + writer)
             if plan.store.use_ocdbt
             else None
         )
@@ -254,7 +254,9 @@ def _sort_regions(
     open (creating arrays' headers cost milliseconds of a save's blocking part)."""
     out = _Regions(
         packer=(
-            _packed.Packer(plan.store, tsu.process_dir_name(plan.process_index, plan.first_writer))
+            _packed.Packer(
+                plan.store, specs.process_dir_name(plan.process_index, plan.first_writer)
+            )
             if plan.store.use_ocdbt
             else None
         ),

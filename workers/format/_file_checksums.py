@@ -21,15 +21,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from milepost import workers
-from milepost._errors import CheckpointNotFoundError, CorruptCheckpointError
-from milepost._format._files import CHECKSUMS, OCDBT_MANIFEST, OWNER_FILE, write_file
-from milepost.workers import ObjectPath
+from milepost.workers import _declared as declared
+from milepost.workers._errors import CheckpointNotFoundError, CorruptCheckpointError
+from milepost.workers._paths import ObjectPath
+from milepost.workers._runtime import RUNTIME
+from milepost.workers.format._checksum import crc32c
+from milepost.workers.format._files import CHECKSUMS, OCDBT_MANIFEST, OWNER_FILE, write_file
 
 
 def read_json(path: Path | ObjectPath, what: str, *, user_data: bool = False) -> Any:
     """The JSON in ``path``: a missing file is a :class:`CheckpointNotFoundError`, one that is
-    not UTF-8 JSON by :func:`milepost.workers.declared.loads`' rules (or fails its recorded
+    not UTF-8 JSON by :func:`milepost.declared.loads`' rules (or fails its recorded
     checksum) a :class:`CorruptCheckpointError`, both naming the file. ``user_data``: a file of
     values a user gave (metrics, custom metadata, a JSON checkpointable), whose ``NaN`` and
     ``Infinity`` are kept."""
@@ -69,9 +71,9 @@ def _read(path: Path | ObjectPath, what: str) -> bytes:
 
 
 def parse_json(path: Path | ObjectPath, raw: bytes, what: str, *, user_data: bool = False) -> Any:
-    """``raw`` (read from ``path``) as JSON (:func:`milepost.workers.declared.loads`); a
+    """``raw`` (read from ``path``) as JSON (:func:`milepost.declared.loads`); a
     :class:`CorruptCheckpointError` naming the file if it is not."""
-    return workers.declared.loads(raw, str(path), what, user_data=user_data)
+    return declared.loads(raw, str(path), what, user_data=user_data)
 
 
 def present(path: Path | ObjectPath) -> bool:
@@ -155,7 +157,7 @@ class Checksums:
         for key in _files_to_check(root):
             with open(os.path.join(root, key), "rb") as f:
                 raw = f.read()
-            files[key] = (len(raw), workers.crc32c(raw))
+            files[key] = (len(raw), crc32c(raw))
             crc32[key] = _crc32(raw)
         return Checksums(root, files, crc32)
 
@@ -178,13 +180,13 @@ class Checksums:
 
         def checksum(key: str) -> tuple[int, int, int]:
             raw = (root / key).read_bytes()
-            return len(raw), workers.crc32c(raw), _crc32(raw)
+            return len(raw), crc32c(raw), _crc32(raw)
 
         # A few files per host (its databases' manifests, its array_metadatas file): read them
         # concurrently, or a thousand hosts cost thousands of round trips one after another.
         # (in this call's context: what it already read of the store is not asked again)
         context = contextvars.copy_context()
-        with workers.RUNTIME.scoped("checksums", min(32, max(1, len(wanted)))) as pool:
+        with RUNTIME.scoped("checksums", min(32, max(1, len(wanted)))) as pool:
             sums = dict(
                 zip(
                     wanted, pool.map(lambda k: context.copy().run(checksum, k), wanted), strict=True
@@ -206,7 +208,7 @@ class Checksums:
             body["files_crc32"] = dict(sorted(self.crc32.items()))
         write_file(
             self.root / CHECKSUMS,
-            _canonical({**body, "self_crc32c": workers.crc32c(_canonical(body))}),
+            _canonical({**body, "self_crc32c": crc32c(_canonical(body))}),
         )
 
     @staticmethod
@@ -223,11 +225,11 @@ class Checksums:
             "checkpoint can be trusted. Load an earlier checkpoint."
         )
         try:
-            data = workers.declared.loads(raw, str(path), "the file checksums")
+            data = declared.loads(raw, str(path), "the file checksums")
             if _canonical(data) != raw:  # written in canonical form: any other byte is damage
                 raise damaged
             recorded = data.pop("self_crc32c")
-            if workers.crc32c(_canonical(data)) != recorded:
+            if crc32c(_canonical(data)) != recorded:
                 raise damaged
             files = {str(k): (int(v[0]), int(v[1])) for k, v in data["files"].items()}
             crc32 = (
@@ -283,7 +285,7 @@ class Checksums:
         if recorded is None:
             return True
         size, crc = recorded
-        if len(raw) != size or workers.crc32c(raw) != crc:
+        if len(raw) != size or crc32c(raw) != crc:
             return False
         return self.crc32 is None or key not in self.crc32 or _crc32(raw) == self.crc32[key]
 

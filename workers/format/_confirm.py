@@ -30,10 +30,10 @@ import numpy as np
 import tensorstore as ts
 
 from milepost.workers._errors import LostWriteError
-from milepost.workers._ocdbt_format import FormatError, note_fallback
-from milepost.workers._ocdbt_index import indirect_values
 from milepost.workers._paths import as_path, context_for, kvstore
-from milepost.workers._ts_internals import ocdbt_values
+from milepost.workers.format._ocdbt_format import FormatError, note_fallback
+from milepost.workers.format._ocdbt_index import indirect_values
+from milepost.workers.format._ts_internals import ocdbt_values
 
 
 def confirm_files(directory: Any, sizes: Mapping[str, int], what: str = "the save") -> None:

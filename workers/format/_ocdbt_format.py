@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 import zstandard
 
-from milepost.workers._checksum import crc32c
-from milepost.workers._ocdbt_keys import padded, rebuild_keys, shared_prefixes
+from milepost.workers.format._checksum import crc32c
+from milepost.workers.format._ocdbt_keys import padded, rebuild_keys, shared_prefixes
 
 MANIFEST_MAGIC = 0x0CDB3A2A
 BTREE_MAGIC = 0x0CDB20DE

@@ -30,13 +30,14 @@ from typing import Any
 
 import tensorstore as ts
 
-from milepost.workers import _checksum
 from milepost.workers import _declared as declared
-from milepost.workers._errors import CorruptCheckpointError, from_tensorstore
+from milepost.workers._errors import CorruptCheckpointError
 from milepost.workers._messages import StoreSpec
 from milepost.workers._paths import context_for, is_local, kvstore
-from milepost.workers._tensorstore import new_context, read_kvstore
-from milepost.workers._ts_internals import FileRange, ocdbt_values
+from milepost.workers.format import _checksum
+from milepost.workers.format._tensorstore import new_context, read_kvstore
+from milepost.workers.format._ts_errors import from_tensorstore
+from milepost.workers.format._ts_internals import FileRange, ocdbt_values
 
 TABLE_PREFIX = ".milepost/chunk_crc32c/"
 """The tables' keys: this, then the database's folder name. (A leaf's storage name never starts

@@ -26,7 +26,7 @@ from milepost.workers import _declared as declared
 from milepost.workers._declared import ZARR3_DTYPES
 from milepost.workers._errors import CorruptCheckpointError
 from milepost.workers._iostats import count_read
-from milepost.workers._safetensors import Tensor, numpy_dtype
+from milepost.workers.format._safetensors import Tensor, numpy_dtype
 
 DTYPES = ZARR3_DTYPES
 """The dtypes an array of a msgpack checkpoint may have: those milepost stores (Flax refuses

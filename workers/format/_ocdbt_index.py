@@ -24,10 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from milepost.workers import _ocdbt_format as fmt
-from milepost.workers._ocdbt_keys import rebuild_keys
 from milepost.workers._runtime import RUNTIME
-from milepost.workers._ts_internals import OutsideError, leads_out
+from milepost.workers.format import _ocdbt_format as fmt
+from milepost.workers.format._ocdbt_keys import rebuild_keys
+from milepost.workers.format._ts_internals import OutsideError, leads_out
 
 _THREADS = max(1, min(4, os.cpu_count() or 1))  # nodes decoded side by side
 

@@ -21,14 +21,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from milepost import workers
-from milepost._errors import CorruptCheckpointError
-from milepost._format._checksums import present, read_json, read_json_object
-from milepost._format._files import (
+from milepost.workers import _declared as declared
+from milepost.workers._errors import CorruptCheckpointError
+from milepost.workers._messages import SaveAck, StoreSpec, WrittenArray
+from milepost.workers._paths import ObjectPath
+from milepost.workers._sharding import ShardingSpec
+from milepost.workers.format._checksum import grid_key
+from milepost.workers.format._chunk_tables import FORMAT as CHUNK_TABLES_FORMAT
+from milepost.workers.format._chunk_tables import present as has_chunk_tables
+from milepost.workers.format._file_checksums import present, read_json, read_json_object
+from milepost.workers.format._files import (
     AGGREGATE,
     ARRAY_METADATAS,
     MILEPOST_INFO,
@@ -38,12 +44,22 @@ from milepost._format._files import (
     TREE_METADATA,
     write_json,
 )
-from milepost._format._shardings import read_shardings, write_shardings
-from milepost._tree import KEY_SEQUENCE, Leaf, ValueType, unsafe_part
-from milepost.workers import ObjectPath, ShardingSpec
+from milepost.workers.format._msgpack import flat_leaves as msgpack_leaves
+from milepost.workers.format._msgpack import read_tree_bytes as read_msgpack_bytes
+from milepost.workers.format._shardings import read_shardings, write_shardings
+from milepost.workers.format._values import KEY_SEQUENCE, ValueType, unsafe_part
 
 Keys = tuple[tuple[str, int], ...]
 """A leaf's key path: ``(key, key_type)`` per level, as in Orbax's ``key_metadata``."""
+
+
+class _Named(Protocol):
+    """A leaf as the tree's flattening names it (``milepost._tree.Leaf``)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def keys(self) -> tuple[tuple[str, int], ...]: ...
 
 
 @dataclass(frozen=True)
@@ -65,7 +81,7 @@ class SavedLeaf:
 
     @staticmethod
     def of(
-        leaf: Leaf, value_type: ValueType, write_shape: tuple[int, ...] | None = None
+        leaf: _Named, value_type: ValueType, write_shape: tuple[int, ...] | None = None
     ) -> SavedLeaf:
         return SavedLeaf(leaf.name, leaf.keys, value_type, str(value_type), write_shape)
 
@@ -92,7 +108,7 @@ class TreeFiles:
     written before the chunk checksum tables."""
     chunk_tables: bool = False
     """The other arrays' chunk checksums are in the tables their writers put in their OCDBT
-    databases (``milepost.workers._chunk_tables``), which the hosts read; every chunk is stored."""
+    databases (``_chunk_tables``), which the hosts read; every chunk is stored."""
     aggregated: dict[str, Any] = field(default_factory=dict)
     """Leaves whose values Orbax's PyTree handler kept in its msgpack ``checkpoint`` file
     (``SaveArgs(aggregate=True)``, and older defaults), by name; the others are placeholders
@@ -109,8 +125,8 @@ class TreeFiles:
     false): a missing chunk then means zeros. Milepost and Orbax 0.12 write every chunk, so a
     missing one is lost data and reading it fails."""
 
-    def store(self, directory: Path | ObjectPath) -> workers.StoreSpec:
-        return workers.StoreSpec(
+    def store(self, directory: Path | ObjectPath) -> StoreSpec:
+        return StoreSpec(
             directory=str(directory), use_ocdbt=self.use_ocdbt, zarr_format=self.zarr_format
         )
 
@@ -121,7 +137,7 @@ class TreeFiles:
 
 
 def write_tree(
-    directory: Path | ObjectPath, files: TreeFiles, acks: Sequence[workers.SaveAck], platform: str
+    directory: Path | ObjectPath, files: TreeFiles, acks: Sequence[SaveAck], platform: str
 ) -> None:
     """Write every format file of ``files``; ``array_metadatas/`` comes from the hosts' acks."""
     tree_metadata: dict[str, Any] = {}
@@ -163,7 +179,7 @@ def write_tree(
             for grid, crc in written.chunk_crc32c:
                 key = grid_keys.get(grid)
                 if key is None:
-                    key = grid_keys[grid] = workers.grid_key(grid)
+                    key = grid_keys[grid] = grid_key(grid)
                 mine[key] = crc
     info: dict[str, Any] = {}
     if compact is not None:
@@ -175,13 +191,13 @@ def write_tree(
     if checksums:
         info["chunk_crc32c"] = checksums
     if any(ack.chunk_tables for ack in acks) or files.chunk_tables:
-        info["chunk_crc32c_tables"] = workers.CHUNK_TABLES_FORMAT
+        info["chunk_crc32c_tables"] = CHUNK_TABLES_FORMAT
     if info:
         write_json(directory / MILEPOST_INFO, info)
     _write_array_metadatas(directory / ARRAY_METADATAS, acks)
 
 
-def _write_array_metadatas(folder: Path | ObjectPath, acks: Sequence[workers.SaveAck]) -> None:
+def _write_array_metadatas(folder: Path | ObjectPath, acks: Sequence[SaveAck]) -> None:
     """``array_metadatas/process_0``: every array the hosts wrote, each listed once.
 
     Orbax writes one file per process, each listing every array (all of its processes write a
@@ -192,7 +208,7 @@ def _write_array_metadatas(folder: Path | ObjectPath, acks: Sequence[workers.Sav
     ``process_0``, whatever hosts wrote the arrays, so the file is O(arrays), not O(arrays x
     hosts). (Checkpoints from before list every array once per host; readers take either.)
     """
-    arrays: dict[str, workers.WrittenArray] = {}
+    arrays: dict[str, WrittenArray] = {}
     for ack in acks:
         if isinstance(ack.process_index, int):  # not the controller's own leaves (NumPy arrays)
             for a in ack.arrays:
@@ -255,7 +271,7 @@ def _read(directory: Path | ObjectPath) -> TreeFiles:
     )
     shardings, sharding_files = read_shardings(directory, info)
     strings = (
-        workers.declared.strings(
+        declared.strings(
             read_json_object(directory / STRINGS, "string leaves"),
             str(directory / STRINGS),
             "the string leaves",
@@ -266,19 +282,19 @@ def _read(directory: Path | ObjectPath) -> TreeFiles:
     checksums = _chunk_checksums(directory / MILEPOST_INFO, info.get("chunk_crc32c", {}))
     for part in ("python_types", "random_key_impl"):
         if part in info:
-            workers.declared.strings(info[part], str(directory / MILEPOST_INFO), part)
+            declared.strings(info[part], str(directory / MILEPOST_INFO), part)
     for name, kind in info.get("python_types", {}).items():
-        if kind.startswith("np.") and kind[3:] not in workers.declared.ZARR3_DTYPES:
-            raise workers.declared.bad(
+        if kind.startswith("np.") and kind[3:] not in declared.ZARR3_DTYPES:
+            raise declared.bad(
                 str(directory / MILEPOST_INFO),
-                f"python_types[{workers.declared.shown(name)}]",
-                f"is {workers.declared.shown(kind)}, not a NumPy scalar type milepost saves",
+                f"python_types[{declared.shown(name)}]",
+                f"is {declared.shown(kind)}, not a NumPy scalar type milepost saves",
             )
     tables = info.get("chunk_crc32c_tables")
-    if tables is not None and tables != workers.CHUNK_TABLES_FORMAT:
+    if tables is not None and tables != CHUNK_TABLES_FORMAT:
         raise ValueError(
             f"chunk_crc32c_tables is {tables!r}: a format this milepost does not know (it reads "
-            f"{workers.CHUNK_TABLES_FORMAT}); upgrade milepost to load this checkpoint"
+            f"{CHUNK_TABLES_FORMAT}); upgrade milepost to load this checkpoint"
         )
     tables = tables is not None
     use_ocdbt = (
@@ -287,15 +303,11 @@ def _read(directory: Path | ObjectPath) -> TreeFiles:
     if not use_ocdbt:  # (each array a folder named after its leaf)
         for name, leaf in leaves.items():
             if leaf.value_type.is_array:
-                workers.declared.folder_name(
-                    name, str(directory / TREE_METADATA), "an array's name"
-                )
+                declared.folder_name(name, str(directory / TREE_METADATA), "an array's name")
     if not tables and use_ocdbt and present(directory / OCDBT_MANIFEST):
         # A milepost checkpoint's databases hold checksum tables that _milepost.json does not
         # mention (edited, or crafted): its chunks are checked against them all the same.
-        tables = workers.has_chunk_tables(
-            workers.StoreSpec(directory=str(directory), use_ocdbt=True)
-        )
+        tables = has_chunk_tables(StoreSpec(directory=str(directory), use_ocdbt=True))
     if "random_key_impl" in info:
         key_impls = {str(k): str(v) for k, v in info["random_key_impl"].items()}
     else:  # written by Orbax: the implementations are only in array_metadatas/
@@ -323,39 +335,37 @@ def _read(directory: Path | ObjectPath) -> TreeFiles:
 def _leaves(path: Path | ObjectPath, tree_metadata: dict[str, Any]) -> dict[str, SavedLeaf]:
     """The leaves ``_METADATA`` (at ``path``) lists, by storage name: each key a string or an
     integer that is safe as part of a storage name, each name within
-    :mod:`milepost.workers.declared`'s bounds, no name twice and no leaf inside another."""
+    :mod:`milepost.declared`'s bounds, no name twice and no leaf inside another."""
     where = str(path)
     leaves: dict[str, SavedLeaf] = {}
     for entry, item in tree_metadata.items():
-        field = f"the entry {workers.declared.shown(entry)}"
-        item = workers.declared.mapping(item, where, field)
+        field = f"the entry {declared.shown(entry)}"
+        item = declared.mapping(item, where, field)
         listed = item["key_metadata"]
-        if not isinstance(listed, list) or len(listed) > workers.declared.MAX_NAME_PARTS:
-            raise workers.declared.bad(
+        if not isinstance(listed, list) or len(listed) > declared.MAX_NAME_PARTS:
+            raise declared.bad(
                 where,
                 f"{field}'s key_metadata",
-                f"is not a list of at most {workers.declared.MAX_NAME_PARTS} keys",
+                f"is not a list of at most {declared.MAX_NAME_PARTS} keys",
             )
         keys = tuple(_key(where, field, k) for k in listed)
-        value = workers.declared.mapping(item["value_metadata"], where, f"{field}'s value_metadata")
+        value = declared.mapping(item["value_metadata"], where, f"{field}'s value_metadata")
         raw = value["value_type"]
         write_shape = value.get("write_shape")
         name = ".".join(k for k, _ in keys) if keys else "_root"
-        workers.declared.name(name, where, f"{field}'s name")
+        declared.name(name, where, f"{field}'s name")
         if name in leaves:
-            raise workers.declared.bad(where, f"{field}'s name", f"{name!r} names two leaves")
+            raise declared.bad(where, f"{field}'s name", f"{name!r} names two leaves")
         leaves[name] = SavedLeaf(
             name,
             keys,
             ValueType.parse(raw),
             str(raw),
-            workers.declared.shape(write_shape, where, f"{field}'s write_shape")
-            if write_shape
-            else None,
+            declared.shape(write_shape, where, f"{field}'s write_shape") if write_shape else None,
         )
-    clash = workers.declared.conflict_of_paths(tuple(k for k, _ in s.keys) for s in leaves.values())
+    clash = declared.conflict_of_paths(tuple(k for k, _ in s.keys) for s in leaves.values())
     if clash is not None:
-        raise workers.declared.bad(
+        raise declared.bad(
             where, "tree_metadata", f"holds the leaf {clash[0]} and the leaf {clash[1]} inside it"
         )
     return leaves
@@ -363,24 +373,24 @@ def _leaves(path: Path | ObjectPath, tree_metadata: dict[str, Any]) -> dict[str,
 
 def _key(where: str, field: str, entry: Any) -> tuple[str, int]:
     """One entry of a leaf's ``key_metadata``: its key (an integer as a string) and key type."""
-    entry = workers.declared.mapping(entry, where, f"{field}'s key_metadata")
+    entry = declared.mapping(entry, where, f"{field}'s key_metadata")
     key = entry["key"]
     if isinstance(key, int) and not isinstance(key, bool):
         key = str(key)
     if (why := unsafe_part(key)) is not None:
         raise CorruptCheckpointError(
-            f"{where} names a leaf with the key {workers.declared.shown(key)} ({field}), which "
+            f"{where} names a leaf with the key {declared.shown(key)} ({field}), which "
             f"cannot be a storage name ({why}); the checkpoint is damaged or crafted, and "
             "nothing was read from it",
             path=where,
             field="key_metadata",
         )
-    key_type = workers.declared.integer(entry["key_type"], where, f"{field}'s key_type")
+    key_type = declared.integer(entry["key_type"], where, f"{field}'s key_type")
     if key_type == KEY_SEQUENCE and not (key.isascii() and key.isdigit()):
-        raise workers.declared.bad(
+        raise declared.bad(
             where,
             f"{field}'s key_metadata",
-            f"gives the key {workers.declared.shown(key)} as a list index",
+            f"gives the key {declared.shown(key)} as a list index",
         )
     return key, key_type
 
@@ -393,14 +403,14 @@ def _chunk_checksums(
     where = str(path)
     grids: dict[str, tuple[int, ...]] = {}  # the same grid keys recur in every array
     out: dict[str, dict[tuple[int, ...], int]] = {}
-    for name, chunks in workers.declared.mapping(recorded, where, "chunk_crc32c").items():
-        field = f"chunk_crc32c[{workers.declared.shown(name)}]"
+    for name, chunks in declared.mapping(recorded, where, "chunk_crc32c").items():
+        field = f"chunk_crc32c[{declared.shown(name)}]"
         mine = out[name] = {}
-        for key, crc in workers.declared.mapping(chunks, where, field).items():
+        for key, crc in declared.mapping(chunks, where, field).items():
             found = grids.get(key)
             if found is None:
-                found = grids[key] = workers.declared.grid_key(key, where, field)
-            mine[found] = workers.declared.integer(crc, where, field, maximum=2**32 - 1)
+                found = grids[key] = declared.grid_key(key, where, field)
+            mine[found] = declared.integer(crc, where, field, maximum=2**32 - 1)
     return out
 
 
@@ -416,7 +426,7 @@ def _aggregated(directory: Path | ObjectPath, leaves: dict[str, SavedLeaf]) -> d
         return {}
     path = directory / AGGREGATE
     raw = path.read_bytes()
-    found = workers.msgpack_leaves(workers.read_msgpack_bytes(raw, str(path)), str(path), len(raw))
+    found = msgpack_leaves(read_msgpack_bytes(raw, str(path)), str(path), len(raw))
     out: dict[str, Any] = {}
     for name, value in found.items():
         if isinstance(value, str) and value.startswith(PLACEHOLDER_PREFIX):

@@ -16,11 +16,12 @@ import math
 from pathlib import Path
 from typing import Any
 
-from milepost import workers
-from milepost._errors import CorruptCheckpointError
-from milepost._format._checksums import present, read_json_object
-from milepost._format._files import MILEPOST_INFO, SHARDING, write_file
-from milepost.workers import ObjectPath, ShardingSpec
+from milepost.workers import _declared as declared
+from milepost.workers._errors import CorruptCheckpointError
+from milepost.workers._paths import ObjectPath
+from milepost.workers._sharding import ShardingSpec
+from milepost.workers.format._file_checksums import present, read_json_object
+from milepost.workers.format._files import MILEPOST_INFO, SHARDING, write_file
 
 
 def write_shardings(
@@ -214,10 +215,10 @@ class _CompactReader:
     def integer(self, value: Any, what: str, minimum: int) -> int:
         if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
             raise self.bad(
-                f"{what} is {workers.declared.shown(value)}, not an integer of at least {minimum}"
+                f"{what} is {declared.shown(value)}, not an integer of at least {minimum}"
             )
         if value > _MAX_ID:
-            raise self.bad(f"{what} is {workers.declared.shown(value)}, more than {_MAX_ID}")
+            raise self.bad(f"{what} is {declared.shown(value)}, more than {_MAX_ID}")
         return value
 
     def strings(self, value: Any, what: str) -> tuple[str, ...]:
@@ -233,7 +234,7 @@ class _CompactReader:
         if not isinstance(shape_raw, list):
             raise self.bad(f"the shape of {where} is {_shown(shape_raw)}, not a list")
         shape = tuple(self.integer(n, f"a dimension of {where}", 1) for n in shape_raw)
-        size = workers.declared.devices(shape, str(self.path), f"the shape of {where}")
+        size = declared.devices(shape, str(self.path), f"the shape of {where}")
         names = self.strings(mesh.get("axis_names"), f"the axis names of {where}")
         types = self.strings(mesh.get("axis_types"), f"the axis types of {where}")
         if len(names) != len(shape) or len(types) != len(shape):

@@ -18,13 +18,15 @@ from typing import Any
 
 import tensorstore as ts
 
-from milepost.workers import _declared, _ocdbt_merge
-from milepost.workers._confirm import confirm_files, root_sizes
+from milepost.workers import _declared
 from milepost.workers._declared import ZARR3_DTYPES as ZARR3_DTYPES
-from milepost.workers._errors import CorruptCheckpointError, from_tensorstore
+from milepost.workers._errors import CorruptCheckpointError
 from milepost.workers._messages import ArraySpec, StoreSpec
-from milepost.workers._ocdbt_format import FormatError, note_fallback
 from milepost.workers._paths import ObjectPath, as_path, context_for, kvstore
+from milepost.workers.format import _ocdbt_merge
+from milepost.workers.format._confirm import confirm_files, root_sizes
+from milepost.workers.format._ocdbt_format import FormatError, note_fallback
+from milepost.workers.format._ts_errors import from_tensorstore
 
 PROCESS_PREFIX = "ocdbt.process_"
 OCDBT_CONFIG = {

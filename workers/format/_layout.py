@@ -22,10 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from milepost import workers
-from milepost._errors import CheckpointNotFoundError, CorruptCheckpointError
-from milepost._format._checksums import read_json_object
-from milepost._format._files import (
+from milepost.workers import _declared as declared
+from milepost.workers._errors import CheckpointNotFoundError, CorruptCheckpointError
+from milepost.workers._paths import ObjectPath
+from milepost.workers.format._file_checksums import read_json_object
+from milepost.workers.format._files import (
     CHECKPOINT_METADATA,
     CHECKSUMS,
     COMMIT_MARKER,
@@ -35,8 +36,7 @@ from milepost._format._files import (
     TREE_METADATA,
     is_temporary_name,
 )
-from milepost._tree import unsafe_part
-from milepost.workers import ObjectPath
+from milepost.workers.format._values import unsafe_part
 
 DEFAULT_ITEM = "default"
 """The name of a v0 checkpoint's single checkpointable (``CheckpointManager`` uses it too)."""
@@ -123,7 +123,7 @@ def _own_metadata(path: Path | ObjectPath) -> Any:
     except OSError:
         return _UNREADABLE
     try:
-        return workers.declared.loads(raw, str(path / CHECKPOINT_METADATA), "it", user_data=True)
+        return declared.loads(raw, str(path / CHECKPOINT_METADATA), "it", user_data=True)
     except ValueError:
         return _UNREADABLE
 
@@ -339,10 +339,10 @@ def read_checkpoint_metadata(path: Path | ObjectPath) -> dict[str, Any]:
     meta = read_json_object(where, "checkpoint metadata", user_data=True)
     for stamp in ("init_timestamp_nsecs", "commit_timestamp_nsecs"):
         if meta.get(stamp) is not None:
-            workers.declared.integer(meta[stamp], str(where), stamp)
+            declared.integer(meta[stamp], str(where), stamp)
     for part in ("metrics", "custom_metadata"):
         if meta.get(part) is not None:
-            workers.declared.mapping(meta[part], str(where), part)
+            declared.mapping(meta[part], str(where), part)
     return meta
 
 

@@ -30,10 +30,12 @@ import numpy as np
 import tensorstore as ts
 import zstandard
 
-from milepost.workers import _ocdbt_format as fmt
-from milepost.workers._confirm import confirm_files
 from milepost.workers._errors import CorruptCheckpointError
-from milepost.workers._ocdbt_keys import (
+from milepost.workers._paths import context_for, kvstore
+from milepost.workers._runtime import RUNTIME, Pool
+from milepost.workers.format import _ocdbt_format as fmt
+from milepost.workers.format._confirm import confirm_files
+from milepost.workers.format._ocdbt_keys import (
     BLOCK,
     RankMajor,
     long_keys,
@@ -41,9 +43,7 @@ from milepost.workers._ocdbt_keys import (
     rebuild_keys,
     shared_prefixes,
 )
-from milepost.workers._paths import context_for, kvstore
-from milepost.workers._runtime import RUNTIME, Pool
-from milepost.workers._ts_internals import leads_out, status_of
+from milepost.workers.format._ts_internals import leads_out, status_of
 
 ZSTD = zstandard.ZstdCompressionParameters.from_level(
     19, strategy=zstandard.STRATEGY_BTOPT, chain_log=16, hash_log=16, search_log=1

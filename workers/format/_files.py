@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from milepost.workers import ObjectPath
+from milepost.workers._paths import ObjectPath
 
 CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
 COMMIT_MARKER = "commit_success.txt"
