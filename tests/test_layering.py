@@ -355,7 +355,7 @@ def test_the_checks_catch_what_they_forbid() -> None:
         milepost__workers__format___a=(
             "from milepost.workers import _errors\nfrom milepost.workers.save import x\n"
             "from milepost.workers import ObjectPath\n"
-        )
+        ),
     )
     assert [b.split(" ", 1)[0] for b in format_violations(formatted)] == [
         "milepost.workers.format._a:2",
