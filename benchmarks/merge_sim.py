@@ -24,7 +24,7 @@ apart, ``--commits`` times on the same databases (the median reported):
 
 * ``metadata``: ``_METADATA``, ``_sharding``, ``_milepost.json`` and ``array_metadatas/``
   (``_pytree_format.write_tree``);
-* ``merge``: the root OCDBT view referencing every per-process database (``workers.merge_ocdbt``),
+* ``merge``: the root OCDBT view referencing every per-process database (``format.merge_ocdbt``),
   with what confirms the data files before it (the databases' manifests) and after it (every
   file the view references, at least as long as its last value): ``confirm``, timed apart too;
 * ``checksums``: the checkpoint's own files and ``_milepost_checksums.json`` over every file but
@@ -273,7 +273,7 @@ class SimGroup:
 
 
 class _Timed:
-    """Seconds spent in ``workers.confirm_files`` (the commit's confirmation of the data
+    """Seconds spent in ``workers.format.confirm_files`` (the commit's confirmation of the data
     files: one listing per folder) since last read."""
 
     def __init__(self) -> None:
@@ -290,7 +290,7 @@ class _Timed:
 
 CONFIRMED = _Timed()
 tsu.confirm_files = CONFIRMED  # (where merge_ocdbt finds it)
-workers.confirm_files = CONFIRMED  # (where the commit's own steps find it)
+workers.format.confirm_files = CONFIRMED  # (where the commit's own steps find it)
 
 
 def _commit(ckpt: Path, directory: Path, files: Any, acks: list[Any]) -> dict[str, float]:

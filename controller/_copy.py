@@ -152,8 +152,8 @@ def _list(src: Path | ObjectPath) -> tuple[list[str], list[str]]:
 def _writer_of(name: str, hosts: Any) -> Any:
     """The host that wrote ``name``: the one whose database folder holds it, else the controller."""
     parts = name.split("/")
-    if len(parts) > 2 and parts[1].startswith(workers.PROCESS_PREFIX):
-        index = parts[1][len(workers.PROCESS_PREFIX) :].split(".", 1)[0]
+    if len(parts) > 2 and parts[1].startswith(fmt.PROCESS_PREFIX):
+        index = parts[1][len(fmt.PROCESS_PREFIX) :].split(".", 1)[0]
         if index.isdigit() and int(index) in hosts:
             return int(index)
     return _hosts.CONTROLLER

@@ -11,8 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from milepost import _checkpoint, _safetensors, _tree, workers
+from milepost import _checkpoint, _safetensors, _tree
 from milepost._tree import ValueType
+from milepost.workers import format as fmt
 
 
 def is_msgpack(path: Path) -> bool:
@@ -22,16 +23,16 @@ def is_msgpack(path: Path) -> bool:
     flax_name = name.endswith(".msgpack") or (
         name.startswith("checkpoint_") and name.removeprefix("checkpoint_").isdigit()
     )
-    return flax_name and path.is_file() and workers.is_msgpack_tree(str(path))
+    return flax_name and path.is_file() and fmt.is_msgpack_tree(str(path))
 
 
 def flat(path: Path) -> _safetensors.Found:
     """Arrays and values of the msgpack file ``path`` by leaf name (key paths joined by '.')."""
-    tensors: dict[str, workers.Tensor] = {}
+    tensors: dict[str, fmt.Tensor] = {}
     plain: dict[str, Any] = {}
-    for name, leaf in workers.read_msgpack_leaves(str(path)).items():
-        if isinstance(leaf, workers.Tensor):
-            tensors[name] = workers.Tensor(leaf.path, name, leaf.dtype, leaf.shape, leaf.offset)
+    for name, leaf in fmt.read_msgpack_leaves(str(path)).items():
+        if isinstance(leaf, fmt.Tensor):
+            tensors[name] = fmt.Tensor(leaf.path, name, leaf.dtype, leaf.shape, leaf.offset)
         else:
             plain[name] = leaf
     return tensors, plain
@@ -54,15 +55,15 @@ def metadata(path: Path) -> _checkpoint.CheckpointMetadata:
     """What ``milepost.metadata`` says of a msgpack file: every leaf's shape and dtype (arrays),
     or its kind; no array bytes are read. The tree is the one checkpointable, ``default``."""
     entries: list[tuple[tuple[tuple[str, int], ...], Any]] = []
-    for name, leaf in workers.read_msgpack_leaves(str(path)).items():
+    for name, leaf in fmt.read_msgpack_leaves(str(path)).items():
         keys = tuple((part, _tree.KEY_DICT) for part in name.split("."))
         described: Any
-        if isinstance(leaf, workers.Tensor):
+        if isinstance(leaf, fmt.Tensor):
             described = _checkpoint.LeafMetadata(
                 name=name,
                 value_type=ValueType.NP_ARRAY,
                 shape=leaf.shape,
-                dtype=workers.numpy_dtype(leaf.dtype),
+                dtype=fmt.numpy_dtype(leaf.dtype),
             )
         elif isinstance(leaf, dict | list):
             described = leaf  # an empty container

@@ -44,41 +44,41 @@ def is_safetensors(path: Path) -> bool:
         return path.name.endswith(SUFFIX)
     if not path.is_dir():
         return False
-    if (path / workers.SAFETENSORS_INDEX).is_file():
+    if (path / fmt.SAFETENSORS_INDEX).is_file():
         return True
     return not (path / fmt.CHECKPOINT_METADATA).exists() and any(
         p.name.endswith(SUFFIX) for p in path.iterdir()
     )
 
 
-def read_tensors(path: Path) -> dict[str, workers.Tensor]:
+def read_tensors(path: Path) -> dict[str, fmt.Tensor]:
     """Every tensor of a file or folder, by name (an index's ``weight_map`` says which file)."""
     if path.is_file():
         files = [path]
-    elif (path / workers.SAFETENSORS_INDEX).is_file():
-        index = fmt.read_json_object(path / workers.SAFETENSORS_INDEX, "safetensors index")
+    elif (path / fmt.SAFETENSORS_INDEX).is_file():
+        index = fmt.read_json_object(path / fmt.SAFETENSORS_INDEX, "safetensors index")
         weight_map = index.get("weight_map")
         if not isinstance(weight_map, dict):
             raise StructureMismatchError(
-                f"{path / workers.SAFETENSORS_INDEX} has no 'weight_map'; it is not an HF index"
+                f"{path / fmt.SAFETENSORS_INDEX} has no 'weight_map'; it is not an HF index"
             )
         names = sorted(set(weight_map.values()))
         for name in names:
             if not isinstance(name, str) or _tree.unsafe_part(name) is not None:
                 raise StructureMismatchError(
-                    f"{path / workers.SAFETENSORS_INDEX} names the file "
+                    f"{path / fmt.SAFETENSORS_INDEX} names the file "
                     f"{name!r}, which is not a file of {path}"
                 )
         files = [path / n for n in names]
     else:
         files = sorted(p for p in path.iterdir() if p.name.endswith(SUFFIX))
-    out: dict[str, workers.Tensor] = {}
+    out: dict[str, fmt.Tensor] = {}
     for file in files:
         if not file.is_file():
             raise CheckpointNotFoundError(
-                f"{file} is missing (listed in {path / workers.SAFETENSORS_INDEX})"
+                f"{file} is missing (listed in {path / fmt.SAFETENSORS_INDEX})"
             )
-        tensors, _ = workers.read_safetensors_header(str(file))
+        tensors, _ = fmt.read_safetensors_header(str(file))
         for name, tensor in tensors.items():
             if name in out:
                 raise StructureMismatchError(
@@ -99,7 +99,7 @@ def load(path: Path, abstract: Any, partial: bool) -> Any:
     return load_tensors(path, lambda: (read_tensors(path), {}), abstract, partial)
 
 
-Found = tuple[dict[str, workers.Tensor], dict[str, Any]]
+Found = tuple[dict[str, fmt.Tensor], dict[str, Any]]
 """What a file holds by leaf name: arrays (where their bytes lie), and values read already."""
 
 
@@ -188,7 +188,7 @@ def _identity(path: Path) -> tuple[Any, ...]:
 
 def _arrays(
     path: Path,
-    tensors: dict[str, workers.Tensor],
+    tensors: dict[str, fmt.Tensor],
     targets: list[tuple[Any, str, Any]],
     group: Any,
     options: Any,
@@ -235,7 +235,7 @@ def _arrays(
     return values
 
 
-def _task(tensor: workers.Tensor, name: str, abstract: Any, group: Any) -> workers.LoadTask:
+def _task(tensor: fmt.Tensor, name: str, abstract: Any, group: Any) -> workers.LoadTask:
     dtype, sharding = np.dtype(tensor.dtype), None
     if abstract is not None:
         if tuple(abstract.shape) != tensor.shape:
@@ -374,9 +374,9 @@ def _commit(
     exported); only then replace ``out`` (if ``overwrite``) and rename ``staging`` into place, so
     that ``out`` is always either the old folder or the whole new one."""
     try:
-        workers.confirm_files(staging, _file_sizes(planned.plans, staging), "the export")
+        fmt.confirm_files(staging, _file_sizes(planned.plans, staging), "the export")
         fmt.write_json(
-            staging / workers.SAFETENSORS_INDEX,
+            staging / fmt.SAFETENSORS_INDEX,
             {"metadata": {"total_size": planned.total}, "weight_map": planned.weight_map},
         )
         fmt.fsync_dir(staging)
@@ -480,10 +480,10 @@ def _tensor_tasks(
                 "cannot store; export a subtree without it"
             )
         shape, dtype = _checkpoint.header_shape_dtype(headers[name])
-        if dtype.name not in workers.SAFETENSORS_CODES:
+        if dtype.name not in fmt.SAFETENSORS_CODES:
             raise StructureMismatchError(
                 f"leaf {name!r} has dtype {dtype.name}, which safetensors cannot store (it stores "
-                f"{', '.join(sorted(workers.SAFETENSORS_CODES))}); cast it before exporting"
+                f"{', '.join(sorted(fmt.SAFETENSORS_CODES))}); cast it before exporting"
             )
         task = workers.LoadTask(
             name=name,
@@ -523,7 +523,7 @@ def _deal_files(
     turn = itertools.cycle(list(processes))
     for k, group in enumerate(groups):
         name = f"model-{k + 1:05d}-of-{count:05d}.safetensors"
-        header = workers.safetensors_header(
+        header = fmt.safetensors_header(
             [(t, task.dtype, task.shape, _nbytes(task)) for t, task in group], metadata
         )
         by_host[next(turn)].append(

@@ -200,7 +200,7 @@ def _plan_tree(
     for name in (n for n in arrays if n not in damaged):
         out.arrays += 1
         shape, dtype = _checkpoint.header_shape_dtype(headers[name])
-        inner, _ = workers.header_chunks(headers[name])
+        inner, _ = fmt.header_chunks(headers[name])
         nbytes = math.prod(shape) * dtype.itemsize  # (declared.zarr_header: under 2**63)
         out.nbytes += nbytes
         recorded = files.chunk_crc32c.get(name)
@@ -265,7 +265,7 @@ def _unrecorded(
     inside = sum(all(i < g for i, g in zip(at, grid, strict=False)) for at in recorded)
     if total <= inside:
         return
-    first = next(g for g in workers.grid_indices(grid) if g not in recorded)
+    first = next(g for g in fmt.grid_indices(grid) if g not in recorded)
     out.problems.append(
         f"array {name!r}: {total - inside} of its {total} chunks have no recorded checksum "
         f"(first: {first}); the checkpoint's {fmt.MILEPOST_INFO} is damaged or incomplete"

@@ -45,13 +45,13 @@ def hook(point: str) -> None:
 
         _format.write_tree = write_metadata
     elif point == "merged":  # tree metadata written and the OCDBT stores merged
-        real_merge = mp.workers.merge_ocdbt
+        real_merge = mp.workers.format.merge_ocdbt
 
         def merge(directory: Any) -> None:
             real_merge(directory)
             hold("merged")
 
-        mp.workers.merge_ocdbt = merge
+        mp.workers.format.merge_ocdbt = merge
     elif point == "commit-marker":  # the commit marker is durable in the temporary directory
         real_fsync_tree = _format.fsync_tree
 

@@ -27,7 +27,7 @@ import milepost as mp
 
 def save(path: str, hang: bool) -> None:
     exiting = threading.Event()
-    real = mp.workers.merge_ocdbt
+    real = mp.workers.format.merge_ocdbt
 
     def merge(directory: Any) -> None:
         if hang:
@@ -35,7 +35,7 @@ def save(path: str, hang: bool) -> None:
         assert exiting.wait(60), "the interpreter never began to exit"
         real(directory)
 
-    mp.workers.merge_ocdbt = merge
+    mp.workers.format.merge_ocdbt = merge
     with mp.Context(async_=mp.AsyncOptions(timeout_secs=2 if hang else 60)):
         # host and device data
         mp.save_async(path, {"x": np.arange(1000), "y": jnp.arange(1 << 20, dtype=jnp.int32)})

@@ -26,13 +26,13 @@ def gate() -> None:
 
 def hold_at(gate_at: str) -> None:
     if gate_at == "merge":
-        real_merge = mp.workers.merge_ocdbt
+        real_merge = mp.workers.format.merge_ocdbt
 
         def merge(directory: Any) -> None:
             gate()
             real_merge(directory)
 
-        mp.workers.merge_ocdbt = merge
+        mp.workers.format.merge_ocdbt = merge
     else:
         real_publish = LocalWorkspace.publish
 

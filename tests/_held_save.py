@@ -14,14 +14,14 @@ import milepost as mp
 
 
 def main(url: str, lease_secs: float) -> None:
-    real = mp.workers.merge_ocdbt
+    real = mp.workers.format.merge_ocdbt
 
     def merge(directory: Any) -> None:
         print("holding", flush=True)
         sys.stdin.readline()
         real(directory)
 
-    mp.workers.merge_ocdbt = merge
+    mp.workers.format.merge_ocdbt = merge
     with mp.Context(saving=mp.SaveOptions(lease_secs=lease_secs)):
         mp.save(url, {"x": np.arange(1000)})
     print("committed", flush=True)

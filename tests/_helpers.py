@@ -108,13 +108,13 @@ def gate_merge(monkeypatch: Any) -> Any:
     import milepost as mp
 
     gate = threading.Event()
-    real = mp.workers.merge_ocdbt
+    real = mp.workers.format.merge_ocdbt
 
     def merge(directory: Any) -> None:
         assert gate.wait(60), "test gate never opened"
         real(directory)
 
-    monkeypatch.setattr(mp.workers, "merge_ocdbt", merge)
+    monkeypatch.setattr(mp.workers.format, "merge_ocdbt", merge)
     return gate
 
 

@@ -22,6 +22,6 @@ def merge(directory: Any) -> None:
 
 
 if __name__ == "__main__":
-    mp.workers.merge_ocdbt = merge
+    mp.workers.format.merge_ocdbt = merge
     with mp.Context(saving=mp.SaveOptions(lease_secs=2.0)):
         mp.save(sys.argv[1], {"x": np.arange(1000)})

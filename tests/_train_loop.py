@@ -180,7 +180,7 @@ def arm(phase: str, nth: int, delay: float) -> Callable[[int], None]:
 
     real_start, real_merge, real_commit, real_rename, real_rename_new = (
         milepost.workers.start_save,
-        milepost.workers.merge_ocdbt,
+        milepost.workers.format.merge_ocdbt,
         _checkpoint_save.commit,
         os.rename,
         _workspace.rename_new,
@@ -210,7 +210,7 @@ def arm(phase: str, nth: int, delay: float) -> Callable[[int], None]:
         reached("renamed")
 
     milepost.workers.start_save = start_save  # type: ignore[assignment]
-    milepost.workers.merge_ocdbt = merge  # type: ignore[assignment]
+    milepost.workers.format.merge_ocdbt = merge  # type: ignore[assignment]
     _checkpoint_save.commit = commit  # type: ignore[assignment]
     os.rename = rename  # type: ignore[assignment]
     _workspace.rename_new = rename_new  # type: ignore[assignment]

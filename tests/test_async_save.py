@@ -177,13 +177,13 @@ def _fail_commit_marker(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _remove_tmp_during_finalize(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = mp.workers.merge_ocdbt
+    real = mp.workers.format.merge_ocdbt
 
     def merge(directory: Path) -> None:
         shutil.rmtree(directory.parent)  # someone deletes the temporary directory mid-save
         real(directory)
 
-    monkeypatch.setattr(mp.workers, "merge_ocdbt", merge)
+    monkeypatch.setattr(mp.workers.format, "merge_ocdbt", merge)
 
 
 def _fail_host_write(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -257,8 +257,8 @@ def test_options_are_snapshotted_at_call_time(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     gate = threading.Event()
-    real = mp.workers.merge_ocdbt
-    monkeypatch.setattr(mp.workers, "merge_ocdbt", lambda d: (gate.wait(60), real(d)))
+    real = mp.workers.format.merge_ocdbt
+    monkeypatch.setattr(mp.workers.format, "merge_ocdbt", lambda d: (gate.wait(60), real(d)))
     with mp.Context(saving=mp.SaveOptions(compression="zstd", chunk_byte_size=512)):
         handle = mp.save_async(tmp_path / "c", {"x": np.zeros((64, 64), np.float32)})
     with mp.Context(saving=mp.SaveOptions(use_ocdbt=False)):  # changes nothing in flight

@@ -45,7 +45,7 @@ def test_done_callback_sees_a_failure(tmp_path: Path, monkeypatch: pytest.Monkey
     def merge(directory: Any) -> None:
         raise OSError(28, "No space left on device (injected)")
 
-    monkeypatch.setattr(mp.workers, "merge_ocdbt", merge)
+    monkeypatch.setattr(mp.workers.format, "merge_ocdbt", merge)
     errors: list[BaseException] = []
     done = threading.Event()
 

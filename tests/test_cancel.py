@@ -66,13 +66,13 @@ def gate_at(where: str, monkeypatch: pytest.MonkeyPatch) -> Gate:
 
         monkeypatch.setattr(_packed.Packer, "write", write)
     elif where == "merge":
-        real_merge = mp.workers.merge_ocdbt
+        real_merge = mp.workers.format.merge_ocdbt
 
         def merge(directory: Any) -> None:
             gate.hold()
             real_merge(directory)
 
-        monkeypatch.setattr(mp.workers, "merge_ocdbt", merge)
+        monkeypatch.setattr(mp.workers.format, "merge_ocdbt", merge)
     elif where == "marker":
         real_check = LocalWorkspace.check
 

@@ -56,7 +56,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory, mesh24: jax.sharding.Mesh) -
 
 
 def table_key(database: str = "ocdbt.process_0") -> str:
-    return workers.CHUNK_TABLE_PREFIX + database
+    return workers.format.CHUNK_TABLE_PREFIX + database
 
 
 def info(ckpt: Path) -> dict[str, Any]:
@@ -103,13 +103,13 @@ def test_the_controller_records_no_chunk_checksum(
 def test_the_tables_hold_the_values_checksums(saved: tuple[Path, Any]) -> None:
     """What a table records is the CRC32C of each chunk's values, by array and grid index."""
     ckpt, state = saved
-    kv = ts.KvStore.open(workers.ocdbt_kvstore(str(ckpt / "state"))).result()
+    kv = ts.KvStore.open(workers.format.ocdbt_kvstore(str(ckpt / "state"))).result()
     tables = [k.decode() for k in kv.list().result() if k.startswith(b".milepost/")]
-    assert tables and all(t.startswith(workers.CHUNK_TABLE_PREFIX) for t in tables), tables
+    assert tables and all(t.startswith(workers.format.CHUNK_TABLE_PREFIX) for t in tables), tables
     recorded: dict[str, dict[tuple[int, ...], int]] = {}
     for key in tables:
-        database = key[len(workers.CHUNK_TABLE_PREFIX) :]
-        table = workers.decode_chunk_table(database, kv[key], key)
+        database = key[len(workers.format.CHUNK_TABLE_PREFIX) :]
+        table = workers.format.decode_chunk_table(database, kv[key], key)
         for name, chunks in table.items():
             assert not set(chunks) & set(recorded.get(name, {})), "a chunk in two tables"
             recorded.setdefault(name, {}).update(chunks)
@@ -137,8 +137,8 @@ def test_a_missing_table_is_refused(saved: tuple[Path, Any], tmp_path: Path) -> 
     """A database whose chunks are read but whose table is gone: nothing is read unchecked."""
     base, state = saved
     ckpt = copy_of(base, tmp_path / "c")
-    root = ts.KvStore.open(workers.ocdbt_kvstore(str(ckpt / "state"))).result()
-    root.delete_range(ts.KvStore.KeyRange(workers.CHUNK_TABLE_PREFIX, ".milepost0")).result()
+    root = ts.KvStore.open(workers.format.ocdbt_kvstore(str(ckpt / "state"))).result()
+    root.delete_range(ts.KvStore.KeyRange(workers.format.CHUNK_TABLE_PREFIX, ".milepost0")).result()
     for direct in (True, False):
         with reading(direct), pytest.raises(mp.CorruptCheckpointError, match="no checksum table"):
             mp.load(ckpt, abstract_of(state))
@@ -151,19 +151,19 @@ def test_another_databases_table_in_its_place_is_refused(
     read for one that names the other (its files put in the first one's place) is refused."""
     state = state_of(mesh24)
     ckpt = save(tmp_path / "c", state, mp.SaveOptions(ocdbt_writers_per_host=2))
-    kv = ts.KvStore.open(workers.ocdbt_kvstore(str(ckpt / "state"))).result()
+    kv = ts.KvStore.open(workers.format.ocdbt_kvstore(str(ckpt / "state"))).result()
     databases = sorted(
-        k.decode()[len(workers.CHUNK_TABLE_PREFIX) :]
+        k.decode()[len(workers.format.CHUNK_TABLE_PREFIX) :]
         for k in kv.list().result()
-        if k.startswith(workers.CHUNK_TABLE_PREFIX.encode())
+        if k.startswith(workers.format.CHUNK_TABLE_PREFIX.encode())
     )
     # (and the controller's own database, for the NumPy leaf it wrote)
     assert databases == ["ocdbt.process_0", "ocdbt.process_0.1", "ocdbt.process_controller"]
-    other = workers.decode_chunk_table(databases[1], kv[table_key(databases[1])], "")
-    forged = workers.encode_chunk_table(
+    other = workers.format.decode_chunk_table(databases[1], kv[table_key(databases[1])], "")
+    forged = workers.format.encode_chunk_table(
         databases[1], {n: sorted(c.items()) for n, c in other.items()}
     )
-    root = ts.KvStore.open(workers.ocdbt_kvstore(str(ckpt / "state"))).result()
+    root = ts.KvStore.open(workers.format.ocdbt_kvstore(str(ckpt / "state"))).result()
     root[table_key(databases[0])] = forged
     with pytest.raises(mp.CorruptCheckpointError, match="is the table of 'ocdbt.process_0.1'"):
         mp.load(ckpt, abstract_of(state))
@@ -176,14 +176,16 @@ def test_checkpoints_recording_chunk_checksums_are_still_checked(
     are what a load checks (the tables, present or not, are not read), damage included."""
     base, state = saved
     ckpt = copy_of(base, tmp_path / "c")
-    kv = ts.KvStore.open(workers.ocdbt_kvstore(str(ckpt / "state"))).result()
+    kv = ts.KvStore.open(workers.format.ocdbt_kvstore(str(ckpt / "state"))).result()
     recorded: dict[str, dict[str, int]] = {}
     for key in (k.decode() for k in kv.list().result()):
-        if key.startswith(workers.CHUNK_TABLE_PREFIX):
-            table = workers.decode_chunk_table(key[len(workers.CHUNK_TABLE_PREFIX) :], kv[key], key)
+        if key.startswith(workers.format.CHUNK_TABLE_PREFIX):
+            table = workers.format.decode_chunk_table(
+                key[len(workers.format.CHUNK_TABLE_PREFIX) :], kv[key], key
+            )
             for name, chunks in table.items():
                 recorded.setdefault(name, {}).update(
-                    {workers.grid_key(g): c for g, c in chunks.items()}
+                    {workers.format.grid_key(g): c for g, c in chunks.items()}
                 )
     meta = info(ckpt)
     del meta["chunk_crc32c_tables"]

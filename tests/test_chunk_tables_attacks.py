@@ -63,11 +63,11 @@ def saved(
 
 
 def root_kv(ckpt: Path) -> Any:
-    return ts.KvStore.open(workers.ocdbt_kvstore(str(ckpt / "state"))).result()
+    return ts.KvStore.open(workers.format.ocdbt_kvstore(str(ckpt / "state"))).result()
 
 
 def table_key(database: str = "ocdbt.process_0") -> str:
-    return workers.CHUNK_TABLE_PREFIX + database
+    return workers.format.CHUNK_TABLE_PREFIX + database
 
 
 def database_of_key(ckpt: Path, key: str) -> str:
@@ -84,7 +84,7 @@ def tabled_copy(saved: dict[str, tuple[Path, Any]], tmp_path: Path) -> tuple[Pat
 
 
 def read_table(ckpt: Path, database: str) -> dict[str, dict[tuple[int, ...], int]]:
-    return workers.decode_chunk_table(database, root_kv(ckpt)[table_key(database)], "")
+    return workers.format.decode_chunk_table(database, root_kv(ckpt)[table_key(database)], "")
 
 
 def root_write(ckpt: Path, key: str, value: bytes) -> None:
@@ -98,7 +98,9 @@ def write_table(ckpt: Path, database: str, table: dict[str, dict[tuple[int, ...]
     root_write(
         ckpt,
         table_key(database),
-        workers.encode_chunk_table(database, {n: sorted(c.items()) for n, c in table.items()}),
+        workers.format.encode_chunk_table(
+            database, {n: sorted(c.items()) for n, c in table.items()}
+        ),
     )
 
 
@@ -397,7 +399,7 @@ def test_a_sibling_folder_sharing_the_prefix_names_no_database() -> None:
 def test_a_database_name_with_dots_reads_only_a_key(tmp_path: Path) -> None:
     """A table's key is just an OCDBT key: a name like ``../x`` reads no file; it is missing."""
     ckpt = tmp_path / "state"
-    kv = ts.KvStore.open(workers.ocdbt_kvstore(str(ckpt))).result()
+    kv = ts.KvStore.open(workers.format.ocdbt_kvstore(str(ckpt))).result()
     kv["a"] = b"1"
     tables = _chunk_tables.ChunkTables(workers.StoreSpec(directory=str(ckpt), use_ocdbt=True))
     for name in ("../x", "ocdbt.process_0/../../etc", "/etc/passwd"):
@@ -626,8 +628,8 @@ def test_a_relinked_table_under_the_old_name_only_is_refused(
     keys = [k.decode() for k in kv.list().result() if k.startswith(b".milepost/")]
     assert keys
     for key in keys:
-        database = key[len(workers.CHUNK_TABLE_PREFIX) :]
-        table = workers.decode_chunk_table(database, kv[key], key)
+        database = key[len(workers.format.CHUNK_TABLE_PREFIX) :]
+        table = workers.format.decode_chunk_table(database, kv[key], key)
         if "v" in table:
             table["w"] = table.pop("v")
             write_table(out, database, table)

@@ -115,14 +115,14 @@ def test_a_held_checkpoint_is_left_alone(
     finally:
         os.close(fd)
     entered, release = threading.Event(), threading.Event()
-    real = mp.workers.merge_ocdbt
+    real = mp.workers.format.merge_ocdbt
 
     def merge(directory: Path) -> None:
         entered.set()
         assert release.wait(60), "the test never released the save"
         real(directory)
 
-    monkeypatch.setattr(mp.workers, "merge_ocdbt", merge)
+    monkeypatch.setattr(mp.workers.format, "merge_ocdbt", merge)
     handle = mp.save_checkpointables_async(path, parts(mesh24), overwrite=True)
     try:
         assert entered.wait(60)
@@ -186,14 +186,14 @@ def test_a_checkpointer_deletes_a_checkpointable_of_a_step(
         with pytest.raises(mp.LastCheckpointableError, match=r"delete\(step\)"):
             ckpt.delete_checkpointable(1, "state")
         entered, release = threading.Event(), threading.Event()
-        real = mp.workers.merge_ocdbt
+        real = mp.workers.format.merge_ocdbt
 
         def merge(directory: Path) -> None:
             entered.set()
             assert release.wait(60), "the test never released the save"
             real(directory)
 
-        monkeypatch.setattr(mp.workers, "merge_ocdbt", merge)
+        monkeypatch.setattr(mp.workers.format, "merge_ocdbt", merge)
         ckpt.save_checkpointables(3, parts(mesh24))
         try:
             assert entered.wait(60)

@@ -231,7 +231,7 @@ def test_a_failed_saves_leftover_is_not_a_checkpoint_and_keeps_its_lease(
     def failing_merge(directory: Any) -> None:
         raise OSError(5, "the merge failed")
 
-    monkeypatch.setattr(mp.workers, "merge_ocdbt", failing_merge)
+    monkeypatch.setattr(mp.workers.format, "merge_ocdbt", failing_merge)
     with pytest.raises(OSError, match="the merge failed"):
         mp.save(path, {"x": np.arange(10)})
     monkeypatch.undo()

@@ -685,8 +685,8 @@ def strip_checksums(ckpt: Path) -> None:
     if info.pop("chunk_crc32c_tables", None) is not None:  # (and the tables themselves)
         from milepost import workers
 
-        root = ts.KvStore.open(workers.ocdbt_kvstore(str(ckpt / "state"))).result()
-        prefix = workers.CHUNK_TABLE_PREFIX
+        root = ts.KvStore.open(workers.format.ocdbt_kvstore(str(ckpt / "state"))).result()
+        prefix = workers.format.CHUNK_TABLE_PREFIX
         root.delete_range(ts.KvStore.KeyRange(prefix, prefix[:-1] + "0")).result()
     info_file.write_text(json.dumps(info))
 
@@ -952,14 +952,14 @@ def test_a_different_ocdbt_file_of_the_same_size_fails_the_file_checksums(tmp_pa
     a = save(tmp_path / "a", {"w": np.arange(4096, dtype=np.float32)})
     key = "state/manifest.ocdbt"
     mine = (a / key).read_bytes()
-    assert int.from_bytes(mine[-4:], "little") == mp.workers.crc32c(mine[:-4]), (
+    assert int.from_bytes(mine[-4:], "little") == mp.workers.format.crc32c(mine[:-4]), (
         "an OCDBT file ends with the CRC32C of what precedes it"
     )
     body = bytearray(mine[:-4])
     body[len(body) // 2] ^= 0x01
-    other = bytes(body) + mp.workers.crc32c(bytes(body)).to_bytes(4, "little")
+    other = bytes(body) + mp.workers.format.crc32c(bytes(body)).to_bytes(4, "little")
     assert len(mine) == len(other) and mine != other
-    assert mp.workers.crc32c(mine) == mp.workers.crc32c(other) == 0x48674BC7
+    assert mp.workers.format.crc32c(mine) == mp.workers.format.crc32c(other) == 0x48674BC7
     sums = _format.Checksums.read(a)
     assert sums is not None and sums.matches(key, mine) and not sums.matches(key, other)
     (a / key).write_bytes(other)

@@ -147,7 +147,7 @@ def test_damaged_or_crafted_files_are_clear_errors(tmp_path: Path, body: bytes, 
         with pytest.raises(mp.CheckpointNotFoundError):
             mp.load(path)
         with pytest.raises(mp.CorruptCheckpointError, match=words):
-            workers.read_msgpack(str(path))
+            workers.format.read_msgpack(str(path))
         return
     with pytest.raises(mp.CorruptCheckpointError, match=words):
         mp.load(path)
@@ -179,7 +179,7 @@ def test_a_file_cut_short_while_it_is_walked_is_an_error(
 
     monkeypatch.setattr(_msgpack.os, "fstat", size_then_shrink)
     with pytest.raises(mp.CorruptCheckpointError, match="ended at byte 40"):
-        workers.read_msgpack(str(path))
+        workers.format.read_msgpack(str(path))
 
 
 def test_a_file_replaced_while_it_loads_is_refused(

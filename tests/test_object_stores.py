@@ -107,7 +107,7 @@ def test_a_failed_save_leaves_nothing(
     def merge(directory: Any) -> None:
         raise OSError(5, "Input/output error (injected)")
 
-    monkeypatch.setattr(mp.workers, "merge_ocdbt", merge)
+    monkeypatch.setattr(mp.workers.format, "merge_ocdbt", merge)
     with pytest.raises(OSError, match="injected"):
         mp.save(f"{bucket_url}/1", state(mesh24))
     # Only the failed save's lease, expired: a write landing late is then the debris of a save

@@ -168,7 +168,7 @@ def test_hosts_writing_the_same_arrays_lay_their_shards_out_at_the_same_offsets(
     values = arrays["a005"]
     spec = spec_of("a005", values, (1, values.shape[1]), (1, values.shape[1]))
     ts.open(tsu.create_spec(tsu.write_kvstore(store, 0), spec), create=True).result()  # header
-    workers.merge_ocdbt(str(tmp_path))
+    workers.format.merge_ocdbt(str(tmp_path))
     root = ts.open(tsu.open_spec(tsu.ocdbt_kvstore(tmp_path), "a005")).result()
     assert np.array_equal(root.read().result(), values)
 
@@ -260,8 +260,8 @@ def test_a_packed_save_counts_its_bytes_and_records_no_chunk_checksum(
     info = json.loads((tmp_path / "c" / "state" / "_milepost.json").read_text())
     assert info["chunk_crc32c_tables"] == 1 and "chunk_crc32c" not in info, info
     root = ts.KvStore.open(tsu.ocdbt_kvstore(tmp_path / "c" / "state")).result()
-    key = workers.CHUNK_TABLE_PREFIX + "ocdbt.process_0.p"
-    table = workers.decode_chunk_table("ocdbt.process_0.p", root[key], key)
+    key = workers.format.CHUNK_TABLE_PREFIX + "ocdbt.process_0.p"
+    table = workers.format.decode_chunk_table("ocdbt.process_0.p", root[key], key)
     assert table["w"] == {
         (i, j): _checksum.crc32c(
             np.ascontiguousarray(w[256 * i : 256 * (i + 1), 256 * j : 256 * (j + 1)])
@@ -353,7 +353,7 @@ def test_the_hosts_and_the_controllers_packed_databases_swapped_are_refused(
 
 def test_a_damaged_or_forged_packed_table_is_refused(packed_ckpt: tuple[Path, Any]) -> None:
     ckpt, _ = packed_ckpt
-    key = workers.CHUNK_TABLE_PREFIX + "ocdbt.process_0.p"
+    key = workers.format.CHUNK_TABLE_PREFIX + "ocdbt.process_0.p"
     file, offset, length = chunk_value(ckpt, key)
     assert file != chunk_value(ckpt, "w/c/0/0")[0], "the table in a data file of its own"
     original = file.read_bytes()
@@ -363,6 +363,6 @@ def test_a_damaged_or_forged_packed_table_is_refused(packed_ckpt: tuple[Path, An
     assert_tree_equal(mp.load(ckpt), packed_ckpt[1])
     # the controller's table, under the host's key: a table that names another database
     root = ts.KvStore.open(tsu.ocdbt_kvstore(ckpt / "state")).result()
-    other = workers.CHUNK_TABLE_PREFIX + "ocdbt.process_controller.p"
+    other = workers.format.CHUNK_TABLE_PREFIX + "ocdbt.process_controller.p"
     root[key] = root[other]
     _refused(ckpt, "is the table of 'ocdbt.process_controller.p'")

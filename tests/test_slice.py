@@ -290,14 +290,14 @@ def test_each_array_header_is_written_by_one_host(slice42: mp.Slice, tmp_path: P
         for key in (k.decode() for k in kv.list().result()):
             if key.endswith("/zarr.json"):
                 headers[key] = headers.get(key, 0) + 1
-            elif key.startswith(workers.CHUNK_TABLE_PREFIX):
+            elif key.startswith(workers.format.CHUNK_TABLE_PREFIX):
                 tables.append(key)
             else:
                 chunks += 1
                 holding.append(db.name)
     assert headers == {f"w{i}/zarr.json": 1 for i in range(6)}, headers
     # and one chunk checksum table per database that holds chunks
-    want = sorted(workers.CHUNK_TABLE_PREFIX + name for name in set(holding))
+    want = sorted(workers.format.CHUNK_TABLE_PREFIX + name for name in set(holding))
     assert sorted(tables) == want, tables
     # 8 shards each; the replicated w5 (1 KiB, under the write floor) is one write by a replica
     assert chunks == 5 * 8 + 1

@@ -205,13 +205,13 @@ def _at(monkeypatch: pytest.MonkeyPatch, stage: str, attack: Callable[[], None])
 
         monkeypatch.setattr(_format, "write_tree", write_tree)
     elif stage == "merged":  # tree metadata written and the databases merged
-        real_merge = mp.workers.merge_ocdbt
+        real_merge = mp.workers.format.merge_ocdbt
 
         def merge(directory: Any) -> None:
             real_merge(directory)
             attack()
 
-        monkeypatch.setattr(mp.workers, "merge_ocdbt", merge)
+        monkeypatch.setattr(mp.workers.format, "merge_ocdbt", merge)
     elif stage == "checksums":  # the checkpoint metadata written, the checksums next
         real_compute = _format.Checksums.compute
 

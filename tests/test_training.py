@@ -65,7 +65,7 @@ class Gate:
         self.release = threading.Event()
         self.entered = threading.Event()
         self.order: list[str] = []
-        real = mp.workers.merge_ocdbt
+        real = mp.workers.format.merge_ocdbt
 
         def merge(directory: Path) -> None:
             step = int(directory.parent.name.split(".")[0])
@@ -75,7 +75,7 @@ class Gate:
                 assert self.release.wait(60), "the test never released the gate"
             real(directory)
 
-        monkeypatch.setattr(mp.workers, "merge_ocdbt", merge)
+        monkeypatch.setattr(mp.workers.format, "merge_ocdbt", merge)
 
 
 # -- policies -----------------------------------------------------------------------------
@@ -348,7 +348,7 @@ def test_background_failure_reraised_with_step_and_only_checkpoint_kept(
         def broken(directory: Path) -> None:
             raise OSError("simulated disk failure")
 
-        monkeypatch.setattr(mp.workers, "merge_ocdbt", broken)
+        monkeypatch.setattr(mp.workers.format, "merge_ocdbt", broken)
         assert ckpt.save(1, tree(mesh24, 1))
         # the failure surfaces on the next call, whichever it is
         with pytest.raises(

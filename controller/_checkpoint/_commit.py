@@ -48,7 +48,7 @@ from milepost._tree import ValueType
 from milepost.workers import ObjectPath
 from milepost.workers import format as fmt
 
-PROCESS = workers.PROCESS_PREFIX
+PROCESS = fmt.PROCESS_PREFIX
 
 
 def _go_on() -> None:
@@ -123,9 +123,9 @@ def merge(tree: WrittenTree) -> None:
     (``milepost.workers.merge_ocdbt``, looked up when called), and plain zarr3 chunk files."""
     if tree.files.use_ocdbt:
         confirm_databases(tree.directory, tree.acks)
-        workers.merge_ocdbt(tree.directory)  # (looked up here: tests hold a save at it)
+        fmt.merge_ocdbt(tree.directory)  # (looked up here: tests hold a save at it)
     else:
-        workers.confirm_files(tree.directory, _chunk_files(tree.acks))
+        fmt.confirm_files(tree.directory, _chunk_files(tree.acks))
 
 
 def confirm_databases(directory: Path | ObjectPath, acks: list[workers.SaveAck]) -> None:
@@ -134,7 +134,7 @@ def confirm_databases(directory: Path | ObjectPath, acks: list[workers.SaveAck])
     own, as the merge's readers are TensorStore's and any caller's (tests wrap it)."""
     databases = {d for ack in acks for d in ack.chunk_tables}
     manifests = [f"{d}/{fmt.OCDBT_MANIFEST}" for d in databases if d.startswith(PROCESS)]
-    workers.confirm_files(directory, dict.fromkeys(sorted(manifests), 1))
+    fmt.confirm_files(directory, dict.fromkeys(sorted(manifests), 1))
 
 
 def _chunk_files(acks: list[workers.SaveAck]) -> dict[str, int]:

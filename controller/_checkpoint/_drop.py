@@ -167,7 +167,7 @@ def _without(old: fmt.Checksums, root: Path | ObjectPath, name: str, raw: bytes)
     ``_CHECKPOINT_METADATA`` (``raw``)."""
     gone = f"{name}/"
     files = {k: v for k, v in old.files.items() if not k.startswith(gone)}
-    files[fmt.CHECKPOINT_METADATA] = (len(raw), workers.crc32c(raw))
+    files[fmt.CHECKPOINT_METADATA] = (len(raw), fmt.crc32c(raw))
     crc32 = None
     if old.crc32 is not None:
         crc32 = {k: v for k, v in old.crc32.items() if not k.startswith(gone)}

@@ -85,9 +85,7 @@ class LeafMetadata:
 
 
 def header_shape_dtype(header: dict[str, Any]) -> tuple[tuple[int, ...], np.dtype]:
-    return workers.header_shape(header), np.dtype(
-        jax.numpy.dtype(workers.header_dtype_name(header))
-    )
+    return fmt.header_shape(header), np.dtype(jax.numpy.dtype(fmt.header_dtype_name(header)))
 
 
 def array_headers(
@@ -102,10 +100,10 @@ def array_headers(
     the error of each header that is not (by name) instead of raising it."""
     store = files.store(directory)
     if files.use_ocdbt:
-        return workers.read_array_headers(store, names, damaged)
+        return fmt.read_array_headers(store, names, damaged)
     out = {}
     for name in names:
-        where = directory / workers.header_key(store, name)
+        where = directory / fmt.header_key(store, name)
         try:
             header = fmt.read_json_object(where, f"the header of array {name!r}")
             out[name] = workers.declared.zarr_header(header, name, str(where))
@@ -139,7 +137,7 @@ def tree_metadata(directory: Path | ObjectPath) -> Any:
         if name in headers:
             try:
                 shape, dtype = header_shape_dtype(headers[name])
-                inner, grid = workers.header_chunks(headers[name])
+                inner, grid = fmt.header_chunks(headers[name])
             except (KeyError, TypeError, ValueError, IndexError) as e:
                 raise CorruptCheckpointError(
                     f"the header of array {name!r} in {directory} "
@@ -491,7 +489,7 @@ def _checksums_per_process(
                 out[p].append(task)
             continue
         try:
-            chunk = workers.header_chunks(headers[task.name])[0]
+            chunk = fmt.header_chunks(headers[task.name])[0]
             key = (task.sharding, task.shape)
             try:
                 per_process = boxes_seen[key]

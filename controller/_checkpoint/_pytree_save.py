@@ -101,10 +101,10 @@ def _check_dtype(name: str, dtype: np.dtype) -> None:
             "save numeric arrays, or strings as str leaves",
             leaf=name,
         )
-    if dtype.name not in workers.ZARR3_DTYPES:
+    if dtype.name not in fmt.ZARR3_DTYPES:
         raise UnsupportedLeafError(
             f"leaf {name!r} has dtype {dtype.name}, which the zarr3 format cannot "
-            f"store (it stores {', '.join(sorted(workers.ZARR3_DTYPES))}); cast "
+            f"store (it stores {', '.join(sorted(fmt.ZARR3_DTYPES))}); cast "
             "the leaf to one of those before saving",
             leaf=name,
         )

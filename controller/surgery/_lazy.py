@@ -26,6 +26,7 @@ from milepost import workers
 from milepost._tree import path_of, path_parts
 from milepost.surgery._placement import fits
 from milepost.workers import ShardingSpec
+from milepost.workers import format as fmt
 
 if TYPE_CHECKING:
     from milepost.surgery._checkpoint import Checkpoint
@@ -185,10 +186,10 @@ def check_cast(x: LazyArray, dtype: Any, where: str) -> np.dtype:
         target = np.dtype(jnp.dtype(dtype))
     except TypeError:
         raise TypeError(f"cast of {where}: {dtype!r} is not a dtype") from None
-    if target.name not in workers.ZARR3_DTYPES:
+    if target.name not in fmt.ZARR3_DTYPES:
         raise TypeError(
             f"cast of {where}: {target} cannot be stored (the format stores "
-            f"{', '.join(sorted(workers.ZARR3_DTYPES))})"
+            f"{', '.join(sorted(fmt.ZARR3_DTYPES))})"
         )
     if x.dtype.kind == "c" and target.kind != "c":
         raise TypeError(

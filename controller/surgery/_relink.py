@@ -75,8 +75,8 @@ def link_databases(ck: Any, renames: dict[str, str], directory: Path) -> None:
     """On the primary: the source's databases in ``directory``, renamed (no data copied)."""
     renames = {old: storage_name_of(path) for old, path in renames.items()}
     source = Path(ck.folder)
-    databases = sorted(p for p in source.iterdir() if p.name.startswith(workers.PROCESS_PREFIX))
-    context = workers.new_context(directory)
+    databases = sorted(p for p in source.iterdir() if p.name.startswith(fmt.PROCESS_PREFIX))
+    context = fmt.new_context(directory)
     for db in databases:
         _check_plain(db)
         if not db.is_dir():
@@ -99,9 +99,9 @@ def link_databases(ck: Any, renames: dict[str, str], directory: Path) -> None:
                     shutil.copyfile(
                         here / f, target / rel / f, follow_symlinks=False
                     )  # the manifest: rewritten below
-        kv = ts.KvStore.open(workers.ocdbt_kvstore(target), context=context).result()
+        kv = ts.KvStore.open(fmt.ocdbt_kvstore(target), context=context).result()
         present = {k.decode().split("/", 1)[0] for k in kv.list().result()}
-        tables = workers.CHUNK_TABLE_PREFIX.split("/", 1)[0]
+        tables = fmt.CHUNK_TABLE_PREFIX.split("/", 1)[0]
         if tables in present:  # the chunk checksum table, its arrays renamed
             present.discard(tables)
             _rename_table(kv, db.name, renames)
@@ -116,18 +116,18 @@ def link_databases(ck: Any, renames: dict[str, str], directory: Path) -> None:
 
 def _rename_table(kv: Any, database: str, renames: dict[str, str]) -> None:
     """Rewrite a linked database's chunk checksum table under the arrays' new names."""
-    key = workers.CHUNK_TABLE_PREFIX + database
+    key = fmt.CHUNK_TABLE_PREFIX + database
     read = kv.read(key).result()
     if read.state != "value":
         raise CorruptCheckpointError(
             f"the database {database} of the source has no chunk checksum table ({key!r}); the "
             "source checkpoint is damaged. Load an earlier checkpoint."
         )
-    table = workers.decode_chunk_table(database, bytes(read.value), f"{database}, key {key!r}")
+    table = fmt.decode_chunk_table(database, bytes(read.value), f"{database}, key {key!r}")
     renamed = {
         renames[name]: sorted(chunks.items()) for name, chunks in table.items() if name in renames
     }
-    kv.write(key, workers.encode_chunk_table(database, renamed)).result()
+    kv.write(key, fmt.encode_chunk_table(database, renamed)).result()
 
 
 def _check_plain(path: Path) -> None:
