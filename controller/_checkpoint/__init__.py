@@ -2,8 +2,8 @@
 and metadata, the checkpointable handlers, and the pytree checkpointable (its save plan and its
 load plan)."""
 
-from milepost._checkpoint._background import LOADS, SAVES, wait_for_saves
-from milepost._checkpoint._calls import Deferred, LoadCall, SaveCall, WrittenTree, as_pending
+from milepost._checkpoint._background import wait_for_saves
+from milepost._checkpoint._calls import Deferred, LoadCall, SaveCall, WrittenTree
 from milepost._checkpoint._data_iterator import DataIterator, DataIteratorHandler
 from milepost._checkpoint._drop import delete_checkpointable, drop_checkpointable
 from milepost._checkpoint._handlers import (
@@ -12,8 +12,6 @@ from milepost._checkpoint._handlers import (
     PyTreeHandler,
     StatefulCheckpointable,
     register_handler,
-    resolve_for_load,
-    resolve_for_save,
 )
 from milepost._checkpoint._load import (
     CheckpointMetadata,
@@ -24,13 +22,8 @@ from milepost._checkpoint._load import (
 )
 from milepost._checkpoint._load_async import LoadHandle, start_load
 from milepost._checkpoint._planning import (
-    AUTO_BAND_BYTES,
-    auto_chunk_shape,
     device_boxes,
-    host_array_spec,
-    inner_chunk_shape,
     sharding_spec,
-    write_regions,
 )
 from milepost._checkpoint._pytree_load import (
     LeafMetadata,
@@ -44,8 +37,6 @@ from milepost._checkpoint._pytree_load import (
 )
 from milepost._checkpoint._pytree_save import (
     CONTROLLER,
-    SCALAR_TYPES,
-    PendingTree,
     TreeSavePlan,
     plan_tree,
     stage_tree,
@@ -54,11 +45,7 @@ from milepost._checkpoint._replicas import mark as mark_replicas
 from milepost._checkpoint._save import SaveHandle, all_leaves, saves_in_flight, start_save
 
 __all__ = [
-    "AUTO_BAND_BYTES",
     "CONTROLLER",
-    "LOADS",
-    "SAVES",
-    "SCALAR_TYPES",
     "CheckpointMetadata",
     "CheckpointableHandler",
     "DataIterator",
@@ -68,7 +55,6 @@ __all__ = [
     "LeafMetadata",
     "LoadCall",
     "LoadHandle",
-    "PendingTree",
     "PyTreeHandler",
     "SaveCall",
     "SaveHandle",
@@ -77,15 +63,11 @@ __all__ = [
     "WrittenTree",
     "all_leaves",
     "array_headers",
-    "as_pending",
-    "auto_chunk_shape",
     "concrete_sharding",
     "delete_checkpointable",
     "device_boxes",
     "drop_checkpointable",
     "header_shape_dtype",
-    "host_array_spec",
-    "inner_chunk_shape",
     "load_checkpointables",
     "mark_replicas",
     "metadata",
@@ -94,8 +76,6 @@ __all__ = [
     "read_tree_files",
     "recorded_checksums",
     "register_handler",
-    "resolve_for_load",
-    "resolve_for_save",
     "saves_in_flight",
     "sharding_spec",
     "stage_tree",
@@ -105,5 +85,4 @@ __all__ = [
     "tree_metadata",
     "unchanged",
     "wait_for_saves",
-    "write_regions",
 ]
