@@ -101,17 +101,30 @@ def without_compact_shardings(ckpt: Path) -> Path:
     return ckpt
 
 
-def gate_merge(monkeypatch: Any) -> Any:
-    """Hold every save's background part (the OCDBT merge) until the returned event is set."""
-    import threading
+class MergeGate:
+    """Holds saves at their background part (the OCDBT merge): ``entered`` is set when a save
+    reaches it, and the saves go on once ``set()`` is called."""
 
+    def __init__(self) -> None:
+        import threading
+
+        self.entered = threading.Event()
+        self.opened = threading.Event()
+
+    def set(self) -> None:
+        self.opened.set()
+
+
+def gate_merge(monkeypatch: Any) -> MergeGate:
+    """Hold every save's background part (the OCDBT merge) until the returned gate is set."""
     import milepost as mp
 
-    gate = threading.Event()
+    gate = MergeGate()
     real = mp.workers.format.merge_ocdbt
 
     def merge(directory: Any) -> None:
-        assert gate.wait(60), "test gate never opened"
+        gate.entered.set()
+        assert gate.opened.wait(60), "test gate never opened"
         real(directory)
 
     monkeypatch.setattr(mp.workers.format, "merge_ocdbt", merge)

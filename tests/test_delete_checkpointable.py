@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import milepost as mp
 from milepost.training import Checkpointer, StepBusyError, StepNotFoundError
+from tests._helpers import gate_merge
 
 DATASET = {"position": 1234, "epoch": 2}
 
@@ -114,22 +114,14 @@ def test_a_held_checkpoint_is_left_alone(
             mp.delete_checkpointable(path, "extra")
     finally:
         os.close(fd)
-    entered, release = threading.Event(), threading.Event()
-    real = mp.workers.format.merge_ocdbt
-
-    def merge(directory: Path) -> None:
-        entered.set()
-        assert release.wait(60), "the test never released the save"
-        real(directory)
-
-    monkeypatch.setattr(mp.workers.format, "merge_ocdbt", merge)
+    gate = gate_merge(monkeypatch)
     handle = mp.save_checkpointables_async(path, parts(mesh24), overwrite=True)
     try:
-        assert entered.wait(60)
+        assert gate.entered.wait(60)
         with pytest.raises(mp.CheckpointExistsError):  # a save of the path is in flight
             mp.delete_checkpointable(path, "extra")
     finally:
-        release.set()
+        gate.set()
     handle.result(60)
     check_rest(path, {"state", "extra", "dataset"})
 
@@ -185,22 +177,14 @@ def test_a_checkpointer_deletes_a_checkpointable_of_a_step(
         ckpt.delete_checkpointable(1, "extra")
         with pytest.raises(mp.LastCheckpointableError, match=r"delete\(step\)"):
             ckpt.delete_checkpointable(1, "state")
-        entered, release = threading.Event(), threading.Event()
-        real = mp.workers.format.merge_ocdbt
-
-        def merge(directory: Path) -> None:
-            entered.set()
-            assert release.wait(60), "the test never released the save"
-            real(directory)
-
-        monkeypatch.setattr(mp.workers.format, "merge_ocdbt", merge)
+        gate = gate_merge(monkeypatch)
         ckpt.save_checkpointables(3, parts(mesh24))
         try:
-            assert entered.wait(60)
+            assert gate.entered.wait(60)
             with pytest.raises(StepBusyError, match="being saved"):
                 ckpt.delete_checkpointable(3, "extra")
         finally:
-            release.set()
+            gate.set()
         ckpt.wait()
         monkeypatch.undo()
         ckpt.delete_checkpointable(3, "extra")

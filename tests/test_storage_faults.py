@@ -524,7 +524,7 @@ def test_a_safetensors_file_removed_or_cut_fails_the_export(
 
     ckpt = tmp_path / "ckpt"
     mp.save(ckpt, _lossy_tree("packed", mesh24))
-    real = _export._safetensors.write_file
+    real = _export.safetensors_format.write_file
     damaged: list[str] = []
 
     def write_file(path: str, header: bytes, arrays: Any) -> int:
@@ -537,7 +537,7 @@ def test_a_safetensors_file_removed_or_cut_fails_the_export(
                 os.truncate(path, os.path.getsize(path) - 1)
         return written
 
-    monkeypatch.setattr(_export._safetensors, "write_file", write_file)
+    monkeypatch.setattr(_export.safetensors_format, "write_file", write_file)
     out = tmp_path / "export"
     with pytest.raises(mp.LostWriteError) as lost:
         mp.safetensors.export(ckpt, out, max_shard_bytes=1 << 16)
