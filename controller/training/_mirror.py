@@ -44,6 +44,15 @@ class Mirror:
             self.state.mirrors[step] = group
         self._worker.submit()
 
+    def resume(self, group: Any) -> None:
+        """Mirror the steps only in the local tier (a mirror that did not finish before the
+        last run ended), oldest first."""
+        with self.state.cond:
+            unmirrored = sorted(set(self.state.local) - set(self.state.durable))
+        for step in unmirrored:
+            log.warning("step %s is only in %s; mirroring it to %s", step, self.local, self.root)
+            self.request(step, group)
+
     def _local_step(self, step: int) -> Any:
         assert self.retention.fast is not None
         return self.retention.fast.step(step)

@@ -10,7 +10,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from milepost.training._policies import RetentionPolicy, StepInfo
+from milepost.training._policies import RetentionPolicy, StepInfo, keep_best_in
 from milepost.training._state import StepState
 from milepost.training._tier import Tier
 from milepost.training._worker import Worker
@@ -51,6 +51,25 @@ def doomed(
         for i in infos
         if i.step not in wanted and i.step != infos[-1].step and i.step not in spared
     ]
+
+
+def best_step(
+    keep: RetentionPolicy, local_keep: RetentionPolicy, state: StepState, root: Any
+) -> int | None:
+    """The best committed step by the first :class:`KeepBest` in ``keep``, else in
+    ``local_keep`` (None when no step has a score); ValueError when neither has one."""
+    policy = keep_best_in(keep) or keep_best_in(local_keep)
+    if policy is None:
+        raise ValueError(
+            f"best_step() ranks steps by the Checkpointer's KeepBest, and {root} is "
+            f"open with keep={keep!r}: open it with keep=KeepBest(n=..., metric=...) "
+            "(or KeepUnion(..., KeepBest(...)))"
+        )
+    with state.cond:
+        metrics = {**state.local, **state.durable}
+        times = dict(state.times)
+    ranked = policy.ranked(step_infos(metrics, times))
+    return ranked[0] if ranked else None
 
 
 class Retention:
