@@ -19,7 +19,7 @@ from typing import Any
 from milepost import _hosts, _options, _storage, workers
 from milepost._errors import CorruptCheckpointError
 from milepost.colocated import HostGroup, Slice
-from milepost.workers import ObjectPath, as_path, check
+from milepost.workers import ObjectPath, StoragePath, as_path, check
 from milepost.workers import format as fmt
 
 
@@ -27,7 +27,7 @@ from milepost.workers import format as fmt
 class CopyReport:
     """What :func:`copy` did: the committed target, and the files and bytes each host copied."""
 
-    path: Path | ObjectPath
+    path: StoragePath
     """The committed copy."""
     files: int
     """Files copied."""
@@ -128,7 +128,7 @@ def copy_with(
     )
 
 
-def _list(src: Path | ObjectPath) -> tuple[list[str], list[str]]:
+def _list(src: StoragePath) -> tuple[list[str], list[str]]:
     """The files of the committed checkpoint ``src`` but its commit marker (relative names), and
     its checkpointable folders."""
     fmt.require_checkpoint(src)

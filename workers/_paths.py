@@ -86,7 +86,7 @@ class UnknownStorageError(ValueError):
     """A path names a storage milepost does not write to (or cannot reach)."""
 
 
-def as_path(path: str | os.PathLike[str] | ObjectPath) -> Path | ObjectPath:
+def as_path(path: str | os.PathLike[str] | ObjectPath) -> StoragePath:
     """The path ``path`` names (a ``str``, ``os.PathLike`` or ``ObjectPath``): an absolute
     ``Path`` for local folders, else an :class:`ObjectPath`. An unknown scheme is an
     :class:`UnknownStorageError` (a ``ValueError``) before anything is written."""
@@ -497,4 +497,5 @@ class ObjectPath:
 
 
 StoragePath = Path | ObjectPath
-"""What :func:`as_path` returns: a local folder or a path in an object store."""
+"""Where a checkpoint lives: a local folder (a ``pathlib.Path``) or a path in an object store
+(an :class:`ObjectPath`), as :func:`as_path` returns it. Code names this type, not the two."""

@@ -10,11 +10,11 @@ from typing import Any
 
 from milepost import _api, _safetensors, _views
 from milepost._cli._errors import CliError
-from milepost.workers import ObjectPath, as_path
+from milepost.workers import ObjectPath, StoragePath, as_path
 from milepost.workers import format as fmt
 
 
-def _storage(folder: Path | ObjectPath) -> str:
+def _storage(folder: StoragePath) -> str:
     with contextlib.suppress(Exception):
         files = fmt.read_tree(folder)
         zarr = files.store(folder).zarr_format

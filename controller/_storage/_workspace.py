@@ -43,7 +43,7 @@ from milepost import workers
 from milepost._errors import CheckpointExistsError, TemporaryDirectoryRemovedError
 from milepost._storage import _ownership
 from milepost._storage._intact import Intact
-from milepost.workers import NO_VALUE, ObjectPath
+from milepost.workers import NO_VALUE, ObjectPath, StoragePath
 from milepost.workers import format as fmt
 
 LEASE_SUFFIX = ".milepost-lease"
@@ -58,7 +58,7 @@ log = logging.getLogger(__name__)
 
 
 def for_path(
-    final: Path | ObjectPath, overwrite: bool, wait_secs: float, lease_secs: float
+    final: StoragePath, overwrite: bool, wait_secs: float, lease_secs: float
 ) -> LocalWorkspace | ObjectWorkspace:
     if isinstance(final, ObjectPath):
         return ObjectWorkspace(final, overwrite, wait_secs, lease_secs)
@@ -129,9 +129,7 @@ class LocalWorkspace:
             self.release()
             raise
 
-    def check(
-        self, stage: str = "before the commit", record: Path | ObjectPath | None = None
-    ) -> None:
+    def check(self, stage: str = "before the commit", record: StoragePath | None = None) -> None:
         """Raise :class:`TemporaryDirectoryRemovedError` unless the temporary directory and its
         folders are the ones this save made, holding what it wrote: removed or replaced from
         outside, the checkpoint would be incomplete. ``stage`` says when (for the message);
@@ -453,7 +451,7 @@ class ObjectWorkspace:
             self.release()
             raise
 
-    def check(self, stage: str = "", record: Path | ObjectPath | None = None) -> None:
+    def check(self, stage: str = "", record: StoragePath | None = None) -> None:
         """The lease must still be this save's, with at least half its time left: renewed now,
         unless three quarters of it are left (written or renewed a moment ago: nobody may take
         it over before it expires)."""

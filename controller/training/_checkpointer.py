@@ -54,7 +54,7 @@ from milepost.training._retention import Retention, step_infos
 from milepost.training._state import StepState, check_step, plain_metrics
 from milepost.training._tier import Tier
 from milepost.training.peers import PeerTier, PeerTierRunner, Recovery
-from milepost.workers import ObjectPath, as_path
+from milepost.workers import ObjectPath, StoragePath, as_path
 from milepost.workers import format as fmt
 
 log = logging.getLogger("milepost.training")
@@ -149,7 +149,7 @@ class Checkpointer:
             step_format_fixed_length=step_format_fixed_length,
         )
         """Every option, as given or defaulted (a :class:`CheckpointerOptions`)."""
-        self.root: Path | ObjectPath = as_path(root)
+        self.root: StoragePath = as_path(root)
         self.local: Path | None = self.options.local_path()
         self._check_tiers_apart()
         context = _options.current()
@@ -352,12 +352,12 @@ class Checkpointer:
         ranked = policy.ranked(step_infos(metrics, times))
         return ranked[0] if ranked else None
 
-    def path(self, step: int) -> Path | ObjectPath:
+    def path(self, step: int) -> StoragePath:
         """Where ``step`` is (or would be) stored durably: ``root/<step>`` (or the folder the
         root's step naming gives it, e.g. ``root/checkpoint_000010``)."""
         return self._durable.step(check_step(step))
 
-    def _where(self, step: int) -> Path | ObjectPath:
+    def _where(self, step: int) -> StoragePath:
         """Where to read ``step``: its local copy when there is one."""
         with self._state.cond:
             if self._fast is not None and step in self._state.local:
@@ -754,9 +754,7 @@ class Checkpointer:
         finally:
             self._release(s)
 
-    def _read(
-        self, where: Path | ObjectPath, abstract_state: Any, partial: bool, data_iter: Any
-    ) -> Any:
+    def _read(self, where: StoragePath, abstract_state: Any, partial: bool, data_iter: Any) -> Any:
         if data_iter is None:
             return _api.load(where, abstract_state, partial=partial)
         parts = _api.load_checkpointables(
@@ -989,7 +987,7 @@ class Checkpointer:
         return _views.html_table(columns, rows, title=title)
 
 
-def _commit_time(step: Path | ObjectPath) -> int:
+def _commit_time(step: StoragePath) -> int:
     """The commit time the committed ``step``'s metadata records (nanoseconds since the epoch);
     where it cannot be read (a local tier of another host), this process's clock now, a moment
     after the commit."""

@@ -18,7 +18,7 @@ from typing import Any
 from milepost import _checkpoint, _storage
 from milepost.training._errors import StepBusyError, StepNamingError
 from milepost.training._naming import PLAIN, StepNaming, is_leftover_name, parse, step_of
-from milepost.workers import ObjectPath
+from milepost.workers import ObjectPath, StoragePath
 from milepost.workers import format as fmt
 
 log = logging.getLogger("milepost.training")
@@ -44,7 +44,7 @@ def is_step_of(name: str, prefixes: set[str | None]) -> bool:
 
 
 class Tier:
-    def __init__(self, path: Path | ObjectPath, lease_secs: float) -> None:
+    def __init__(self, path: StoragePath, lease_secs: float) -> None:
         self.path = path
         self.lease_secs = lease_secs
         self.naming = PLAIN
@@ -57,7 +57,7 @@ class Tier:
     def __str__(self) -> str:
         return str(self.path)
 
-    def step(self, step: int) -> Path | ObjectPath:
+    def step(self, step: int) -> StoragePath:
         return self.path / self.names.get(step, self.naming.name(step))
 
     # -- listing ------------------------------------------------------------------------

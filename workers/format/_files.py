@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from milepost.workers._paths import ObjectPath
+from milepost.workers._paths import StoragePath
 
 CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
 COMMIT_MARKER = "commit_success.txt"
@@ -54,7 +54,7 @@ def is_temporary_name(name: str) -> bool:
     return TMP_SUFFIX in name
 
 
-def write_file(path: Path | ObjectPath, data: bytes | str) -> None:
+def write_file(path: StoragePath, data: bytes | str) -> None:
     """Write ``path`` and fsync it (the directory is synced once at commit); in an object store
     the write is durable when it returns."""
     raw = data.encode() if isinstance(data, str) else data
@@ -67,7 +67,7 @@ def write_file(path: Path | ObjectPath, data: bytes | str) -> None:
         os.fsync(f.fileno())
 
 
-def write_json(path: Path | ObjectPath, obj: Any) -> None:
+def write_json(path: StoragePath, obj: Any) -> None:
     write_file(path, json.dumps(obj))
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from milepost.workers._errors import CorruptCheckpointError
 from milepost.workers._iostats import count_read, count_write
-from milepost.workers._paths import ObjectPath, as_path, context_for, kvstore
+from milepost.workers._paths import StoragePath, as_path, context_for, kvstore
 from milepost.workers._runtime import RUNTIME
 
 COPY_THREADS = 4
@@ -103,7 +103,7 @@ def _local_copier(source: Path, target: Path) -> Any:
     return copy
 
 
-def _kvstore_copier(source: Path | ObjectPath, target: Path | ObjectPath) -> Any:
+def _kvstore_copier(source: StoragePath, target: StoragePath) -> Any:
     import tensorstore as ts
 
     src = ts.KvStore.open(kvstore(source), context=context_for(source)).result()
