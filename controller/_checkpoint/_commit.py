@@ -34,7 +34,6 @@ import json
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -45,7 +44,7 @@ from milepost._checkpoint._handlers import PyTreeHandler
 from milepost._checkpoint._pytree_load import array_headers
 from milepost._storage import LocalWorkspace, ObjectWorkspace
 from milepost._tree import ValueType
-from milepost.workers import StoragePath
+from milepost.workers import StoragePath, in_object_store, is_local
 from milepost.workers import format as fmt
 
 PROCESS = workers.PROCESS_PREFIX
@@ -182,8 +181,9 @@ def read_back(tmp: StoragePath, final: StoragePath, handlers: Mapping[str, Any])
     (:func:`confirm_written`), or the save fails with :class:`~milepost.workers.LostWriteError`;
     local files are fsynced."""
     needed = [fmt.CHECKPOINT_METADATA, fmt.ORBAX_MARKER]
-    if isinstance(tmp, Path):
+    if is_local(tmp):
         return needed
+    assert in_object_store(tmp)
     tmp.keys()
     try:
         for name, h in handlers.items():

@@ -59,7 +59,7 @@ from milepost._errors import (
     CorruptCheckpointError,
     LastCheckpointableError,
 )
-from milepost.workers import ObjectPath, StoragePath, as_path
+from milepost.workers import ObjectPath, StoragePath, as_path, in_object_store, is_local
 from milepost.workers import format as fmt
 
 log = logging.getLogger("milepost")
@@ -82,10 +82,11 @@ def drop_checkpointable(final: StoragePath, name: str) -> None:
     """:func:`delete_checkpointable` in this process alone (a caller that is the primary)."""
     if not isinstance(name, str):
         raise TypeError(f"the checkpointable's name must be a str, got {type(name).__name__}")
-    if not isinstance(final, Path):
+    if in_object_store(final):
         _drop_objects(final, name)
         log.info("deleted the checkpointable %r of %s", name, final)
         return
+    assert is_local(final)
     fmt.require_checkpoint(final)
     lock = _storage.try_lock(final)
     if lock is None:

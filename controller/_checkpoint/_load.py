@@ -8,7 +8,6 @@ import contextlib
 import functools
 import os
 from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -22,7 +21,7 @@ from milepost._checkpoint._handlers import (
     resolve_for_load,
 )
 from milepost._errors import CheckpointNotFoundError, CheckpointReplacedError
-from milepost.workers import ObjectPath, StoragePath, as_path
+from milepost.workers import ObjectPath, StoragePath, as_path, in_object_store, is_local
 from milepost.workers import format as fmt
 
 
@@ -175,7 +174,7 @@ def _identity(root: StoragePath, *, fresh: bool = False) -> tuple[Any, ...]:
         with workers.fresh_reads():
             return _identity(root)
     try:
-        if isinstance(root, Path):
+        if is_local(root):
             st = os.stat(root)
             where: tuple[Any, ...] = (st.st_dev, st.st_ino)
             if not (
@@ -183,6 +182,7 @@ def _identity(root: StoragePath, *, fresh: bool = False) -> tuple[Any, ...]:
             ).is_file():  # (opening a FIFO would wait forever)
                 return (*where, "no metadata file")
         else:  # object stores: the generation of the commit marker, which every save writes anew
+            assert in_object_store(root)
             where = ((root / fmt.COMMIT_MARKER).generation(),)
         meta = workers.declared.loads(
             (root / fmt.CHECKPOINT_METADATA).read_bytes(), str(root), "it", user_data=True

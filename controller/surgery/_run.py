@@ -18,7 +18,6 @@ import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,7 +27,7 @@ from milepost._tree import ValueType, storage_name_of
 from milepost.surgery import _lazy, _relink
 from milepost.surgery._lazy import LazyArray, Op, Source, flat, nest
 from milepost.surgery._placement import Placement, fits
-from milepost.workers import ObjectPath, ShardingSpec, StoragePath, as_path, check
+from milepost.workers import ObjectPath, ShardingSpec, StoragePath, as_path, check, is_local
 from milepost.workers import format as fmt
 from milepost.workers import progress as progress_sink
 
@@ -332,11 +331,11 @@ class Job:
         )
         fast = (
             _relink.plan(self.arrays, self.shardings_given)
-            if isinstance(directory, Path) and keep_layout and self.relink
+            if is_local(directory) and keep_layout and self.relink
             else None
         )
         if fast is not None:
-            assert isinstance(directory, Path)  # (relinked only on local disks: above)
+            assert is_local(directory)  # (relinked only on local disks: above)
             ck, renames = fast
             timeout = call.options.async_.timeout_secs
             _hosts.shared(

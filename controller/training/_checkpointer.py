@@ -54,7 +54,7 @@ from milepost.training._retention import Retention, step_infos
 from milepost.training._state import StepState, check_step, plain_metrics
 from milepost.training._tier import Tier
 from milepost.training.peers import PeerTier, PeerTierRunner, Recovery
-from milepost.workers import ObjectPath, StoragePath, as_path
+from milepost.workers import ObjectPath, StoragePath, as_path, is_local
 from milepost.workers import format as fmt
 
 log = logging.getLogger("milepost.training")
@@ -195,7 +195,7 @@ class Checkpointer:
     def _check_tiers_apart(self) -> None:
         """The local tier and the root are different folders, neither inside the other; checked
         before any tier, thread or listing is made, so a refused Checkpointer leaves nothing."""
-        if self.local is not None and isinstance(self.root, Path):
+        if self.local is not None and is_local(self.root):
             if (
                 self.local == self.root
                 or self.root in self.local.parents

@@ -23,7 +23,7 @@ from typing import Any
 
 from milepost.workers import _declared as declared
 from milepost.workers._errors import CheckpointNotFoundError, CorruptCheckpointError
-from milepost.workers._paths import ObjectPath, StoragePath
+from milepost.workers._paths import ObjectPath, StoragePath, in_object_store, is_local, relative_key
 from milepost.workers._runtime import RUNTIME
 from milepost.workers.format._checksum import crc32c
 from milepost.workers.format._files import CHECKSUMS, OCDBT_MANIFEST, OWNER_FILE, write_file
@@ -148,8 +148,9 @@ class Checksums:
 
     @staticmethod
     def compute(root: StoragePath) -> Checksums:
-        if not isinstance(root, Path):
+        if in_object_store(root):
             return Checksums._compute_objects(root)
+        assert is_local(root)
         files: dict[str, tuple[int, int]] = {}
         crc32: dict[str, int] = {}
         for key in _files_to_check(root):
@@ -249,11 +250,7 @@ class Checksums:
 
     def _key(self, path: StoragePath) -> str:
         """``path`` relative to ``root``, as files are recorded (ValueError if not inside)."""
-        if isinstance(path, Path) and isinstance(self.root, Path):
-            return path.relative_to(self.root).as_posix()
-        if isinstance(path, ObjectPath) and isinstance(self.root, ObjectPath):
-            return path.relative_to(self.root).as_posix()
-        raise ValueError(f"{path} is not inside {self.root}")
+        return relative_key(path, self.root)
 
     def lists(self, path: StoragePath) -> bool:
         try:
@@ -326,8 +323,9 @@ def check_contained(root: StoragePath) -> None:
     files that are not the checkpoint's), or with an entry that is neither a file nor a folder
     (a FIFO would block a read forever). Symlinks that stay inside are fine (object stores have
     none)."""
-    if not isinstance(root, Path):
+    if in_object_store(root):
         return
+    assert is_local(root)
     top = root.resolve()
     # Every load runs this over the whole checkpoint (each host's databases and data files):
     # the entries' types come from the directory listings, with no stat per entry.

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from milepost.workers._paths import StoragePath
+from milepost.workers._paths import StoragePath, is_local
 
 CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
 COMMIT_MARKER = "commit_success.txt"
@@ -58,13 +58,13 @@ def write_file(path: StoragePath, data: bytes | str) -> None:
     """Write ``path`` and fsync it (the directory is synced once at commit); in an object store
     the write is durable when it returns."""
     raw = data.encode() if isinstance(data, str) else data
-    if not isinstance(path, Path):
-        path.write_bytes(raw)
+    if is_local(path):
+        with open(path, "wb") as f:
+            f.write(raw)
+            f.flush()
+            os.fsync(f.fileno())
         return
-    with open(path, "wb") as f:
-        f.write(raw)
-        f.flush()
-        os.fsync(f.fileno())
+    path.write_bytes(raw)
 
 
 def write_json(path: StoragePath, obj: Any) -> None:

@@ -19,12 +19,11 @@ exist; ``item_handlers`` says which handler wrote each.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from milepost.workers import _declared as declared
 from milepost.workers._errors import CheckpointNotFoundError, CorruptCheckpointError
-from milepost.workers._paths import StoragePath
+from milepost.workers._paths import StoragePath, in_object_store, is_local
 from milepost.workers.format._file_checksums import read_json_object
 from milepost.workers.format._files import (
     CHECKPOINT_METADATA,
@@ -88,11 +87,12 @@ def folders_of(path: StoragePath) -> dict[str, frozenset[str]]:
     """The folders directly in ``path`` whose names can be checkpointables', each with the names
     of the files directly in it: one listing on an object store, one per folder locally."""
     out: dict[str, set[str]] = {}
-    if isinstance(path, Path):
+    if is_local(path):
         for p in path.iterdir():
             if unsafe_item_name(p.name) is None and p.is_dir():
                 out[p.name] = {f.name for f in p.iterdir() if f.is_file()}
     else:
+        assert in_object_store(path)
         for key in path.keys():
             head, sep, rest = key.partition("/")
             if sep and unsafe_item_name(head) is None:
@@ -151,7 +151,7 @@ def _is_unlisted_composite(path: StoragePath) -> bool:
     files of its own that a checkpoint or a checkpointable has, and item folders."""
     if any((path / name).exists() for name in (TREE_METADATA, CHECKSUMS, ORBAX_MARKER)):
         return False  # a tree's own folder, or a checkpoint of milepost or v1 (which have one)
-    if isinstance(path, Path) and (path.parent / CHECKPOINT_METADATA).is_file():
+    if is_local(path) and (path.parent / CHECKPOINT_METADATA).is_file():
         return False  # a checkpointable folder of a checkpoint, not a checkpoint
     folders = folders_of(path)
     # (a folder of a handler milepost does not know is an item too; a folder of steps is not)
@@ -180,7 +180,7 @@ def is_committed(path: StoragePath) -> bool:
             or _is_bare_v0(path)
             or _is_unlisted_composite(path)
         )
-    if not isinstance(path, Path) or (path / CHECKSUMS).exists():
+    if in_object_store(path) or (path / CHECKSUMS).exists():
         return False  # an object store, or milepost's own: the marker is how they commit
     meta = _own_metadata(path)
     return _holds_checkpoint(path, meta) and not _commit_unrecorded(meta)
@@ -190,7 +190,7 @@ def is_foreign_unfinished(path: StoragePath) -> bool:
     """A local folder at a final name holding another program's checkpoint files whose save has
     not finished (Orbax's commit-file mode writes so): not loadable, and not milepost's to
     remove either (its writer may still be at work)."""
-    if not isinstance(path, Path) or is_temporary_name(path.name) or not path.is_dir():
+    if in_object_store(path) or is_temporary_name(path.name) or not path.is_dir():
         return False
     if (path / COMMIT_MARKER).is_file() or (path / CHECKSUMS).exists():
         return False
