@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from milepost import _checkpoint, _hosts, _progress, _readers
 from milepost._checkpoint import CheckpointMetadata, LoadHandle, SaveHandle
-from milepost.workers import ObjectPath, as_path
+from milepost.workers import ObjectPath, StoragePath, as_path
 
 PathLike = str | os.PathLike[str] | ObjectPath
 STATE = _readers.STATE
@@ -21,7 +20,7 @@ def save(
     *,
     overwrite: bool = False,
     custom_metadata: Mapping[str, Any] | None = None,
-) -> Path | ObjectPath:
+) -> StoragePath:
     """Save a tree of arrays, scalars and strings to ``path``; returns once it is committed.
 
     ``state`` is any pytree (dicts, lists, tuples, dataclasses registered with JAX) of
@@ -67,7 +66,7 @@ def save_checkpointables(
     overwrite: bool = False,
     custom_metadata: Mapping[str, Any] | None = None,
     metrics: Mapping[str, Any] | None = None,
-) -> Path | ObjectPath:
+) -> StoragePath:
     """Save several separable checkpointables, each in its own folder of one checkpoint.
 
     Each value of ``checkpointables`` goes to a handler (a pytree, a JSON-able value, a
@@ -221,7 +220,7 @@ def load_checkpointables_async(
     )
 
 
-def _load_path(path: Any, call: str) -> Path | ObjectPath:
+def _load_path(path: Any, call: str) -> StoragePath:
     """``path`` of a background load, checked on the caller's thread."""
     if not isinstance(path, str | os.PathLike | ObjectPath):
         surgery = " (a milepost.surgery tree loads with milepost.load)"

@@ -19,7 +19,7 @@ from typing import Any
 from milepost import _hosts, _options, _storage, workers
 from milepost._errors import CorruptCheckpointError
 from milepost.colocated import HostGroup, Slice
-from milepost.workers import ObjectPath, as_path, check
+from milepost.workers import ObjectPath, StoragePath, as_path, check, in_object_store, is_local
 from milepost.workers import format as fmt
 
 
@@ -27,7 +27,7 @@ from milepost.workers import format as fmt
 class CopyReport:
     """What :func:`copy` did: the committed target, and the files and bytes each host copied."""
 
-    path: Path | ObjectPath
+    path: StoragePath
     """The committed copy."""
     files: int
     """Files copied."""
@@ -128,11 +128,11 @@ def copy_with(
     )
 
 
-def _list(src: Path | ObjectPath) -> tuple[list[str], list[str]]:
+def _list(src: StoragePath) -> tuple[list[str], list[str]]:
     """The files of the committed checkpoint ``src`` but its commit marker (relative names), and
     its checkpointable folders."""
     fmt.require_checkpoint(src)
-    if isinstance(src, Path):
+    if is_local(src):  # (refusing symlinks, which object stores do not have)
         names: list[str] = []
         for dirpath, dirnames, filenames in os.walk(src):
             for entry in dirnames + filenames:
@@ -143,6 +143,7 @@ def _list(src: Path | ObjectPath) -> tuple[list[str], list[str]]:
                     )
             names.extend(Path(dirpath, f).relative_to(src).as_posix() for f in filenames)
     else:
+        assert in_object_store(src)
         names = src.keys()
     files = sorted(n for n in names if n != fmt.COMMIT_MARKER)
     items = sorted({n.split("/", 1)[0] for n in files if "/" in n})

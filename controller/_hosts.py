@@ -12,7 +12,7 @@ import jax
 
 from milepost.colocated import HostGroup, LocalHostGroup, MultiControllerHostGroup
 from milepost.colocated import default_group as _multi_controller_group
-from milepost.workers import ObjectPath, as_path
+from milepost.workers import as_path, in_object_store
 
 T = TypeVar("T")
 
@@ -83,7 +83,7 @@ def check_storage(group: HostGroup, where: Any) -> HostGroup:
     place = as_path(where)
     if (
         not isinstance(group, LocalHostGroup)
-        and isinstance(place, ObjectPath)
+        and in_object_store(place)
         and place.scheme == "memory"
     ):
         raise ValueError(

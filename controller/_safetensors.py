@@ -30,7 +30,7 @@ from milepost._errors import (
 )
 from milepost._tree import PLACEHOLDER
 from milepost.colocated import HostGroup, Slice
-from milepost.workers import ObjectPath, as_path, check
+from milepost.workers import ObjectPath, StoragePath, as_path, check
 from milepost.workers import format as fmt
 from milepost.workers import progress as workers_progress
 
@@ -405,7 +405,7 @@ _Tensors = list[tuple[str, workers.LoadTask]]
 
 
 def _plan(
-    root: Path | ObjectPath,
+    root: StoragePath,
     out: Path,
     staging: Path,
     subtree: str | None,
@@ -447,7 +447,7 @@ def _plan(
 
 
 def _chosen_leaves(
-    root: Path | ObjectPath, files: fmt.TreeFiles, subtree: str | None, prefix: str
+    root: StoragePath, files: fmt.TreeFiles, subtree: str | None, prefix: str
 ) -> tuple[list[str], tuple[str, ...]]:
     """The array leaves under ``prefix`` (exported) and the other leaves there (skipped, named in
     the summary); a ``subtree`` with no arrays is an error."""
@@ -467,7 +467,7 @@ def _chosen_leaves(
 
 
 def _tensor_tasks(
-    directory: Path | ObjectPath, files: fmt.TreeFiles, chosen: list[str], prefix: str
+    directory: StoragePath, files: fmt.TreeFiles, chosen: list[str], prefix: str
 ) -> _Tensors:
     """A whole-array read for each chosen leaf, named without ``prefix``, in tree order; a leaf
     safetensors cannot hold (PRNG keys, an unsupported dtype) is refused, naming it."""

@@ -13,14 +13,13 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from milepost import _checkpoint, _hosts, _options, _progress, workers
 from milepost._errors import CheckpointNotFoundError
 from milepost._tree import ValueType
 from milepost.colocated import Slice
-from milepost.workers import ObjectPath, as_path
+from milepost.workers import ObjectPath, StoragePath, as_path
 from milepost.workers import format as fmt
 
 
@@ -28,7 +27,7 @@ from milepost.workers import format as fmt
 class VerifyReport:
     """What ``milepost.verify`` checked and what it found wrong; true when sound."""
 
-    path: Path | ObjectPath
+    path: StoragePath
     """The checkpoint checked."""
     problems: tuple[str, ...]
     """Each thing found wrong, one line each; empty when sound."""
@@ -114,7 +113,7 @@ class _Planned:
     """Bytes of every array's chunks (what the hosts read)."""
 
 
-def _plan(root: Path | ObjectPath, processes: Any, options: _options.Options) -> _Planned:
+def _plan(root: StoragePath, processes: Any, options: _options.Options) -> _Planned:
     """On the primary: check files and metadata, and share out the chunks among ``processes``."""
     fmt.require_checkpoint(root)
     out = _Planned()
@@ -171,7 +170,7 @@ shards; a smaller one by one host (the one given the fewest bytes so far)."""
 
 
 def _plan_tree(
-    directory: Path | ObjectPath, processes: Any, options: _options.Options, out: _Planned
+    directory: StoragePath, processes: Any, options: _options.Options, out: _Planned
 ) -> None:
     try:
         files = fmt.read_tree(directory)

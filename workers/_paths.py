@@ -3,7 +3,9 @@
 A path is parsed once from what the user passed (:func:`as_path`): a local folder (or
 ``file://``) is a ``pathlib.Path``; ``gs://``, ``s3://`` and ``memory://`` are an
 :class:`ObjectPath`. Any other scheme is an :class:`UnknownStorageError` before anything is
-written (a URL is never mistaken for a local path).
+written (a URL is never mistaken for a local path). :data:`StoragePath` names the two; where
+they differ, code asks :func:`is_local` or :func:`in_object_store` (and :func:`kvstore`,
+:func:`relative_key` do one job for both).
 
 ``ObjectPath`` has the part of ``pathlib.Path``'s interface milepost uses on checkpoints
 (``/``, ``name``, ``parent``, ``exists``, ``is_dir``, ``read_bytes``, ``write_bytes``,
@@ -43,7 +45,7 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, TypeGuard
 
 import tensorstore as ts
 
@@ -86,7 +88,7 @@ class UnknownStorageError(ValueError):
     """A path names a storage milepost does not write to (or cannot reach)."""
 
 
-def as_path(path: str | os.PathLike[str] | ObjectPath) -> Path | ObjectPath:
+def as_path(path: str | os.PathLike[str] | ObjectPath) -> StoragePath:
     """The path ``path`` names (a ``str``, ``os.PathLike`` or ``ObjectPath``): an absolute
     ``Path`` for local folders, else an :class:`ObjectPath`. An unknown scheme is an
     :class:`UnknownStorageError` (a ``ValueError``) before anything is written."""
@@ -126,17 +128,37 @@ def as_path(path: str | os.PathLike[str] | ObjectPath) -> Path | ObjectPath:
     return ObjectPath(scheme, bucket, key.strip("/"))
 
 
-def is_local(path: str | os.PathLike[str] | ObjectPath) -> bool:
-    """Whether ``path`` (as :func:`as_path` reads it) is a local folder."""
-    return isinstance(as_path(path), Path)
+def is_local(path: StoragePath) -> TypeGuard[Path]:
+    """Whether ``path`` is a local folder (else :func:`in_object_store`). A ``str`` or
+    ``os.PathLike`` is read as :func:`as_path` reads it. Code asks this, not ``isinstance``:
+    the question is where the checkpoint lives."""
+    return isinstance(path, Path) or isinstance(as_path(path), Path)
+
+
+def in_object_store(path: StoragePath) -> TypeGuard[ObjectPath]:
+    """Whether ``path`` lies in an object store (an :class:`ObjectPath`): ``not``
+    :func:`is_local`, asked where the code that follows needs the object store's side (a
+    ``TypeGuard`` narrows the type only where it holds)."""
+    return not is_local(path)
 
 
 def kvstore(path: str | os.PathLike[str] | ObjectPath) -> dict[str, Any]:
     """The TensorStore kvstore spec of the folder ``path`` (its keys are the names below it)."""
     where = as_path(path)
-    if isinstance(where, Path):
-        return {"driver": "file", "path": str(where).rstrip("/") + "/"}
-    return where.kvstore()
+    if in_object_store(where):
+        return where.kvstore()
+    return {"driver": "file", "path": str(where).rstrip("/") + "/"}
+
+
+def relative_key(path: StoragePath, root: StoragePath) -> str:
+    """``path`` below the folder ``root``, as a '/'-separated name (how checkpoints record their
+    files); ValueError when it is not inside (a local path is never inside an object store's
+    folder, nor the reverse)."""
+    if is_local(path) and is_local(root):
+        return path.relative_to(root).as_posix()
+    if in_object_store(path) and in_object_store(root):
+        return path.relative_to(root).as_posix()
+    raise ValueError(f"{path} is not inside {root}")
 
 
 @functools.cache
@@ -149,7 +171,7 @@ def context_for(path: str | os.PathLike[str] | ObjectPath, **resources: Any) -> 
     """A TensorStore context for I/O at ``path``: the shared one for ``memory://``; for
     ``gs://`` and ``s3://`` with this process's retry policy (``_requests``)."""
     where = as_path(path)
-    if isinstance(where, ObjectPath):
+    if in_object_store(where):
         if where.scheme == "memory":
             return memory_context()
         policy = _requests.start_transport()
@@ -497,4 +519,5 @@ class ObjectPath:
 
 
 StoragePath = Path | ObjectPath
-"""What :func:`as_path` returns: a local folder or a path in an object store."""
+"""Where a checkpoint lives: a local folder (a ``pathlib.Path``) or a path in an object store
+(an :class:`ObjectPath`), as :func:`as_path` returns it. Code names this type, not the two."""

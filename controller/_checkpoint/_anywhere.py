@@ -21,11 +21,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from pathlib import Path
 from typing import Any
 
 from milepost._errors import StructureMismatchError
-from milepost.workers import CorruptCheckpointError, ObjectPath, ShardingSpec
+from milepost.workers import CorruptCheckpointError, ShardingSpec, StoragePath
 from milepost.workers import format as fmt
 
 log = logging.getLogger("milepost")
@@ -36,7 +35,7 @@ _ADVICE = "pass an abstract tree to choose the placement"
 class SavedShardings:
     """The saved shardings of one load, placed on the group's devices (see the module)."""
 
-    def __init__(self, files: fmt.TreeFiles, group: Any, directory: Path | ObjectPath) -> None:
+    def __init__(self, files: fmt.TreeFiles, group: Any, directory: StoragePath) -> None:
         self._files = files
         self._group = group
         self._directory = directory

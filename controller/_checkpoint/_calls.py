@@ -7,12 +7,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from milepost._options import Options
 from milepost.colocated import HostGroup
-from milepost.workers import ObjectPath, PendingWrite, SaveAck
+from milepost.workers import PendingWrite, SaveAck, StoragePath
 from milepost.workers import format as fmt
 
 
@@ -53,7 +52,7 @@ class WrittenTree:
     its format files and merges its databases (``_commit``): ``files`` describe it, ``acks``
     are every writer's."""
 
-    directory: Path | ObjectPath
+    directory: StoragePath
     files: fmt.TreeFiles
     acks: list[SaveAck]
 

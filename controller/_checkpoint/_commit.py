@@ -34,7 +34,6 @@ import json
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -45,7 +44,7 @@ from milepost._checkpoint._handlers import PyTreeHandler
 from milepost._checkpoint._pytree_load import array_headers
 from milepost._storage import LocalWorkspace, ObjectWorkspace
 from milepost._tree import ValueType
-from milepost.workers import ObjectPath
+from milepost.workers import StoragePath, in_object_store, is_local
 from milepost.workers import format as fmt
 
 PROCESS = fmt.PROCESS_PREFIX
@@ -60,8 +59,8 @@ def _as_is(error: Exception) -> Exception:
 
 
 def commit(
-    tmp: Path | ObjectPath,
-    final: Path | ObjectPath,
+    tmp: StoragePath,
+    final: StoragePath,
     handlers: Mapping[str, Any],
     init_ns: int,
     custom_json: str,
@@ -128,7 +127,7 @@ def merge(tree: WrittenTree) -> None:
         fmt.confirm_files(tree.directory, _chunk_files(tree.acks))
 
 
-def confirm_databases(directory: Path | ObjectPath, acks: list[workers.SaveAck]) -> None:
+def confirm_databases(directory: StoragePath, acks: list[workers.SaveAck]) -> None:
     """The manifest of every database the hosts say they wrote chunks into is there, before
     the merge (one whose manifest was lost would merge as an empty database): a listing of its
     own, as the merge's readers are TensorStore's and any caller's (tests wrap it)."""
@@ -153,7 +152,7 @@ def _chunk_files(acks: list[workers.SaveAck]) -> dict[str, int]:
 
 
 def own_files(
-    tmp: Path | ObjectPath,
+    tmp: StoragePath,
     handlers: Mapping[str, Any],
     init_ns: int,
     custom_json: str,
@@ -175,17 +174,16 @@ def own_files(
     )
 
 
-def read_back(
-    tmp: Path | ObjectPath, final: Path | ObjectPath, handlers: Mapping[str, Any]
-) -> list[str]:
+def read_back(tmp: StoragePath, final: StoragePath, handlers: Mapping[str, Any]) -> list[str]:
     """Phase 5: the files (relative to ``tmp``) the checkpoint must have to load, which
     :func:`publish` confirms are listed by the checksums. On an object store, which may
     acknowledge a write it did not keep, each pytree is read back through its root view first
     (:func:`confirm_written`), or the save fails with :class:`~milepost.workers.LostWriteError`;
     local files are fsynced."""
     needed = [fmt.CHECKPOINT_METADATA, fmt.ORBAX_MARKER]
-    if isinstance(tmp, Path):
+    if is_local(tmp):
         return needed
+    assert in_object_store(tmp)
     tmp.keys()
     try:
         for name, h in handlers.items():
@@ -203,7 +201,7 @@ def read_back(
     return needed
 
 
-def confirm_written(directory: Path | ObjectPath) -> list[str]:
+def confirm_written(directory: StoragePath) -> list[str]:
     """The files (relative to ``directory``) a saved tree must have to load (``_METADATA``, and
     by what it records ``_milepost.json``, ``_strings.json``, the OCDBT manifest); and every
     array's header read through the root view, so the manifest and B-tree the merge wrote are
@@ -223,13 +221,13 @@ def confirm_written(directory: Path | ObjectPath) -> list[str]:
     return needed
 
 
-def checksums(tmp: Path | ObjectPath) -> fmt.Checksums:
+def checksums(tmp: StoragePath) -> fmt.Checksums:
     """Phase 6: ``_milepost_checksums.json``, of every file but array chunks (they carry
     theirs), computed (the caller writes it once its reads are done)."""
     return fmt.Checksums.compute(tmp)
 
 
-def marker(tmp: Path | ObjectPath, final: Path | ObjectPath, mark: Callable[[], None]) -> None:
+def marker(tmp: StoragePath, final: StoragePath, mark: Callable[[], None]) -> None:
     """Phase 7: the commit marker, last; ``mark()`` right before it (it raises if the save was
     abandoned, and from then on no exit or cancel can abandon it)."""
     mark()

@@ -24,7 +24,6 @@ import json
 import re
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from milepost import _hosts
@@ -35,7 +34,7 @@ from milepost._errors import (
     StructureMismatchError,
 )
 from milepost.colocated import HostGroup
-from milepost.workers import ObjectPath, PendingWrite
+from milepost.workers import PendingWrite, StoragePath
 from milepost.workers import format as fmt
 
 _STATE_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")
@@ -88,7 +87,7 @@ class _StateWrite:
 
     def __init__(
         self,
-        directory: Path | ObjectPath,
+        directory: StoragePath,
         raw: bytes,
         group: HostGroup,
         timeout: float,
@@ -157,20 +156,18 @@ class DataIteratorHandler:
         """Whether ``obj`` is a :class:`DataIterator` (it saves through ``get_state``)."""
         return isinstance(obj, DataIterator)
 
-    def save(self, directory: Path | ObjectPath, obj: Any, call: SaveCall) -> PendingWrite[None]:
+    def save(self, directory: StoragePath, obj: Any, call: SaveCall) -> PendingWrite[None]:
         """Take the iterator's state now, in the blocking part; write it in the background, one
         JSON file per controller process."""
         raw = state_text(obj, directory.name)
         return _StateWrite(directory, raw, call.group, call.options.async_.timeout_secs)
 
-    def load(self, directory: Path | ObjectPath, abstract: Any, call: LoadCall) -> Any:
+    def load(self, directory: StoragePath, abstract: Any, call: LoadCall) -> Any:
         """Restore the saved state into ``abstract``, the iterator to restore, in place; a
         TypeError says what to pass when it is not one."""
         return self.prepare(directory, abstract, call)()
 
-    def prepare(
-        self, directory: Path | ObjectPath, abstract: Any, call: LoadCall
-    ) -> Callable[[], Any]:
+    def prepare(self, directory: StoragePath, abstract: Any, call: LoadCall) -> Callable[[], Any]:
         """Read and check this process's state file now; the function returned restores the
         iterator in place (the loader calls it once the whole checkpoint is known good)."""
         if not isinstance(abstract, DataIterator):
@@ -209,13 +206,13 @@ class DataIteratorHandler:
 
         return restore
 
-    def metadata(self, directory: Path | ObjectPath) -> Any:
+    def metadata(self, directory: StoragePath) -> Any:
         """How many processes saved their iterator's state (one file each)."""
         counts = sorted(_saved_counts(directory))
         return {"processes": counts[0] if len(counts) == 1 else counts}
 
 
-def _check_files(directory: Path | ObjectPath, count: int) -> None:
+def _check_files(directory: StoragePath, count: int) -> None:
     """On the primary, before any process reads: the folder has the file of every one of the
     ``count`` processes, or say why not (saved by a job of another size, or damaged)."""
     names = _names(directory)
@@ -239,14 +236,14 @@ def _check_files(directory: Path | ObjectPath, count: int) -> None:
     )
 
 
-def _names(directory: Path | ObjectPath) -> set[str]:
+def _names(directory: StoragePath) -> set[str]:
     try:
         return {p.name for p in directory.iterdir()}
     except FileNotFoundError:
         return set()
 
 
-def _saved_counts(directory: Path | ObjectPath, names: set[str] | None = None) -> set[int]:
+def _saved_counts(directory: StoragePath, names: set[str] | None = None) -> set[int]:
     """The process counts of the state files in ``directory`` (one, unless damaged)."""
     found = _names(directory) if names is None else names
     return {int(m[2]) for n in found if (m := _STATE_FILE.fullmatch(n))}

@@ -59,7 +59,7 @@ from milepost._errors import (
     CorruptCheckpointError,
     LastCheckpointableError,
 )
-from milepost.workers import ObjectPath, as_path
+from milepost.workers import ObjectPath, StoragePath, as_path, in_object_store, is_local
 from milepost.workers import format as fmt
 
 log = logging.getLogger("milepost")
@@ -78,14 +78,15 @@ def delete_checkpointable(path: Any, name: str) -> None:
     _hosts.shared(group, what, lambda: drop_checkpointable(final, name), timeout)
 
 
-def drop_checkpointable(final: Path | ObjectPath, name: str) -> None:
+def drop_checkpointable(final: StoragePath, name: str) -> None:
     """:func:`delete_checkpointable` in this process alone (a caller that is the primary)."""
     if not isinstance(name, str):
         raise TypeError(f"the checkpointable's name must be a str, got {type(name).__name__}")
-    if not isinstance(final, Path):
+    if in_object_store(final):
         _drop_objects(final, name)
         log.info("deleted the checkpointable %r of %s", name, final)
         return
+    assert is_local(final)
     fmt.require_checkpoint(final)
     lock = _storage.try_lock(final)
     if lock is None:
@@ -117,9 +118,7 @@ def drop_checkpointable(final: Path | ObjectPath, name: str) -> None:
     log.info("deleted the checkpointable %r of %s", name, final)
 
 
-def _check_deletable(
-    final: Path | ObjectPath, name: str, names: list[str], meta: dict[str, Any]
-) -> None:
+def _check_deletable(final: StoragePath, name: str, names: list[str], meta: dict[str, Any]) -> None:
     if name not in names:
         raise CheckpointableNotFoundError(
             final,
@@ -162,7 +161,7 @@ def _fill(
     _without(old, tmp, name, raw).write()
 
 
-def _without(old: fmt.Checksums, root: Path | ObjectPath, name: str, raw: bytes) -> fmt.Checksums:
+def _without(old: fmt.Checksums, root: StoragePath, name: str, raw: bytes) -> fmt.Checksums:
     """The checksums ``old`` for ``root``, without the files of ``name`` and with the new
     ``_CHECKPOINT_METADATA`` (``raw``)."""
     gone = f"{name}/"

@@ -13,14 +13,13 @@ import inspect
 import json
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from milepost import _hosts
 from milepost._checkpoint import _pytree_load, _pytree_save
 from milepost._checkpoint._calls import Deferred, LoadCall, SaveCall, as_pending
 from milepost._checkpoint._data_iterator import DataIterator, DataIteratorHandler
-from milepost.workers import ObjectPath, PendingWrite
+from milepost.workers import PendingWrite, StoragePath
 from milepost.workers import format as fmt
 
 
@@ -65,7 +64,7 @@ class CheckpointableHandler(Protocol):
         ...
 
     def save(
-        self, directory: Path | ObjectPath, obj: Any, call: SaveCall
+        self, directory: StoragePath, obj: Any, call: SaveCall
     ) -> PendingWrite[Any] | Callable[[], Any] | None:
         """Do the blocking part (validate, snapshot or stage the data) and return what is left
         to run in the background, if anything: a :class:`~milepost.workers.PendingWrite` for
@@ -73,11 +72,11 @@ class CheckpointableHandler(Protocol):
         runs it. ``directory`` exists; write only inside it."""
         ...
 
-    def load(self, directory: Path | ObjectPath, abstract: Any, call: LoadCall) -> Any:
+    def load(self, directory: StoragePath, abstract: Any, call: LoadCall) -> Any:
         """The object saved in ``directory``, shaped as ``abstract`` (None: as saved)."""
         ...
 
-    def metadata(self, directory: Path | ObjectPath) -> Any:
+    def metadata(self, directory: StoragePath) -> Any:
         """What the part holds, without reading its bulk data (None: nothing to say)."""
         ...
 
@@ -86,11 +85,11 @@ class CheckpointableHandler(Protocol):
 class StatefulCheckpointable(Protocol):
     """An object that saves and restores itself (a data iterator's position, an RNG...)."""
 
-    def save(self, directory: Path | ObjectPath) -> Callable[[], None] | None:
+    def save(self, directory: StoragePath) -> Callable[[], None] | None:
         """Write (or snapshot) own state into ``directory``; may return a background part."""
         ...
 
-    def load(self, directory: Path | ObjectPath) -> None:
+    def load(self, directory: StoragePath) -> None:
         """Restore own state from ``directory`` in place."""
         ...
 
@@ -122,17 +121,17 @@ class PyTreeHandler:
         """Every object but a :class:`StatefulCheckpointable`: the handler of last resort."""
         return not isinstance(obj, StatefulCheckpointable)
 
-    def save(self, directory: Path | ObjectPath, obj: Any, call: SaveCall) -> PendingWrite[Any]:
+    def save(self, directory: StoragePath, obj: Any, call: SaveCall) -> PendingWrite[Any]:
         """Plan the tree's writes over its host group and stage them; the hosts write in the
         background (its ``wait`` hands the commit what the tree's format files record)."""
         planned = _pytree_save.plan_tree(obj, call.options.saving, call.group)
         return _pytree_save.stage_tree(planned, directory, call)
 
-    def load(self, directory: Path | ObjectPath, abstract: Any, call: LoadCall) -> Any:
+    def load(self, directory: StoragePath, abstract: Any, call: LoadCall) -> Any:
         """The tree, shaped and sharded as ``abstract`` (None: as saved)."""
         return _pytree_load.load(directory, abstract, call)
 
-    def metadata(self, directory: Path | ObjectPath) -> Any:
+    def metadata(self, directory: StoragePath) -> Any:
         """The tree of :class:`LeafMetadata`, read from the checkpoint's metadata files only."""
         return _pytree_load.tree_metadata(directory)
 
@@ -153,9 +152,7 @@ class JsonHandler:
             return False
         return True
 
-    def save(
-        self, directory: Path | ObjectPath, obj: Any, call: SaveCall
-    ) -> PendingWrite[Any] | None:
+    def save(self, directory: StoragePath, obj: Any, call: SaveCall) -> PendingWrite[Any] | None:
         """Serialize ``obj`` now (later changes to it are not saved); the primary process writes
         it in the background."""
         try:
@@ -168,7 +165,7 @@ class JsonHandler:
             return None
         return Deferred(lambda: fmt.write_file(directory / self.filename, text))
 
-    def load(self, directory: Path | ObjectPath, abstract: Any, call: LoadCall) -> Any:
+    def load(self, directory: StoragePath, abstract: Any, call: LoadCall) -> Any:
         """The saved object, read once on the primary and shared with every controller process."""
         # read once, on the primary, for every controller process
         timeout = call.options.async_.timeout_secs
@@ -176,7 +173,7 @@ class JsonHandler:
             call.group, f"json:{directory}", lambda: self._read(directory), timeout
         )
 
-    def _read(self, directory: Path | ObjectPath) -> Any:
+    def _read(self, directory: StoragePath) -> Any:
         for name in (self.filename, "metadata"):
             if (directory / name).exists():
                 return fmt.read_json(directory / name, "JSON checkpointable", user_data=True)
@@ -184,7 +181,7 @@ class JsonHandler:
             f"{directory} has no {self.filename}: it was not saved by a JSON handler"
         )
 
-    def metadata(self, directory: Path | ObjectPath) -> Any:
+    def metadata(self, directory: StoragePath) -> Any:
         """The saved object itself, read from its file."""
         return self._read(directory)
 
@@ -195,14 +192,12 @@ class StatefulHandler:
     def is_handleable(self, obj: Any) -> bool:
         return saves_itself(obj)
 
-    def save(
-        self, directory: Path | ObjectPath, obj: Any, call: SaveCall
-    ) -> PendingWrite[Any] | None:
+    def save(self, directory: StoragePath, obj: Any, call: SaveCall) -> PendingWrite[Any] | None:
         if not call.group.is_primary():
             return None
         return as_pending(obj.save(directory))
 
-    def load(self, directory: Path | ObjectPath, abstract: Any, call: LoadCall) -> Any:
+    def load(self, directory: StoragePath, abstract: Any, call: LoadCall) -> Any:
         if abstract is None or not saves_itself(abstract):
             raise TypeError(
                 f"{directory.name!r} was saved by a StatefulCheckpointable; pass the object to "
@@ -211,7 +206,7 @@ class StatefulHandler:
         abstract.load(directory)
         return abstract
 
-    def metadata(self, directory: Path | ObjectPath) -> Any:
+    def metadata(self, directory: StoragePath) -> Any:
         return None
 
 

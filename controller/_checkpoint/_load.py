@@ -8,7 +8,6 @@ import contextlib
 import functools
 import os
 from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -22,7 +21,7 @@ from milepost._checkpoint._handlers import (
     resolve_for_load,
 )
 from milepost._errors import CheckpointNotFoundError, CheckpointReplacedError
-from milepost.workers import ObjectPath, as_path
+from milepost.workers import ObjectPath, StoragePath, as_path, in_object_store, is_local
 from milepost.workers import format as fmt
 
 
@@ -107,7 +106,7 @@ def load_checkpointables(
 
 
 @contextlib.contextmanager
-def _replaced_on_error(root: Path | ObjectPath, identity: tuple[Any, ...]) -> Iterator[None]:
+def _replaced_on_error(root: StoragePath, identity: tuple[Any, ...]) -> Iterator[None]:
     """A failure inside is CheckpointReplacedError when the checkpoint changed meanwhile (this
     process's own look: the other processes may not be here)."""
     try:
@@ -120,7 +119,7 @@ def _replaced_on_error(root: Path | ObjectPath, identity: tuple[Any, ...]) -> It
 
 def _check_unchanged(
     group: Any,
-    root: Path | ObjectPath,
+    root: StoragePath,
     identity: tuple[Any, ...],
     timeout: float,
     when: str = "",
@@ -132,9 +131,7 @@ def _check_unchanged(
         raise _replaced(root)
 
 
-def _check_own_files(
-    folder: Path | ObjectPath, handler: Any, checksums: fmt.Checksums | None
-) -> None:
+def _check_own_files(folder: StoragePath, handler: Any, checksums: fmt.Checksums | None) -> None:
     """A handler that reads its files itself (not the built-in pytree or JSON ones, which check
     what they read) gets its folder only once every committed file in it is checked."""
     if checksums is not None and not isinstance(handler, PyTreeHandler | JsonHandler):
@@ -142,7 +139,7 @@ def _check_own_files(
 
 
 @contextlib.contextmanager
-def unchanged(root: Path | ObjectPath, *, after: bool = True) -> Iterator[None]:
+def unchanged(root: StoragePath, *, after: bool = True) -> Iterator[None]:
     """Raise CheckpointReplacedError if the checkpoint at ``root`` was replaced or deleted while
     the block ran (whatever the block raised then: it may have read parts of two checkpoints).
     ``after=False``: only when the block raised (the caller checks once it is done)."""
@@ -158,7 +155,7 @@ def unchanged(root: Path | ObjectPath, *, after: bool = True) -> Iterator[None]:
 
 
 def read_checkpointables(
-    root: Path | ObjectPath,
+    root: StoragePath,
 ) -> tuple[dict[str, Any], dict[str, fmt.Item], tuple[Any, ...], fmt.Checksums | None]:
     fmt.require_checkpoint(root)
     fmt.check_contained(root)  # before any file is opened (a FIFO would block the open forever)
@@ -170,14 +167,14 @@ def read_checkpointables(
     return meta, fmt.checkpointables(root, meta), identity, checksums
 
 
-def _identity(root: Path | ObjectPath, *, fresh: bool = False) -> tuple[Any, ...]:
+def _identity(root: StoragePath, *, fresh: bool = False) -> tuple[Any, ...]:
     """What changes when the checkpoint at ``root`` is replaced: its folder and its commit
     (``fresh``: asked of the storage again, not answered by what this call has read)."""
     if fresh:
         with workers.fresh_reads():
             return _identity(root)
     try:
-        if isinstance(root, Path):
+        if is_local(root):
             st = os.stat(root)
             where: tuple[Any, ...] = (st.st_dev, st.st_ino)
             if not (
@@ -185,6 +182,7 @@ def _identity(root: Path | ObjectPath, *, fresh: bool = False) -> tuple[Any, ...
             ).is_file():  # (opening a FIFO would wait forever)
                 return (*where, "no metadata file")
         else:  # object stores: the generation of the commit marker, which every save writes anew
+            assert in_object_store(root)
             where = ((root / fmt.COMMIT_MARKER).generation(),)
         meta = workers.declared.loads(
             (root / fmt.CHECKPOINT_METADATA).read_bytes(), str(root), "it", user_data=True
@@ -199,7 +197,7 @@ def _identity(root: Path | ObjectPath, *, fresh: bool = False) -> tuple[Any, ...
     return (*where, *stamps)
 
 
-def _replaced(root: Path | ObjectPath) -> CheckpointReplacedError:
+def _replaced(root: StoragePath) -> CheckpointReplacedError:
     return CheckpointReplacedError(
         f"the checkpoint at {root} was replaced or deleted while it was being loaded (an "
         "overwrite, or retention, in another process), so what was read may mix two "
@@ -223,7 +221,7 @@ class CheckpointMetadata:
 
     def __init__(
         self,
-        path: Path | ObjectPath,
+        path: StoragePath,
         meta: dict[str, Any],
         checkpointables: dict[str, Any],
         tree_name: str | None,

@@ -7,14 +7,13 @@ from __future__ import annotations
 import contextvars
 from collections.abc import Callable
 from concurrent import futures
-from pathlib import Path
 from typing import TypeVar
 
 from milepost import _hosts, _options, _progress
 from milepost._checkpoint._background import LOADS
 from milepost._checkpoint._handle import Handle
 from milepost._errors import CheckpointNotFoundError
-from milepost.workers import ObjectPath
+from milepost.workers import StoragePath
 
 T = TypeVar("T")
 
@@ -50,7 +49,7 @@ class LoadHandle(Handle[T]):
         return super()._state()
 
 
-def start_load(where: Path | ObjectPath, read: Callable[[], T]) -> LoadHandle[T]:
+def start_load(where: StoragePath, read: Callable[[], T]) -> LoadHandle[T]:
     """Check on the caller's thread what is cheap to check (the path can be used by every
     controller process, and exists), then run ``read`` on the runtime's load thread, after the
     loads started before it, with the options in force now; its handle."""
@@ -70,7 +69,7 @@ def start_load(where: Path | ObjectPath, read: Callable[[], T]) -> LoadHandle[T]
     return handle
 
 
-def _require_path(where: Path | ObjectPath) -> None:
+def _require_path(where: StoragePath) -> None:
     if not where.exists():
         raise CheckpointNotFoundError(
             f"no checkpoint at {where}: the path does not exist. Check the path or the step."

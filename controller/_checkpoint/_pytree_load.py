@@ -12,7 +12,6 @@ import dataclasses
 import itertools
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -25,7 +24,7 @@ from milepost._checkpoint._pytree_save import CONTROLLER, SCALAR_TYPES
 from milepost._checkpoint._replicas import mark as mark_replicas
 from milepost._errors import CheckpointNotFoundError, CorruptCheckpointError, StructureMismatchError
 from milepost._tree import PLACEHOLDER, ValueType
-from milepost.workers import ObjectPath, ShardingSpec, progress
+from milepost.workers import ShardingSpec, StoragePath, progress
 from milepost.workers import format as fmt
 
 log = logging.getLogger("milepost")
@@ -89,7 +88,7 @@ def header_shape_dtype(header: dict[str, Any]) -> tuple[tuple[int, ...], np.dtyp
 
 
 def array_headers(
-    directory: Path | ObjectPath,
+    directory: StoragePath,
     files: fmt.TreeFiles,
     names: list[str],
     damaged: dict[str, Exception] | None = None,
@@ -121,7 +120,7 @@ def array_headers(
     return out
 
 
-def tree_metadata(directory: Path | ObjectPath) -> Any:
+def tree_metadata(directory: StoragePath) -> Any:
     """The tree of :class:`LeafMetadata` (and empty containers), from metadata and headers."""
     files = fmt.read_tree(directory)
     arrays = [
@@ -282,7 +281,7 @@ def _task(
     )
 
 
-def read_tree_files(directory: Path | ObjectPath) -> fmt.TreeFiles:
+def read_tree_files(directory: StoragePath) -> fmt.TreeFiles:
     files = fmt.read_tree(directory)
     if (files.chunk_crc32c or files.chunk_tables) and not fmt.verified():
         raise CorruptCheckpointError(
@@ -373,7 +372,7 @@ def recorded_checksums(
     return tuple(sorted(recorded.items())) if recorded is not None else None
 
 
-def load(directory: Path | ObjectPath, abstract: Any, call: LoadCall) -> Any:
+def load(directory: StoragePath, abstract: Any, call: LoadCall) -> Any:
     timeout = call.options.async_.timeout_secs
     group = call.group
     files = _hosts.shared(
@@ -521,7 +520,7 @@ def _checksums_per_process(
 
 def _assemble(
     files: fmt.TreeFiles,
-    directory: Path | ObjectPath,
+    directory: StoragePath,
     targets: list[_Target],
     treedef: Any,
     values: dict[str, Any],

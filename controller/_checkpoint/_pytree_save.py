@@ -18,7 +18,6 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -31,7 +30,7 @@ from milepost._errors import InvalidKeyError, UnsupportedLeafError
 from milepost._options import SaveOptions
 from milepost._tree import Leaf, ValueType
 from milepost.colocated import HostGroup
-from milepost.workers import ObjectPath, progress
+from milepost.workers import StoragePath, progress
 from milepost.workers import format as fmt
 
 log = logging.getLogger("milepost")
@@ -275,7 +274,7 @@ def _plan_device_array(out: TreeSavePlan, leaf: Leaf, group: HostGroup) -> tuple
 
 def stage_tree(
     planned: TreeSavePlan,
-    directory: Path | ObjectPath,
+    directory: StoragePath,
     call: SaveCall,
     *,
     first_writer: int = 0,
@@ -383,7 +382,7 @@ class PendingTree:
 
     def __init__(
         self,
-        directory: Path | ObjectPath,
+        directory: StoragePath,
         files: fmt.TreeFiles,
         group: HostGroup,
         hosts: workers.PendingWrite[list[workers.SaveAck]] | None,

@@ -19,7 +19,6 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent import futures
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -34,24 +33,24 @@ from milepost._checkpoint._pytree_save import PendingTree
 from milepost._errors import InvalidKeyError, SaveCancelledError, SaveInProgressError
 from milepost._storage import LEASE_SUFFIX, NEW_MARKER, LocalWorkspace, for_path
 from milepost.colocated import HostGroup
-from milepost.workers import ObjectPath, as_path
+from milepost.workers import ObjectPath, StoragePath, as_path
 from milepost.workers import format as fmt
 
-_in_flight: set[Path | ObjectPath] = set()
-_cleaning: dict[Path | ObjectPath, futures.Future[None]] = {}
+_in_flight: set[StoragePath] = set()
+_cleaning: dict[StoragePath, futures.Future[None]] = {}
 """Failed saves that ran out of time, still waiting in the background for their writes to
 stop before they remove what they wrote (and release the path)."""
 _in_flight_lock = threading.Lock()
 
 
-def saves_in_flight(under: Path | ObjectPath) -> set[str]:
+def saves_in_flight(under: StoragePath) -> set[str]:
     """Names of the entries of folder ``under`` that a save of this process is writing now (or a
     failed one is cleaning up)."""
     with _in_flight_lock:
         return {p.name for p in (*_in_flight, *_cleaning) if p.parent == under}
 
 
-def _wait_for_cleanup(final: Path | ObjectPath) -> None:
+def _wait_for_cleanup(final: StoragePath) -> None:
     """A new save of a path whose last save failed out of time waits until that one's writes
     stopped and it removed them (at most as long as the storage may take to give up)."""
     with _in_flight_lock:
@@ -70,7 +69,7 @@ def _wait_for_cleanup(final: Path | ObjectPath) -> None:
         pass  # its own failure was reported; what it left is taken over by this save
 
 
-class SaveHandle(Handle[Path | ObjectPath]):
+class SaveHandle(Handle[StoragePath]):
     """The background part of a save. ``result()`` waits for the commit and re-raises its
     failure on your thread; ``add_done_callback(fn)`` calls ``fn(handle)`` when it ends
     (:func:`milepost.wait_for_saves` returns only after the callbacks ran); ``cancel()`` stops
@@ -90,8 +89,8 @@ class SaveHandle(Handle[Path | ObjectPath]):
 
     def __init__(
         self,
-        path: Path | ObjectPath,
-        future: futures.Future[Path | ObjectPath],
+        path: StoragePath,
+        future: futures.Future[StoragePath],
         operation: _progress.Operation | None = None,
         cancel: Callable[[], bool] | None = None,
     ) -> None:
@@ -196,7 +195,7 @@ def start_save(
         op.blocked()
         job = SAVES.submit(str(final), save.finish, save.timeout, save.stop_at_exit)
         return SaveHandle(final, job, op, save.cancel)
-    future: futures.Future[Path | ObjectPath] = futures.Future()
+    future: futures.Future[StoragePath] = futures.Future()
     future.set_result(save.finish())
     return SaveHandle(final, future, op)
 
@@ -208,7 +207,7 @@ class _Save:
 
     def __init__(
         self,
-        final: Path | ObjectPath,
+        final: StoragePath,
         handlers: Mapping[str, Any],
         group: HostGroup,
         options: _options.Options,
@@ -257,7 +256,7 @@ class _Save:
         return isinstance(self.workspace, LocalWorkspace)
 
     @property
-    def tmp(self) -> Path | ObjectPath:
+    def tmp(self) -> StoragePath:
         """Where the checkpointables are written until the commit."""
         return self.workspace.dir
 
@@ -301,7 +300,7 @@ class _Save:
             raise
 
     # -- the background part ------------------------------------------------------------
-    def finish(self) -> Path | ObjectPath:
+    def finish(self) -> StoragePath:
         try:
             with self.op.active():
                 self._finish()

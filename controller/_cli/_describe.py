@@ -10,11 +10,11 @@ from typing import Any
 
 from milepost import _api, _safetensors, _views
 from milepost._cli._errors import CliError
-from milepost.workers import ObjectPath, as_path
+from milepost.workers import ObjectPath, StoragePath, as_path, is_local
 from milepost.workers import format as fmt
 
 
-def _storage(folder: Path | ObjectPath) -> str:
+def _storage(folder: StoragePath) -> str:
     with contextlib.suppress(Exception):
         files = fmt.read_tree(folder)
         zarr = files.store(folder).zarr_format
@@ -32,9 +32,9 @@ def describe(path: str | os.PathLike[str] | ObjectPath) -> dict[str, Any]:
     safetensors file or folder: its format, timestamps, custom metadata, metrics and, per
     checkpointable, its leaves with their totals."""
     where = as_path(path)
-    if isinstance(where, Path) and _safetensors.is_safetensors(where):
+    if is_local(where) and _safetensors.is_safetensors(where):
         return _describe_safetensors(where)
-    if isinstance(where, Path) and where.is_file():
+    if is_local(where) and where.is_file():
         raise CliError(
             f"{where} is a file in a format milepost does not read: milepost reads checkpoint "
             "folders (milepost, Orbax v1, Orbax v0; OCDBT or plain zarr) and .safetensors files "

@@ -43,7 +43,7 @@ from milepost import workers
 from milepost._errors import CheckpointExistsError, TemporaryDirectoryRemovedError
 from milepost._storage import _ownership
 from milepost._storage._intact import Intact
-from milepost.workers import NO_VALUE, ObjectPath
+from milepost.workers import NO_VALUE, ObjectPath, StoragePath, in_object_store, is_local
 from milepost.workers import format as fmt
 
 LEASE_SUFFIX = ".milepost-lease"
@@ -58,11 +58,12 @@ log = logging.getLogger(__name__)
 
 
 def for_path(
-    final: Path | ObjectPath, overwrite: bool, wait_secs: float, lease_secs: float
+    final: StoragePath, overwrite: bool, wait_secs: float, lease_secs: float
 ) -> LocalWorkspace | ObjectWorkspace:
-    if isinstance(final, ObjectPath):
-        return ObjectWorkspace(final, overwrite, wait_secs, lease_secs)
-    return LocalWorkspace(final, overwrite, wait_secs)
+    if is_local(final):
+        return LocalWorkspace(final, overwrite, wait_secs)
+    assert in_object_store(final)
+    return ObjectWorkspace(final, overwrite, wait_secs, lease_secs)
 
 
 def check_final(final: Any, overwrite: bool) -> None:
@@ -70,7 +71,7 @@ def check_final(final: Any, overwrite: bool) -> None:
     checkpoint is; and no folder above it is a checkpoint (a checkpoint written inside another
     changes it, and goes with it when it is overwritten or deleted)."""
     # (Local paths: on an object store each level would cost requests.)
-    for parent in final.resolve().parents if isinstance(final, Path) else ():
+    for parent in final.resolve().parents if is_local(final) else ():
         if fmt.is_committed_by_own_files(parent) or fmt.is_temporary_name(parent.name):
             raise CheckpointExistsError(
                 f"{final} is inside the checkpoint {parent}; milepost does not "
@@ -129,9 +130,7 @@ class LocalWorkspace:
             self.release()
             raise
 
-    def check(
-        self, stage: str = "before the commit", record: Path | ObjectPath | None = None
-    ) -> None:
+    def check(self, stage: str = "before the commit", record: StoragePath | None = None) -> None:
         """Raise :class:`TemporaryDirectoryRemovedError` unless the temporary directory and its
         folders are the ones this save made, holding what it wrote: removed or replaced from
         outside, the checkpoint would be incomplete. ``stage`` says when (for the message);
@@ -139,6 +138,7 @@ class LocalWorkspace:
         file below it now must stay until the rename."""
         if self.intact is None:
             return
+        # (a local workspace's folders are local: the isinstance only narrows the type)
         problem = self.intact.problem(record=record if isinstance(record, Path) else None)
         if problem is not None:
             raise self._removed(problem, stage)
@@ -453,7 +453,7 @@ class ObjectWorkspace:
             self.release()
             raise
 
-    def check(self, stage: str = "", record: Path | ObjectPath | None = None) -> None:
+    def check(self, stage: str = "", record: StoragePath | None = None) -> None:
         """The lease must still be this save's, with at least half its time left: renewed now,
         unless three quarters of it are left (written or renewed a moment ago: nobody may take
         it over before it expires)."""

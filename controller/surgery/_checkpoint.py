@@ -5,7 +5,6 @@ from __future__ import annotations
 import html
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,7 +15,7 @@ from milepost._tree import PLACEHOLDER, ValueType
 from milepost.colocated import Slice
 from milepost.surgery._lazy import LazyArray, Source, flat, nest
 from milepost.surgery._placement import Placement, fits
-from milepost.workers import ObjectPath, as_path
+from milepost.workers import ObjectPath, StoragePath, as_path
 from milepost.workers import format as fmt
 from milepost.workers.format import TreeFiles
 
@@ -26,11 +25,11 @@ class Checkpoint:
     """An opened checkpoint: ``tree`` holds a :class:`LazyArray` per array (strings and
     scalars as values); ``files`` what the loads and previews check against."""
 
-    path: Path | ObjectPath
+    path: StoragePath
     """The checkpoint's folder."""
     item: str
     """The name of the checkpointable opened (the tree)."""
-    folder: Path | ObjectPath
+    folder: StoragePath
     """The checkpointable's folder."""
     files: TreeFiles
     placement: Placement

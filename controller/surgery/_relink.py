@@ -46,7 +46,7 @@ def plan(arrays: dict[str, LazyArray], shardings_given: bool) -> tuple[Any, dict
         return None
     (ck,) = checkpoints.values()
     if (
-        not isinstance(ck.folder, Path)
+        workers.in_object_store(ck.folder)
         or not ck.files.use_ocdbt
         or ck.files.zarr_format != 3
         or ck.files.key_impls

@@ -18,7 +18,6 @@ import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,7 +27,7 @@ from milepost._tree import ValueType, storage_name_of
 from milepost.surgery import _lazy, _relink
 from milepost.surgery._lazy import LazyArray, Op, Source, flat, nest
 from milepost.surgery._placement import Placement, fits
-from milepost.workers import ObjectPath, ShardingSpec, as_path, check
+from milepost.workers import ObjectPath, ShardingSpec, StoragePath, as_path, check, is_local
 from milepost.workers import format as fmt
 from milepost.workers import progress as progress_sink
 
@@ -319,7 +318,7 @@ class Job:
         return self.placement.group if self.placement.slice is not None else None
 
     def write(
-        self, directory: Path | ObjectPath, call: _checkpoint.SaveCall
+        self, directory: StoragePath, call: _checkpoint.SaveCall
     ) -> _checkpoint.WrittenTree | None:
         """Write every group; on the primary, hand the tree to the commit (its format files and
         root view are the commit's)."""
@@ -332,11 +331,11 @@ class Job:
         )
         fast = (
             _relink.plan(self.arrays, self.shardings_given)
-            if isinstance(directory, Path) and keep_layout and self.relink
+            if is_local(directory) and keep_layout and self.relink
             else None
         )
         if fast is not None:
-            assert isinstance(directory, Path)  # (relinked only on local disks: above)
+            assert is_local(directory)  # (relinked only on local disks: above)
             ck, renames = fast
             timeout = call.options.async_.timeout_secs
             _hosts.shared(
@@ -366,7 +365,7 @@ class Job:
             return self._write_groups(directory, call)
 
     def _write_groups(
-        self, directory: Path | ObjectPath, call: _checkpoint.SaveCall
+        self, directory: StoragePath, call: _checkpoint.SaveCall
     ) -> _checkpoint.WrittenTree | None:
         options = call.options.saving
         step = _options.max_writers(options)
@@ -462,13 +461,13 @@ class SurgeryHandler:
     def is_handleable(self, obj: Any) -> bool:
         return isinstance(obj, Job)
 
-    def save(self, directory: Path | ObjectPath, obj: Any, call: _checkpoint.SaveCall) -> Any:
+    def save(self, directory: StoragePath, obj: Any, call: _checkpoint.SaveCall) -> Any:
         return _checkpoint.Deferred(lambda: obj.write(directory, call))
 
-    def load(self, directory: Path | ObjectPath, abstract: Any, call: _checkpoint.LoadCall) -> Any:
+    def load(self, directory: StoragePath, abstract: Any, call: _checkpoint.LoadCall) -> Any:
         return _checkpoint.PyTreeHandler().load(directory, abstract, call)
 
-    def metadata(self, directory: Path | ObjectPath) -> Any:
+    def metadata(self, directory: StoragePath) -> Any:
         return _checkpoint.PyTreeHandler().metadata(directory)
 
 
@@ -503,7 +502,7 @@ def write(
     item: str = "state",
     custom_metadata: Mapping[str, Any] | None = None,
     relink: bool = True,
-) -> Path | ObjectPath:
+) -> StoragePath:
     """Write the surgery ``tree`` as a committed checkpoint at ``path`` (Orbax-readable), group
     by group: each host holds at most ``memory_budget_bytes`` (default 1 GiB) of inputs and
     outputs at once. ``shardings``: where the outputs go (None: as the operations suggest, else
@@ -544,7 +543,7 @@ def write_items(
     overwrite: bool = False,
     custom_metadata: Mapping[str, Any] | None = None,
     relink: bool = True,
-) -> Path | ObjectPath:
+) -> StoragePath:
     """:func:`write` of several surgery trees, one checkpointable each, in one checkpoint."""
     check.integer(
         memory_budget_bytes,

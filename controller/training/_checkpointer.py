@@ -46,7 +46,7 @@ from milepost.training._table import table, text
 from milepost.training._tier import Tier
 from milepost.training._tiers import Tiers, check_apart, given_naming
 from milepost.training.peers import PeerTier, PeerTierRunner, Recovery
-from milepost.workers import ObjectPath, as_path
+from milepost.workers import ObjectPath, StoragePath, as_path
 
 log = logging.getLogger("milepost.training")
 
@@ -126,7 +126,7 @@ class Checkpointer:
             step_format_fixed_length=step_format_fixed_length,
         )
         """Every option, as given or defaulted (a :class:`CheckpointerOptions`)."""
-        self.root: Path | ObjectPath = as_path(root)
+        self.root: StoragePath = as_path(root)
         self.local: Path | None = self.options.local_path()
         check_apart(self.local, self.root)
         context = _options.current()
@@ -246,7 +246,7 @@ class Checkpointer:
         policy has a KeepBest."""
         return best_step(self.keep, self.local_keep, self._state, self.root)
 
-    def path(self, step: int) -> Path | ObjectPath:
+    def path(self, step: int) -> StoragePath:
         """Where ``step`` is (or would be) stored durably: ``root/<step>`` (or the folder the
         root's step naming gives it, e.g. ``root/checkpoint_000010``)."""
         return self._tiers.durable.step(check_step(step))

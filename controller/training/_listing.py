@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-from pathlib import Path
 from typing import Any
 
 from milepost import _views
@@ -22,14 +21,14 @@ from milepost.training._tier import (
     is_step_of,
     known_prefixes,
 )
-from milepost.workers import ObjectPath, as_path
+from milepost.workers import ObjectPath, as_path, in_object_store, is_local
 from milepost.workers import format as fmt
 
 
 def _size(path: Any) -> int | None:
     """Bytes of every file under a local folder (None on object stores, where listing sizes
     would mean one request per object)."""
-    if not isinstance(path, Path):
+    if in_object_store(path):
         return None
     total = 0
     for folder, _, names in os.walk(path):
@@ -45,7 +44,7 @@ def _entries(root: Any) -> dict[int, list[tuple[Any, str]]]:
     if not root.exists():
         return out
     tier = Tier(root, 60.0)
-    if isinstance(root, Path):
+    if is_local(root):
         committed = tier.committed_names()
         ours = known_prefixes(committed)
         for p in sorted(root.iterdir()):

@@ -7,7 +7,6 @@ not; retention spares such a step and runs again once no load is in flight."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, TypeVar
 
 from milepost import _api, _checkpoint
@@ -18,12 +17,12 @@ from milepost.training._retention import Retention
 from milepost.training._saving import DATA_ITER, STATE
 from milepost.training._state import check_step
 from milepost.training._tiers import Tiers
-from milepost.workers import ObjectPath
+from milepost.workers import StoragePath
 
 T = TypeVar("T")
 
 
-def read_state(where: Path | ObjectPath, abstract_state: Any, partial: bool, data_iter: Any) -> Any:
+def read_state(where: StoragePath, abstract_state: Any, partial: bool, data_iter: Any) -> Any:
     """The tree ``save`` wrote at ``where`` (restoring ``data_iter`` in place when given)."""
     if data_iter is None:
         return _api.load(where, abstract_state, partial=partial)
@@ -50,7 +49,7 @@ class Loads:
         self.closed = closed
         self.root = tiers.durable.path
 
-    def read(self, step: int | None, fn: Callable[[Path | ObjectPath], T]) -> T:
+    def read(self, step: int | None, fn: Callable[[StoragePath], T]) -> T:
         """``fn(where step is)``, ``step`` (None: the latest) kept from retention meanwhile."""
         self.state.raise_failure()
         s = self.protect(step)

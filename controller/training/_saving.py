@@ -12,7 +12,6 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 from milepost import _api, _checkpoint, _hosts
@@ -27,7 +26,7 @@ from milepost.training._preemption import PreemptionWatch
 from milepost.training._retention import Retention
 from milepost.training._state import Metrics
 from milepost.training._tiers import Tiers
-from milepost.workers import ObjectPath
+from milepost.workers import StoragePath
 from milepost.workers import format as fmt
 
 log = logging.getLogger("milepost.training")
@@ -237,7 +236,7 @@ class Saves:
             state.cond.notify_all()
 
 
-def commit_time(step: Path | ObjectPath) -> int:
+def commit_time(step: StoragePath) -> int:
     """The commit time the committed ``step``'s metadata records (nanoseconds since the epoch);
     where it cannot be read (a local tier of another host), this process's clock now, a moment
     after the commit."""

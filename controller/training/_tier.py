@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 from typing import Any
 
 from milepost import _checkpoint, _storage
 from milepost.training._errors import StepBusyError, StepNamingError
 from milepost.training._naming import PLAIN, StepNaming, is_leftover_name, parse, step_of
-from milepost.workers import ObjectPath
+from milepost.workers import StoragePath, in_object_store, is_local
 from milepost.workers import format as fmt
 
 log = logging.getLogger("milepost.training")
@@ -44,7 +43,7 @@ def is_step_of(name: str, prefixes: set[str | None]) -> bool:
 
 
 class Tier:
-    def __init__(self, path: Path | ObjectPath, lease_secs: float) -> None:
+    def __init__(self, path: StoragePath, lease_secs: float) -> None:
         self.path = path
         self.lease_secs = lease_secs
         self.naming = PLAIN
@@ -57,7 +56,7 @@ class Tier:
     def __str__(self) -> str:
         return str(self.path)
 
-    def step(self, step: int) -> Path | ObjectPath:
+    def step(self, step: int) -> StoragePath:
         return self.path / self.names.get(step, self.naming.name(step))
 
     # -- listing ------------------------------------------------------------------------
@@ -78,7 +77,7 @@ class Tier:
         """Names of the committed step folders (of any naming)."""
         if not self.path.exists():
             return set()
-        if isinstance(self.path, Path):
+        if is_local(self.path):
             return {
                 p.name
                 for p in self.path.iterdir()
@@ -110,7 +109,7 @@ class Tier:
                     fmt.read_json(
                         p / fmt.CHECKPOINT_METADATA, "checkpoint metadata", user_data=True
                     )
-                    if isinstance(p, ObjectPath) or (p / fmt.CHECKPOINT_METADATA).exists()
+                    if in_object_store(p) or (p / fmt.CHECKPOINT_METADATA).exists()
                     else {}  # a step from before Orbax wrote that file
                 )
             except (FileNotFoundError, ValueError) as e:
@@ -132,7 +131,7 @@ class Tier:
 
     def _listing(self) -> tuple[set[str], set[str], set[str]]:
         """(committed step names, step folder names, names of steps with a lease object)."""
-        assert isinstance(self.path, ObjectPath)
+        assert in_object_store(self.path)
         committed, folders, leased = set(), set(), set()
         for key in self.path.keys():
             head, _, rest = key.partition("/")
@@ -152,7 +151,7 @@ class Tier:
         only if no live process holds its lock (its lease, in an object store): a save in
         progress, in any process, does."""
         busy = _checkpoint.saves_in_flight(self.path)  # saves of this process: not leftovers
-        if not isinstance(self.path, Path):
+        if in_object_store(self.path):
             committed, folders, leased = self._listing()
             ours = known_prefixes(committed, self.naming)
             folders = {name for name in folders if is_step_of(name, ours)}
@@ -169,6 +168,7 @@ class Tier:
                 else:
                     log.info("left %s alone: a live save owns it", self.path / name)
             return
+        assert is_local(self.path)
         ours = known_prefixes(self.committed_names(), self.naming)
         for p in sorted(self.path.iterdir()):
             name = p.name
@@ -200,7 +200,7 @@ class Tier:
     def delete(self, steps: list[int]) -> list[int]:
         """Delete committed steps; one another process holds is skipped (with a warning).
         Returns the steps deleted."""
-        if not isinstance(self.path, Path):
+        if in_object_store(self.path):
             return self._delete_objects(steps)
         deleted = []
         for step in steps:
@@ -215,13 +215,14 @@ class Tier:
     def delete_one(self, step: int) -> None:
         """Delete the committed ``step``; StepBusyError if another process holds it."""
         path = self.step(step)
-        if not isinstance(path, Path):
+        if in_object_store(path):
             if self._delete_objects([step]) != [step]:
                 raise StepBusyError(
                     f"step {step} in {self.path} is being written "
                     "by another process; it was not deleted"
                 )
             return
+        assert is_local(path)
         if not path.exists():
             self.names.pop(step, None)
             return
@@ -247,7 +248,7 @@ class Tier:
         owned: list[tuple[int, _storage.ObjectWorkspace]] = []
         for step in steps:
             path = self.step(step)
-            assert isinstance(path, ObjectPath)
+            assert in_object_store(path)
             workspace = _storage.ObjectWorkspace(
                 path, overwrite=True, wait_secs=0.0, lease_secs=self.lease_secs
             )

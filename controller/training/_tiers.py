@@ -14,7 +14,7 @@ from milepost.training._naming import PLAIN, StepNaming, naming_of
 from milepost.training._options import CheckpointerOptions
 from milepost.training._state import StepState
 from milepost.training._tier import Tier
-from milepost.workers import ObjectPath
+from milepost.workers import StoragePath, is_local
 
 Listing = tuple[
     dict[int, dict[str, Any]],
@@ -28,10 +28,10 @@ Listing = tuple[
 the steps' commit times."""
 
 
-def check_apart(local: Path | None, root: Path | ObjectPath) -> None:
+def check_apart(local: Path | None, root: StoragePath) -> None:
     """The local tier and the root are different folders, neither inside the other; checked
     before any tier, thread or listing is made, so a refused Checkpointer leaves nothing."""
-    if local is not None and isinstance(root, Path):
+    if local is not None and is_local(root):
         if local == root or root in local.parents or local in root.parents:
             raise ValueError(
                 f"local={str(local)!r} and root={str(root)!r} overlap; give the "
@@ -118,13 +118,13 @@ class Tiers:
             state.local = {int(k): dict(v) for k, v in fast.items()}
             state.times = {int(k): int(v) for k, v in times.items()}
 
-    def where(self, step: int) -> Path | ObjectPath:
+    def where(self, step: int) -> StoragePath:
         """Where to read ``step``: its local copy when there is one."""
         with self.state.cond:
             if self.fast is not None and step in self.state.local:
                 return self.fast.step(step)
         return self.durable.step(step)
 
-    def target(self, step: int) -> Path | ObjectPath:
+    def target(self, step: int) -> StoragePath:
         """Where a save of ``step`` writes: the local tier when there is one."""
         return (self.fast or self.durable).step(step)

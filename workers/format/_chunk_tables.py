@@ -33,7 +33,7 @@ import tensorstore as ts
 from milepost.workers import _declared as declared
 from milepost.workers._errors import CorruptCheckpointError
 from milepost.workers._messages import StoreSpec
-from milepost.workers._paths import context_for, is_local, kvstore
+from milepost.workers._paths import as_path, context_for, in_object_store, kvstore
 from milepost.workers.format import _checksum
 from milepost.workers.format._tensorstore import new_context, read_kvstore
 from milepost.workers.format._ts_errors import from_tensorstore
@@ -230,6 +230,6 @@ def keys_in_data_files(database: Any) -> set[bytes]:
     prefix) whose values lie in data files; the others are inline in its B-tree."""
     where = str(database)
     base = None
-    if not is_local(where):
+    if in_object_store(as_path(where)):
         base = ts.KvStore.open(kvstore(where), context=context_for(where)).result()
     return {key for key, _ in ocdbt_values(where, _AllKeys(), base)}

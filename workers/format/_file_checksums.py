@@ -23,13 +23,13 @@ from typing import Any
 
 from milepost.workers import _declared as declared
 from milepost.workers._errors import CheckpointNotFoundError, CorruptCheckpointError
-from milepost.workers._paths import ObjectPath
+from milepost.workers._paths import ObjectPath, StoragePath, in_object_store, is_local, relative_key
 from milepost.workers._runtime import RUNTIME
 from milepost.workers.format._checksum import crc32c
 from milepost.workers.format._files import CHECKSUMS, OCDBT_MANIFEST, OWNER_FILE, write_file
 
 
-def read_json(path: Path | ObjectPath, what: str, *, user_data: bool = False) -> Any:
+def read_json(path: StoragePath, what: str, *, user_data: bool = False) -> Any:
     """The JSON in ``path``: a missing file is a :class:`CheckpointNotFoundError`, one that is
     not UTF-8 JSON by :func:`milepost.declared.loads`' rules (or fails its recorded
     checksum) a :class:`CorruptCheckpointError`, both naming the file. ``user_data``: a file of
@@ -43,7 +43,7 @@ def read_json(path: Path | ObjectPath, what: str, *, user_data: bool = False) ->
     return value
 
 
-def read_checked(path: Path | ObjectPath, what: str) -> bytes:
+def read_checked(path: StoragePath, what: str) -> bytes:
     """The bytes of ``path``, checked against the recorded checksum (inside :func:`verifying`):
     a missing file is a :class:`CheckpointNotFoundError`, a changed one a
     :class:`CorruptCheckpointError`, both naming the file."""
@@ -54,7 +54,7 @@ def read_checked(path: Path | ObjectPath, what: str) -> bytes:
     return raw
 
 
-def _read(path: Path | ObjectPath, what: str) -> bytes:
+def _read(path: StoragePath, what: str) -> bytes:
     checksums = _VERIFYING.get()
     try:
         return path.read_bytes()
@@ -70,13 +70,13 @@ def _read(path: Path | ObjectPath, what: str) -> bytes:
         ) from e
 
 
-def parse_json(path: Path | ObjectPath, raw: bytes, what: str, *, user_data: bool = False) -> Any:
+def parse_json(path: StoragePath, raw: bytes, what: str, *, user_data: bool = False) -> Any:
     """``raw`` (read from ``path``) as JSON (:func:`milepost.declared.loads`); a
     :class:`CorruptCheckpointError` naming the file if it is not."""
     return declared.loads(raw, str(path), what, user_data=user_data)
 
 
-def present(path: Path | ObjectPath) -> bool:
+def present(path: StoragePath) -> bool:
     """Whether an optional file of the checkpoint being read is there to read: it exists, or the
     checkpoint's checksums say it was committed (then reading it reports it missing)."""
     checksums = _VERIFYING.get()
@@ -88,9 +88,7 @@ def verified() -> bool:
     return _VERIFYING.get() is not None
 
 
-def read_json_object(
-    path: Path | ObjectPath, what: str, *, user_data: bool = False
-) -> dict[str, Any]:
+def read_json_object(path: StoragePath, what: str, *, user_data: bool = False) -> dict[str, Any]:
     """Like :func:`read_json`, for files that must hold a JSON object."""
     value = read_json(path, what, user_data=user_data)
     if not isinstance(value, dict):
@@ -144,14 +142,15 @@ class Checksums:
     different manifest of the same size would pass. Older checkpoints have only ``files``; older
     milepost versions ignore the new key."""
 
-    root: Path | ObjectPath
+    root: StoragePath
     files: dict[str, tuple[int, int]]
     crc32: dict[str, int] | None = None
 
     @staticmethod
-    def compute(root: Path | ObjectPath) -> Checksums:
-        if not isinstance(root, Path):
+    def compute(root: StoragePath) -> Checksums:
+        if in_object_store(root):
             return Checksums._compute_objects(root)
+        assert is_local(root)
         files: dict[str, tuple[int, int]] = {}
         crc32: dict[str, int] = {}
         for key in _files_to_check(root):
@@ -212,7 +211,7 @@ class Checksums:
         )
 
     @staticmethod
-    def read(root: Path | ObjectPath) -> Checksums | None:
+    def read(root: StoragePath) -> Checksums | None:
         """The checksums of the checkpoint at ``root``; None for checkpoints written without
         them (by Orbax, or older milepost versions)."""
         path = root / CHECKSUMS
@@ -249,21 +248,17 @@ class Checksums:
             raise damaged from e
         return Checksums(root, files, crc32)
 
-    def _key(self, path: Path | ObjectPath) -> str:
+    def _key(self, path: StoragePath) -> str:
         """``path`` relative to ``root``, as files are recorded (ValueError if not inside)."""
-        if isinstance(path, Path) and isinstance(self.root, Path):
-            return path.relative_to(self.root).as_posix()
-        if isinstance(path, ObjectPath) and isinstance(self.root, ObjectPath):
-            return path.relative_to(self.root).as_posix()
-        raise ValueError(f"{path} is not inside {self.root}")
+        return relative_key(path, self.root)
 
-    def lists(self, path: Path | ObjectPath) -> bool:
+    def lists(self, path: StoragePath) -> bool:
         try:
             return self._key(path) in self.files
         except ValueError:
             return False
 
-    def check_folder(self, folder: Path | ObjectPath) -> None:
+    def check_folder(self, folder: StoragePath) -> None:
         """Check every committed file below ``folder`` (the files of a checkpointable whose
         handler reads them itself): each must be there, with its recorded size and CRC32C."""
         prefix = self._key(folder) + "/"
@@ -289,7 +284,7 @@ class Checksums:
             return False
         return self.crc32 is None or key not in self.crc32 or _crc32(raw) == self.crc32[key]
 
-    def check(self, path: Path | ObjectPath, raw: bytes) -> None:
+    def check(self, path: StoragePath, raw: bytes) -> None:
         """Raise CorruptCheckpointError unless ``raw``, read from ``path``, is what was
         committed."""
         try:
@@ -323,13 +318,14 @@ def verifying(checksums: Checksums | None) -> Iterator[None]:
         _VERIFYING.reset(token)
 
 
-def check_contained(root: Path | ObjectPath) -> None:
+def check_contained(root: StoragePath) -> None:
     """Refuse a checkpoint with a symlink that leads out of it (reading through it would read
     files that are not the checkpoint's), or with an entry that is neither a file nor a folder
     (a FIFO would block a read forever). Symlinks that stay inside are fine (object stores have
     none)."""
-    if not isinstance(root, Path):
+    if in_object_store(root):
         return
+    assert is_local(root)
     top = root.resolve()
     # Every load runs this over the whole checkpoint (each host's databases and data files):
     # the entries' types come from the directory listings, with no stat per entry.

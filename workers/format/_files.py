@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from milepost.workers._paths import ObjectPath
+from milepost.workers._paths import StoragePath, is_local
 
 CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
 COMMIT_MARKER = "commit_success.txt"
@@ -54,20 +54,20 @@ def is_temporary_name(name: str) -> bool:
     return TMP_SUFFIX in name
 
 
-def write_file(path: Path | ObjectPath, data: bytes | str) -> None:
+def write_file(path: StoragePath, data: bytes | str) -> None:
     """Write ``path`` and fsync it (the directory is synced once at commit); in an object store
     the write is durable when it returns."""
     raw = data.encode() if isinstance(data, str) else data
-    if not isinstance(path, Path):
-        path.write_bytes(raw)
+    if is_local(path):
+        with open(path, "wb") as f:
+            f.write(raw)
+            f.flush()
+            os.fsync(f.fileno())
         return
-    with open(path, "wb") as f:
-        f.write(raw)
-        f.flush()
-        os.fsync(f.fileno())
+    path.write_bytes(raw)
 
 
-def write_json(path: Path | ObjectPath, obj: Any) -> None:
+def write_json(path: StoragePath, obj: Any) -> None:
     write_file(path, json.dumps(obj))
 
 

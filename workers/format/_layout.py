@@ -19,12 +19,11 @@ exist; ``item_handlers`` says which handler wrote each.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from milepost.workers import _declared as declared
 from milepost.workers._errors import CheckpointNotFoundError, CorruptCheckpointError
-from milepost.workers._paths import ObjectPath
+from milepost.workers._paths import StoragePath, in_object_store, is_local
 from milepost.workers.format._file_checksums import read_json_object
 from milepost.workers.format._files import (
     CHECKPOINT_METADATA,
@@ -51,7 +50,7 @@ class Item:
 
     name: str
     handler: str | None
-    folder: Path | ObjectPath
+    folder: StoragePath
 
     @property
     def is_pytree(self) -> bool:
@@ -67,7 +66,7 @@ def unsafe_item_name(name: Any) -> str | None:
     return why
 
 
-def writer_of(path: Path | ObjectPath) -> str:
+def writer_of(path: StoragePath) -> str:
     """Who wrote the checkpoint at ``path``, as far as its files tell: ``"Orbax v0"``,
     ``"milepost (Orbax v1 layout)"`` or ``"Orbax v1"``."""
     if (path / CHECKSUMS).exists():
@@ -84,15 +83,16 @@ ITEM_FILES = (TREE_METADATA, "metadata", "data.json")
 ``_METADATA`` beside it.)"""
 
 
-def folders_of(path: Path | ObjectPath) -> dict[str, frozenset[str]]:
+def folders_of(path: StoragePath) -> dict[str, frozenset[str]]:
     """The folders directly in ``path`` whose names can be checkpointables', each with the names
     of the files directly in it: one listing on an object store, one per folder locally."""
     out: dict[str, set[str]] = {}
-    if isinstance(path, Path):
+    if is_local(path):
         for p in path.iterdir():
             if unsafe_item_name(p.name) is None and p.is_dir():
                 out[p.name] = {f.name for f in p.iterdir() if f.is_file()}
     else:
+        assert in_object_store(path)
         for key in path.keys():
             head, sep, rest = key.partition("/")
             if sep and unsafe_item_name(head) is None:
@@ -111,7 +111,7 @@ _UNREADABLE = object()
 """``_CHECKPOINT_METADATA`` is there but cannot be read or parsed."""
 
 
-def _own_metadata(path: Path | ObjectPath) -> Any:
+def _own_metadata(path: StoragePath) -> Any:
     """``path``'s ``_CHECKPOINT_METADATA`` parsed (read once for every question asked of it):
     None when there is none, ``_UNREADABLE`` when it cannot be read."""
     if not (path / CHECKPOINT_METADATA).is_file():  # (never open a FIFO: it would block)
@@ -128,7 +128,7 @@ def _own_metadata(path: Path | ObjectPath) -> Any:
         return _UNREADABLE
 
 
-def _holds_checkpoint(path: Path | ObjectPath, meta: Any) -> bool:
+def _holds_checkpoint(path: StoragePath, meta: Any) -> bool:
     """``path`` holds a checkpoint's files (whether its save finished is another question):
     ``_CHECKPOINT_METADATA`` (``meta``) and something saved (its own tree's files, or a
     checkpointable's folder); or, from before that file existed, a tree's own files (a single
@@ -146,12 +146,12 @@ def _holds_checkpoint(path: Path | ObjectPath, meta: Any) -> bool:
     return _is_unlisted_composite(path)
 
 
-def _is_unlisted_composite(path: Path | ObjectPath) -> bool:
+def _is_unlisted_composite(path: StoragePath) -> bool:
     """A step of a CheckpointManager (or a Composite) from before ``_CHECKPOINT_METADATA``: no
     files of its own that a checkpoint or a checkpointable has, and item folders."""
     if any((path / name).exists() for name in (TREE_METADATA, CHECKSUMS, ORBAX_MARKER)):
         return False  # a tree's own folder, or a checkpoint of milepost or v1 (which have one)
-    if isinstance(path, Path) and (path.parent / CHECKPOINT_METADATA).is_file():
+    if is_local(path) and (path.parent / CHECKPOINT_METADATA).is_file():
         return False  # a checkpointable folder of a checkpoint, not a checkpoint
     folders = folders_of(path)
     # (a folder of a handler milepost does not know is an item too; a folder of steps is not)
@@ -160,7 +160,7 @@ def _is_unlisted_composite(path: Path | ObjectPath) -> bool:
     )
 
 
-def is_committed(path: Path | ObjectPath) -> bool:
+def is_committed(path: StoragePath) -> bool:
     """A checkpoint whose save finished, by the rule of the writer that wrote it:
 
     - never a temporary name (``<name>.orbax-checkpoint-tmp[-<time>]``: every Orbax release and
@@ -180,17 +180,17 @@ def is_committed(path: Path | ObjectPath) -> bool:
             or _is_bare_v0(path)
             or _is_unlisted_composite(path)
         )
-    if not isinstance(path, Path) or (path / CHECKSUMS).exists():
+    if in_object_store(path) or (path / CHECKSUMS).exists():
         return False  # an object store, or milepost's own: the marker is how they commit
     meta = _own_metadata(path)
     return _holds_checkpoint(path, meta) and not _commit_unrecorded(meta)
 
 
-def is_foreign_unfinished(path: Path | ObjectPath) -> bool:
+def is_foreign_unfinished(path: StoragePath) -> bool:
     """A local folder at a final name holding another program's checkpoint files whose save has
     not finished (Orbax's commit-file mode writes so): not loadable, and not milepost's to
     remove either (its writer may still be at work)."""
-    if not isinstance(path, Path) or is_temporary_name(path.name) or not path.is_dir():
+    if in_object_store(path) or is_temporary_name(path.name) or not path.is_dir():
         return False
     if (path / COMMIT_MARKER).is_file() or (path / CHECKSUMS).exists():
         return False
@@ -212,7 +212,7 @@ def _commit_unrecorded(meta: Any) -> bool:
     )
 
 
-def is_committed_by_own_files(path: Path | ObjectPath) -> bool:
+def is_committed_by_own_files(path: StoragePath) -> bool:
     """A committed checkpoint that says so by files of its own (``_CHECKPOINT_METADATA``, or a
     single checkpointer's tree files), not only by the item folders it holds, which a folder
     of several checkpoints holds too. Saves decide by this what they may replace or write in."""
@@ -220,7 +220,7 @@ def is_committed_by_own_files(path: Path | ObjectPath) -> bool:
     return any((path / name).is_file() for name in own) and is_committed(path)
 
 
-def _is_bare_v0(path: Path | ObjectPath) -> bool:
+def _is_bare_v0(path: StoragePath) -> bool:
     """A v0 single-item checkpoint from before ``_CHECKPOINT_METADATA``: a tree's files in the
     folder itself, which is not a checkpointable folder of a checkpoint. (An item folder of a
     step from before that file is one too: Orbax's single checkpointers read it alone.)"""
@@ -229,7 +229,7 @@ def _is_bare_v0(path: Path | ObjectPath) -> bool:
     return not (path.parent / CHECKPOINT_METADATA).is_file()
 
 
-def require_checkpoint(path: Path | ObjectPath) -> None:
+def require_checkpoint(path: StoragePath) -> None:
     """Raise CheckpointNotFoundError, saying what is there and what milepost reads, unless
     ``path`` is a committed checkpoint."""
     if not path.exists():
@@ -272,7 +272,7 @@ def require_checkpoint(path: Path | ObjectPath) -> None:
     )
 
 
-def listed_items(path: Path | ObjectPath, meta: dict[str, Any] | None) -> dict[str, str | None]:
+def listed_items(path: StoragePath, meta: dict[str, Any] | None) -> dict[str, str | None]:
     """The checkpointables ``_CHECKPOINT_METADATA``'s ``item_handlers`` names, with the handler
     each was saved by (``meta``: that file, None when there is none). A single checkpointer's
     string is the one item ``default``. Every name is checked like a name being saved."""
@@ -297,7 +297,7 @@ def listed_items(path: Path | ObjectPath, meta: dict[str, Any] | None) -> dict[s
     return out
 
 
-def checkpointables(path: Path | ObjectPath, meta: dict[str, Any] | None) -> dict[str, Item]:
+def checkpointables(path: StoragePath, meta: dict[str, Any] | None) -> dict[str, Item]:
     """The checkpointables of the checkpoint at ``path``: the folders that exist, each with the
     handler ``item_handlers`` recorded for it as a hint (a name listed there whose folder is
     gone is not one; a folder it does not list is one if it holds a checkpointable's files, or
@@ -329,7 +329,7 @@ def _handler_of(files: frozenset[str]) -> str | None:
     return None
 
 
-def read_checkpoint_metadata(path: Path | ObjectPath) -> dict[str, Any]:
+def read_checkpoint_metadata(path: StoragePath) -> dict[str, Any]:
     """``_CHECKPOINT_METADATA`` of a committed checkpoint (``{}`` for a bare v0 one): its
     timestamps integers (or absent), its metrics and custom metadata objects (or absent)."""
     require_checkpoint(path)
@@ -346,7 +346,7 @@ def read_checkpoint_metadata(path: Path | ObjectPath) -> dict[str, Any]:
     return meta
 
 
-def main_tree(path: Path | ObjectPath, found: dict[str, Item]) -> str:
+def main_tree(path: StoragePath, found: dict[str, Item]) -> str:
     """The checkpointable ``milepost.load`` reads: ``state``, else the only pytree."""
     if "state" in found:
         return "state"

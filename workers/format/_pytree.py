@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -28,7 +27,7 @@ import numpy as np
 from milepost.workers import _declared as declared
 from milepost.workers._errors import CorruptCheckpointError
 from milepost.workers._messages import SaveAck, StoreSpec, WrittenArray
-from milepost.workers._paths import ObjectPath
+from milepost.workers._paths import StoragePath
 from milepost.workers._sharding import ShardingSpec
 from milepost.workers.format._checksum import grid_key
 from milepost.workers.format._chunk_tables import FORMAT as CHUNK_TABLES_FORMAT
@@ -125,7 +124,7 @@ class TreeFiles:
     false): a missing chunk then means zeros. Milepost and Orbax 0.12 write every chunk, so a
     missing one is lost data and reading it fails."""
 
-    def store(self, directory: Path | ObjectPath) -> StoreSpec:
+    def store(self, directory: StoragePath) -> StoreSpec:
         return StoreSpec(
             directory=str(directory), use_ocdbt=self.use_ocdbt, zarr_format=self.zarr_format
         )
@@ -137,7 +136,7 @@ class TreeFiles:
 
 
 def write_tree(
-    directory: Path | ObjectPath, files: TreeFiles, acks: Sequence[SaveAck], platform: str
+    directory: StoragePath, files: TreeFiles, acks: Sequence[SaveAck], platform: str
 ) -> None:
     """Write every format file of ``files``; ``array_metadatas/`` comes from the hosts' acks."""
     tree_metadata: dict[str, Any] = {}
@@ -197,7 +196,7 @@ def write_tree(
     _write_array_metadatas(directory / ARRAY_METADATAS, acks)
 
 
-def _write_array_metadatas(folder: Path | ObjectPath, acks: Sequence[SaveAck]) -> None:
+def _write_array_metadatas(folder: StoragePath, acks: Sequence[SaveAck]) -> None:
     """``array_metadatas/process_0``: every array the hosts wrote, each listed once.
 
     Orbax writes one file per process, each listing every array (all of its processes write a
@@ -241,7 +240,7 @@ def _write_array_metadatas(folder: Path | ObjectPath, acks: Sequence[SaveAck]) -
 # ------------------------------------------------------------------------------------------
 
 
-def read_tree(directory: Path | ObjectPath) -> TreeFiles:
+def read_tree(directory: StoragePath) -> TreeFiles:
     """The format files in ``directory``; any of them malformed is a
     :class:`CorruptCheckpointError` naming the files."""
     try:
@@ -256,7 +255,7 @@ def read_tree(directory: Path | ObjectPath) -> TreeFiles:
         ) from e
 
 
-def _read(directory: Path | ObjectPath) -> TreeFiles:
+def _read(directory: StoragePath) -> TreeFiles:
     meta = read_json(directory / TREE_METADATA, "tree metadata")
     if not isinstance(meta, dict) or not isinstance(meta.get("tree_metadata"), dict):
         raise CorruptCheckpointError(
@@ -332,7 +331,7 @@ def _read(directory: Path | ObjectPath) -> TreeFiles:
     )
 
 
-def _leaves(path: Path | ObjectPath, tree_metadata: dict[str, Any]) -> dict[str, SavedLeaf]:
+def _leaves(path: StoragePath, tree_metadata: dict[str, Any]) -> dict[str, SavedLeaf]:
     """The leaves ``_METADATA`` (at ``path``) lists, by storage name: each key a string or an
     integer that is safe as part of a storage name, each name within
     :mod:`milepost.declared`'s bounds, no name twice and no leaf inside another."""
@@ -395,9 +394,7 @@ def _key(where: str, field: str, entry: Any) -> tuple[str, int]:
     return key, key_type
 
 
-def _chunk_checksums(
-    path: Path | ObjectPath, recorded: Any
-) -> dict[str, dict[tuple[int, ...], int]]:
+def _chunk_checksums(path: StoragePath, recorded: Any) -> dict[str, dict[tuple[int, ...], int]]:
     """``"chunk_crc32c"`` of ``_milepost.json`` (at ``path``): per array, each chunk's grid
     index and CRC32C."""
     where = str(path)
@@ -418,7 +415,7 @@ PLACEHOLDER_PREFIX = "PLACEHOLDER://"
 """How Orbax's aggregate file marks a leaf whose value lies elsewhere."""
 
 
-def _aggregated(directory: Path | ObjectPath, leaves: dict[str, SavedLeaf]) -> dict[str, Any]:
+def _aggregated(directory: StoragePath, leaves: dict[str, SavedLeaf]) -> dict[str, Any]:
     """The values Orbax's msgpack ``checkpoint`` file holds (small: scalars, and arrays saved
     with ``aggregate``), by leaf name; placeholders left out. Each must be of the kind
     ``_METADATA`` records for its leaf: a file that says otherwise is damaged."""
@@ -459,9 +456,7 @@ def _fits(value_type: ValueType, value: Any) -> bool:
     return value_type is ValueType.UNKNOWN
 
 
-def _key_impls_of_array_metadatas(
-    directory: Path | ObjectPath, arrays: list[str]
-) -> dict[str, str]:
+def _key_impls_of_array_metadatas(directory: StoragePath, arrays: list[str]) -> dict[str, str]:
     """Typed-key implementations recorded in ``array_metadatas/process_<i>`` (``ext_metadata``),
     reading process files only until every array was seen (Orbax lists every array in each,
     milepost every array once in ``process_0``)."""
@@ -470,9 +465,7 @@ def _key_impls_of_array_metadatas(
         return {}
     out: dict[str, str] = {}
     unseen = set(arrays)
-    files: list[Path | ObjectPath] = sorted(
-        folder.glob("process_*"), key=lambda p: (len(p.name), p.name)
-    )
+    files: list[StoragePath] = sorted(folder.glob("process_*"), key=lambda p: (len(p.name), p.name))
     for path in files:
         for entry in read_json_object(path, "array metadata").get("array_metadatas", []):
             meta = entry["array_metadata"]

@@ -13,19 +13,18 @@ import base64
 import dataclasses
 import json
 import math
-from pathlib import Path
 from typing import Any
 
 from milepost.workers import _declared as declared
 from milepost.workers._errors import CorruptCheckpointError
-from milepost.workers._paths import ObjectPath
+from milepost.workers._paths import StoragePath
 from milepost.workers._sharding import ShardingSpec
 from milepost.workers.format._file_checksums import present, read_json_object
 from milepost.workers.format._files import MILEPOST_INFO, SHARDING, write_file
 
 
 def write_shardings(
-    directory: Path | ObjectPath,
+    directory: StoragePath,
     shardings: dict[str, ShardingSpec],
     platform: str,
     orbax_max_bytes: int,
@@ -41,7 +40,7 @@ def write_shardings(
 
 
 def read_shardings(
-    directory: Path | ObjectPath, info: dict[str, Any]
+    directory: StoragePath, info: dict[str, Any]
 ) -> tuple[dict[str, ShardingSpec], tuple[str, ...]]:
     """The arrays' shardings (``info``: ``_milepost.json`` as read), and the files they were
     recorded in (``_sharding`` counted when milepost's form says it was written)."""
@@ -174,7 +173,7 @@ _MAX_ID = 2**62
 """The largest device id or mesh dimension a recorded sharding may hold."""
 
 
-def read_compact_shardings(raw: Any, path: Path | ObjectPath) -> dict[str, ShardingSpec]:
+def read_compact_shardings(raw: Any, path: StoragePath) -> dict[str, ShardingSpec]:
     """The shardings of :func:`compact_shardings`'s form (``raw``, as read from ``path``); any
     entry that is not of that form is a :class:`CorruptCheckpointError` saying which and why."""
     read = _CompactReader(path)
@@ -202,7 +201,7 @@ class _CompactReader:
     """The checks of :func:`read_compact_shardings`, each naming what it found where (``where``)
     in the file at ``path``."""
 
-    def __init__(self, path: Path | ObjectPath) -> None:
+    def __init__(self, path: StoragePath) -> None:
         self.path = path
 
     def bad(self, what: str) -> CorruptCheckpointError:

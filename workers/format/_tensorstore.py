@@ -22,7 +22,14 @@ from milepost.workers import _declared
 from milepost.workers._declared import ZARR3_DTYPES as ZARR3_DTYPES
 from milepost.workers._errors import CorruptCheckpointError
 from milepost.workers._messages import ArraySpec, StoreSpec
-from milepost.workers._paths import ObjectPath, as_path, context_for, kvstore
+from milepost.workers._paths import (
+    ObjectPath,
+    as_path,
+    context_for,
+    in_object_store,
+    is_local,
+    kvstore,
+)
 from milepost.workers.format import _ocdbt_merge
 from milepost.workers.format._confirm import confirm_files, root_sizes
 from milepost.workers.format._ocdbt_format import FormatError, note_fallback
@@ -223,8 +230,9 @@ def read_array_headers(
 def process_stores(directory: Any) -> list[Path] | list[ObjectPath]:
     """The per-process OCDBT databases (``ocdbt.process_*``) in a checkpointable's folder."""
     where = as_path(directory)
-    if isinstance(where, Path):
+    if is_local(where):
         return sorted(p for p in where.glob(f"{PROCESS_PREFIX}*") if p.is_dir())
+    assert in_object_store(where)
     kv = ts.KvStore.open(where.kvstore(), context=context_for(where)).result()
     prefix = PROCESS_PREFIX.encode()
     keys = kv.list(ts.KvStore.KeyRange(prefix, prefix[:-1] + bytes([prefix[-1] + 1]))).result()

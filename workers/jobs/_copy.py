@@ -20,7 +20,7 @@ from typing import Any
 
 from milepost.workers._errors import CorruptCheckpointError
 from milepost.workers._iostats import count_read, count_write
-from milepost.workers._paths import ObjectPath, as_path, context_for, kvstore
+from milepost.workers._paths import StoragePath, as_path, context_for, is_local, kvstore
 from milepost.workers._runtime import RUNTIME
 
 COPY_THREADS = 4
@@ -50,7 +50,7 @@ class CopyAck:
 def copy_files(plan: CopyPlan, process_index: int | str = 0) -> CopyAck:
     source, target = as_path(plan.source), as_path(plan.target)
     deadline = time.monotonic() + plan.timeout_secs
-    if isinstance(source, Path) and isinstance(target, Path):
+    if is_local(source) and is_local(target):
         copy_one = _local_copier(source, target)
     else:
         copy_one = _kvstore_copier(source, target)
@@ -103,7 +103,7 @@ def _local_copier(source: Path, target: Path) -> Any:
     return copy
 
 
-def _kvstore_copier(source: Path | ObjectPath, target: Path | ObjectPath) -> Any:
+def _kvstore_copier(source: StoragePath, target: StoragePath) -> Any:
     import tensorstore as ts
 
     src = ts.KvStore.open(kvstore(source), context=context_for(source)).result()

@@ -22,7 +22,7 @@ from milepost.workers import _keys
 from milepost.workers._boxes import addressable_boxes
 from milepost.workers._errors import CorruptCheckpointError
 from milepost.workers._messages import LoadAck, LoadPlan, LoadTask
-from milepost.workers._paths import is_local
+from milepost.workers._paths import as_path, is_local
 from milepost.workers._sharding import ShardingSpec
 from milepost.workers.format import ChunkTables, from_tensorstore, specs
 from milepost.workers.load import _locator
@@ -106,7 +106,8 @@ def _open(plan: LoadPlan) -> _Opened:
     chunks lie in (needed for direct reads, and to find each chunk's writer for its checksum
     table: no check is skipped for want of the walk)."""
     opens = _start_opens(plan)
-    direct = plan.direct_reads and is_local(plan.store.directory)  # straight from local files only
+    # straight from local files only
+    direct = plan.direct_reads and is_local(as_path(plan.store.directory))
     tabled = any(t.chunk_tables for t in plan.tasks)
     locator = _locator.Locator(plan.store) if direct or tabled else None
     walk_failed: Exception | None = None

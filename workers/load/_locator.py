@@ -19,7 +19,7 @@ import tensorstore as ts
 
 from milepost.workers._errors import CorruptCheckpointError
 from milepost.workers._messages import StoreSpec
-from milepost.workers._paths import context_for, is_local, kvstore
+from milepost.workers._paths import as_path, context_for, is_local, kvstore
 from milepost.workers.format import (
     FileRange,
     FormatError,
@@ -74,7 +74,7 @@ class Locator:
         if not prefixes or not self.use_ocdbt:
             return
         wanted = Prefixes(p.encode() for p in prefixes)
-        if is_local(self.directory):
+        if is_local(as_path(self.directory)):
             base = ts.KvStore.open({"driver": "file", "path": self.directory.rstrip("/") + "/"})
         else:  # (the chunks' writers only: no direct reads there)
             base = ts.KvStore.open(kvstore(self.directory), context=context_for(self.directory))

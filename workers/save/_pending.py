@@ -9,7 +9,6 @@ import threading
 import time
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,7 +20,7 @@ from milepost.workers._errors import LostWriteError, StillWritingError
 from milepost.workers._keys import dtype_of
 from milepost.workers._memory import on_copy_pool
 from milepost.workers._messages import ArraySpec, SaveAck, SavePlan, WrittenArray
-from milepost.workers._paths import as_path
+from milepost.workers._paths import as_path, in_object_store
 from milepost.workers.format import (
     chunk_checksums,
     chunk_tables,
@@ -304,8 +303,7 @@ def _lost(error: BaseException, directory: str) -> LostWriteError | None:
         return None
     name, needed, size = found
     where = as_path(directory)
-    if "://" in name or isinstance(where, Path):
-        path = name
-    else:  # (a key in the bucket)
+    path = name
+    if "://" not in name and in_object_store(where):  # (a key in the bucket)
         path = f"{where.scheme}://{where.bucket}/{name}"
     return lost_write(path, needed, size, "this save (writing its arrays)")
