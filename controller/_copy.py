@@ -19,7 +19,7 @@ from typing import Any
 from milepost import _hosts, _options, _storage, workers
 from milepost._errors import CorruptCheckpointError
 from milepost.colocated import HostGroup, Slice
-from milepost.workers import ObjectPath, StoragePath, as_path, check, in_object_store, is_local
+from milepost.workers import ObjectPath, StoragePath, as_path, check, is_local
 from milepost.workers import format as fmt
 
 
@@ -143,7 +143,6 @@ def _list(src: StoragePath) -> tuple[list[str], list[str]]:
                     )
             names.extend(Path(dirpath, f).relative_to(src).as_posix() for f in filenames)
     else:
-        assert in_object_store(src)
         names = src.keys()
     files = sorted(n for n in names if n != fmt.COMMIT_MARKER)
     items = sorted({n.split("/", 1)[0] for n in files if "/" in n})

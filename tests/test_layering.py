@@ -532,7 +532,16 @@ def _third_party_imports() -> tuple[set[str], set[str], set[str]]:
                 for node in ast.walk(stmt)
             }
             at_top = {id(node) for node in tree.body}
+            typing_only = {  # (imports the type checker reads, never the running code)
+                id(node)
+                for t in ast.walk(tree)
+                if _is_type_checking(t)
+                for stmt in getattr(t, "body", [])
+                for node in ast.walk(stmt)
+            }
             for node in ast.walk(tree):
+                if id(node) in typing_only:
+                    continue
                 names = []
                 if isinstance(node, ast.Import):
                     names = [a.name for a in node.names]
@@ -552,10 +561,11 @@ def _third_party_imports() -> tuple[set[str], set[str], set[str]]:
 
 
 def test_runtime_dependencies_are_what_the_code_imports() -> None:
-    """pyproject's dependencies are exactly the packages the library imports (an optional one,
-    such as IPython for notebook progress bars, is imported where its absence is handled), but
-    for the ``ray`` extra: what only slices use, imported inside the functions that need it,
-    never when a module is imported (tests/test_without_ray.py runs milepost without them)."""
+    """pyproject's dependencies are exactly the packages the library imports when it runs (not
+    under ``if TYPE_CHECKING:``; an optional one, such as IPython for notebook progress bars, is
+    imported where its absence is handled), but for the ``ray`` extra: what only slices use,
+    imported inside the functions that need it, never when a module is imported
+    (tests/test_without_ray.py runs milepost without them)."""
     import re
     import tomllib
 

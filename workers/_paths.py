@@ -45,11 +45,14 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
-from typing import Any, TypeGuard
+from typing import TYPE_CHECKING, Any
 
 import tensorstore as ts
 
 from milepost.workers import _requests
+
+if TYPE_CHECKING:  # (typing.TypeIs from Python 3.13; for the type checker only)
+    from typing_extensions import TypeIs
 
 SCHEMES = ("file", "gs", "s3", "memory")
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):(//?)(.*)$")
@@ -128,17 +131,16 @@ def as_path(path: str | os.PathLike[str] | ObjectPath) -> StoragePath:
     return ObjectPath(scheme, bucket, key.strip("/"))
 
 
-def is_local(path: StoragePath) -> TypeGuard[Path]:
+def is_local(path: StoragePath) -> TypeIs[Path]:
     """Whether ``path`` is a local folder (else :func:`in_object_store`). A ``str`` or
     ``os.PathLike`` is read as :func:`as_path` reads it. Code asks this, not ``isinstance``:
     the question is where the checkpoint lives."""
     return isinstance(path, Path) or isinstance(as_path(path), Path)
 
 
-def in_object_store(path: StoragePath) -> TypeGuard[ObjectPath]:
+def in_object_store(path: StoragePath) -> TypeIs[ObjectPath]:
     """Whether ``path`` lies in an object store (an :class:`ObjectPath`): ``not``
-    :func:`is_local`, asked where the code that follows needs the object store's side (a
-    ``TypeGuard`` narrows the type only where it holds)."""
+    :func:`is_local`. Either question narrows ``path``'s type on both of its branches."""
     return not is_local(path)
 
 

@@ -44,7 +44,7 @@ from milepost._checkpoint._handlers import PyTreeHandler
 from milepost._checkpoint._pytree_load import array_headers
 from milepost._storage import LocalWorkspace, ObjectWorkspace
 from milepost._tree import ValueType
-from milepost.workers import StoragePath, in_object_store, is_local
+from milepost.workers import StoragePath, is_local
 from milepost.workers import format as fmt
 
 PROCESS = fmt.PROCESS_PREFIX
@@ -183,7 +183,6 @@ def read_back(tmp: StoragePath, final: StoragePath, handlers: Mapping[str, Any])
     needed = [fmt.CHECKPOINT_METADATA, fmt.ORBAX_MARKER]
     if is_local(tmp):
         return needed
-    assert in_object_store(tmp)
     tmp.keys()
     try:
         for name, h in handlers.items():

@@ -59,7 +59,7 @@ from milepost._errors import (
     CorruptCheckpointError,
     LastCheckpointableError,
 )
-from milepost.workers import ObjectPath, StoragePath, as_path, in_object_store, is_local
+from milepost.workers import ObjectPath, StoragePath, as_path, in_object_store
 from milepost.workers import format as fmt
 
 log = logging.getLogger("milepost")
@@ -86,7 +86,6 @@ def drop_checkpointable(final: StoragePath, name: str) -> None:
         _drop_objects(final, name)
         log.info("deleted the checkpointable %r of %s", name, final)
         return
-    assert is_local(final)
     fmt.require_checkpoint(final)
     lock = _storage.try_lock(final)
     if lock is None:

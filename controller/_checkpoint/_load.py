@@ -21,7 +21,7 @@ from milepost._checkpoint._handlers import (
     resolve_for_load,
 )
 from milepost._errors import CheckpointNotFoundError, CheckpointReplacedError
-from milepost.workers import ObjectPath, StoragePath, as_path, in_object_store, is_local
+from milepost.workers import ObjectPath, StoragePath, as_path, is_local
 from milepost.workers import format as fmt
 
 
@@ -182,7 +182,6 @@ def _identity(root: StoragePath, *, fresh: bool = False) -> tuple[Any, ...]:
             ).is_file():  # (opening a FIFO would wait forever)
                 return (*where, "no metadata file")
         else:  # object stores: the generation of the commit marker, which every save writes anew
-            assert in_object_store(root)
             where = ((root / fmt.COMMIT_MARKER).generation(),)
         meta = workers.declared.loads(
             (root / fmt.CHECKPOINT_METADATA).read_bytes(), str(root), "it", user_data=True

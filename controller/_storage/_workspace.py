@@ -43,7 +43,7 @@ from milepost import workers
 from milepost._errors import CheckpointExistsError, TemporaryDirectoryRemovedError
 from milepost._storage import _ownership
 from milepost._storage._intact import Intact
-from milepost.workers import NO_VALUE, ObjectPath, StoragePath, in_object_store, is_local
+from milepost.workers import NO_VALUE, ObjectPath, StoragePath, is_local
 from milepost.workers import format as fmt
 
 LEASE_SUFFIX = ".milepost-lease"
@@ -62,7 +62,6 @@ def for_path(
 ) -> LocalWorkspace | ObjectWorkspace:
     if is_local(final):
         return LocalWorkspace(final, overwrite, wait_secs)
-    assert in_object_store(final)
     return ObjectWorkspace(final, overwrite, wait_secs, lease_secs)
 
 

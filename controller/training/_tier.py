@@ -131,7 +131,7 @@ class Tier:
 
     def _listing(self) -> tuple[set[str], set[str], set[str]]:
         """(committed step names, step folder names, names of steps with a lease object)."""
-        assert in_object_store(self.path)
+        assert in_object_store(self.path)  # (asked only of a tier in an object store)
         committed, folders, leased = set(), set(), set()
         for key in self.path.keys():
             head, _, rest = key.partition("/")
@@ -168,7 +168,6 @@ class Tier:
                 else:
                     log.info("left %s alone: a live save owns it", self.path / name)
             return
-        assert is_local(self.path)
         ours = known_prefixes(self.committed_names(), self.naming)
         for p in sorted(self.path.iterdir()):
             name = p.name
@@ -222,7 +221,6 @@ class Tier:
                     "by another process; it was not deleted"
                 )
             return
-        assert is_local(path)
         if not path.exists():
             self.names.pop(step, None)
             return
@@ -248,7 +246,7 @@ class Tier:
         owned: list[tuple[int, _storage.ObjectWorkspace]] = []
         for step in steps:
             path = self.step(step)
-            assert in_object_store(path)
+            assert in_object_store(path)  # (a tier in an object store: its caller's branch)
             workspace = _storage.ObjectWorkspace(
                 path, overwrite=True, wait_secs=0.0, lease_secs=self.lease_secs
             )

@@ -30,7 +30,7 @@ import numpy as np
 import tensorstore as ts
 
 from milepost.workers._errors import LostWriteError
-from milepost.workers._paths import as_path, context_for, in_object_store, is_local, kvstore
+from milepost.workers._paths import as_path, context_for, is_local, kvstore
 from milepost.workers.format._ocdbt_format import FormatError, note_fallback
 from milepost.workers.format._ocdbt_index import indirect_values
 from milepost.workers.format._ts_internals import ocdbt_values
@@ -46,7 +46,6 @@ def confirm_files(directory: Any, sizes: Mapping[str, int], what: str = "the sav
     if is_local(where):
         found = _local_sizes(where, sizes)
     else:  # (presence only: see the module's docstring)
-        assert in_object_store(where)
         listed = set(where.keys())
         found = {name: size for name, size in sizes.items() if name in listed}
     problems = sorted(n for n, size in sizes.items() if found.get(n, -1) < size)

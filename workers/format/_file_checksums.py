@@ -23,7 +23,7 @@ from typing import Any
 
 from milepost.workers import _declared as declared
 from milepost.workers._errors import CheckpointNotFoundError, CorruptCheckpointError
-from milepost.workers._paths import ObjectPath, StoragePath, in_object_store, is_local, relative_key
+from milepost.workers._paths import ObjectPath, StoragePath, in_object_store, relative_key
 from milepost.workers._runtime import RUNTIME
 from milepost.workers.format._checksum import crc32c
 from milepost.workers.format._files import CHECKSUMS, OCDBT_MANIFEST, OWNER_FILE, write_file
@@ -150,7 +150,6 @@ class Checksums:
     def compute(root: StoragePath) -> Checksums:
         if in_object_store(root):
             return Checksums._compute_objects(root)
-        assert is_local(root)
         files: dict[str, tuple[int, int]] = {}
         crc32: dict[str, int] = {}
         for key in _files_to_check(root):
@@ -325,7 +324,6 @@ def check_contained(root: StoragePath) -> None:
     none)."""
     if in_object_store(root):
         return
-    assert is_local(root)
     top = root.resolve()
     # Every load runs this over the whole checkpoint (each host's databases and data files):
     # the entries' types come from the directory listings, with no stat per entry.

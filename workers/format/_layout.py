@@ -92,7 +92,6 @@ def folders_of(path: StoragePath) -> dict[str, frozenset[str]]:
             if unsafe_item_name(p.name) is None and p.is_dir():
                 out[p.name] = {f.name for f in p.iterdir() if f.is_file()}
     else:
-        assert in_object_store(path)
         for key in path.keys():
             head, sep, rest = key.partition("/")
             if sep and unsafe_item_name(head) is None:

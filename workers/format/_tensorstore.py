@@ -26,7 +26,6 @@ from milepost.workers._paths import (
     ObjectPath,
     as_path,
     context_for,
-    in_object_store,
     is_local,
     kvstore,
 )
@@ -232,7 +231,6 @@ def process_stores(directory: Any) -> list[Path] | list[ObjectPath]:
     where = as_path(directory)
     if is_local(where):
         return sorted(p for p in where.glob(f"{PROCESS_PREFIX}*") if p.is_dir())
-    assert in_object_store(where)
     kv = ts.KvStore.open(where.kvstore(), context=context_for(where)).result()
     prefix = PROCESS_PREFIX.encode()
     keys = kv.list(ts.KvStore.KeyRange(prefix, prefix[:-1] + bytes([prefix[-1] + 1]))).result()
