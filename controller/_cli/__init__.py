@@ -1,6 +1,8 @@
 """The ``milepost`` command (also ``python -m milepost``)."""
 
-from milepost._cli import _peers  # noqa: F401  (registers ``milepost peers``)
+# Importing a command's module registers it on the group (``_main.cli``); `milepost --help`
+# lists the commands by name, whatever the order here.
+from milepost._cli import _arrays, _convert, _demo, _peers, _reading  # noqa: F401
 from milepost._cli._errors import DAMAGED, FAILED, INTERRUPTED, NOT_FOUND, OK, USAGE, CliError
 from milepost._cli._main import main
 

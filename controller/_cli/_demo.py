@@ -1,5 +1,6 @@
 """``milepost demo``: save a sharded toy model over fake CPU devices, load it resharded onto
-another mesh, and check every value."""
+another mesh, and check every value. Registered on the command when ``milepost._cli`` is
+imported."""
 
 from __future__ import annotations
 
@@ -7,29 +8,58 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
+import click
+
 from milepost._cli._errors import FAILED, USAGE, CliError
+from milepost._cli._main import command, progress_bars
 from milepost._views import human_bytes
 
 
-def run(
-    directory: str | None,
-    size_mib: int,
-    devices: int,
-    overwrite: bool,
-    progress: Callable[[], AbstractContextManager[None]],
-) -> int:
+@command("demo", short_help="Save and load a sharded toy model over fake CPU devices.")
+@click.option(
+    "--dir",
+    "directory",
+    default=None,
+    help="Where to write (default: a temporary folder, removed after).",
+)
+@click.option(
+    "--size-mib", type=int, default=256, show_default=True, help="Approximate model size in MiB."
+)
+@click.option(
+    "--devices",
+    type=int,
+    default=8,
+    show_default=True,
+    help="Fake CPU devices: an even number >= 2 (the mesh is 2 x devices/2).",
+)
+@click.option(
+    "--overwrite", is_flag=True, help="Replace the demo checkpoint in --dir if it exists."
+)
+def demo(directory: str | None, size_mib: int, devices: int, overwrite: bool) -> int:
+    """Save a sharded toy model over fake CPU devices, load it resharded onto another mesh, and
+    check the values."""
+    if devices < 2 or devices % 2:
+        raise CliError(
+            f"--devices {devices}: the demo's mesh is 2 x devices/2, so "
+            "give an even number >= 2 (e.g. --devices 8)"
+        )
+    if size_mib < 1:
+        raise CliError(f"--size-mib {size_mib}: give a model size of at least 1 MiB")
+
+    return run(directory, size_mib, devices, overwrite)
+
+
+def run(directory: str | None, size_mib: int, devices: int, overwrite: bool) -> int:
     """The demo; returns the exit status (0 when the loaded values are identical)."""
     root, path = _demo_folder(directory, overwrite)
     _use_cpu_devices(devices)
     params, state = _toy_state(size_mib, devices)
-    _save(path, state, overwrite, progress, temporary=not directory)
+    _save(path, state, overwrite, temporary=not directory)
     _show_metadata(path)
-    restored, same = _load_resharded(path, params, devices, progress)
+    restored, same = _load_resharded(path, params, devices)
     sys.stdout.flush()
     if not directory:
         shutil.rmtree(root)
@@ -112,13 +142,12 @@ def _save(
     path: Path,
     state: dict[str, Any],
     overwrite: bool,
-    progress: Callable[[], AbstractContextManager[None]],
     temporary: bool,
 ) -> None:
     """``save_async`` then wait for the commit, printing both times and what is on disk."""
     import milepost as mp
 
-    with progress():
+    with progress_bars():
         t0 = time.perf_counter()
         handle = mp.save_async(path, state, custom_metadata={"demo": True}, overwrite=overwrite)
         t1 = time.perf_counter()
@@ -149,7 +178,6 @@ def _load_resharded(
     path: Path,
     params: dict[str, Any],
     devices: int,
-    progress: Callable[[], AbstractContextManager[None]],
 ) -> tuple[dict[str, Any], bool]:
     """Load the checkpoint onto another (x, y) mesh with other partitions, print the time and the
     new shard shapes, and compare every value with ``params``: the loaded state, and whether
@@ -170,7 +198,7 @@ def _load_resharded(
         ),
         params,
     )
-    with progress():
+    with progress_bars():
         t0 = time.perf_counter()
         restored = mp.load(
             path, {"params": abstract, "step": 0, "tokens_seen": np.int64(0), "run": ""}
