@@ -827,7 +827,7 @@ def test_large_box_loads_read_far_apart_parts_at_once(
 def test_value_paths_are_percent_decoded_before_the_containment_check(tmp_path: Path) -> None:
     """TensorStore's B-tree dump percent-encodes file names: the direct reader opens the file
     TensorStore would open (``d/a:b``, not ``d/a%3Ab``), and checks the decoded path."""
-    value = _locator.parse_value(str(tmp_path), "value:d/:a%3Ab%25:7:9")
+    value = mp.workers.format.parse_value(str(tmp_path), "value:d/:a%3Ab%25:7:9")
     assert (
         value is not None
         and value.path == os.path.join(str(tmp_path), "d/a:b%")
@@ -839,4 +839,4 @@ def test_value_paths_are_percent_decoded_before_the_containment_check(tmp_path: 
         "value:d/:a%00b:0:1",
     ):
         with pytest.raises(mp.CorruptCheckpointError, match="outside the checkpoint"):
-            _locator.parse_value(str(tmp_path), crafted)
+            mp.workers.format.parse_value(str(tmp_path), crafted)

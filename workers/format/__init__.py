@@ -83,8 +83,8 @@ from milepost.workers.format._msgpack import is_msgpack_tree
 from milepost.workers.format._msgpack import read_leaves as read_msgpack_leaves
 from milepost.workers.format._msgpack import read_tree as read_msgpack
 from milepost.workers.format._msgpack import read_tree_bytes as read_msgpack_bytes
-from milepost.workers.format._ocdbt_format import FormatError, note_fallback
-from milepost.workers.format._ocdbt_index import Prefixes, Values, indirect_values
+from milepost.workers.format._ocdbt_format import note_fallback
+from milepost.workers.format._ocdbt_index import Prefixes, Values, find_values, parse_value
 from milepost.workers.format._ocdbt_merge import write_database
 from milepost.workers.format._pytree import Keys, SavedLeaf, TreeFiles, read_tree, write_tree
 from milepost.workers.format._safetensors import CODES as SAFETENSORS_CODES
@@ -109,7 +109,6 @@ from milepost.workers.format._tensorstore import (
 from milepost.workers.format._ts_errors import from_tensorstore
 from milepost.workers.format._ts_internals import (
     FileRange,
-    OutsideError,
     index_entries,
     index_size,
     ocdbt_values,
@@ -150,11 +149,9 @@ __all__ = [
     "Checksums",
     "ChunkTables",
     "FileRange",
-    "FormatError",
     "Grid",
     "Item",
     "Keys",
-    "OutsideError",
     "Prefixes",
     "SavedLeaf",
     "Tensor",
@@ -170,6 +167,7 @@ __all__ = [
     "data_state_file",
     "decode_chunk_table",
     "encode_chunk_table",
+    "find_values",
     "from_tensorstore",
     "fsync_dir",
     "fsync_tree",
@@ -182,7 +180,6 @@ __all__ = [
     "header_shape",
     "index_entries",
     "index_size",
-    "indirect_values",
     "is_committed",
     "is_committed_by_own_files",
     "is_foreign_unfinished",
@@ -200,6 +197,7 @@ __all__ = [
     "ocdbt_values",
     "parse_grid_key",
     "parse_json",
+    "parse_value",
     "present",
     "process_dir_name",
     "read_array_headers",

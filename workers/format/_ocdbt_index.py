@@ -8,14 +8,16 @@ holds chunks of every host: TensorStore's ``ocdbt.dump`` turns each entry into a
 sorted key column with each value's file, offset and length, looked up by bisection.
 
 What :mod:`._ocdbt_format` does not read (a numbered manifest, a key holding NUL, damaged
-bytes) is a :class:`~._ocdbt_format.FormatError`: the caller walks with TensorStore instead,
-which says what is wrong if anything is. A value naming a file outside the database's folder
-is an :class:`~._ts_internals.OutsideError`; that file is never opened.
+bytes) is a :class:`~._ocdbt_format.FormatError`: :func:`find_values` then walks with
+TensorStore instead (said once, :func:`~._ocdbt_format.note_fallback`), which says what is wrong
+if anything is. A value naming a file outside the database's folder is a
+``CorruptCheckpointError``; that file is never opened.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 import os
 from collections.abc import Iterable, Iterator, Sequence
@@ -23,11 +25,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import tensorstore as ts
 
+from milepost.workers._errors import CorruptCheckpointError
+from milepost.workers._paths import context_for, kvstore
 from milepost.workers._runtime import RUNTIME
 from milepost.workers.format import _ocdbt_format as fmt
 from milepost.workers.format._ocdbt_keys import rebuild_keys
-from milepost.workers.format._ts_internals import OutsideError, leads_out
+from milepost.workers.format._ts_internals import (
+    FileRange,
+    OutsideError,
+    leads_out,
+    ocdbt_values,
+    value_range,
+)
 
 _THREADS = max(1, min(4, os.cpu_count() or 1))  # nodes decoded side by side
 
@@ -187,6 +198,40 @@ def indirect_values(kv: Any, prefixes: Iterable[bytes], where: str) -> Values:
             for _, ref, _, _ in level:
                 fmt.check_unshared(seen, None, ref, where)
     return Values(parts=parts, paths=list(paths))
+
+
+def find_values(directory: str, wanted: Prefixes) -> Values | list[tuple[bytes, FileRange]]:
+    """Where the values of the keys that start with one of ``wanted`` lie in the OCDBT
+    database in ``directory`` (a local folder or an object store's): milepost's walk
+    (:func:`indirect_values`), or TensorStore's (``ocdbt.dump``, keyed file ranges) where that
+    decoder does not read the database. A value naming a file outside ``directory`` is a
+    ``CorruptCheckpointError``."""
+    kv = ts.KvStore.open(kvstore(directory), context=context_for(directory)).result()
+    with _contained(directory):
+        try:
+            return indirect_values(kv, wanted.sorted, directory)
+        except fmt.FormatError as e:  # (TensorStore reads it, or says what is wrong)
+            fmt.note_fallback("B-tree walk", "TensorStore's ocdbt.dump", e)
+            return list(ocdbt_values(directory, wanted, kv))
+
+
+def parse_value(directory: str, reference: str) -> FileRange | None:
+    """The file range an OCDBT value reference names (``_ts_internals.value_range``), checked
+    to lie in ``directory``."""
+    with _contained(directory):
+        return value_range(directory, reference)
+
+
+@contextlib.contextmanager
+def _contained(directory: str) -> Iterator[None]:
+    """A value reference out of ``directory`` is a CorruptCheckpointError; nothing is opened."""
+    try:
+        yield
+    except OutsideError as e:
+        raise CorruptCheckpointError(
+            f"the OCDBT database in {directory} points a value at {e.inside!r}, outside the "
+            "checkpoint; the checkpoint is damaged or crafted, and that file was not opened"
+        ) from None
 
 
 def _read(kv: Any, ref: fmt.Ref) -> Any:

@@ -1,55 +1,21 @@
 """Where each chunk of a checkpoint lies: the data file, offset and length of its shard value.
 
-A load finds its arrays' chunks once, before reading (one B-tree walk of the checkpoint's root
-OCDBT view, :mod:`milepost.workers.format._ocdbt_index`, its nodes decoded as NumPy columns); what
-that decoder does not read is walked with TensorStore's ``ocdbt.dump`` instead
-(:func:`~milepost.workers.format._ts_internals.ocdbt_values`), said once at WARNING with the reason
-(:func:`~milepost.workers.format._ocdbt_format.note_fallback`). A value naming a file outside the
-checkpoint is a :class:`CorruptCheckpointError`, and that file is never opened.
+A load finds its arrays' chunks once, before reading: one B-tree walk of the checkpoint's root
+OCDBT view (:func:`milepost.workers.format.find_values`: its nodes decoded as NumPy columns, or,
+what that decoder does not read, TensorStore's ``ocdbt.dump``, said once at WARNING with the
+reason). A value naming a file outside the checkpoint is a :class:`CorruptCheckpointError`, and
+that file is never opened. What is found is kept here, looked up per box.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
-import tensorstore as ts
 
-from milepost.workers._errors import CorruptCheckpointError
 from milepost.workers._messages import StoreSpec
-from milepost.workers._paths import as_path, context_for, is_local, kvstore
-from milepost.workers.format import (
-    FileRange,
-    FormatError,
-    OutsideError,
-    Prefixes,
-    Values,
-    indirect_values,
-    note_fallback,
-    ocdbt_values,
-    value_range,
-)
-
-
-@contextlib.contextmanager
-def _contained(directory: str) -> Iterator[None]:
-    """A value reference out of ``directory`` is a CorruptCheckpointError; nothing is opened."""
-    try:
-        yield
-    except OutsideError as e:
-        raise CorruptCheckpointError(
-            f"the OCDBT database in {directory} points a value at {e.inside!r}, outside the "
-            "checkpoint; the checkpoint is damaged or crafted, and that file was not opened"
-        ) from None
-
-
-def parse_value(directory: str, reference: str) -> FileRange | None:
-    """The file range an OCDBT value reference names (see ``_ts_internals.value_range``)."""
-    with _contained(directory):
-        return value_range(directory, reference)
-
+from milepost.workers.format import FileRange, Prefixes, Values, find_values
 
 _DICT_KEYS = 1 << 17
 """Indexes of up to this many keys are kept as a dict (~0.2 us a lookup); larger ones as NumPy
@@ -74,19 +40,11 @@ class Locator:
         if not prefixes or not self.use_ocdbt:
             return
         wanted = Prefixes(p.encode() for p in prefixes)
-        if is_local(as_path(self.directory)):
-            base = ts.KvStore.open({"driver": "file", "path": self.directory.rstrip("/") + "/"})
-        else:  # (the chunks' writers only: no direct reads there)
-            base = ts.KvStore.open(kvstore(self.directory), context=context_for(self.directory))
-        kv = base.result()
-        with _contained(self.directory):
-            try:
-                found = indirect_values(kv, wanted.sorted, self.directory)
-            except FormatError as e:  # (TensorStore reads it, or says what is wrong)
-                note_fallback("B-tree walk", "TensorStore's ocdbt.dump", e)
-                self._walk(kv, wanted)
-            else:
-                self._learn(found, wanted.sorted)
+        found = find_values(self.directory, wanted)
+        if isinstance(found, Values):
+            self._learn(found, wanted.sorted)
+        else:  # (TensorStore's walk: keyed file ranges)
+            self._walk(found)
         self._indexed.update(prefixes)
 
     def _learn(self, found: Values, prefixes: list[bytes]) -> None:
@@ -116,8 +74,8 @@ class Locator:
             for g, f, o in zip(groups.tolist(), files.tolist(), offsets.tolist(), strict=True):
                 self._note_first(prefixes[g][:-1].decode(), (paths[f], o))
 
-    def _walk(self, kv: ts.KvStore, wanted: Prefixes) -> None:
-        for key, value in ocdbt_values(self.directory, wanted, kv):
+    def _walk(self, found: list[tuple[bytes, FileRange]]) -> None:
+        for key, value in found:
             name = key.decode()
             self._values[name] = value
             self._note_first(name.rsplit("/c", 1)[0], (value.path, value.offset))

@@ -31,6 +31,7 @@ import numpy as np
 
 from milepost.workers._boxes import Box
 from milepost.workers._messages import ArraySpec, StoreSpec
+from milepost.workers._paths import as_path
 from milepost.workers.format import Grid, chunk_checksums, chunk_tables, specs, write_database
 from milepost.workers.save._device import DevicePart
 
@@ -169,7 +170,7 @@ class Packer:
         encoded = chunk_tables.encode(self.database, table)
         # The table in a data file of its own: a damaged shards' file still names their array.
         write_database(
-            specs.as_path(self.store.directory) / self.database,
+            as_path(self.store.directory) / self.database,
             [(*shards, data), ([chunk_tables.table_key(self.database)], [len(encoded)], encoded)],
             specs.OCDBT_CONFIG,
             self.store.file_token,

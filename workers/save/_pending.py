@@ -210,9 +210,7 @@ class PendingSave:
             small = [n for n in arrays if _may_be_inline(by_name[n])]
             if not small:
                 continue
-            stored = chunk_tables.keys_in_data_files(
-                specs.as_path(self._plan.store.directory) / database
-            )
+            stored = chunk_tables.keys_in_data_files(as_path(self._plan.store.directory) / database)
             for name in small:
                 spec = by_name[name]
                 for grid, crc in arrays[name]:
@@ -227,7 +225,7 @@ class PendingSave:
         """Write one database's chunk checksum table into it (tracked like the array writes)."""
         store = self._plan.store
         kv = ts.KvStore.open(
-            specs.ocdbt_kvstore(specs.as_path(store.directory) / database, writable=True),
+            specs.ocdbt_kvstore(as_path(store.directory) / database, writable=True),
             context=self._context,
         ).result()
         key = chunk_tables.table_key(database)
