@@ -373,7 +373,7 @@ def test_failure_reraised_by_close(
     tmp_path: Path, mesh24: jax.sharding.Mesh, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(
-        mp.workers, "merge_ocdbt", lambda d: (_ for _ in ()).throw(OSError("disk full"))
+        mp.workers.format, "merge_ocdbt", lambda d: (_ for _ in ()).throw(OSError("disk full"))
     )
     ckpt = Checkpointer(tmp_path / "r")
     ckpt.save(5, tree(mesh24, 5))

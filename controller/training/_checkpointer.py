@@ -43,7 +43,7 @@ from milepost.training._retention import Retention, best_step
 from milepost.training._saving import DATA_ITER, STATE, Saves
 from milepost.training._state import StepState, check_step, plain_metrics
 from milepost.training._table import table, text
-from milepost.training._tier import Tier
+from milepost.training._tier import tier_at
 from milepost.training._tiers import Tiers, check_apart, given_naming
 from milepost.training.peers import PeerTier, PeerTierRunner, Recovery
 from milepost.workers import ObjectPath, StoragePath, as_path
@@ -155,8 +155,8 @@ class Checkpointer:
         lease_secs = context.saving.lease_secs
         state = self._state = StepState(self._timeout)
         tiers = self._tiers = Tiers(
-            Tier(self.root, lease_secs),
-            Tier(self.local, lease_secs) if self.local is not None else None,
+            tier_at(self.root, lease_secs),
+            tier_at(self.local, lease_secs) if self.local is not None else None,
             state,
             given_naming(self.options),
             self.read_only,

@@ -13,15 +13,8 @@ from typing import Any
 from milepost import _views
 from milepost._errors import CheckpointNotFoundError
 from milepost.training._errors import NotATrainingRootError
-from milepost.training._naming import step_of
-from milepost.training._tier import (
-    DELETING_SUFFIX,
-    Tier,
-    is_leftover_of_step,
-    is_step_of,
-    known_prefixes,
-)
-from milepost.workers import ObjectPath, as_path, in_object_store, is_local
+from milepost.training._tier import tier_at
+from milepost.workers import ObjectPath, as_path, in_object_store
 from milepost.workers import format as fmt
 
 
@@ -40,37 +33,9 @@ def _size(path: Any) -> int | None:
 
 def _entries(root: Any) -> dict[int, list[tuple[Any, str]]]:
     """step -> [(folder, what)]: committed steps, and what unfinished saves or deletions left."""
-    out: dict[int, list[tuple[Any, str]]] = {}
     if not root.exists():
-        return out
-    tier = Tier(root, 60.0)
-    if is_local(root):
-        committed = tier.committed_names()
-        ours = known_prefixes(committed)
-        for p in sorted(root.iterdir()):
-            name = p.name
-            if is_step_of(name, ours) and p.is_dir():
-                out.setdefault(_step(name), []).append(
-                    (p, "committed" if name in committed else "uncommitted")
-                )
-            elif is_leftover_of_step(name, ours):
-                what = "being deleted" if DELETING_SUFFIX in name else "unfinished save"
-                out.setdefault(_step(name.partition(".")[0]), []).append((p, what))
-        return out
-    committed, folders = tier.listing()
-    ours = known_prefixes(committed)
-    for name in sorted(folders, key=_step):
-        if is_step_of(name, ours):
-            out.setdefault(_step(name), []).append(
-                (root / name, "committed" if name in committed else "uncommitted")
-            )
-    return out
-
-
-def _step(name: str) -> int:
-    step = step_of(name)
-    assert step is not None
-    return step
+        return {}
+    return dict(tier_at(root, 60.0).entries())
 
 
 def _is_checkpoint(path: Any) -> bool:

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 from milepost import _checkpoint, _storage
 from milepost.training._errors import StepBusyError, StepNamingError
 from milepost.training._naming import PLAIN, StepNaming, is_leftover_name, parse, step_of
-from milepost.workers import StoragePath, in_object_store, is_local
+from milepost.workers import ObjectPath, StoragePath, is_local
 from milepost.workers import format as fmt
 
 log = logging.getLogger("milepost.training")
@@ -42,7 +43,17 @@ def is_step_of(name: str, prefixes: set[str | None]) -> bool:
     return found is not None and found[0] in prefixes
 
 
+def tier_at(path: StoragePath, lease_secs: float) -> Tier:
+    """The tier in the folder ``path``: a :class:`LocalTier` or an :class:`ObjectTier`."""
+    return LocalTier(path, lease_secs) if is_local(path) else ObjectTier(path, lease_secs)
+
+
 class Tier:
+    """What every tier does the same way (its steps' names, listing their metadata); how a
+    local folder and an object store list, clean up and delete are its two subclasses'."""
+
+    path: StoragePath
+
     def __init__(self, path: StoragePath, lease_secs: float) -> None:
         self.path = path
         self.lease_secs = lease_secs
@@ -75,15 +86,36 @@ class Tier:
 
     def committed_names(self) -> set[str]:
         """Names of the committed step folders (of any naming)."""
-        if not self.path.exists():
-            return set()
-        if is_local(self.path):
-            return {
-                p.name
-                for p in self.path.iterdir()
-                if step_of(p.name) is not None and fmt.is_committed(p)
-            }
-        return self.listing()[0]
+        raise NotImplementedError
+
+    def entries(self) -> dict[int, list[tuple[StoragePath, str]]]:
+        """step -> [(folder, what)]: committed steps, and what unfinished saves or deletions
+        left (``milepost ls``)."""
+        raise NotImplementedError
+
+    def remove_uncommitted(self) -> None:
+        """Remove what saves and deletions that did not finish left behind: a step's temporary
+        directory (or one being made), an uncommitted step folder, a half-deleted step. Each
+        only if no live process holds its lock (its lease, in an object store): a save in
+        progress, in any process, does."""
+        raise NotImplementedError
+
+    def delete(self, steps: list[int]) -> list[int]:
+        """Delete committed steps; one another process holds is skipped (with a warning).
+        Returns the steps deleted."""
+        return self._delete(steps)
+
+    def _delete(self, steps: list[int]) -> list[int]:
+        raise NotImplementedError
+
+    def delete_one(self, step: int) -> None:
+        """Delete the committed ``step``; StepBusyError if another process holds it."""
+        raise NotImplementedError
+
+    def _has_metadata(self, step_folder: StoragePath) -> bool:
+        """Whether to read the step's ``_CHECKPOINT_METADATA`` (absent from steps written
+        before Orbax wrote that file)."""
+        return True
 
     def scan(self) -> dict[int, dict[str, Any]]:
         """The committed steps with their metrics; ``names`` says their folders.
@@ -109,7 +141,7 @@ class Tier:
                     fmt.read_json(
                         p / fmt.CHECKPOINT_METADATA, "checkpoint metadata", user_data=True
                     )
-                    if in_object_store(p) or (p / fmt.CHECKPOINT_METADATA).exists()
+                    if self._has_metadata(p)
                     else {}  # a step from before Orbax wrote that file
                 )
             except (FileNotFoundError, ValueError) as e:
@@ -124,50 +156,41 @@ class Tier:
         self.times = times
         return out
 
-    def listing(self) -> tuple[set[str], set[str]]:
-        """Object stores: (committed step names, every step folder name), from one listing."""
-        committed, folders, _ = self._listing()
-        return committed, folders
 
-    def _listing(self) -> tuple[set[str], set[str], set[str]]:
-        """(committed step names, step folder names, names of steps with a lease object)."""
-        assert in_object_store(self.path)  # (asked only of a tier in an object store)
-        committed, folders, leased = set(), set(), set()
-        for key in self.path.keys():
-            head, _, rest = key.partition("/")
-            if rest and step_of(head) is not None:
-                folders.add(head)
-                if rest == fmt.COMMIT_MARKER:
-                    committed.add(head)
-            elif not rest and head.endswith(_storage.LEASE_SUFFIX):
-                name = head.removesuffix(_storage.LEASE_SUFFIX)
-                if step_of(name) is not None:
-                    leased.add(name)
-        return committed, folders, leased
+class LocalTier(Tier):
+    """A tier in a local folder: steps listed by the folder's entries, held by their locks."""
+
+    path: Path
+
+    def committed_names(self) -> set[str]:
+        if not self.path.exists():
+            return set()
+        return {
+            p.name
+            for p in self.path.iterdir()
+            if step_of(p.name) is not None and fmt.is_committed(p)
+        }
+
+    def entries(self) -> dict[int, list[tuple[StoragePath, str]]]:
+        out: dict[int, list[tuple[StoragePath, str]]] = {}
+        committed = self.committed_names()
+        ours = known_prefixes(committed)
+        for p in sorted(self.path.iterdir()):
+            name = p.name
+            if is_step_of(name, ours) and p.is_dir():
+                out.setdefault(_number(name), []).append(
+                    (p, "committed" if name in committed else "uncommitted")
+                )
+            elif is_leftover_of_step(name, ours):
+                what = "being deleted" if DELETING_SUFFIX in name else "unfinished save"
+                out.setdefault(_number(name.partition(".")[0]), []).append((p, what))
+        return out
+
+    def _has_metadata(self, step_folder: StoragePath) -> bool:
+        return (step_folder / fmt.CHECKPOINT_METADATA).exists()
 
     def remove_uncommitted(self) -> None:
-        """Remove what saves and deletions that did not finish left behind: a step's temporary
-        directory (or one being made), an uncommitted step folder, a half-deleted step. Each
-        only if no live process holds its lock (its lease, in an object store): a save in
-        progress, in any process, does."""
         busy = _checkpoint.saves_in_flight(self.path)  # saves of this process: not leftovers
-        if in_object_store(self.path):
-            committed, folders, leased = self._listing()
-            ours = known_prefixes(committed, self.naming)
-            folders = {name for name in folders if is_step_of(name, ours)}
-            leased = {name for name in leased if is_step_of(name, ours)}
-            for name in sorted(leased - folders - busy):  # a failed save's, expired: no debris
-                if _storage.remove_expired_lease(self.path / name):
-                    log.info("removed the expired lease of %s", self.path / name)
-            for name in sorted(folders - committed - busy):
-                if _storage.remove_abandoned_objects(self.path / name, self.lease_secs):
-                    log.warning(
-                        "removed %s, left by a save or deletion that did not finish",
-                        self.path / name,
-                    )
-                else:
-                    log.info("left %s alone: a live save owns it", self.path / name)
-            return
         ours = known_prefixes(self.committed_names(), self.naming)
         for p in sorted(self.path.iterdir()):
             name = p.name
@@ -195,12 +218,7 @@ class Tier:
             else:
                 log.info("left %s alone: a live process holds it", p)
 
-    # -- deleting -----------------------------------------------------------------------
-    def delete(self, steps: list[int]) -> list[int]:
-        """Delete committed steps; one another process holds is skipped (with a warning).
-        Returns the steps deleted."""
-        if in_object_store(self.path):
-            return self._delete_objects(steps)
+    def _delete(self, steps: list[int]) -> list[int]:
         deleted = []
         for step in steps:
             try:
@@ -212,15 +230,8 @@ class Tier:
         return deleted
 
     def delete_one(self, step: int) -> None:
-        """Delete the committed ``step``; StepBusyError if another process holds it."""
         path = self.step(step)
-        if in_object_store(path):
-            if self._delete_objects([step]) != [step]:
-                raise StepBusyError(
-                    f"step {step} in {self.path} is being written "
-                    "by another process; it was not deleted"
-                )
-            return
+        assert is_local(path)  # (a step of a local folder)
         if not path.exists():
             self.names.pop(step, None)
             return
@@ -239,16 +250,85 @@ class Tier:
             _storage.remove_tree(trash)
         self.names.pop(step, None)
 
-    def _delete_objects(self, steps: list[int]) -> list[int]:
-        """Object stores: delete committed steps, all at once. Under each step's lease, the
-        commit marker goes first (the step stops being loadable), then every key, in parallel;
-        a step another save owns is skipped."""
+
+class ObjectTier(Tier):
+    """A tier under an object-store prefix: steps listed by one listing of its keys, each
+    save's and deletion's ownership a lease object."""
+
+    path: ObjectPath
+
+    def committed_names(self) -> set[str]:
+        if not self.path.exists():
+            return set()
+        return self.listing()[0]
+
+    def listing(self) -> tuple[set[str], set[str]]:
+        """(committed step names, every step folder name), from one listing."""
+        committed, folders, _ = self._listing()
+        return committed, folders
+
+    def entries(self) -> dict[int, list[tuple[StoragePath, str]]]:
+        out: dict[int, list[tuple[StoragePath, str]]] = {}
+        committed, folders = self.listing()
+        ours = known_prefixes(committed)
+        for name in sorted(folders, key=_number):
+            if is_step_of(name, ours):
+                out.setdefault(_number(name), []).append(
+                    (self.path / name, "committed" if name in committed else "uncommitted")
+                )
+        return out
+
+    def _listing(self) -> tuple[set[str], set[str], set[str]]:
+        """(committed step names, step folder names, names of steps with a lease object)."""
+        committed, folders, leased = set(), set(), set()
+        for key in self.path.keys():
+            head, _, rest = key.partition("/")
+            if rest and step_of(head) is not None:
+                folders.add(head)
+                if rest == fmt.COMMIT_MARKER:
+                    committed.add(head)
+            elif not rest and head.endswith(_storage.LEASE_SUFFIX):
+                name = head.removesuffix(_storage.LEASE_SUFFIX)
+                if step_of(name) is not None:
+                    leased.add(name)
+        return committed, folders, leased
+
+    def remove_uncommitted(self) -> None:
+        busy = _checkpoint.saves_in_flight(self.path)  # saves of this process: not leftovers
+        committed, folders, leased = self._listing()
+        ours = known_prefixes(committed, self.naming)
+        folders = {name for name in folders if is_step_of(name, ours)}
+        leased = {name for name in leased if is_step_of(name, ours)}
+        for name in sorted(leased - folders - busy):  # a failed save's, expired: no debris
+            if _storage.remove_expired_lease(self.path / name):
+                log.info("removed the expired lease of %s", self.path / name)
+        for name in sorted(folders - committed - busy):
+            if _storage.remove_abandoned_objects(self.path / name, self.lease_secs):
+                log.warning(
+                    "removed %s, left by a save or deletion that did not finish",
+                    self.path / name,
+                )
+            else:
+                log.info("left %s alone: a live save owns it", self.path / name)
+
+    def delete_one(self, step: int) -> None:
+        if self._delete([step]) != [step]:
+            raise StepBusyError(
+                f"step {step} in {self.path} is being written "
+                "by another process; it was not deleted"
+            )
+
+    def _delete(self, steps: list[int]) -> list[int]:
+        """Delete committed steps, all at once. Under each step's lease, the commit marker
+        goes first (the step stops being loadable), then every key, in parallel; a step
+        another save owns is skipped."""
         owned: list[tuple[int, _storage.ObjectWorkspace]] = []
         for step in steps:
-            path = self.step(step)
-            assert in_object_store(path)  # (a tier in an object store: its caller's branch)
             workspace = _storage.ObjectWorkspace(
-                path, overwrite=True, wait_secs=0.0, lease_secs=self.lease_secs
+                self.path / self.names.get(step, self.naming.name(step)),
+                overwrite=True,
+                wait_secs=0.0,
+                lease_secs=self.lease_secs,
             )
             try:
                 workspace.acquire()
@@ -268,3 +348,10 @@ class Tier:
         for step, _ in owned:
             self.names.pop(step, None)
         return [step for step, _ in owned]
+
+
+def _number(name: str) -> int:
+    """The step a step folder's (or its leftover's) name says."""
+    step = step_of(name)
+    assert step is not None
+    return step
