@@ -95,7 +95,7 @@ PACKED_SUFFIX = ".p"
 """A host's packed database (``workers.save._packed``) is its writer database's folder with this
 after it. Short, as its table's key (``.milepost/chunk_crc32c/<database>``) is often a save's
 longest: 43 bytes at 4,096 hosts x 2,000 arrays, against the chunks' 29 (the commit's merge
-keeps the longest few keys apart from its rows, ``workers._ocdbt_merge._width``)."""
+keeps the longest few keys apart from its rows, ``_ocdbt_merge._width``)."""
 
 
 def process_dir_name(process_index: int | str, writer: int = 0) -> str:
