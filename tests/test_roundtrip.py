@@ -760,7 +760,7 @@ def test_default_chunking_cuts_large_shards_into_bands(
 def test_auto_chunk_shape(
     write_shape: tuple[int, ...], itemsize: int, chunk_shape: tuple[int, ...]
 ) -> None:
-    from milepost import _checkpoint as _planning
+    from milepost._checkpoint import _planning
 
     got = _planning.inner_chunk_shape(write_shape, itemsize, "auto")
     assert got == chunk_shape
