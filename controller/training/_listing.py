@@ -35,7 +35,7 @@ def _entries(root: Any) -> dict[int, list[tuple[Any, str]]]:
     """step -> [(folder, what)]: committed steps, and what unfinished saves or deletions left."""
     if not root.exists():
         return {}
-    return dict(tier_at(root, 60.0).entries())
+    return tier_at(root, 60.0).entries()
 
 
 def _is_checkpoint(path: Any) -> bool:

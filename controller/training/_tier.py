@@ -18,7 +18,7 @@ from typing import Any
 from milepost import _checkpoint, _storage
 from milepost.training._errors import StepBusyError, StepNamingError
 from milepost.training._naming import PLAIN, StepNaming, is_leftover_name, parse, step_of
-from milepost.workers import ObjectPath, StoragePath, is_local
+from milepost.workers import ObjectPath, StoragePath, in_object_store, is_local
 from milepost.workers import format as fmt
 
 log = logging.getLogger("milepost.training")
@@ -324,11 +324,10 @@ class ObjectTier(Tier):
         another save owns is skipped."""
         owned: list[tuple[int, _storage.ObjectWorkspace]] = []
         for step in steps:
+            path = self.step(step)
+            assert in_object_store(path)  # (a step of a tier in an object store)
             workspace = _storage.ObjectWorkspace(
-                self.path / self.names.get(step, self.naming.name(step)),
-                overwrite=True,
-                wait_secs=0.0,
-                lease_secs=self.lease_secs,
+                path, overwrite=True, wait_secs=0.0, lease_secs=self.lease_secs
             )
             try:
                 workspace.acquire()
